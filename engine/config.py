@@ -1,0 +1,95 @@
+"""Engine configuration: dataclasses validated at construction (no module globals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Role = Literal["both", "prefill", "decode"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """`auto` is fp32 on CPU (exact and fastest there) and bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    return device
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Number of KV blocks. None: sized from `kv_cache_memory_gb` (or GPU memory utilization).
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # per-step token budget (decodes + prefill chunks)
+    max_num_seqs: int = 128  # cap on running requests
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    role: Role = "both"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        self.device = resolve_device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def backend_name(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"

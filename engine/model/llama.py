@@ -1,0 +1,176 @@
+"""Llama-family decoder over a flattened token batch.
+
+Covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Mistral and Qwen2-style qkv bias, GQA and tied
+embeddings. Inputs are all scheduled tokens of all sequences concatenated (`[num_tokens]`); each
+layer stores its new keys/values in the paged KV cache and attends through the attention backend
+(see `engine.attention.metadata` for the batch contract). Weights arrive in Hugging Face naming
+and layout; Q/K/V and gate/up are fused into one matmul each.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention.metadata import AttentionMetadata
+from engine.model.arch import ModelArchConfig
+from engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as transformers computes them, then back to the activation dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, layer_index)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchConfig, max_model_len: int | None = None) -> None:
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}: pdserve's Llama-family model uses silu")
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(arch.head_dim, max_model_len or arch.max_position_embeddings,
+                                      arch.rope_theta, arch.rope_scaling)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None)."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            residual = hidden
+            hidden = layer.self_attn(positions, layer.input_layernorm(hidden), self.rotary, kv_cache, meta, backend)
+            hidden = residual + hidden
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        hidden = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be set.
+
+        Missing or misshapen tensors raise ValueError naming the tensor and both shapes.
+        """
+        params = dict(self.named_parameters())
+        pending = {name: _expected_sources(name, self.arch) for name in params}
+        seen: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _hf_to_param(hf_name)
+            if target is None:
+                continue
+            param_name, offset_fn = target
+            if param_name not in params:
+                if param_name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied: the checkpoint may still carry a copy
+                raise ValueError(f"unexpected tensor {hf_name!r} for {self.arch.architecture}")
+            param = params[param_name]
+            start, rows = offset_fn(self.arch)
+            dest = param.data if rows is None else param.data.narrow(0, start, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
+                                 f"for {self.arch.architecture} with this config.json")
+            dest.copy_(tensor.to(dest.dtype))
+            seen.add(hf_name)
+        missing = sorted(src for sources in pending.values() for src in sources if src not in seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+
+def _split_rows(arch: ModelArchConfig, part: str) -> tuple[int, int]:
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv),
+            "gate": (0, arch.intermediate_size), "up": (arch.intermediate_size, arch.intermediate_size)}[part]
+
+
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def _hf_to_param(hf_name: str):
+    """HF tensor name -> (our parameter name, fn(arch) -> (row offset, rows) or (0, None) for whole)."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    name = hf_name.removeprefix("model.")
+    for hf_part, (fused, part) in _FUSED.items():
+        marker = f".{hf_part}."
+        if marker in name:
+            return name.replace(marker, f".{fused}."), (lambda arch, p=part: _split_rows(arch, p))
+    return name, (lambda arch: (0, None))
+
+
+def _expected_sources(param_name: str, arch: ModelArchConfig) -> list[str]:
+    """The HF tensor names that together fill one of our parameters."""
+    if param_name == "lm_head.weight":
+        return ["lm_head.weight"]
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if f".{fused}." in param_name:
+            return ["model." + param_name.replace(f".{fused}.", f".{p}.") for p in parts]
+    return ["model." + param_name]
+
