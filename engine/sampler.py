@@ -1,0 +1,291 @@
+"""Batched sampling: logits of one step -> one token per sequence (plus logprobs on request).
+
+Contract:
+- Processing order per row: penalties (repetition on prompt + output tokens, the Hugging Face
+  way; presence / frequency on output tokens, the OpenAI way) -> temperature -> top-k -> top-p
+  -> min-p -> draw. A row is greedy when its temperature is below 1e-5: it takes the argmax of
+  its penalized logits. Rows with different settings share one batch; every step is a fixed
+  number of tensor operations whatever the batch size (no per-row Python loop).
+- The draw is inverse-CDF sampling with one uniform number per row. A seeded row's uniform is a
+  pure function of (seed, output position) (splitmix64, never Python's `hash()`), so its token
+  depends only on that and its logits: not on the batch, the row index, the process or the
+  device. That lets the prefill worker sample position 0 and a decode worker the rest. Unseeded
+  rows draw from the sampler's own generator, seeded at construction.
+- Top-k / top-p / min-p keep ties at the cut-off (thresholds on values), so the kept set never
+  depends on sort order.
+- Logprobs are of the model's raw distribution (log_softmax of the unprocessed logits).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+GREEDY_TEMPERATURE = 1e-5
+# On CPU a full sort of the vocabulary is slow; top-p first tries this many candidates (exact: it
+# falls back to the full sort when they do not hold the nucleus).
+_TOP_P_CANDIDATES = 256
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that drives a seeded request's draw at an output position.
+
+    24 bits, like float32 `torch.rand`, so it is exact in float32 on every device."""
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return (mixed >> 40) * 2.0 ** -24
+
+
+@dataclass
+class PenaltyTensors:
+    repetition: torch.Tensor  # [n] float32, 1.0 = off
+    presence: torch.Tensor  # [n] float32
+    frequency: torch.Tensor  # [n] float32
+    output_counts: torch.Tensor  # [n, vocab] float32: occurrences of each token in the output
+    seen_mask: torch.Tensor | None  # [n, vocab] bool: in prompt or output; None if no repetition penalty
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step tensors for the sampler, built once per step from the batch's requests.
+
+    Optional tensors are None when no row of the batch needs them (the sampler skips that stage).
+    """
+    num_seqs: int
+    all_greedy: bool
+    greedy_mask: torch.Tensor | None  # [n] bool; None when no row (or every row) is greedy
+    temperature: torch.Tensor | None  # [n] float32, 1.0 on greedy rows; None when all greedy
+    top_k: torch.Tensor | None  # [n] int64, vocab_size where disabled
+    max_top_k: int  # largest enabled top_k (0 when none)
+    top_p: torch.Tensor | None  # [n] float32
+    min_p: torch.Tensor | None  # [n] float32
+    seeded_uniforms: torch.Tensor | None  # [n] float32, NaN on unseeded rows; None when no seeded row
+    penalties: PenaltyTensors | None
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None  # None when no row asked for logprobs
+    vocab_size: int
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], vocab_size: int, device) -> "SamplingMetadata":
+        num_seqs = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == num_seqs):
+            raise ValueError(f"got {num_seqs} sampling params, {len(prompt_token_ids)} prompts and "
+                             f"{len(output_token_ids)} outputs: one of each per sequence is required")
+        if num_seqs == 0:
+            raise ValueError("cannot sample an empty batch")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        device = torch.device(device)
+        greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
+        all_greedy = all(greedy)
+        num_logprobs = [p.logprobs for p in params]
+        asked = [k for k in num_logprobs if k is not None]
+        max_num_logprobs = max(asked) if asked else None
+        penalties = _build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
+
+        def row_tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        meta = cls(num_seqs=num_seqs, all_greedy=all_greedy, greedy_mask=None, temperature=None,
+                   top_k=None, max_top_k=0, top_p=None, min_p=None, seeded_uniforms=None,
+                   penalties=penalties, num_logprobs=num_logprobs, max_num_logprobs=max_num_logprobs,
+                   vocab_size=vocab_size)
+        if all_greedy:
+            return meta
+        random_params = [p for p, g in zip(params, greedy) if not g]
+        if any(greedy):
+            meta.greedy_mask = row_tensor(greedy, torch.bool)
+        meta.temperature = row_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                      torch.float32)
+        if any(p.top_k != -1 and p.top_k < vocab_size for p in random_params):
+            top_ks = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size)
+                      for p, g in zip(params, greedy)]
+            meta.top_k = row_tensor(top_ks, torch.int64)
+            meta.max_top_k = max(k for k in top_ks if k < vocab_size)
+        if any(p.top_p < 1.0 for p in random_params):
+            meta.top_p = row_tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32)
+        if any(p.min_p > 0.0 for p in random_params):
+            meta.min_p = row_tensor([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
+        if any(p.seed is not None for p in random_params):
+            uniforms = [seeded_uniform(p.seed, len(out)) if p.seed is not None and not g else float("nan")
+                        for p, out, g in zip(params, output_token_ids, greedy)]
+            meta.seeded_uniforms = row_tensor(uniforms, torch.float32)
+        return meta
+
+
+def _build_penalties(params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                     output_token_ids: list[list[int]], vocab_size: int,
+                     device: torch.device) -> PenaltyTensors | None:
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    use_output = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    if not (use_repetition or use_output):
+        return None
+    num_seqs = len(params)
+    output_counts = _token_counts(output_token_ids, num_seqs, vocab_size, device)
+    seen_mask = None
+    if use_repetition:
+        seen_mask = (_token_counts(prompt_token_ids, num_seqs, vocab_size, device) > 0) | (output_counts > 0)
+
+    def row_tensor(values):
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    return PenaltyTensors(repetition=row_tensor([p.repetition_penalty for p in params]),
+                          presence=row_tensor([p.presence_penalty for p in params]),
+                          frequency=row_tensor([p.frequency_penalty for p in params]),
+                          output_counts=output_counts, seen_mask=seen_mask)
+
+
+def _token_counts(token_lists: list[list[int]], num_seqs: int, vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """[num_seqs, vocab_size] float32 occurrence counts, from one flat bincount."""
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab_size):
+        bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
+        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    rows = torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int64), lengths)
+    flat_index = (rows * vocab_size + flat).to(device)
+    counts = torch.bincount(flat_index, minlength=num_seqs * vocab_size)
+    return counts.view(num_seqs, vocab_size).to(torch.float32)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float] | None  # the sampled token's logprob per row, when any row asked
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, its top-k (k = its logprobs); [] if it did not ask
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str | None = None) -> None:
+        """`seed` drives unseeded rows; `device` is only a hint (generators follow the logits)."""
+        if not isinstance(seed, int):
+            raise ValueError(f"sampler seed must be an integer, got {seed!r}")
+        self.seed = seed
+        self.device = torch.device(device) if device is not None else None
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed & _MASK64)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
+            raise ValueError(f"logits must be [num_seqs={meta.num_seqs}, vocab], got {tuple(logits.shape)}")
+        logits = logits.float()
+        penalized = logits
+        if meta.penalties is not None:
+            if meta.penalties.output_counts.shape[1] != logits.shape[1]:
+                raise ValueError(f"sampling metadata was built for a vocabulary of "
+                                 f"{meta.penalties.output_counts.shape[1]}, the logits have {logits.shape[1]}")
+            penalized = apply_penalties(logits, meta.penalties)
+        if meta.all_greedy:
+            tokens = penalized.argmax(dim=-1)
+        else:
+            tokens = self._sample(penalized, meta)
+        return self._output(logits, tokens, meta)
+
+    def _sample(self, penalized: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        scaled = penalized / meta.temperature[:, None]
+        if meta.top_k is not None or meta.top_p is not None:
+            scaled = apply_top_k_top_p(scaled, meta.top_k, meta.max_top_k, meta.top_p)
+        if meta.min_p is not None:
+            scaled = apply_min_p(scaled, meta.min_p)
+        probs = torch.softmax(scaled, dim=-1)
+        uniforms = torch.rand(meta.num_seqs, generator=self._generator(probs.device), device=probs.device)
+        if meta.seeded_uniforms is not None:
+            uniforms = torch.where(meta.seeded_uniforms.isnan(), uniforms, meta.seeded_uniforms)
+        tokens = inverse_cdf_sample(probs, uniforms)
+        if meta.greedy_mask is not None:
+            tokens = torch.where(meta.greedy_mask, penalized.argmax(dim=-1), tokens)
+        return tokens
+
+    @staticmethod
+    def _output(logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=None, top_logprobs=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        sampled = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        top_logprobs: list[list[tuple[int, float]]] = [[] for _ in range(meta.num_seqs)]
+        if meta.max_num_logprobs > 0:
+            top = torch.topk(raw_logprobs, min(meta.max_num_logprobs, logits.shape[1]), dim=-1)
+            top_ids, top_values = top.indices.tolist(), top.values.tolist()
+            top_logprobs = [list(zip(top_ids[row][:k], top_values[row][:k])) if k else []
+                            for row, k in enumerate(meta.num_logprobs)]
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=sampled.tolist(), top_logprobs=top_logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    """Repetition (prompt + output, divide positive / multiply negative logits), then frequency and
+    presence (output only: logit -= frequency * count + presence * [count > 0])."""
+    if penalties.seen_mask is not None:
+        repetition = penalties.repetition[:, None]
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(penalties.seen_mask, penalized, logits)
+    counts = penalties.output_counts
+    return (logits - penalties.frequency[:, None] * counts
+            - penalties.presence[:, None] * (counts > 0).to(logits.dtype))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) what top-k (per-row k; vocab size = off) and then top-p (per-row p; 1 = off)
+    remove. Ties at either cut-off are kept."""
+    vocab = logits.shape[-1]
+    neg_inf = float("-inf")
+    if top_p is None:
+        k = min(max_top_k, vocab)
+        kth = torch.topk(logits, k, dim=-1).values.gather(1, (top_k.clamp(max=k) - 1)[:, None])
+        kth = kth.masked_fill(top_k[:, None] >= vocab, neg_inf)
+        return logits.masked_fill(logits < kth, neg_inf)
+    num_candidates = vocab if logits.is_cuda else min(vocab, max(_TOP_P_CANDIDATES, max_top_k))
+    while True:
+        values = torch.topk(logits, num_candidates, dim=-1).values  # sorted, descending
+        kept = logits
+        if top_k is not None:
+            kth = values.gather(1, (top_k.clamp(max=num_candidates) - 1)[:, None])
+            kth = kth.masked_fill(top_k[:, None] >= vocab, neg_inf)
+            values = values.masked_fill(values < kth, neg_inf)
+            kept = logits.masked_fill(logits < kth, neg_inf)
+        log_normalizer = torch.logsumexp(kept, dim=-1, keepdim=True)
+        cumulative = (values - log_normalizer).exp().cumsum(dim=-1)
+        if num_candidates < vocab:
+            covered = (cumulative[:, -1] >= top_p) | (top_p >= 1.0)
+            if not bool(covered.all()):
+                num_candidates = vocab
+                continue
+        cut_index = (cumulative < top_p[:, None]).sum(dim=-1, keepdim=True).clamp(max=num_candidates - 1)
+        cutoff = values.gather(1, cut_index).masked_fill(top_p[:, None] >= 1.0, neg_inf)
+        return kept.masked_fill(kept < cutoff, neg_inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose probability is at least min_p times the top token's (in logit space)."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i takes the first token whose cumulative probability exceeds uniforms[i] (in [0, 1))."""
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    # A target at the very top (rounding) or a parallel scan's rounding could land on a zero-probability
+    # token; never return one.
+    chosen = probs.gather(1, tokens[:, None]).squeeze(1)
+    return torch.where(chosen > 0, tokens, probs.argmax(dim=-1))
