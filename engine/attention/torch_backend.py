@@ -1,0 +1,140 @@
+"""Attention in plain torch: the CPU default and the reference the Triton kernels are tested against.
+
+Vectorized where it counts on CPU: all single-token queries (decodes) of a batch are attended
+in one `scaled_dot_product_attention` call over K/V gathered through their block tables; only
+multi-token prefill chunks take a Python loop, one sequence at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import check_shapes, host_lengths
+from engine.attention.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write `key[t]`/`value[t]` into `kv_cache` at slot `slot_mapping[t]`; slot -1 is skipped.
+
+    key, value: `[num_tokens, num_kv_heads, head_dim]`; kv_cache:
+    `[num_blocks, 2, block_size, num_kv_heads, head_dim]`; slot = block_id * block_size + offset.
+    """
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if key.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if key.shape[0] == 0:
+        return
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots = slots[valid]
+        key, value = key[valid], value[valid]
+    row_width = num_kv_heads * head_dim
+    keys = key.reshape(-1, row_width).to(kv_cache.dtype)
+    values = value.reshape(-1, row_width).to(kv_cache.dtype)
+    # Row of slot s in the cache seen as [num_blocks * 2 * block_size, row]: K then V per block.
+    key_rows = (slots // block_size) * (2 * block_size) + slots % block_size
+    if kv_cache.is_contiguous():
+        rows = kv_cache.view(num_blocks * 2 * block_size, row_width)
+        rows.index_copy_(0, key_rows, keys)
+        rows.index_copy_(0, key_rows + block_size, values)
+    else:
+        blocks, offsets = slots // block_size, slots % block_size
+        kv_cache[blocks, 0, offsets] = keys.view(-1, num_kv_heads, head_dim)
+        kv_cache[blocks, 1, offsets] = values.view(-1, num_kv_heads, head_dim)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks `block_ids` (any shape `[*B]`) as `[*B * block_size, heads, dim]`.
+
+    The leading dims of `block_ids` are kept except the last, which is merged with the block
+    size: `[S, n]` block ids give `[S, n * block_size, num_kv_heads, head_dim]`.
+    """
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat_ids = block_ids.reshape(-1).to(torch.int64)
+    shape = (*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
+    keys = kv_cache[:, 0].index_select(0, flat_ids).view(shape)
+    values = kv_cache[:, 1].index_select(0, flat_ids).view(shape)
+    return keys, values
+
+
+class TorchAttentionBackend:
+    """`AttentionBackend` in torch; works on any device and dtype torch supports."""
+
+    name = "torch"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        check_shapes(query, key, value, kv_cache, meta)
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+        query_lens, seq_lens = host_lengths(meta)
+        num_tokens = query.shape[0]
+        num_seqs = len(query_lens)
+        batch_tokens = sum(query_lens)
+        if batch_tokens > num_tokens:
+            raise ValueError(f"metadata covers {batch_tokens} query tokens but query has {num_tokens}")
+
+        decode_seqs = [s for s in range(num_seqs) if query_lens[s] == 1]
+        if len(decode_seqs) == num_seqs == num_tokens:
+            return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, seq_lens, scale)
+
+        out = query.new_zeros(query.shape) if batch_tokens < num_tokens else torch.empty_like(query)
+        starts = [0] * (num_seqs + 1)
+        for s in range(num_seqs):
+            starts[s + 1] = starts[s] + query_lens[s]
+        if decode_seqs:
+            seq_index = torch.tensor(decode_seqs, device=query.device)
+            token_index = torch.tensor([starts[s] for s in decode_seqs], device=query.device)
+            out[token_index] = self._decode(
+                query.index_select(0, token_index), kv_cache,
+                meta.block_tables.index_select(0, seq_index), meta.seq_lens.index_select(0, seq_index),
+                [seq_lens[s] for s in decode_seqs], scale)
+        for s in range(num_seqs):
+            if query_lens[s] > 1:
+                start, end = starts[s], starts[s + 1]
+                out[start:end] = self._prefill(query[start:end], key[start:end], value[start:end],
+                                               kv_cache, meta.block_tables[s], seq_lens[s], scale)
+        return out
+
+    @staticmethod
+    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float) -> torch.Tensor:
+        """One query token per sequence, all sequences in one padded, masked SDPA call."""
+        num_seqs, num_heads, head_dim = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        max_len = max(seq_lens_host)
+        num_blocks = -(-max_len // block_size)
+        keys, values = gather_kv(kv_cache, block_tables[:, :num_blocks])
+        padded_len = num_blocks * block_size
+        mask = None
+        if min(seq_lens_host) < padded_len:
+            positions = torch.arange(padded_len, device=query.device)
+            mask = (positions[None, :] < seq_lens[:, None].to(positions.device))[:, None, None, :]
+        grouped_query = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped_query, keys.transpose(1, 2),
+                                             values.transpose(1, 2), attn_mask=mask, scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
+        """A chunk of `query_len` tokens of one sequence: causal over its cached prefix + itself."""
+        query_len = query.shape[0]
+        context_len = seq_len - query_len
+        if context_len == 0:
+            out = F.scaled_dot_product_attention(
+                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True)
+            return out.transpose(0, 1)
+        block_size = kv_cache.shape[2]
+        keys, values = gather_kv(kv_cache, block_table[: -(-seq_len // block_size)])
+        keys, values = keys[:seq_len], values[:seq_len]
+        key_positions = torch.arange(seq_len, device=query.device)
+        query_positions = torch.arange(context_len, seq_len, device=query.device)
+        mask = key_positions[None, :] <= query_positions[:, None]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)

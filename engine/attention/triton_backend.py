@@ -1,0 +1,122 @@
+"""Attention with Triton kernels: the CUDA default; runs on CPU under `TRITON_INTERPRET=1`.
+
+Per forward: one store-KV launch, then one decode launch for the single-token sequences
+(split-KV, plus a merge launch when split) and one prefill launch for the multi-token chunks.
+A mixed batch gets both; each kernel skips the other's sequences on the device, so planning
+needs only host-side lengths and no device sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import check_shapes, host_lengths
+from engine.attention.metadata import AttentionMetadata
+from engine.attention import triton_kernels
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass
+class TritonAttentionConfig:
+    """Tile sizes and split-KV policy of the Triton backend."""
+
+    decode_tile_n: int = 64  # cached tokens per inner-loop step of the decode kernel
+    prefill_block_m: int = 64  # rows (query tokens x heads of a group) per prefill program
+    prefill_tile_n: int = 64  # cached tokens per inner-loop step of the prefill kernel
+    # Splits of each decode sequence's context; None: enough to fill the GPU (1 on CPU).
+    decode_num_splits: int | None = None
+    max_decode_splits: int = 32
+    min_tokens_per_split: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("decode_tile_n", "prefill_block_m", "prefill_tile_n"):
+            value = getattr(self, name)
+            if not _is_pow2(value) or value < 16:
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.decode_num_splits is not None and not _is_pow2(self.decode_num_splits):
+            raise ValueError(f"decode_num_splits must be a power of two, got {self.decode_num_splits}")
+        if not _is_pow2(self.max_decode_splits):
+            raise ValueError(f"max_decode_splits must be a power of two, got {self.max_decode_splits}")
+        if self.min_tokens_per_split < 1:
+            raise ValueError(f"min_tokens_per_split must be >= 1, got {self.min_tokens_per_split}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+
+
+class TritonAttentionBackend:
+    """`AttentionBackend` on Triton kernels (see `triton_kernels.py`)."""
+
+    name = "triton"
+
+    def __init__(self, config: TritonAttentionConfig | None = None) -> None:
+        self.config = config or TritonAttentionConfig()
+        self._sm_counts: dict[int, int] = {}
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        check_shapes(query, key, value, kv_cache, meta)
+        self._check_runnable(query)
+        block_size = kv_cache.shape[2]
+        if not _is_pow2(block_size):
+            raise ValueError(f"the triton backend needs a power-of-two block_size, got {block_size}")
+        if kv_cache.dtype != query.dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from query dtype {query.dtype}")
+        triton_kernels.store_kv_triton(key, value, kv_cache, meta.slot_mapping)
+
+        query_lens, seq_lens = host_lengths(meta)
+        num_tokens = query.shape[0]
+        batch_tokens = sum(query_lens)
+        if batch_tokens > num_tokens:
+            raise ValueError(f"metadata covers {batch_tokens} query tokens but query has {num_tokens}")
+        out = query.new_zeros(query.shape) if batch_tokens < num_tokens else torch.empty_like(query)
+        if batch_tokens == 0:
+            return out
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        decode_seq_lens = [n for q, n in zip(query_lens, seq_lens) if q == 1]
+        max_query_len = max(query_lens)
+        cfg = self.config
+        if decode_seq_lens:
+            max_decode_len = max(decode_seq_lens)
+            triton_kernels.paged_decode_attention(
+                out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                max_seq_len=max_decode_len,
+                num_splits=self._decode_splits(query, len(decode_seq_lens), kv_cache.shape[3], max_decode_len),
+                tile_n=cfg.decode_tile_n, num_warps=cfg.num_warps)
+        if max_query_len > 1:
+            triton_kernels.paged_prefill_attention(
+                out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                max_query_len=max_query_len, block_m=cfg.prefill_block_m, tile_n=cfg.prefill_tile_n,
+                skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps)
+        return out
+
+    def _decode_splits(self, query: torch.Tensor, num_decodes: int, num_kv_heads: int,
+                       max_seq_len: int) -> int:
+        cfg = self.config
+        if cfg.decode_num_splits is not None:
+            return cfg.decode_num_splits
+        if query.device.type != "cuda":
+            return 1
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        if index not in self._sm_counts:
+            self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        wanted = -(-2 * self._sm_counts[index] // (num_decodes * num_kv_heads))
+        by_length = max(1, max_seq_len // cfg.min_tokens_per_split)
+        splits = max(1, min(wanted, by_length, cfg.max_decode_splits))
+        return 1 << (splits.bit_length() - 1)
+
+    @staticmethod
+    def _check_runnable(query: torch.Tensor) -> None:
+        if query.device.type == "cuda":
+            if triton_kernels.kernels_interpreted():
+                raise ValueError("the triton kernels were defined under TRITON_INTERPRET=1, which "
+                                 "runs on CPU tensors only; unset it to run them on CUDA")
+            return
+        if not triton_kernels.kernels_interpreted():
+            raise ValueError(f"the triton backend got {query.device.type} tensors but its kernels "
+                             "were compiled for the GPU; set TRITON_INTERPRET=1 before the engine "
+                             "imports triton, or use the torch backend on CPU")
