@@ -1,0 +1,222 @@
+"""KV-cache block manager: fixed-size blocks, reference counts, prefix caching.
+
+Every block is either FREE (reference count 0, in the free list) or REFERENCED by one or more
+requests (each holder lists it once in `request.block_ids`). The free list is an LRU with lazy
+eviction: a freed block keeps its hash and stays findable by prefix lookups until it is handed
+out again, which is when its hash is dropped. Freeing puts blocks without a hash at the front
+(reused first, costing nothing) and hashed blocks at the back, a request's last block first, so
+that long shared prefixes outlive their tails.
+
+Prefix caching: once all tokens of a full block are computed, the block is registered under its
+chained content hash (`engine.block_hash`). A lookup walks a request's full blocks from the
+first one and stops at the first miss; a hash hit counts only if the stored (parent hash, extra
+key, token ids) equal the request's, so a hash collision is a miss, never wrong KV. A lookup
+never covers the request's last token, whose logits are needed, and is block-aligned.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.block_hash import DEFAULT_HASH_ALGORITHM, BlockHash, hash_block
+from engine.request import Request
+
+BlockContent = tuple  # (parent hash | None, extra key | None, token ids tuple)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algorithm: str = DEFAULT_HASH_ALGORITHM) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        hash_block(None, [0], None, hash_algorithm)  # validates the algorithm name
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algorithm = hash_algorithm
+
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._block_content: list[BlockContent | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        self._holders: dict[str, Request] = {}
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks already in the cache
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody references, including evictable cached ones."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (referenced or evictable)."""
+        return len(self._cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._block_hash[block_id] is not None
+
+    def holder_ids(self) -> list[str]:
+        """Ids of the requests that hold blocks."""
+        return list(self._holders)
+
+    def free_block_order(self) -> list[int]:
+        """Free blocks in the order they would be handed out (for tests and debugging)."""
+        return list(self._free)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(request.all_token_ids[start:start + self.block_size])
+
+    def _ensure_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, self._block_tokens(request, len(hashes)), request.cache_salt,
+                                     self.hash_algorithm))
+
+    def _content(self, request: Request, index: int) -> BlockContent:
+        parent = request.block_hashes[index - 1] if index else None
+        return (parent, request.cache_salt, self._block_tokens(request, index))
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached blocks matching the request's leading full blocks.
+
+        Returns (block ids, number of tokens they cover). Touches nothing: pass the blocks to
+        `allocate_slots(..., prefix_blocks=...)` to take them.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._ensure_hashes(request, max_blocks)
+        blocks: list[int] = []
+        for index in range(max_blocks):
+            block_id = self._cached.get(request.block_hashes[index])
+            if block_id is None or self._block_content[block_id] != self._content(request, index):
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose tokens are all computed (prompt or decoded)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._ensure_hashes(request, num_full)
+        for index in range(start, num_full):
+            block_id = request.block_ids[index]
+            block_hash = request.block_hashes[index]
+            if self._block_hash[block_id] is None and block_hash not in self._cached:
+                self._cached[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_content[block_id] = self._content(request, index)
+            # else: the same content is already cached in another block; this one stays private.
+        self._num_registered[request.request_id] = num_full
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def can_allocate(self, request: Request, num_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+        have = len(request.block_ids) + len(prefix_blocks)
+        new_blocks = max(0, self.blocks_needed(num_tokens) - have)
+        reclaimed = sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)
+        return new_blocks + reclaimed <= len(self._free)
+
+    def allocate_slots(self, request: Request, num_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+        """Make `request.block_ids` cover token positions `< num_tokens`, all or nothing.
+
+        `prefix_blocks` (from `find_cached_prefix`) are taken first; only for a request that holds
+        no blocks yet. Returns False, changing nothing, if the free list is too short.
+        """
+        if prefix_blocks and request.block_ids:
+            raise ValueError(f"request {request.request_id} already holds blocks; prefix blocks are for admission")
+        if not self.can_allocate(request, num_tokens, prefix_blocks):
+            return False
+        for block_id in prefix_blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        request.block_ids.extend(prefix_blocks)
+        if prefix_blocks:
+            self._num_registered[request.request_id] = len(prefix_blocks)
+        for _ in range(self.blocks_needed(num_tokens) - len(request.block_ids)):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
+            self._ref_counts[block_id] = 1
+            request.block_ids.append(block_id)
+        if request.block_ids:
+            self._holders[request.request_id] = request
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._block_hash[block_id]
+        if block_hash is not None:
+            if self._cached.get(block_hash) == block_id:
+                del self._cached[block_hash]
+            self._block_hash[block_id] = None
+            self._block_content[block_id] = None
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; blocks nobody holds any more become free (cached ones
+        stay findable until reused)."""
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
+        request.block_ids.clear()
+        self._holders.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every evictable cached block (referenced ones stay). Returns how many."""
+        dropped = 0
+        for block_id in list(self._free):
+            if self._block_hash[block_id] is not None:
+                self._evict(block_id)
+                self._free.move_to_end(block_id, last=False)
+                dropped += 1
+        return dropped
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        counts = [0] * self.num_blocks
+        for request_id, request in self._holders.items():
+            if not request.block_ids:
+                raise AssertionError(f"request {request_id} is a holder without blocks")
+            if len(set(request.block_ids)) != len(request.block_ids):
+                raise AssertionError(f"request {request_id} lists a block twice: {request.block_ids}")
+            for block_id in request.block_ids:
+                counts[block_id] += 1
+        for block_id in range(self.num_blocks):
+            ref, free = self._ref_counts[block_id], block_id in self._free
+            if ref != counts[block_id]:
+                raise AssertionError(f"block {block_id}: ref count {ref} but {counts[block_id]} holders")
+            if free == (ref > 0):
+                raise AssertionError(f"block {block_id}: ref count {ref} and {'in' if free else 'not in'} the free list")
+            block_hash = self._block_hash[block_id]
+            if block_hash is not None and self._cached.get(block_hash) != block_id:
+                raise AssertionError(f"block {block_id} has a hash that the cache maps elsewhere")
+            if (block_hash is None) != (self._block_content[block_id] is None):
+                raise AssertionError(f"block {block_id}: hash and stored tokens disagree")
+        for block_hash, block_id in self._cached.items():
+            if self._block_hash[block_id] != block_hash:
+                raise AssertionError(f"cache maps a hash to block {block_id}, which holds another hash")
+        if len(self._free) + sum(1 for c in self._ref_counts if c > 0) != self.num_blocks:
+            raise AssertionError("free + referenced blocks != total")

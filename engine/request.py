@@ -1,0 +1,117 @@
+"""One generation request as the scheduler sees it.
+
+Lifecycle (status per line; the scheduler owns every transition):
+
+    WAITING         queued; holds no blocks (or, after a failed KV import falling back to local
+                    prefill, the blocks it already had)
+    WAITING_FOR_KV  decode role: blocks allocated, a KV transfer is filling them
+    RUNNING         admitted; `num_computed_tokens` catches up with `num_tokens` step by step
+    PREEMPTED       blocks taken back (recompute): requeued, keeps its output tokens so far
+    FINISHED_*      stopped (EOS / stop token / prefill done), length, aborted or error
+
+A request's tokens are `prompt_token_ids + output_token_ids`; the KV cache holds the first
+`num_computed_tokens` of them. When `num_computed_tokens == num_tokens - 1` the next step is a
+decode (one token, whose logits give the next token).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+
+# finish_reason -> the status it ends in ("prefill_done": a prefill-role request after its first token)
+FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "prefill_done": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
+}
+
+
+class Request:
+    """Request state shared by the scheduler, the block manager and the model runner.
+
+    `priority`: a LOWER value is MORE important (0 is the default); equal priorities are served
+    first-come-first-served by `arrival_time`.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), priority: int = 0,
+                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # One entry per output token (the runner's SampledToken: token_id, logprob, top_logprobs).
+        self.output_logprobs: list[Any] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []  # owned by the block manager
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs. The returned list is live: do not mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output(self, token_id: int, logprob: Any = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self._all_token_ids.append(token_id)
+
+    def set_finished(self, reason: str, error: str | None = None) -> None:
+        self.status = FINISH_STATUS[reason]
+        self.finish_reason = reason
+        self.error = error
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,485 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix caching, preemption.
+
+Contract (DESIGN.md, "Inside the engine"): `schedule() -> Batch`, the model runner turns the batch
+into tensors and returns one `SampledToken` per seq with `sample=True`, then
+`update(batch, sampled) -> list[StepOutput]`. There is no prefill/decode phase: every running
+request has `num_computed_tokens` catching up with `num_tokens`. Per step:
+
+    1. running decodes (one token each; a block boundary takes a new block),
+    2. running prefill chunks (the rest of the budget),
+    3. waiting requests in priority order (prefix-cache match first), while the token budget
+       (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; the
+       head of the queue blocks the ones behind it (no overtaking).
+
+When a running request needs a block and none is free, the least important running request is
+preempted (recompute: its blocks are freed, `num_computed_tokens = 0`, its outputs are kept, and
+it is requeued by priority/arrival); after a preemption no waiting request is admitted that step.
+
+Conventions and choices beyond the shared contract:
+- priority: a LOWER value is MORE important; equal priorities are first-come-first-served.
+- a generation stops with "length" at `min(max_model_len, num_blocks * block_size)` tokens, so a
+  request alone always fits in the cache (no endless self-preemption).
+- `Batch.seqs` puts every decode (one token that samples) before every prefill chunk.
+- `StepOutput.new_logprobs[i]` is the runner's `SampledToken` for `new_token_ids[i]`;
+  `StepOutput.error` carries the message of an "error" finish.
+- prefill role: a request finishes after its first token with status FINISHED_STOPPED and
+  finish_reason "prefill_done"; its blocks stay pinned until `release_export` (or `abort`, which
+  then releases them and returns None, since that request already reported its end).
+- decode role: `finish_import` returns the StepOutput of the first token; if `max_num_seqs` is
+  reached, the request waits (status WAITING, blocks kept) instead of joining `running` at once.
+  `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks are short.
+- `get_request(id)` also finds requests finished since the last `schedule()` call.
+- `swap` preemption is not implemented (ValueError at construction).
+- `abort` of a WAITING_FOR_KV request frees its blocks at once: the caller must stop the transfer
+  writing into them first.
+Not thread-safe: one thread drives schedule/update/abort/imports.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_hooks import ImportPlan, KVCacheFullError, KVExporter
+from engine.request import Request, RequestStatus
+
+__all__ = ["Batch", "ImportPlan", "KVCacheFullError", "KVExporter", "SampledToken", "ScheduledSeq", "Scheduler",
+           "SchedulerStats", "StepOutput"]
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_new_tokens: int  # run request.all_token_ids[start:start + num_new_tokens] this step
+    sample: bool  # start + num_new_tokens == request.num_tokens: this step's logits give the next token
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+
+    @property
+    def block_table(self) -> list[int]:
+        """The request's blocks (live list), covering every position < start + num_new_tokens."""
+        return self.request.block_ids
+
+
+@dataclass
+class Batch:
+    seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
+    num_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)  # preempted during this schedule() call
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Any]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # includes evictable cached blocks
+    kv_blocks_cached: int  # blocks registered in the prefix cache, in use or evictable
+    prefix_cache_queries: int  # tokens looked up at admission (cumulative)
+    prefix_cache_hits: int  # of which found cached (cumulative)
+    num_preemptions: int
+    prompt_tokens_computed: int  # positions < prompt length run through the model (cumulative)
+    decode_tokens: int  # positions >= prompt length run through the model (cumulative)
+    waiting_for_kv: int = 0
+    exported: int = 0  # prefill role: finished requests whose blocks are pinned for a transfer
+    imported_tokens: int = 0  # decode role: prompt tokens received by KV transfer (cumulative)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int, role: str = "both", kv_exporter: KVExporter | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if scheduler_config.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode {scheduler_config.preemption_mode!r} is not supported; use 'recompute'")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
+                             f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.role = role
+        self.kv_exporter = kv_exporter
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.max_sequence_tokens = min(max_model_len, num_blocks * cache_config.block_size)
+
+        self.waiting: list[Request] = []  # sorted by (priority, arrival_time, admission order)
+        self.running: list[Request] = []  # same order; the last one is the first to be preempted
+        self._importing: dict[str, Request] = {}
+        self._exported: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._recently_finished: dict[str, Request] = {}
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+
+        self._num_preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._prompt_tokens_computed = 0
+        self._decode_tokens = 0
+        self._imported_tokens = 0
+
+    # ---- queues ----------------------------------------------------------------------------
+
+    def _key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time, self._order[request.request_id])
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def _enqueue_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._key)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return (self._requests.get(request_id) or self._exported.get(request_id)
+                or self._recently_finished.get(request_id))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self._importing)
+
+    @property
+    def num_exported(self) -> int:
+        return len(self._exported)
+
+    def request_ids(self) -> list[str]:
+        """Ids of every unfinished request, then of exported ones (blocks still pinned)."""
+        return list(self._requests) + list(self._exported)
+
+    def has_unfinished(self) -> bool:
+        """True while a request is waiting, running or waiting for its KV (exports not counted)."""
+        return bool(self.waiting or self.running or self._importing)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self._requests or request.request_id in self._exported:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} is not a new request")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise ValueError("prompt token ids must be non-negative integers")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_model_len ({self.max_model_len})")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(prompt) > capacity:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the whole KV cache holds ({capacity})")
+
+    def _register(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self._order[request.request_id] = next(self._counter)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError (nothing changed) for an invalid one."""
+        self._validate(request)
+        self._register(request)
+        self._enqueue_waiting(request)
+
+    # ---- schedule --------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        self._recently_finished.clear()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted: list[str] = []
+
+        for decodes in (True, False):
+            for request in list(self.running):
+                if budget == 0:
+                    break
+                if request.status is not RequestStatus.RUNNING or request.request_id in scheduled:
+                    continue
+                remaining = request.num_tokens - request.num_computed_tokens
+                if (remaining == 1) != decodes:
+                    continue
+                num_new = min(remaining, budget)
+                if num_new < remaining and not self.config.enable_chunked_prefill:
+                    continue
+                while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
+                    victim = self.running[-1]
+                    budget += self._preempt(victim, scheduled)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                else:
+                    scheduled[request.request_id] = self._scheduled_seq(request, num_new)
+                    budget -= num_new
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        seqs = sorted(scheduled.values(), key=lambda s: not (s.sample and s.num_new_tokens == 1))
+        return Batch(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs), preempted_ids=preempted)
+
+    def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        return ScheduledSeq(request, start, num_new, start + num_new == request.num_tokens)
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            fresh = not request.block_ids  # new or preempted; else an import falling back to local prefill
+            prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request) if fresh else ([], 0)
+            computed = num_hit if fresh else request.num_computed_tokens
+            remaining = request.num_tokens - computed
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.block_manager.allocate_slots(request, computed + num_new, prefix_blocks):
+                break
+            self.waiting.pop(0)
+            if fresh:
+                request.num_computed_tokens = num_hit
+                self._prefix_queries += request.num_tokens
+                self._prefix_hits += num_hit
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit
+            self._enqueue_running(request)
+            scheduled[request.request_id] = self._scheduled_seq(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSeq]) -> int:
+        """Recompute preemption. Returns the budget given back if the victim was already scheduled."""
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self._num_preemptions += 1
+        self._enqueue_waiting(victim)
+        unscheduled = scheduled.pop(victim.request_id, None)
+        return unscheduled.num_new_tokens if unscheduled is not None else 0
+
+    # ---- update ----------------------------------------------------------------------------
+
+    def update(self, batch: Batch, sampled: dict[str, SampledToken]) -> list[StepOutput]:
+        """Advance every scheduled seq by its tokens, append sampled tokens, finish stopped requests.
+
+        Seqs whose request finished (e.g. was aborted) since `schedule()` are skipped.
+        """
+        outputs: list[StepOutput] = []
+        for seq in batch.seqs:
+            request = seq.request
+            if request.status is not RequestStatus.RUNNING or self._requests.get(request.request_id) is not request:
+                continue
+            if request.num_computed_tokens != seq.start:
+                raise RuntimeError(f"stale batch: request {request.request_id} has {request.num_computed_tokens} "
+                                   f"computed tokens, the batch started it at {seq.start}")
+            end = seq.start + seq.num_new_tokens
+            prompt_part = max(0, min(end, request.num_prompt_tokens) - seq.start)
+            self._prompt_tokens_computed += prompt_part
+            self._decode_tokens += seq.num_new_tokens - prompt_part
+            request.num_computed_tokens = end
+            self.block_manager.cache_computed_blocks(request)
+            if not seq.sample:
+                continue
+            token = sampled.get(request.request_id)
+            if token is None:
+                raise ValueError(f"the runner returned no sampled token for request {request.request_id}")
+            request.append_output(token.token_id, token)
+            reason = "prefill_done" if self.role == "prefill" else self._stop_reason(request, token.token_id)
+            error = None
+            if reason is not None:
+                reason, error = self._finish(request, reason)
+            outputs.append(StepOutput(request.request_id, [token.token_id], [token], reason is not None, reason,
+                                      request.num_cached_tokens, error))
+        return outputs
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_sequence_tokens:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> tuple[str, str | None]:
+        """End a request (any state) and free or pin its blocks. Returns the final (reason, error)."""
+        status = request.status
+        if status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        elif status is RequestStatus.WAITING_FOR_KV:
+            del self._importing[request.request_id]
+        del self._requests[request.request_id]
+        del self._order[request.request_id]
+        self._recently_finished[request.request_id] = request
+        request.set_finished(reason, error)
+        if reason != "prefill_done":
+            self.block_manager.free(request)
+            return reason, error
+        self._exported[request.request_id] = request
+        if self.kv_exporter is not None:
+            try:
+                self.kv_exporter.export(request, list(request.block_ids))
+            except Exception as exc:  # the transfer never started: unpin and report the failure
+                self.release_export(request.request_id)
+                request.set_finished("error", f"KV export failed: {exc}")
+                return "error", request.error
+        return reason, error
+
+    # ---- abort / errors --------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """End a request in any state, freeing its blocks at once. Returns its final output, or
+        None if it is unknown or already finished (an exported one is released)."""
+        return self._end(request_id, "abort", None)
+
+    def finish_with_error(self, request_id: str, message: str) -> StepOutput | None:
+        return self._end(request_id, "error", message)
+
+    def _end(self, request_id: str, reason: str, message: str | None) -> StepOutput | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            self.release_export(request_id)
+            return None
+        reason, error = self._finish(request, reason, message)
+        return StepOutput(request_id, [], [], True, reason, request.num_cached_tokens, error)
+
+    # ---- prefill role: export --------------------------------------------------------------
+
+    def release_export(self, request_id: str) -> bool:
+        """Unpin an exported request's blocks (transfer done or lease expired). False if unknown."""
+        request = self._exported.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request)
+        return True
+
+    # ---- decode role: import ---------------------------------------------------------------
+
+    def add_imported_request(self, request: Request) -> ImportPlan:
+        """Allocate blocks for the whole prompt after this worker's own prefix-cache match.
+
+        The request waits (WAITING_FOR_KV) until `finish_import` or `fail_import`; its blocks are
+        its own meanwhile. Raises ValueError for an invalid request and KVCacheFullError if the
+        blocks are not free now (in both cases nothing changed).
+        """
+        if self.role == "prefill":
+            raise ValueError("a prefill-role scheduler does not import KV")
+        self._validate(request)
+        prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
+        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens, prefix_blocks):
+            needed = self.block_manager.blocks_needed(request.num_prompt_tokens) - len(prefix_blocks)
+            raise KVCacheFullError(f"request {request.request_id} needs {needed} free KV blocks, "
+                                   f"{self.block_manager.num_free_blocks} are free")
+        self._register(request)
+        request.num_computed_tokens = num_hit
+        request.num_cached_tokens = num_hit
+        self._prefix_queries += request.num_tokens
+        self._prefix_hits += num_hit
+        request.status = RequestStatus.WAITING_FOR_KV
+        self._importing[request.request_id] = request
+        first = num_hit // self.block_manager.block_size
+        return ImportPlan(request.request_id, list(request.block_ids), num_hit,
+                          [(index, request.block_ids[index]) for index in range(first, len(request.block_ids))])
+
+    def _importing_request(self, request_id: str) -> Request:
+        request = self._importing.get(request_id)
+        if request is None:
+            raise ValueError(f"request {request_id!r} is not waiting for KV")
+        return request
+
+    def finish_import(self, request_id: str, first_token: SampledToken) -> StepOutput:
+        """The transfer wrote every block to fill: the prompt counts as computed, its full blocks
+        join the prefix cache, and the first token (sampled by the prefill worker) is appended.
+        Returns that token's output (finished if the token already ends the request)."""
+        request = self._importing_request(request_id)
+        self._imported_tokens += request.num_prompt_tokens - request.num_computed_tokens
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_computed_blocks(request)
+        request.append_output(first_token.token_id, first_token)
+        reason, error = self._stop_reason(request, first_token.token_id), None
+        if reason is not None:
+            reason, error = self._finish(request, reason)
+        else:
+            del self._importing[request_id]
+            if len(self.running) < self.config.max_num_seqs:
+                self._enqueue_running(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self._enqueue_waiting(request)
+        return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,
+                          request.num_cached_tokens, error)
+
+    def fail_import(self, request_id: str, fallback_to_local_prefill: bool,
+                    message: str = "KV transfer failed") -> StepOutput | None:
+        """The transfer failed or timed out. Either prefill locally from the cached prefix (the
+        request keeps its blocks and waits; returns None) or end it with an error."""
+        request = self._importing_request(request_id)
+        if not fallback_to_local_prefill:
+            return self._end(request_id, "error", message)
+        del self._importing[request_id]
+        request.num_computed_tokens = request.num_cached_tokens
+        request.status = RequestStatus.WAITING
+        self._enqueue_waiting(request)
+        return None
+
+    # ---- counters --------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            num_preemptions=self._num_preemptions, prompt_tokens_computed=self._prompt_tokens_computed,
+            decode_tokens=self._decode_tokens, waiting_for_kv=len(self._importing), exported=len(self._exported),
+            imported_tokens=self._imported_tokens)
+
+    def check_integrity(self) -> None:
+        """Block-manager invariants plus: every block holder is a live (or exported) request."""
+        self.block_manager.check_integrity()
+        for request_id in self.block_manager.holder_ids():
+            if request_id not in self._requests and request_id not in self._exported:
+                raise AssertionError(f"request {request_id} holds blocks but is finished")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running requests exceed max_num_seqs")

@@ -1,0 +1,132 @@
+"""A model runner without a model, for scheduler lifecycle tests.
+
+`FakeModelRunner` simulates a paged KV cache: running a seq writes (token id, position) into the
+slots its block table names, and every seq then reads its whole context back through its block
+table, as attention would. A wrong block table, a prefix-cache hit on wrong content or a block
+reused while still needed is an AssertionError naming the request. The next token is a
+deterministic function of the context read from the cache, so `reference_generate` gives what an
+unconstrained run must produce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.scheduler import Batch, SampledToken, Scheduler, StepOutput
+
+VOCAB_SIZE = 1000
+
+
+def next_token(context: list[int], vocab_size: int = VOCAB_SIZE) -> int:
+    state = 17
+    for token in context:
+        state = (state * 1_000_003 + token + 1) % 2_147_483_647
+    return state % vocab_size
+
+
+def reference_generate(prompt: list[int], num_tokens: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
+    """What greedy decoding of `num_tokens` tokens gives, with no stop."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(next_token(tokens, vocab_size))
+    return tokens[len(prompt):]
+
+
+class FakeModelRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = VOCAB_SIZE) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.slots: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.batches: list[Batch] = []
+
+    def _slot(self, block_table: list[int], position: int) -> tuple[int, int]:
+        return block_table[position // self.block_size], position % self.block_size
+
+    def write(self, block_table: list[int], tokens: list[int], start: int) -> None:
+        for offset, token in enumerate(tokens):
+            block, slot = self._slot(block_table, start + offset)
+            self.slots[block][slot] = (token, start + offset)
+
+    def read_context(self, request: Request, end: int) -> list[int]:
+        context = []
+        for position in range(end):
+            block, slot = self._slot(request.block_ids, position)
+            entry = self.slots[block][slot]
+            if entry is None or entry[1] != position or entry[0] != request.all_token_ids[position]:
+                raise AssertionError(f"request {request.request_id}: KV at position {position} (block {block}) "
+                                     f"is {entry}, expected token {request.all_token_ids[position]}")
+            context.append(entry[0])
+        return context
+
+    def import_kv(self, request: Request, blocks_to_fill: list[tuple[int, int]]) -> None:
+        """What a successful KV transfer does: write the prompt's tokens into the given blocks."""
+        for index, block_id in blocks_to_fill:
+            start = index * self.block_size
+            tokens = request.prompt_token_ids[start:start + self.block_size]
+            table = [0] * index + [block_id]
+            self.write(table, tokens, start)
+
+    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+        self.batches.append(batch)
+        ids = [seq.request.request_id for seq in batch.seqs]
+        assert len(ids) == len(set(ids)), f"a request is scheduled twice: {ids}"
+        assert batch.num_tokens == sum(seq.num_new_tokens for seq in batch.seqs)
+        for seq in batch.seqs:
+            request, end = seq.request, seq.start + seq.num_new_tokens
+            assert seq.start == request.num_computed_tokens and seq.num_new_tokens >= 1
+            assert end <= request.num_tokens and seq.sample == (end == request.num_tokens)
+            assert len(seq.block_table) * self.block_size >= end, f"{request.request_id}: block table too short"
+            assert seq.token_ids == request.all_token_ids[seq.start:end]
+            self.write(seq.block_table, seq.token_ids, seq.start)
+        sampled = {}
+        for seq in batch.seqs:
+            context = self.read_context(seq.request, seq.start + seq.num_new_tokens)
+            if seq.sample:
+                sampled[seq.request.request_id] = SampledToken(next_token(context, self.vocab_size), logprob=-1.0)
+        return sampled
+
+
+@dataclass
+class FakeExporter:
+    """KVExporter that records exports; `fail` makes export raise."""
+    exports: list[tuple[str, list[int]]] = field(default_factory=list)
+    fail: bool = False
+
+    def export(self, request: Request, block_ids: list[int]) -> None:
+        if self.fail:
+            raise ConnectionError("peer unreachable")
+        self.exports.append((request.request_id, list(block_ids)))
+
+
+def check_batch(batch: Batch, scheduler: Scheduler) -> None:
+    """Per-step invariants: budget, running cap, decodes before prefill chunks."""
+    assert batch.num_tokens <= scheduler.config.max_num_batched_tokens
+    assert len(batch.seqs) <= scheduler.config.max_num_seqs
+    assert scheduler.num_running <= scheduler.config.max_num_seqs
+    kinds = [seq.sample and seq.num_new_tokens == 1 for seq in batch.seqs]
+    assert kinds == sorted(kinds, reverse=True), "a prefill chunk is scheduled before a decode"
+
+
+def step(scheduler: Scheduler, runner: FakeModelRunner) -> tuple[Batch, list[StepOutput]]:
+    batch = scheduler.schedule()
+    check_batch(batch, scheduler)
+    outputs = scheduler.update(batch, runner.execute(batch))
+    scheduler.check_integrity()
+    return batch, outputs
+
+
+def run_until_done(scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 10_000) -> dict[str, StepOutput]:
+    """Step until nothing is unfinished; returns each request's final output, with all its tokens."""
+    finals: dict[str, StepOutput] = {}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finals
+        batch, outputs = step(scheduler, runner)
+        assert not batch.is_empty, "unfinished requests but nothing scheduled"
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = StepOutput(out.request_id, tokens[out.request_id], [], True,
+                                                    out.finish_reason, out.num_cached_tokens, out.error)
+    raise AssertionError(f"not done after {max_steps} steps")
