@@ -8,8 +8,9 @@ request has `num_computed_tokens` catching up with `num_tokens`. Per step:
     1. running decodes (one token each; a block boundary takes a new block),
     2. running prefill chunks (the rest of the budget),
     3. waiting requests in priority order (prefix-cache match first), while the token budget
-       (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; the
-       head of the queue blocks the ones behind it (no overtaking).
+       (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; a
+       request that does not fit blocks those behind it, except requests already holding their
+       blocks (a KV import deferred or falling back), which may pass it.
 
 When a running request needs a block and none is free, the least important running request is
 preempted (recompute: its blocks are freed, `num_computed_tokens = 0`, its outputs are kept, and
@@ -260,18 +261,27 @@ class Scheduler:
         return ScheduledSeq(request, start, num_new, start + num_new == request.num_tokens)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            fresh = not request.block_ids  # new or preempted; else an import falling back to local prefill
+        """Admit in queue order. Once a request without blocks cannot be admitted, only requests
+        that already hold their blocks (imports falling back or deferred by the seq cap) may pass
+        it: they need no more than a block, and their progress is what frees blocks."""
+        blocked = False
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[index]
+            fresh = not request.block_ids  # new or preempted
+            if blocked and fresh:
+                index += 1
+                continue
             prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request) if fresh else ([], 0)
             computed = num_hit if fresh else request.num_computed_tokens
             remaining = request.num_tokens - computed
             num_new = min(remaining, budget)
-            if num_new < remaining and not self.config.enable_chunked_prefill:
-                break
-            if not self.block_manager.allocate_slots(request, computed + num_new, prefix_blocks):
-                break
-            self.waiting.pop(0)
+            if ((num_new < remaining and not self.config.enable_chunked_prefill)
+                    or not self.block_manager.allocate_slots(request, computed + num_new, prefix_blocks)):
+                blocked = True
+                index += 1
+                continue
+            self.waiting.pop(index)
             if fresh:
                 request.num_computed_tokens = num_hit
                 self._prefix_queries += request.num_tokens
