@@ -26,15 +26,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if key.shape[0] == 0:
         return
     slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64)
-    valid = slots >= 0
-    if not bool(valid.all()):
+    if bool((slots < 0).any()):
+        valid = slots >= 0
         slots = slots[valid]
         key, value = key[valid], value[valid]
     row_width = num_kv_heads * head_dim
     keys = key.reshape(-1, row_width).to(kv_cache.dtype)
     values = value.reshape(-1, row_width).to(kv_cache.dtype)
-    # Row of slot s in the cache seen as [num_blocks * 2 * block_size, row]: K then V per block.
-    key_rows = (slots // block_size) * (2 * block_size) + slots % block_size
+    # Row of slot s in the cache seen as [num_blocks * 2 * block_size, row]: K then V per block,
+    # i.e. block * 2 * block_size + offset = slot + block * block_size.
+    if block_size & (block_size - 1) == 0:
+        key_rows = slots + (slots & ~(block_size - 1))
+    else:
+        key_rows = slots + (slots // block_size) * block_size
     if kv_cache.is_contiguous():
         rows = kv_cache.view(num_blocks * 2 * block_size, row_width)
         rows.index_copy_(0, key_rows, keys)

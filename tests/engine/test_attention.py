@@ -310,3 +310,19 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_INTERPRET": "0"})
     assert "set TRITON_INTERPRET=1" in result.stdout, result.stderr
+
+
+def test_kernel_bench_runs_on_cpu(tmp_path):
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import kernel_bench
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    json_path = tmp_path / "bench.json"
+    results = kernel_bench.main(["--device", "cpu", "--batch-sizes", "2", "--context-lens", "40",
+                                 "--prefill-lens", "20", "--iters", "1", "--json", str(json_path)])
+    assert json_path.exists()
+    assert [(row["batch"], row["context"]) for row in results["decode"]] == [(2, 40)]
+    assert results["decode"][0]["bytes"] == 2 * 40 * 3 * 64 * 2 * 4 + 2 * 2 * 9 * 64 * 4 + 2 * 2 * 3 * 64 * 4
+    assert [(row["batch"], row["length"]) for row in results["prefill"]] == [(1, 20)]
+    assert results["copy_gb_per_s"] > 0
