@@ -90,11 +90,16 @@ def convert_gguf(gguf_path: str, cache_dir: str | None = None, progress: bool = 
     if is_complete_conversion(final):
         return final
     root = os.path.dirname(final)
-    os.makedirs(root, exist_ok=True)
-    _remove_stale_temp_dirs(final)
-    if os.path.isdir(final):
-        shutil.rmtree(final)  # an incomplete folder someone left by hand; rebuild it
-    temp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=root)
+    try:
+        os.makedirs(root, exist_ok=True)
+        _remove_stale_temp_dirs(final)
+        if os.path.isdir(final):
+            shutil.rmtree(final)  # an incomplete folder someone left by hand; rebuild it
+        temp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=root)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write the model cache in {root} ({exc}); set ${CACHE_DIR_ENV} or pass "
+            "cache_dir to a writable folder") from exc
     try:
         _convert_into(gguf_path, temp, progress)
         try:

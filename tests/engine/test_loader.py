@@ -438,3 +438,54 @@ def test_gguf_with_llama3_rope_factors_is_refused(tmp_path):
     _write_gguf(_tiny_hf_model("llama"), path, extra_tensors=[("rope_freqs.weight", np.ones(4, dtype=np.float32))])
     message = _error(path, cache_dir=str(tmp_path / "cache"))
     assert "rope_freqs.weight" in message and "Hugging Face folder" in message
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(_tiny_hf_model("llama"), path)
+    cache = tmp_path / "cache"
+    final = gguf_loader.converted_dir(path, str(cache))
+    cache.mkdir()
+    stale = cache / f".{os.path.basename(final)}.tmp-crashed"
+    stale.mkdir()
+    os.utime(stale, (1, 1))
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_loader, "_write_config", crash)  # dies after weights and tokenizer
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(path, cache_dir=str(cache))
+    assert os.listdir(cache) == []  # neither a half cache nor our temp folder, and the stale one is gone
+    monkeypatch.undo()
+    assert resolve_model(path, cache_dir=str(cache)).model_dir == final
+    assert os.listdir(cache) == [os.path.basename(final)]
+
+
+def test_concurrent_conversion_keeps_the_first_complete_cache(tmp_path, monkeypatch):
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(_tiny_hf_model("qwen2"), path, arch="qwen2")
+    cache = str(tmp_path / "cache")
+    final = gguf_loader.converted_dir(path, cache)
+    real_convert = gguf_loader._convert_into
+
+    def other_process_finishes_first(gguf_path, folder, progress):
+        os.makedirs(final)
+        real_convert(gguf_path, final, progress)
+        with open(os.path.join(final, "winner"), "w"):
+            pass
+        real_convert(gguf_path, folder, progress)
+
+    monkeypatch.setattr(gguf_loader, "_convert_into", other_process_finishes_first)
+    loaded = resolve_model(path, cache_dir=cache)
+    assert loaded.model_dir == final and os.path.isfile(os.path.join(final, "winner"))
+    assert os.listdir(cache) == [os.path.basename(final)]
+
+
+def test_unwritable_cache_dir(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(_tiny_hf_model("llama"), path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    message = _error(path, cache_dir=str(blocker / "cache"))
+    assert f"cannot write the model cache in {blocker / 'cache'}" in message and "PDSERVE_CACHE_DIR" in message
