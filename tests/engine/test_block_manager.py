@@ -239,3 +239,25 @@ def test_hash_collision_with_equal_tokens_but_another_prefix_is_a_miss(make_bm, 
     assert bm.find_cached_prefix(req("probe", z + y + [9])) == (second.block_ids[:1], 4)
     bm.free(first)
     bm.free(second)
+
+
+def test_request_hashes_equal_what_the_router_computes(make_bm):
+    bm = make_bm()
+    tokens = list(range(300, 318))
+    a = req("a", tokens, salt="s")
+    compute(bm, a)
+    assert a.block_hashes == hash_full_blocks(tokens, BS, extra_key="s")
+    bm.free(a)
+
+
+def test_reset_prefix_cache_forgets_only_evictable_blocks(make_bm):
+    bm = make_bm(num_blocks=8)
+    kept, dropped = req("kept", range(8)), req("dropped", range(100, 108))
+    compute(bm, kept)
+    compute(bm, dropped)
+    bm.free(dropped)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.num_cached_blocks == 2 and bm.free_block_order()[:2] == [2, 3]
+    assert bm.find_cached_prefix(req("probe", list(range(100, 108)) + [1])) == ([], 0)
+    assert bm.find_cached_prefix(req("probe2", list(range(8)) + [1])) == ([0, 1], 8)
+    bm.free(kept)

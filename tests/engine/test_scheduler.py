@@ -601,3 +601,44 @@ def test_stats_counters(make):
     assert (stats.running, stats.waiting, stats.kv_blocks_free, stats.num_preemptions) == (0, 0, 20, 0)
     # a: 13 tokens computed -> 3 cached blocks; b: 8 -> 2; c reuses a's 2 and adds block 2 (10, 7, 7...)
     assert stats.kv_blocks_cached == 3 + 2 + 1
+
+
+# ---- randomized lifecycle --------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_aborts_and_preemptions_keep_outputs_exact(make, seed):
+    rng = random.Random(seed)
+    max_model_len = 48
+    scheduler, runner = make(num_blocks=20, budget=12, max_seqs=4, max_model_len=max_model_len)
+    prefixes = [prompt_of(200 + seed * 10 + i, 12) for i in range(3)]
+    requests, streamed = {}, {}
+    aborted = set()
+    step_index = 0
+    while step_index < 300 or scheduler.has_unfinished():
+        step_index += 1
+        if step_index < 300 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes)[:rng.randrange(0, 13)] + prompt_of(rng.randrange(10**6), rng.randrange(1, 20))
+            request = req(f"r{len(requests)}", prompt, max_tokens=rng.randrange(1, 16), priority=rng.randrange(3),
+                          arrival=float(step_index))
+            requests[request.request_id] = request
+            scheduler.add_request(request)
+        live = scheduler.request_ids()
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            assert scheduler.abort(victim).finish_reason == "abort"
+            aborted.add(victim)
+        if not scheduler.has_unfinished():
+            continue
+        batch, outputs = step(scheduler, runner)
+        assert not batch.is_empty
+        for out in outputs:
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert scheduler.stats().num_preemptions > 0 and scheduler.stats().prefix_cache_hits > 0
+    for request_id, request in requests.items():
+        assert streamed.get(request_id, []) == request.output_token_ids  # no token streamed twice after a resume
+        if request_id in aborted:
+            assert request.status is RequestStatus.FINISHED_ABORTED
+            continue
+        limit = min(request.sampling_params.max_tokens, max_model_len - request.num_prompt_tokens)
+        assert request.output_token_ids == reference_generate(request.prompt_token_ids, limit)
+        assert request.finish_reason == "length" and request.block_ids == []
