@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
+from types import MappingProxyType
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -41,13 +42,13 @@ _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 # finish_reason -> the status it ends in ("prefill_done": a prefill-role request after its first token)
-FINISH_STATUS = {
+FINISH_STATUS = MappingProxyType({
     "stop": RequestStatus.FINISHED_STOPPED,
     "prefill_done": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH,
     "abort": RequestStatus.FINISHED_ABORTED,
     "error": RequestStatus.FINISHED_ERROR,
-}
+})
 
 
 class Request:

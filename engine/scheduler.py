@@ -486,8 +486,22 @@ class Scheduler:
             imported_tokens=self._imported_tokens)
 
     def check_integrity(self) -> None:
-        """Block-manager invariants plus: every block holder is a live (or exported) request."""
+        """Block-manager invariants, plus: every request sits in exactly the queue its status
+        names, running ones hold blocks for their computed tokens, only live or exported requests
+        hold blocks, and the running cap holds. Raises AssertionError naming what is broken."""
         self.block_manager.check_integrity()
+        queues = ([(r, (RequestStatus.RUNNING,)) for r in self.running]
+                  + [(r, (RequestStatus.WAITING, RequestStatus.PREEMPTED)) for r in self.waiting]
+                  + [(r, (RequestStatus.WAITING_FOR_KV,)) for r in self._importing.values()])
+        seen = [r.request_id for r, _ in queues]
+        if sorted(seen) != sorted(self._requests):
+            raise AssertionError(f"queued requests {sorted(seen)} != live requests {sorted(self._requests)}")
+        for request, statuses in queues:
+            if request.status not in statuses:
+                raise AssertionError(f"{request} is queued as {statuses[0].name}")
+            covered = len(request.block_ids) * self.block_manager.block_size
+            if request.status is not RequestStatus.PREEMPTED and covered < request.num_computed_tokens:
+                raise AssertionError(f"{request} has computed tokens outside its blocks")
         for request_id in self.block_manager.holder_ids():
             if request_id not in self._requests and request_id not in self._exported:
                 raise AssertionError(f"request {request_id} holds blocks but is finished")
