@@ -254,13 +254,19 @@ def test_triton_matches_torch(case, heads, block_size, dtype, splits):
     compare_triton_to_torch(batch, triton_backend(decode_num_splits=splits), atol)
 
 
-def test_triton_head_dim_128_default_tiles_and_padding():
+def test_triton_head_dim_128_default_tiles_padding_and_strided_inputs():
     batch = make_batch([1, 13, 1], [70, 20, 5], num_heads=8, num_kv_heads=2, head_dim=128, seed=11)
     pad = 2
     batch.query = torch.cat([batch.query, torch.randn(pad, 8, 128)])
     batch.key = torch.cat([batch.key, torch.randn(pad, 2, 128)])
     batch.value = torch.cat([batch.value, torch.randn(pad, 2, 128)])
     batch.meta.slot_mapping = torch.cat([batch.meta.slot_mapping, torch.full((pad,), -1)])
+    fused = torch.cat([batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)], dim=1)
+    q_width, kv_width = 8 * 128, 2 * 128  # strided views, as after a fused qkv projection
+    batch.query = fused[:, :q_width].view(-1, 8, 128)
+    batch.key = fused[:, q_width:q_width + kv_width].view(-1, 2, 128)
+    batch.value = fused[:, q_width + kv_width:].view(-1, 2, 128)
+    assert not batch.query.is_contiguous() and not batch.key.is_contiguous()
     from engine.attention.triton_backend import TritonAttentionBackend
     get_attention_backend("triton")
     compare_triton_to_torch(batch, TritonAttentionBackend(), atol=1e-5)
