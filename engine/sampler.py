@@ -8,9 +8,10 @@ Contract:
   number of tensor operations whatever the batch size (no per-row Python loop).
 - The draw is inverse-CDF sampling with one uniform number per row. A seeded row's uniform is a
   pure function of (seed, output position) (splitmix64, never Python's `hash()`), so its token
-  depends only on that and its logits: not on the batch, the row index, the process or the
-  device. That lets the prefill worker sample position 0 and a decode worker the rest. Unseeded
-  rows draw from the sampler's own generator, seeded at construction.
+  depends only on that and its logits: not on the batch, the row index or the process (across
+  device kinds only up to the rounding of the probabilities). That lets the prefill worker sample
+  position 0 and a decode worker the rest. Unseeded rows draw from the sampler's own generator,
+  seeded at construction.
 - Top-k / top-p / min-p keep ties at the cut-off (thresholds on values), so the kept set never
   depends on sort order.
 - Logprobs are of the model's raw distribution (log_softmax of the unprocessed logits).
@@ -25,9 +26,9 @@ import torch
 from engine.sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5
-# On CPU a full sort of the vocabulary is slow; top-p first tries this many candidates (exact: it
-# falls back to the full sort when they do not hold the nucleus).
-_TOP_P_CANDIDATES = 256
+# On CPU a full sort of the vocabulary is slow; top-p first looks for the nucleus among this many
+# candidates per row (exact: rows whose nucleus is larger move on to the next size, then a full sort).
+_TOP_P_CANDIDATES = (256, 4096)
 _MASK64 = (1 << 64) - 1
 
 
@@ -48,11 +49,13 @@ def seeded_uniform(seed: int, position: int) -> float:
 
 @dataclass
 class PenaltyTensors:
-    repetition: torch.Tensor  # [n] float32, 1.0 = off
-    presence: torch.Tensor  # [n] float32
-    frequency: torch.Tensor  # [n] float32
-    output_counts: torch.Tensor  # [n, vocab] float32: occurrences of each token in the output
-    seen_mask: torch.Tensor | None  # [n, vocab] bool: in prompt or output; None if no repetition penalty
+    """Sparse penalty updates, as flat positions (row * vocab + token) into the [n, vocab] logits.
+
+    Work and memory grow with the number of distinct penalized tokens, not with batch x vocab."""
+    seen_positions: torch.Tensor | None  # int64, unique: prompt or output tokens of repetition-penalty rows
+    seen_repetition: torch.Tensor | None  # float32: that row's repetition penalty, per seen position
+    output_positions: torch.Tensor | None  # int64, unique: output tokens of presence/frequency rows
+    output_subtract: torch.Tensor | None  # float32: frequency * count + presence, per output position
 
 
 @dataclass
@@ -127,37 +130,35 @@ class SamplingMetadata:
 def _build_penalties(params: list[SamplingParams], prompt_token_ids: list[list[int]],
                      output_token_ids: list[list[int]], vocab_size: int,
                      device: torch.device) -> PenaltyTensors | None:
-    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
-    use_output = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
-    if not (use_repetition or use_output):
+    repetition_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    output_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    if not (repetition_rows or output_rows):
         return None
-    num_seqs = len(params)
-    output_counts = _token_counts(output_token_ids, num_seqs, vocab_size, device)
-    seen_mask = None
-    if use_repetition:
-        seen_mask = (_token_counts(prompt_token_ids, num_seqs, vocab_size, device) > 0) | (output_counts > 0)
+    penalties = PenaltyTensors(None, None, None, None)
+    if repetition_rows:
+        positions = torch.cat([_flat_positions(prompt_token_ids, repetition_rows, vocab_size),
+                               _flat_positions(output_token_ids, repetition_rows, vocab_size)]).unique()
+        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        penalties.seen_positions = positions.to(device)
+        penalties.seen_repetition = repetition[positions // vocab_size].to(device)
+    if output_rows:
+        positions, counts = _flat_positions(output_token_ids, output_rows, vocab_size).unique(return_counts=True)
+        rows = positions // vocab_size
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        penalties.output_positions = positions.to(device)
+        penalties.output_subtract = (frequency[rows] * counts.to(torch.float32) + presence[rows]).to(device)
+    return penalties
 
-    def row_tensor(values):
-        return torch.tensor(values, dtype=torch.float32, device=device)
 
-    return PenaltyTensors(repetition=row_tensor([p.repetition_penalty for p in params]),
-                          presence=row_tensor([p.presence_penalty for p in params]),
-                          frequency=row_tensor([p.frequency_penalty for p in params]),
-                          output_counts=output_counts, seen_mask=seen_mask)
-
-
-def _token_counts(token_lists: list[list[int]], num_seqs: int, vocab_size: int,
-                  device: torch.device) -> torch.Tensor:
-    """[num_seqs, vocab_size] float32 occurrence counts, from one flat bincount."""
-    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+def _flat_positions(token_lists: list[list[int]], rows: list[int], vocab_size: int) -> torch.Tensor:
+    """row * vocab_size + token for every token of the given rows (int64, on the CPU)."""
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists[i] for i in rows)), dtype=torch.int64)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab_size):
         bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
         raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
-    rows = torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int64), lengths)
-    flat_index = (rows * vocab_size + flat).to(device)
-    counts = torch.bincount(flat_index, minlength=num_seqs * vocab_size)
-    return counts.view(num_seqs, vocab_size).to(torch.float32)
+    lengths = torch.tensor([len(token_lists[i]) for i in rows], dtype=torch.int64)
+    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths) * vocab_size + flat
 
 
 @dataclass
@@ -190,9 +191,9 @@ class Sampler:
         logits = logits.float()
         penalized = logits
         if meta.penalties is not None:
-            if meta.penalties.output_counts.shape[1] != logits.shape[1]:
+            if meta.vocab_size != logits.shape[1]:
                 raise ValueError(f"sampling metadata was built for a vocabulary of "
-                                 f"{meta.penalties.output_counts.shape[1]}, the logits have {logits.shape[1]}")
+                                 f"{meta.vocab_size}, the logits have {logits.shape[1]}")
             penalized = apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
             tokens = penalized.argmax(dim=-1)
@@ -231,47 +232,74 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
-    """Repetition (prompt + output, divide positive / multiply negative logits), then frequency and
-    presence (output only: logit -= frequency * count + presence * [count > 0])."""
-    if penalties.seen_mask is not None:
-        repetition = penalties.repetition[:, None]
-        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(penalties.seen_mask, penalized, logits)
-    counts = penalties.output_counts
-    return (logits - penalties.frequency[:, None] * counts
-            - penalties.presence[:, None] * (counts > 0).to(logits.dtype))
+    """Repetition (prompt + output: divide positive logits, multiply negative ones), then frequency
+    and presence (output only: logit -= frequency * count + presence). Returns a new tensor."""
+    flat = logits.reshape(-1).clone()
+    if penalties.seen_positions is not None:
+        values = flat[penalties.seen_positions]
+        repetition = penalties.seen_repetition
+        flat[penalties.seen_positions] = torch.where(values > 0, values / repetition, values * repetition)
+    if penalties.output_positions is not None:
+        flat[penalties.output_positions] -= penalties.output_subtract
+    return flat.view_as(logits)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
                       top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) what top-k (per-row k; vocab size = off) and then top-p (per-row p; 1 = off)
     remove. Ties at either cut-off are kept."""
+    if top_k is not None:
+        logits = apply_top_k(logits, top_k, max_top_k)
+    if top_p is not None:
+        logits = apply_top_p(logits, top_p)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     vocab = logits.shape[-1]
-    neg_inf = float("-inf")
-    if top_p is None:
-        k = min(max_top_k, vocab)
-        kth = torch.topk(logits, k, dim=-1).values.gather(1, (top_k.clamp(max=k) - 1)[:, None])
-        kth = kth.masked_fill(top_k[:, None] >= vocab, neg_inf)
-        return logits.masked_fill(logits < kth, neg_inf)
-    num_candidates = vocab if logits.is_cuda else min(vocab, max(_TOP_P_CANDIDATES, max_top_k))
-    while True:
-        values = torch.topk(logits, num_candidates, dim=-1).values  # sorted, descending
-        kept = logits
-        if top_k is not None:
-            kth = values.gather(1, (top_k.clamp(max=num_candidates) - 1)[:, None])
-            kth = kth.masked_fill(top_k[:, None] >= vocab, neg_inf)
-            values = values.masked_fill(values < kth, neg_inf)
-            kept = logits.masked_fill(logits < kth, neg_inf)
-        log_normalizer = torch.logsumexp(kept, dim=-1, keepdim=True)
-        cumulative = (values - log_normalizer).exp().cumsum(dim=-1)
-        if num_candidates < vocab:
-            covered = (cumulative[:, -1] >= top_p) | (top_p >= 1.0)
-            if not bool(covered.all()):
-                num_candidates = vocab
-                continue
-        cut_index = (cumulative < top_p[:, None]).sum(dim=-1, keepdim=True).clamp(max=num_candidates - 1)
-        cutoff = values.gather(1, cut_index).masked_fill(top_p[:, None] >= 1.0, neg_inf)
-        return kept.masked_fill(kept < cutoff, neg_inf)
+    k = max(1, min(max_top_k, vocab))
+    kth = torch.topk(logits, k, dim=-1).values.gather(1, (top_k.clamp(max=k) - 1)[:, None])
+    kth = kth.masked_fill(top_k[:, None] >= vocab, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (plus ties).
+
+    On CPU a full sort of the vocabulary is slow, so rows first look for their nucleus among
+    their top few hundred, then few thousand candidates; only rows whose nucleus is larger
+    get a full sort. On CUDA every row is sorted at once (no host synchronization)."""
+    vocab = logits.shape[-1]
+    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if logits.is_cuda:
+        cutoff, _ = _nucleus_cutoff(torch.sort(logits, dim=-1, descending=True).values, log_normalizer, top_p)
+    else:
+        cutoff = torch.empty_like(log_normalizer)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        for size in [s for s in _TOP_P_CANDIDATES if s < vocab] + [vocab]:
+            subset = logits.index_select(0, rows)
+            values = (torch.topk(subset, size, dim=-1).values if size < vocab
+                      else torch.sort(subset, dim=-1, descending=True).values)
+            row_cutoff, covered = _nucleus_cutoff(values, log_normalizer.index_select(0, rows),
+                                                  top_p.index_select(0, rows))
+            if size == vocab:
+                covered = torch.ones_like(covered)
+            cutoff[rows[covered]] = row_cutoff[covered]
+            rows = rows[~covered]
+            if rows.numel() == 0:
+                break
+    cutoff = cutoff.masked_fill(top_p[:, None] >= 1.0, float("-inf"))
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def _nucleus_cutoff(values: torch.Tensor, log_normalizer: torch.Tensor,
+                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each row's largest logits (sorted, descending): the logit of the token at which the
+    cumulative probability first reaches top_p, and whether that happens within these values."""
+    cumulative = (values - log_normalizer).exp().cumsum(dim=-1)
+    index = (cumulative < top_p[:, None]).sum(dim=-1, keepdim=True)
+    covered = index[:, 0] < values.shape[-1]
+    return values.gather(1, index.clamp(max=values.shape[-1] - 1)), covered
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -283,9 +311,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Row i takes the first token whose cumulative probability exceeds uniforms[i] (in [0, 1))."""
     cdf = probs.cumsum(dim=-1)
-    targets = uniforms[:, None] * cdf[:, -1:]
+    total = cdf[:, -1:]
+    targets = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
-    # A target at the very top (rounding) or a parallel scan's rounding could land on a zero-probability
-    # token; never return one.
+    # With a monotone cdf and a target below its top, the token found has a positive probability.
+    # A GPU's parallel scan may round non-monotonically: never return a zero-probability token.
     chosen = probs.gather(1, tokens[:, None]).squeeze(1)
-    return torch.where(chosen > 0, tokens, probs.argmax(dim=-1))
+    if not bool((chosen > 0).all()):
+        tokens = torch.where(chosen > 0, tokens, probs.argmax(dim=-1))
+    return tokens

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p,
-                            seeded_uniform)
+                            inverse_cdf_sample, seeded_uniform)
 from engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -86,7 +86,9 @@ def test_penalties_change_exactly_the_right_logits():
     prompts = [[1, 2, 3, 3], [4, 5], [6, 7, 8], [9]]
     outputs = [[3, 10, 10], [5, 11, 11, 11], [12, 6, 12], [13]]
     meta = build(params, prompts=prompts, outputs=outputs)
+    original = logits.clone()
     got = apply_penalties(logits, meta.penalties)
+    assert torch.equal(logits, original)  # the caller's logits are not modified
     expected = reference_penalties(logits, params, prompts, outputs)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     assert torch.equal(got[3], logits[3])  # a row without penalties is untouched
@@ -125,24 +127,26 @@ def reference_top_k_top_p(logits, top_ks, top_ps):
     return result
 
 
-@pytest.mark.parametrize("vocab", [64, 1000])
+@pytest.mark.parametrize("vocab", [64, 1000, 5000])
 def test_top_k_top_p_match_reference(vocab):
     generator = torch.Generator().manual_seed(11)
     num_rows = 12
     logits = torch.randn(num_rows, vocab, generator=generator)
     logits[0, :5] = logits[0, 5]  # ties at a cut-off are kept
-    if vocab == 1000:
-        logits[2] = 0.01 * logits[2]  # nearly flat: the nucleus exceeds the first candidate set
+    if vocab > 256:  # nearly flat rows: nuclei larger than the first candidate sets
+        logits[2] = 0.01 * logits[2]
+        logits[11] = 0.01 * logits[11]
     top_ks = [vocab, 3, vocab, 10, 1, vocab, 50, vocab, 2, vocab, 7, vocab]
     top_ps = [0.9, 1.0, 0.95, 0.5, 0.3, 0.05, 1.0, 0.999, 0.7, 1.0, 0.8, 0.6]
-    got = apply_top_k_top_p(logits, torch.tensor(top_ks), max(k for k in top_ks if k < vocab),
-                            torch.tensor(top_ps))
+    max_top_k = max(k for k in top_ks if k < vocab)
+    got = apply_top_k_top_p(logits, torch.tensor(top_ks), max_top_k, torch.tensor(top_ps))
     expected = reference_top_k_top_p(logits, top_ks, top_ps)
     assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
     assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])
-    if vocab == 1000:
-        assert int(torch.isfinite(got[2]).sum()) > 256  # exercised the full-sort fallback
-    only_k = apply_top_k_top_p(logits, torch.tensor(top_ks), max(k for k in top_ks if k < vocab), None)
+    kept = torch.isfinite(got).sum(-1).tolist()
+    if vocab == 5000:  # exercised each candidate stage: 256, 4096 and the full sort
+        assert kept[5] < 256 < kept[11] < 4096 < kept[2]
+    only_k = apply_top_k_top_p(logits, torch.tensor(top_ks), max_top_k, None)
     assert torch.equal(torch.isfinite(only_k), torch.isfinite(reference_top_k_top_p(logits, top_ks, [1.0] * 12)))
 
 
@@ -237,6 +241,12 @@ def test_never_samples_masked_tokens():
     logits[:, :3] = torch.tensor([1.0, 0.9, 0.8])
     tokens = Sampler()(logits, build([SamplingParams(temperature=5.0, top_k=3)] * 500)).token_ids
     assert set(tokens) == {0, 1, 2}
+
+
+def test_inverse_cdf_edges_never_pick_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4)
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, 1.0 - 2.0 ** -24])
+    assert inverse_cdf_sample(probs, uniforms).tolist() == [1, 1, 3, 3]
 
 
 # ---- logprobs ----------------------------------------------------------------------------------
