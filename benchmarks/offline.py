@@ -1,0 +1,221 @@
+"""Offline throughput: the pdserve engine against transformers' static batching, in one run.
+
+Workloads (seeded, random token prompts, EOS ignored):
+  fixed  64 prompts x 256 tokens in, 64 out
+  mixed  128 prompts, inputs uniform in [32, 1024], outputs uniform in [16, 256]
+
+For each: output and total tokens/s of the engine and of transformers `generate` (batches of up to
+64 in arrival order, left-padded, each batch run to its longest request: what static batching
+costs), and their ratio. Also the decode step time at batch 1 against the memory-bandwidth bound
+(weights + KV bytes read per step over a copy bandwidth measured here) and prefill FLOP/s against
+a matmul peak measured here. Prints a table and writes JSON.
+
+    python benchmarks/offline.py [--workloads fixed,mixed] [--json out.json] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(name: str, vocab_size: int, seed: int, smoke: bool) -> Workload:
+    rng = random.Random(seed)
+    low, high = 100, vocab_size - 100  # keep clear of special tokens at both ends
+    if name == "fixed":
+        n, lens, outs = (8, [64] * 8, [8] * 8) if smoke else (64, [256] * 64, [64] * 64)
+    elif name == "mixed":
+        n = 12 if smoke else 128
+        lens = [rng.randint(16, 128) if smoke else rng.randint(32, 1024) for _ in range(n)]
+        outs = [rng.randint(4, 24) if smoke else rng.randint(16, 256) for _ in range(n)]
+    else:
+        raise ValueError(f"unknown workload {name!r}")
+    prompts = [[rng.randint(low, high) for _ in range(length)] for length in lens]
+    return Workload(name, prompts, outs)
+
+
+def run_engine(llm: LLM, workload: Workload) -> float:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    got = sum(len(o.token_ids) for o in outputs)
+    assert got == workload.output_tokens, f"engine produced {got} tokens, expected {workload.output_tokens}"
+    return elapsed
+
+
+def run_transformers(hf, workload: Workload, batch_size: int = 64) -> float:
+    start = time.perf_counter()
+    for first in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[first:first + batch_size]
+        outs = workload.output_lens[first:first + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation needs
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        longest = max(outs)
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                        do_sample=False, pad_token_id=0, eos_token_id=None)
+    return time.perf_counter() - start
+
+
+def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Read+write bytes per second of a large tensor copy: the memory-bandwidth ceiling here."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+def matmul_peak_gflops(n: int = 1536, repeats: int = 5, dtype=torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def decode_step_vs_bandwidth(llm: LLM, context: int, steps: int) -> dict:
+    """Time decode steps of a single request and compare with bytes read / copy bandwidth."""
+    engine = llm.engine
+    arch = engine.runner.arch
+    prompt = [1000 + (i % 5000) for i in range(context)]
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    while not any(d.new_token_ids for d in engine.step()):
+        pass  # prefill (possibly chunked) until the first token
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    step_s = sorted(times)[len(times) // 2]
+    itemsize = engine.runner.dtype.itemsize
+    weight_bytes = sum(p.numel() for p in engine.runner.model.parameters()) * itemsize
+    kv_bytes = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * itemsize * (context + steps // 2)
+    bandwidth = copy_bandwidth_gbs()
+    bound_s = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+    return {"context": context, "median_step_ms": step_s * 1e3, "bytes_read_per_step": weight_bytes + kv_bytes,
+            "copy_bandwidth_gbs": bandwidth, "bandwidth_bound_ms": bound_s * 1e3,
+            "fraction_of_bound": bound_s / step_s}
+
+
+def prefill_vs_peak(llm: LLM, tokens: int) -> dict:
+    engine = llm.engine
+    arch = engine.runner.arch
+    prompt = [2000 + (i % 7000) for i in range(tokens)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt[:64]], params, use_tqdm=False)  # warm up
+    start = time.perf_counter()
+    llm.generate([[t + 1 for t in prompt]], params, use_tqdm=False)  # shifted: no prefix-cache hit
+    elapsed = time.perf_counter() - start
+    matmul_params = sum(p.numel() for name, p in engine.runner.model.named_parameters() if "embed" not in name
+                        and "norm" not in name)
+    hidden = arch.num_attention_heads * arch.head_dim
+    attention_flops = 2 * 2 * arch.num_hidden_layers * hidden * tokens * tokens / 2  # QK^T and PV, causal half
+    flops = 2 * matmul_params * tokens + attention_flops
+    if arch.tie_word_embeddings:
+        flops += 2 * arch.vocab_size * arch.hidden_size  # lm_head on the last token only
+    peak = matmul_peak_gflops()
+    return {"tokens": tokens, "seconds": elapsed, "gflops": flops / elapsed / 1e9, "matmul_peak_gflops": peak,
+            "fraction_of_peak": flops / elapsed / 1e9 / peak}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--workloads", default="fixed,mixed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--smoke", action="store_true", help="tiny CI-sized run")
+    parser.add_argument("--no-transformers", action="store_true", help="engine only")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    args = parser.parse_args(argv)
+
+    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=False)
+    hf = None
+    if not args.no_transformers:
+        import transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained(_model_dir(args.model), torch_dtype=torch.float32).eval()
+    vocab = llm.engine.runner.arch.vocab_size
+    results: dict = {"model": args.model, "threads": torch.get_num_threads(), "workloads": {}}
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+    for name in args.workloads.split(","):
+        workload = make_workload(name, vocab, args.seed, args.smoke)
+        total = workload.prompt_tokens + workload.output_tokens
+        engine_s = run_engine(llm, workload)
+        row = {"requests": len(workload.prompts), "prompt_tokens": workload.prompt_tokens,
+               "output_tokens": workload.output_tokens, "engine_seconds": engine_s,
+               "engine_output_tps": workload.output_tokens / engine_s, "engine_total_tps": total / engine_s}
+        if hf is not None:
+            hf_s = run_transformers(hf, workload)
+            row.update({"transformers_seconds": hf_s, "transformers_output_tps": workload.output_tokens / hf_s,
+                        "transformers_total_tps": total / hf_s, "speedup": hf_s / engine_s})
+        results["workloads"][name] = row
+    results["decode_batch1"] = decode_step_vs_bandwidth(llm, context=64 if args.smoke else 512,
+                                                        steps=8 if args.smoke else 32)
+    results["prefill"] = prefill_vs_peak(llm, tokens=64 if args.smoke else 1024)
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+def _model_dir(model: str) -> str:
+    from engine.model.loader import resolve_model
+    return resolve_model(model).model_dir
+
+
+def print_table(results: dict) -> None:
+    print(f"\nmodel={results['model']} threads={results['threads']}")
+    print(f"{'workload':<8} {'reqs':>5} {'engine out/s':>13} {'engine tot/s':>13} {'hf out/s':>9} {'hf tot/s':>9} {'speedup':>8}")
+    for name, row in results["workloads"].items():
+        print(f"{name:<8} {row['requests']:>5} {row['engine_output_tps']:>13.1f} {row['engine_total_tps']:>13.1f} "
+              f"{row.get('transformers_output_tps', float('nan')):>9.1f} {row.get('transformers_total_tps', float('nan')):>9.1f} "
+              f"{row.get('speedup', float('nan')):>7.2f}x")
+    d, p = results["decode_batch1"], results["prefill"]
+    print(f"decode batch 1 @ {d['context']} ctx: {d['median_step_ms']:.1f} ms/step, bandwidth bound "
+          f"{d['bandwidth_bound_ms']:.1f} ms ({d['fraction_of_bound']:.0%} of bound, copy {d['copy_bandwidth_gbs']:.1f} GB/s)")
+    print(f"prefill {p['tokens']} tokens: {p['gflops']:.1f} GFLOP/s = {p['fraction_of_peak']:.0%} of matmul peak "
+          f"{p['matmul_peak_gflops']:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

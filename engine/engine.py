@@ -1,0 +1,139 @@
+"""LLMEngine: one synchronous step = schedule -> run the model -> update -> outputs.
+
+The engine glues the scheduler (who runs, which blocks), the model runner (tensors, forward,
+sampling) and, when it owns a tokenizer, incremental detokenization with stop strings. It is
+single-threaded: `AsyncEngine` drives it from one background thread.
+
+Failure contract: if the model runner raises, every request of that batch ends with
+finish_reason "error" and its blocks are freed; the engine keeps serving the others.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Sequence, Union
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import StreamDelta, TokenLogprob
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepOutput
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner=None, tokenizer=None, kv_exporter=None) -> None:
+        """`runner` and `tokenizer` default to the real ones for `config.model`; tests pass fakes."""
+        self.config = config
+        if runner is None:
+            from engine.model.loader import resolve_model
+            from engine.model_runner import ModelRunner
+            from engine.tokenizer import Tokenizer
+            loaded = resolve_model(config.model)
+            runner = ModelRunner(config, loaded)
+            tokenizer = tokenizer or Tokenizer.from_pretrained(loaded.model_dir)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+        self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
+                                   role=config.role, kv_exporter=kv_exporter)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.last_step_idle = True  # the last step scheduled nothing (e.g. all requests wait for KV)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+        return prompt
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Tokenize and validate (raises ValueError for a client's mistake); no engine state changes,
+        so any thread may call it."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, leaving no room to generate")
+        if self.tokenizer is not None:
+            bad = [t for t in token_ids if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.tokenizer.vocab_size})")
+        return Request(request_id or f"req-{next(self._ids)}", token_ids, params,
+                       eos_token_ids=self.eos_token_ids, priority=priority, cache_salt=cache_salt)
+
+    def add(self, request: Request, detokenize: bool = True) -> None:
+        self.scheduler.add_request(request)
+        if detokenize and self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, detokenize: bool = True) -> Request:
+        request = self.make_request(prompt, params, request_id, priority, cache_salt)
+        self.add(request, detokenize)
+        return request
+
+    def abort(self, request_id: str) -> StreamDelta | None:
+        final = self.scheduler.abort(request_id)
+        return self._to_delta(final) if final is not None else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        batch = self.scheduler.schedule()
+        self.last_step_idle = batch.is_empty
+        if batch.is_empty:
+            return []
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as exc:  # an internal failure ends this batch's requests, never the engine
+            logger.exception("model step failed")
+            finals = (self.scheduler.finish_with_error(seq.request.request_id, f"internal error: {exc}")
+                      for seq in batch.seqs)
+            return [self._to_delta(final) for final in finals if final is not None]
+        return [self._to_delta(out) for out in self.scheduler.update(batch, sampled)]
+
+    def _to_delta(self, out: StepOutput) -> StreamDelta:
+        request = self.scheduler.get_request(out.request_id)
+        delta = StreamDelta(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
+                            new_logprobs=[TokenLogprob(t, lp.logprob, lp.top_logprobs or [])
+                                          for t, lp in zip(out.new_token_ids, out.new_logprobs) if lp is not None
+                                          and lp.logprob is not None],
+                            finished=out.finished, finish_reason=out.finish_reason,
+                            num_cached_tokens=out.num_cached_tokens, error=out.error)
+        if request is not None:
+            delta.num_prompt_tokens = request.num_prompt_tokens
+        detok = self._detokenizers.get(out.request_id)
+        if detok is not None:
+            if out.new_token_ids or out.finished:
+                change = detok.add_tokens(out.new_token_ids, final=out.finished)
+                delta.new_text = change.new_text
+                if change.stopped and not out.finished:
+                    # A stop string matched: end the request now (frees its blocks).
+                    self.scheduler.abort(out.request_id)
+                    delta.finished, delta.finish_reason = True, "stop"
+            if delta.finished:
+                del self._detokenizers[out.request_id]
+        return delta

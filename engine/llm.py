@@ -1,0 +1,82 @@
+"""The offline API: `LLM(model="default").generate(prompts, sampling_params)`.
+
+Prompts are strings, token-id lists or chat message lists (`[{"role": ..., "content": ...}]`).
+Engine options are EngineConfig fields plus the cache and scheduler fields by name, e.g.
+`LLM(block_size=16, num_blocks=512, max_num_batched_tokens=256)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def build_engine_config(model: str = "default", **options) -> EngineConfig:
+    """Sort flat keyword options into EngineConfig / CacheConfig / SchedulerConfig; unknown names raise."""
+    groups = {name: {} for name in ("engine", "cache", "scheduler")}
+    fields = {
+        "engine": {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model"},
+        "cache": {f.name for f in dataclasses.fields(CacheConfig)},
+        "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+    }
+    for key, value in options.items():
+        owner = next((group for group, names in fields.items() if key in names), None)
+        if owner is None:
+            known = sorted(set().union(*fields.values()))
+            raise ValueError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+        groups[owner][key] = value
+    return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
+                        scheduler=SchedulerConfig(**groups["scheduler"]), **groups["engine"])
+
+
+class LLM:
+    def __init__(self, model: str = "default", **options) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[str, RequestOutput] = {}
+        for request in requests:
+            self.engine.add(request)
+            results[request.request_id] = RequestOutput(request.request_id, list(request.prompt_token_ids))
+        want_logprobs = {r.request_id: r.sampling_params.logprobs is not None for r in requests}
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as progress:
+            pending = len(requests)
+            while pending:
+                for delta in self.engine.step():
+                    output = results[delta.request_id]
+                    output.append(delta, want_logprobs[delta.request_id])
+                    if delta.finished:
+                        pending -= 1
+                        progress.update(1)
+        return [results[r.request_id] for r in requests]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one token-id prompt
+    if prompts and all(isinstance(p, dict) for p in prompts):
+        return [prompts]  # one chat conversation
+    return prompts

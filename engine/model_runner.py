@@ -1,0 +1,106 @@
+"""Turns a scheduled `Batch` into tensors, runs the model forward and samples.
+
+The runner owns the model weights, the KV cache tensors, the attention backend and the sampler;
+it never decides who runs (the scheduler does). Contract: `execute(batch)` returns one
+`SampledToken` for every scheduled sequence whose `sample` flag is set.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import get_attention_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, allocate_kv_cache, num_blocks_for_memory
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import LoadedModel
+from engine.model.rope import RotaryEmbedding
+from engine.sampler import Sampler, SamplingMetadata
+from engine.scheduler import Batch, SampledToken
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.arch = loaded.arch
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        if self.arch.sliding_window is not None:
+            # Full attention equals sliding-window attention while no context exceeds the window.
+            self.max_model_len = min(self.max_model_len, self.arch.sliding_window)
+        self.block_size = config.cache.block_size
+        self.model = self._build_model(loaded)
+        self.backend = get_attention_backend(config.backend_name)
+        self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._num_blocks(), self.block_size,
+                                                   self.dtype, self.device)
+        self.kv_layers = self.kv_cache.layers
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+
+    def _build_model(self, loaded: LoadedModel) -> LlamaForCausalLM:
+        # Built on the meta device so no memory is spent on a random init that the weights overwrite.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.arch, self.max_model_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.rotary = RotaryEmbedding(self.arch.head_dim, self.max_model_len, self.arch.rope_theta,
+                                       self.arch.rope_scaling).to(self.device)
+        model.load_weights(loaded.iter_weights())
+        return model.eval()
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+        else:
+            budget = int(cache.kv_cache_memory_gb * 2**30)
+        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+        if batch.is_empty:
+            return {}
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampled_seqs = []
+        for seq in batch.seqs:
+            end = seq.start + seq.num_new_tokens
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start, end))
+            query_lens.append(seq.num_new_tokens)
+            seq_lens.append(end)
+            block_tables.append(seq.block_table[: (end + self.block_size - 1) // self.block_size])
+            if seq.sample:
+                logits_indices.append(len(input_ids) - 1)
+                sampled_seqs.append(seq)
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if not sampled_seqs:
+            self.model(ids, pos, self.kv_layers, meta, self.backend, torch.empty(0, dtype=torch.int64, device=self.device))
+            return {}
+        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        logits = self.model(ids, pos, self.kv_layers, meta, self.backend, indices)
+        requests = [seq.request for seq in sampled_seqs]
+        sampling = SamplingMetadata.build(
+            [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests], self.arch.vocab_size, self.device)
+        out = self.sampler(logits, sampling)
+        result = {}
+        for i, request in enumerate(requests):
+            result[request.request_id] = SampledToken(
+                token_id=out.token_ids[i],
+                logprob=out.logprobs[i] if out.logprobs is not None else None,
+                top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
+        return result

@@ -1,0 +1,51 @@
+"""What the engine hands back: per-step deltas (streaming) and whole results (offline API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StreamDelta:
+    """New tokens of one request from one engine step (what `AsyncEngine.generate` yields)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefill_done"
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, delta: StreamDelta, want_logprobs: bool) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.new_text
+        if want_logprobs:
+            self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.error = delta.error

@@ -1,0 +1,176 @@
+"""The whole engine (scheduler + model runner + sampler + detokenizer) on the default model.
+
+Greedy outputs must be token-identical to transformers whatever the scheduling: chunked prefill
+at a small budget, a KV pool so small that requests are preempted, and prefix-cache hits.
+"""
+import asyncio
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.model.loader import resolve_model
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    [{"role": "user", "content": "Name a fruit that is yellow."}],
+    [{"role": "user", "content": "Écris un mot en français."}],
+    [{"role": "user", "content": "What is 2 + 2?"}],
+]
+PLAIN = ["The history of the Roman empire", "Les fleurs du jardin sont"]
+NEW = 32
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default")
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.tokenizer
+    return [tok.apply_chat_template(c) for c in CHATS] + [tok.encode(p) for p in PLAIN]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("default").model_dir,
+                                                           torch_dtype=torch.float32).eval()
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+def _assert_clean(engine):
+    engine.scheduler.check_integrity()
+    stats = engine.scheduler.stats()
+    assert stats.running == stats.waiting == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_default_config_matches_transformers(llm, prompts, reference):
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+    assert outs[0].text == llm.tokenizer.decode(reference[0])
+    _assert_clean(llm.engine)
+
+
+def test_chunked_prefill_small_budget_matches(prompts, reference):
+    small = LLM("default", max_num_batched_tokens=32, enable_prefix_caching=False)
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert small.engine.scheduler.stats().prompt_tokens_computed >= sum(len(p) for p in prompts)
+    _assert_clean(small.engine)
+
+
+def test_preemption_with_tiny_pool_matches(prompts, reference):
+    longest = max(len(p) for p in prompts) + NEW
+    blocks = (longest + 15) // 16 + 2  # one request always fits, all of them never do
+    tiny = LLM("default", num_blocks=blocks, block_size=16, enable_prefix_caching=False)
+    outs = tiny.generate(prompts, GREEDY, use_tqdm=False)
+    assert tiny.engine.scheduler.stats().num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    _assert_clean(tiny.engine)
+
+
+def test_prefix_cache_hit_gives_same_output(llm, prompts, reference):
+    shared = prompts[3] * 3  # a long prompt; run it twice
+    first = llm.generate([shared], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([shared], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 or first.num_cached_tokens < len(shared)
+    assert second.num_cached_tokens >= (len(shared) - 1) // 16 * 16 > 0
+    assert second.token_ids == first.token_ids
+    fresh = LLM("default", enable_prefix_caching=False).generate([shared], GREEDY, use_tqdm=False)[0]
+    assert fresh.token_ids == first.token_ids and fresh.num_cached_tokens == 0
+    _assert_clean(llm.engine)
+
+
+def test_agent_conversation_prefills_only_new_tokens(llm):
+    tok = llm.tokenizer
+    messages = [{"role": "system", "content": "You are a tool-using agent. Tools: search(q), calc(expr). " * 4}]
+    engine = llm.engine
+    for turn in range(10):
+        messages.append({"role": "user", "content": f"Tool result {turn}: value={turn * 17}. Next step?"})
+        prompt = tok.apply_chat_template(messages)
+        before = engine.scheduler.stats().prompt_tokens_computed
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0]
+        computed = engine.scheduler.stats().prompt_tokens_computed - before
+        assert computed == len(prompt) - out.num_cached_tokens
+        if turn > 0:
+            # everything but the last partial block of what the previous turn left in the cache
+            assert out.num_cached_tokens >= (previous_len // 16) * 16 - 16
+            assert computed < len(prompt) - previous_len + 32
+        previous_len = len(prompt) + len(out.token_ids)
+        messages.append({"role": "assistant", "content": out.text})
+    _assert_clean(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm, prompts):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].token_ids
+    mixed = llm.generate([prompts[1], prompts[0], prompts[2]],
+                         [SamplingParams(max_tokens=12, temperature=1.0), params, GREEDY], use_tqdm=False)[1]
+    assert mixed.token_ids == alone
+    other = llm.generate([prompts[0]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=99),
+                         use_tqdm=False)[0].token_ids
+    assert other != alone
+
+
+def test_stop_string_and_logprobs(llm, prompts, reference):
+    full = llm.tokenizer.decode(reference[3])
+    stop = full[10:14]
+    out = llm.generate([prompts[3]], SamplingParams(max_tokens=NEW, temperature=0.0, stop=[stop], logprobs=2),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[:full.index(stop)]
+    assert len(out.logprobs) == len(out.token_ids)
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in out.logprobs)
+    _assert_clean(llm.engine)
+
+
+def test_bad_requests_are_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[5] * 10000], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM("default", block_sise=16)
+
+
+def test_async_engine_streams_and_aborts(llm, prompts, reference):
+    engine = AsyncEngine(llm.engine)
+
+    async def collect(prompt):
+        tokens = []
+        async for delta in engine.generate(prompt, GREEDY):
+            tokens.extend(delta.new_token_ids)
+        return tokens
+
+    async def abort_early(prompt):
+        async for delta in engine.generate(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)):
+            if delta.new_token_ids:
+                break  # the caller goes away: the request must be aborted and its blocks freed
+
+    async def main():
+        results = await asyncio.gather(collect(prompts[0]), collect(prompts[4]), abort_early(prompts[1]))
+        await asyncio.sleep(0.2)
+        return results
+
+    try:
+        results = asyncio.run(main())
+        assert results[0] == reference[0] and results[1] == reference[4]
+        stats = engine.call(lambda e: e.scheduler.stats()).result(timeout=30)
+        assert stats.running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+    finally:
+        engine.shutdown()
