@@ -283,3 +283,22 @@ def test_bad_inputs_raise_clear_errors():
         Sampler()(torch.zeros(3, VOCAB), build([SamplingParams()] * 2))
     with pytest.raises(ValueError, match="built for a vocabulary of 64"):
         Sampler()(torch.zeros(1, 80), build([SamplingParams(presence_penalty=1.0)]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_agrees_with_cpu():
+    vocab = 5000
+    logits = random_logits(12, vocab=vocab, seed=40)
+    logits[:, :8] += 6.0  # peaked, like a language model: draws are far from rounding boundaries
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1),
+              SamplingParams(temperature=0.7, top_k=5, seed=2), SamplingParams(top_p=0.8, seed=3),
+              SamplingParams(min_p=0.1, seed=4), SamplingParams(repetition_penalty=1.3, seed=5, logprobs=4)] * 2
+    prompts, outputs = [[1, 2, 3]] * 12, [[4, 5, 5]] * 12
+    cpu = Sampler()(logits, build(params, vocab, prompts, outputs))
+    gpu = Sampler()(logits.cuda(), SamplingMetadata.build(params, prompts, outputs, vocab, "cuda"))
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-5)
+    top_ks = [vocab, 3, vocab, 10]
+    top_ps = [0.9, 1.0, 0.3, 0.6]
+    masks = apply_top_k_top_p(logits[:4].cuda(), torch.tensor(top_ks).cuda(), 10, torch.tensor(top_ps).cuda())
+    assert torch.equal(torch.isfinite(masks).cpu(), torch.isfinite(reference_top_k_top_p(logits[:4], top_ks, top_ps)))
