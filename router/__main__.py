@@ -1,0 +1,78 @@
+"""`python -m router --model default --prefill HOST:PORT --decode HOST:PORT [--colocated HOST:PORT]`
+
+Serves the OpenAI-compatible API on --host/--port (127.0.0.1:8000 by default) over the given
+static worker pool. `--api-key` (or the PDSERVE_API_KEY environment variable) makes every /v1
+route require `Authorization: Bearer <key>`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from router.config import DECODE_POLICIES, LOOPBACK_HOST, PREFILL_POLICIES, RouterConfig
+
+
+def _addresses(values: list[str] | None) -> list[str]:
+    """Accepts repeated flags and comma-separated lists."""
+    return [a.strip() for value in values or [] for a in value.split(",") if a.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: the OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="default",
+                   help="tokenizer source: a Hugging Face folder, a .gguf file or 'default' (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill worker (repeatable)")
+    p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeatable)")
+    p.add_argument("--colocated", action="append", metavar="HOST:PORT",
+                   help="a colocated (prefill+decode) worker (repeatable)")
+    p.add_argument("--host", default=LOOPBACK_HOST, help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PDSERVE_API_KEY)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-request-body-bytes", type=int, default=RouterConfig.max_request_body_bytes)
+    p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests)
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=RouterConfig.prefill_policy)
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=RouterConfig.decode_policy)
+    p.add_argument("--stats-interval", type=float, default=RouterConfig.stats_interval_s,
+                   help="seconds between worker health/stats polls (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    config = RouterConfig(
+        model=args.model, served_model_name=args.served_model_name, prefill=_addresses(args.prefill),
+        decode=_addresses(args.decode), colocated=_addresses(args.colocated), host=args.host, port=args.port,
+        api_key=args.api_key or None, max_model_len=args.max_model_len,
+        max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval)
+    if not (config.decode or config.colocated):
+        raise ValueError("no worker to send requests to: pass --decode HOST:PORT (with --prefill HOST:PORT) "
+                         "or --colocated HOST:PORT")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        from router.app import create_app
+        app = create_app(config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+    if config.host not in (LOOPBACK_HOST, "localhost", "::1") and config.api_key is None:
+        logging.getLogger("router").warning("binding %s without --api-key: anyone who can reach it can use it",
+                                            config.host)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The router's HTTP app: `create_app(RouterConfig)` -> FastAPI.
+
+Routes: `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`
+(Bearer `api_key` required on /v1 when configured), `GET /health` (200 only when one prefill
+and one decode worker answer, or one colocated worker does), `GET /metrics` (Prometheus),
+`GET /status` (each worker's health and load, freshly polled).
+
+A generation request: read the body (size-capped) -> validate (400/404) -> tokenize -> admit
+(429/503) -> `Generation.start()` picks workers and waits for the first token (so worker-side
+refusals still become proper HTTP statuses) -> stream SSE or collect one body. A client that
+disconnects at any point cancels its Generate stream, and the decode worker frees the blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router import protocol
+from router.config import RouterConfig
+from router.dispatch import ClientGone, Dispatcher
+from router.errors import (APIError, context_length_exceeded, install_error_handlers, invalid_request,
+                           model_not_found, payload_too_large, unauthorized, unavailable)
+from router.logprobs import TokenText
+from router.metrics import RouterMetrics
+from router.policies import make_decode_policy, make_prefill_policy
+from router.pool import WorkerPool
+from router.streaming import OutputAssembler, ResponseContext, collect, sse_events
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (metrics only)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/status", "/metrics")
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    tokenizer: Any
+    max_model_len: int
+    pool: WorkerPool
+    metrics: RouterMetrics
+    dispatcher: Dispatcher
+    token_text: TokenText
+    created: int
+
+
+def create_app(config: RouterConfig, tokenizer: Any = None, pool: WorkerPool | None = None) -> FastAPI:
+    """Build the app. `tokenizer` defaults to `Tokenizer.from_pretrained(config.model)`; `pool`
+    to a `WorkerPool` over the config's static worker lists (the Ray controller passes its own)."""
+    if tokenizer is None:
+        from engine.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_pretrained(config.model)
+    max_model_len = config.max_model_len or tokenizer.max_model_len
+    if not max_model_len:
+        raise ValueError(f"the tokenizer at {config.model!r} does not say the model's context length; "
+                         "set max_model_len (--max-model-len)")
+    pool = pool or WorkerPool(config)
+    metrics = RouterMetrics(pool)
+    dispatcher = Dispatcher(config, pool, make_prefill_policy(config), make_decode_policy(config), metrics)
+    state = RouterState(config, tokenizer, max_model_len, pool, metrics, dispatcher, TokenText(tokenizer),
+                        protocol.now())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+    install_error_handlers(app)
+    app.add_middleware(_ResponseCounter, metrics=metrics)
+    app.include_router(_api_routes(state))
+    app.include_router(_ops_routes(state))
+    return app
+
+
+# ---- /v1 ----------------------------------------------------------------------------------------
+
+def _api_routes(state: RouterState) -> APIRouter:
+    async def require_api_key(request: Request) -> None:
+        expected = state.config.api_key
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+            raise unauthorized()
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @api.get("/models")
+    async def list_models() -> dict[str, Any]:
+        card = protocol.model_card(state.config.served_model_name, state.max_model_len, state.created)
+        return {"object": "list", "data": [card]}
+
+    @api.get("/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        if model != state.config.served_model_name:
+            raise model_not_found(model, state.config.served_model_name)
+        return protocol.model_card(model, state.max_model_len, state.created)
+
+    @api.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, "completions")
+
+    @api.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(state, request, "chat")
+
+    return api
+
+
+async def _generate(state: RouterState, http_request: Request, endpoint: protocol.Endpoint) -> Response:
+    timer = state.metrics.start_request()
+    data = await _read_json_body(http_request, state.config.max_request_body_bytes)
+    model_cls = protocol.CompletionRequest if endpoint == "completions" else protocol.ChatCompletionRequest
+    request = protocol.parse_request(model_cls, data)
+    if request.model != state.config.served_model_name:
+        raise model_not_found(request.model, state.config.served_model_name)
+    prompt_token_ids = await _prompt_token_ids(state, request)
+    params = request.sampling_params(_max_tokens(state, request, len(prompt_token_ids)), _logprobs(request))
+
+    request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    generation = state.dispatcher.generation(request_id, prompt_token_ids, params, timer,
+                                             request.cache_salt, request.priority)
+    watcher = _DisconnectWatcher(http_request, generation.cancel)
+    try:
+        first_chunk = await generation.start()
+    except BaseException as exc:
+        watcher.stop()
+        generation.close("abort" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+        if isinstance(exc, ClientGone):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise
+
+    assembler = OutputAssembler(state.tokenizer, prompt_token_ids, params)
+    context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
+                              want_logprobs=params.logprobs is not None,
+                              include_usage=request.include_usage_in_stream)
+    if request.stream:
+        async def body():
+            try:
+                async for piece in sse_events(context, generation, assembler, first_chunk):
+                    yield piece
+            finally:
+                watcher.stop()
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        return JSONResponse(await collect(context, generation, assembler, first_chunk))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        watcher.stop()
+
+
+async def _read_json_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise payload_too_large(limit)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise payload_too_large(limit)
+    if not body:
+        raise invalid_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def _prompt_token_ids(state: RouterState, request: Any) -> list[int]:
+    tokenizer = state.tokenizer
+    if isinstance(request, protocol.ChatCompletionRequest):
+        param = "messages"
+        try:
+            token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, request.messages,
+                                                request.add_generation_prompt)
+        except ValueError as exc:
+            raise invalid_request(str(exc), param) from None
+    else:
+        param = "prompt"
+        prompt = request.single_prompt()
+        if isinstance(prompt, str):
+            token_ids = await asyncio.to_thread(tokenizer.encode, prompt) if prompt else []
+        else:
+            token_ids = prompt
+            vocab_size = tokenizer.vocab_size
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise invalid_request(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})", param)
+    if not token_ids:
+        raise invalid_request("the prompt is empty", param)
+    if len(token_ids) >= state.max_model_len:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
+            f"{len(token_ids)} tokens, leaving no room to generate. Shorten the {param}.", param)
+    return token_ids
+
+
+def _max_tokens(state: RouterState, request: Any, num_prompt_tokens: int) -> int:
+    if isinstance(request, protocol.ChatCompletionRequest):
+        requested, param = request.requested_max_tokens, (
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens")
+    else:
+        requested, param = request.max_tokens, "max_tokens"
+    room = state.max_model_len - num_prompt_tokens
+    if requested is None:
+        return room
+    if requested >= 1 and requested > room:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
+            f"completion). Reduce the prompt or {param}.", param)
+    return requested
+
+
+def _logprobs(request: Any) -> int | None:
+    if isinstance(request, protocol.ChatCompletionRequest):
+        return request.requested_logprobs
+    return request.logprobs
+
+
+class _DisconnectWatcher:
+    """Calls `on_disconnect` when the HTTP client goes away (after the body has been read)."""
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
+        self._receive = request.receive
+        self._on_disconnect = on_disconnect
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._on_disconnect()
+                return
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+# ---- operations ---------------------------------------------------------------------------------
+
+def _ops_routes(state: RouterState) -> APIRouter:
+    ops = APIRouter()
+
+    @ops.get("/health")
+    async def health() -> Response:
+        if not state.pool.ready:
+            raise unavailable("not ready: no healthy prefill + decode pair and no healthy colocated worker",
+                              state.config.retry_after_s)
+        return JSONResponse({"status": "ok"})
+
+    @ops.get("/status")
+    async def status() -> dict[str, Any]:
+        await state.pool.poll_all()
+        return {"model": state.config.served_model_name, "ready": state.pool.ready,
+                "max_model_len": state.max_model_len, "inflight_requests": state.dispatcher.inflight,
+                "prefill_policy": state.dispatcher.prefill_policy.name,
+                "decode_policy": state.dispatcher.decode_policy.name,
+                "workers": [worker.status() for worker in state.pool.workers()]}
+
+    @ops.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return ops
+
+
+class _ResponseCounter:
+    """ASGI middleware: counts responses by endpoint and status code (streams at their start)."""
+
+    def __init__(self, app, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in COUNTED_PATHS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        counted = False
+
+        async def counting_send(message) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.responses.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if not counted:
+                self.metrics.responses.labels(endpoint, str(CLIENT_CLOSED_REQUEST)).inc()

@@ -1,0 +1,53 @@
+"""gRPC clients for the workers: one `grpc.aio` channel and stub per worker address.
+
+The router talks to decode and colocated workers through `DecodeService` (Generate, Abort,
+Health, Stats) and to prefill workers only through `PrefillService` Health/Stats (the decode
+worker is the one that calls `Prefill`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from engine import wire
+
+# Generous limits: a long prompt's token ids travel in one message.
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20),
+                   ("grpc.max_receive_message_length", 64 * 2**20),
+                   ("grpc.keepalive_time_ms", 30_000),
+                   ("grpc.keepalive_timeout_ms", 10_000)]
+
+
+class WorkerClient:
+    """Stubs for one worker; `role` is "prefill", "decode" or "both" (colocated)."""
+
+    def __init__(self, address: str, role: str) -> None:
+        messages, services = wire.load()
+        self.address = address
+        self.role = role
+        self.messages = messages
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if role == "prefill":
+            self._stub = services.PrefillServiceStub(self._channel)
+        else:
+            self._stub = services.DecodeServiceStub(self._channel)
+
+    async def health(self, timeout: float) -> Any:
+        return await self._stub.Health(self.messages.HealthRequest(), timeout=timeout)
+
+    async def stats(self, timeout: float) -> Any:
+        return await self._stub.Stats(self.messages.StatsRequest(), timeout=timeout)
+
+    async def abort(self, request_id: str, timeout: float) -> bool:
+        response = await self._stub.Abort(self.messages.AbortRequest(request_id=request_id), timeout=timeout)
+        return bool(response.found)
+
+    def generate(self, request: Any) -> grpc.aio.UnaryStreamCall:
+        """Open the server stream of TokenChunks (decode and colocated workers only)."""
+        if self.role == "prefill":
+            raise ValueError(f"worker {self.address} is a prefill worker; Generate goes to a decode worker")
+        return self._stub.Generate(request, wait_for_ready=False)
+
+    async def close(self) -> None:
+        await self._channel.close()

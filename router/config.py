@@ -1,0 +1,109 @@
+"""Router configuration: one dataclass, validated at construction (no module globals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_hash import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS
+
+PREFILL_POLICIES = ("prefix_affinity", "round_robin")
+DECODE_POLICIES = ("power_of_two", "round_robin")
+LOOPBACK_HOST = "127.0.0.1"
+
+
+def check_grpc_address(address: str, what: str) -> str:
+    """`host:port` with a port in 1..65535 ([v6]:port allowed); ValueError naming `what` otherwise."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"{what} address {address!r} must look like host:port, e.g. 127.0.0.1:50051")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} address {address!r} must look like host:port with a port in 1..65535")
+    return address
+
+
+@dataclass
+class RouterConfig:
+    """Everything `create_app` needs.
+
+    `model` is the tokenizer source (a Hugging Face folder, a .gguf file or `default`);
+    `served_model_name` is the name clients send in `model` (defaults to `model`).
+    Worker lists are the static pool; the Ray controller may add and remove workers later.
+    """
+    model: str = "default"
+    served_model_name: str | None = None
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    colocated: list[str] = field(default_factory=list)
+    host: str = LOOPBACK_HOST
+    port: int = 8000
+    api_key: str | None = None
+    max_model_len: int | None = None  # None: the tokenizer's (the model's) context length
+    max_request_body_bytes: int = 8 * 2**20
+    max_inflight_requests: int = 1024  # beyond it: 429 with Retry-After
+    retry_after_s: int = 1
+    prefill_policy: str = "prefix_affinity"
+    decode_policy: str = "power_of_two"
+    # KV block size used for prefix-affinity hashes until a worker reports its own.
+    block_size: int = 16
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
+    # Per worker, how many recently routed block hashes the affinity tables remember.
+    affinity_capacity_blocks: int = 65536
+    # Prefix affinity yields to load when the preferred worker has this many more queued
+    # prefill tokens than the least loaded one.
+    affinity_max_imbalance_tokens: int = 16384
+    # A cached prefix attracts a request only when it covers at least this share of the prompt's
+    # full blocks (so a shared system prompt alone does not pile every request onto one worker).
+    affinity_min_match_ratio: float = 0.5
+    # Conversation affinity on decode yields when the preferred worker has this many more
+    # requests in flight than the least loaded one.
+    affinity_max_imbalance_requests: int = 8
+    # A decode worker with less than this share of free KV blocks is avoided when others have room.
+    kv_free_low_watermark: float = 0.05
+    stats_interval_s: float = 1.0
+    rpc_timeout_s: float = 2.0
+    # Consecutive failed polls before a worker is taken out of routing.
+    unhealthy_after_failures: int = 2
+    # When a decode worker does not answer a Generate call, retry on another one this many times.
+    max_dispatch_retries: int = 1
+    seed: int = 0  # for the power-of-two sampler, so routing is reproducible in tests
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string (a model folder, a .gguf file or 'default')")
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        for role, addresses in (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated)):
+            for address in addresses:
+                check_grpc_address(address, f"{role} worker")
+        all_addresses = [*self.prefill, *self.decode, *self.colocated]
+        duplicates = sorted({a for a in all_addresses if all_addresses.count(a) > 1})
+        if duplicates:
+            raise ValueError(f"worker address(es) listed more than once: {', '.join(duplicates)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set (omit it to disable authentication)")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"unknown prefill policy {self.prefill_policy!r}; choose one of {', '.join(PREFILL_POLICIES)}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"unknown decode policy {self.decode_policy!r}; choose one of {', '.join(DECODE_POLICIES)}")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"unknown hash algorithm {self.hash_algorithm!r}; choose one of {', '.join(HASH_ALGORITHMS)}")
+        positive = {"max_request_body_bytes": self.max_request_body_bytes,
+                    "max_inflight_requests": self.max_inflight_requests, "block_size": self.block_size,
+                    "affinity_capacity_blocks": self.affinity_capacity_blocks,
+                    "unhealthy_after_failures": self.unhealthy_after_failures,
+                    "stats_interval_s": self.stats_interval_s, "rpc_timeout_s": self.rpc_timeout_s,
+                    "retry_after_s": self.retry_after_s}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("affinity_max_imbalance_tokens", "affinity_max_imbalance_requests", "max_dispatch_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("affinity_min_match_ratio", "kv_free_low_watermark"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")

@@ -1,0 +1,236 @@
+"""Sending a request to the workers: admission, worker choice, the Generate stream, cleanup.
+
+A `Generation` is one request's life on the cluster, as the router sees it:
+
+    NEW        admitted (counts against max_inflight_requests), no worker chosen yet
+    STARTING   decode (+ prefill) worker chosen, Generate opened, waiting for the first chunk;
+               a decode worker that does not answer (UNAVAILABLE) is marked unhealthy and the
+               request goes to another one (max_dispatch_retries times)
+    STREAMING  chunks flow; `cancel()` (client gone) or `abort()` (stop string) end it early
+    CLOSED     `close()`: load counts released, affinity recorded, metrics observed, the stream
+               cancelled if it was still open (the decode worker then aborts and frees blocks)
+
+Every path ends in CLOSED exactly once (the HTTP layer calls `close()` in a `finally`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Sequence
+
+import grpc
+
+from engine.block_hash import hash_full_blocks
+from engine.sampling_params import SamplingParams
+from router.config import RouterConfig
+from router.errors import APIError, invalid_request, overloaded, unavailable, upstream_failed
+from router.metrics import RequestTimer, RouterMetrics
+from router.policies import Policy
+from router.pool import Assignment, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The HTTP client went away; its request was cancelled on the workers."""
+
+
+def rpc_error_to_api(exc: grpc.aio.AioRpcError, retry_after_s: int) -> APIError:
+    """A worker's gRPC status as the HTTP error the client should see."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        error = invalid_request(details)
+        if "context" in details:
+            error.code = "context_length_exceeded"
+        return error
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return overloaded(f"the decode worker is at capacity: {details}", retry_after_s)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return unavailable(f"no decode worker could take the request: {details}", retry_after_s)
+    return upstream_failed(f"the decode worker failed the request ({code.name}): {details}")
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.metrics = metrics
+        self.inflight = 0
+        self._background: set[asyncio.Task] = set()
+        pool.removal_listeners.extend([prefill_policy.forget, decode_policy.forget])
+
+    def generation(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                   timer: RequestTimer, cache_salt: str | None = None, priority: int = 0) -> "Generation":
+        """Admit a request (429 when the router is full, 503 when no worker can serve it)."""
+        if not self.pool.routable("decode", "both"):
+            raise unavailable("no healthy decode worker is available; try again shortly", self.config.retry_after_s)
+        if self.inflight >= self.config.max_inflight_requests:
+            raise overloaded(f"the router already has {self.inflight} requests in flight "
+                             f"(max_inflight_requests={self.config.max_inflight_requests})", self.config.retry_after_s)
+        self.inflight += 1
+        return Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
+
+    def wire_request(self, generation: "Generation", prefill_address: str) -> Any:
+        from engine import wire
+        pb = wire.messages()
+        params = generation.params
+        sampling = pb.SamplingParams(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            min_p=params.min_p, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+            stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+        if params.seed is not None:
+            sampling.seed = params.seed
+        if params.logprobs is not None:
+            sampling.logprobs = params.logprobs
+        return pb.GenerateRequest(request_id=generation.request_id, prompt_token_ids=generation.prompt_token_ids,
+                                  sampling=sampling, prefill_address=prefill_address,
+                                  priority=generation.priority, cache_salt=generation.cache_salt or "")
+
+    def send_abort(self, address: str, request_id: str) -> None:
+        """Fire-and-forget Abort on a worker (idempotent on the worker's side)."""
+        client = self.pool.client(address) if self.pool.get(address) is not None else None
+        if client is None:
+            return
+
+        async def abort() -> None:
+            try:
+                await client.abort(request_id, self.config.rpc_timeout_s)
+            except (grpc.RpcError, asyncio.TimeoutError) as exc:
+                logger.debug("Abort(%s) on %s failed: %s", request_id, address, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class Generation:
+    def __init__(self, dispatcher: Dispatcher, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, timer: RequestTimer, cache_salt: str | None, priority: int) -> None:
+        self.dispatcher = dispatcher
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.timer = timer
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.hashes = dispatcher.block_hashes(prompt_token_ids, cache_salt)
+        self.assignment: Assignment | None = None
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._cancelled = False
+        self._closed = False
+        self._stream_ended = False
+
+    @property
+    def decode_address(self) -> str | None:
+        return self.assignment.decode.address if self.assignment else None
+
+    @property
+    def prefill_address(self) -> str | None:
+        return self.assignment.prefill_address if self.assignment else None
+
+    async def start(self) -> Any:
+        """Choose workers, open Generate and return the first TokenChunk (see the module docstring)."""
+        d = self.dispatcher
+        tried: set[str] = set()
+        last_error = ""
+        for attempt in range(d.config.max_dispatch_retries + 1):
+            if self._cancelled:
+                raise ClientGone()
+            candidates = [w for w in d.pool.routable("decode", "both") if w.address not in tried]
+            if not candidates:
+                break
+            decode = d.decode_policy.choose(candidates, self.hashes)
+            prefill = None
+            if decode.worker.role == "decode":
+                prefill_candidates = d.pool.routable("prefill")
+                if prefill_candidates:
+                    prefill = d.prefill_policy.choose(prefill_candidates, self.hashes)
+                    d.metrics.routing.labels("prefill", prefill.reason).inc()
+                    d.prefill_policy.record(prefill.worker, self.hashes)
+            d.metrics.routing.labels("decode", decode.reason).inc()
+            d.decode_policy.record(decode.worker, self.hashes)
+            self.assignment = d.pool.assign(decode.worker, prefill.worker if prefill else None,
+                                             len(self.prompt_token_ids))
+            request = d.wire_request(self, self.assignment.prefill_address)
+            self._call = d.pool.client(decode.worker.address).generate(request)
+            if attempt == 0:
+                self.timer.dispatched()
+            try:
+                chunk = await self._read()
+            except grpc.aio.AioRpcError as exc:
+                self.assignment.release()
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise rpc_error_to_api(exc, d.config.retry_after_s) from None
+                last_error = f"{decode.worker.address}: {exc.details()}"
+                d.pool.mark_unhealthy(decode.worker.address, f"Generate failed: {exc.details()}")
+                tried.add(decode.worker.address)
+                continue
+            if chunk is None:
+                raise upstream_failed(f"decode worker {decode.worker.address} closed the stream "
+                                      "before sending a token")
+            return chunk
+        detail = f" (last error: {last_error})" if last_error else ""
+        raise unavailable(f"no decode worker could take the request{detail}", d.config.retry_after_s)
+
+    async def next_chunk(self) -> Any | None:
+        """The next TokenChunk; None when the stream has ended."""
+        try:
+            return await self._read()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error_to_api(exc, self.dispatcher.config.retry_after_s) from None
+
+    async def _read(self) -> Any | None:
+        try:
+            chunk = await self._call.read()
+        except asyncio.CancelledError:
+            if self._cancelled:
+                raise ClientGone() from None
+            raise
+        if chunk is grpc.aio.EOF:
+            self._stream_ended = True
+            return None
+        if chunk.token_ids:
+            self.assignment.prefill_done()
+            if self.timer.first_token is None:
+                self.timer.kv_transfer(chunk.kv_bytes_received, chunk.kv_transfer_seconds)
+            self.timer.tokens(len(chunk.token_ids))
+        if chunk.finish_reason:
+            self._stream_ended = True
+        return chunk
+
+    def cancel(self) -> None:
+        """The client is gone: cancel the stream (the decode worker aborts the request)."""
+        if self._closed or self._cancelled:
+            return
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    def abort(self) -> None:
+        """The router ended the request (a stop string): cancel the stream and send Abort."""
+        if self._call is not None and not self._stream_ended:
+            self._call.cancel()
+            self.dispatcher.send_abort(self.assignment.decode.address, self.request_id)
+        self._stream_ended = True
+
+    def close(self, finish_reason: str, output_token_ids: Sequence[int] = (), num_cached_tokens: int = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        d = self.dispatcher
+        d.inflight -= 1
+        if self._call is not None and not self._stream_ended:
+            self._call.cancel()
+        if self.assignment is not None:
+            self.assignment.release()
+            if finish_reason in ("stop", "length") and output_token_ids:
+                sequence = self.prompt_token_ids + list(output_token_ids)
+                d.decode_policy.record(self.assignment.decode, d.block_hashes(sequence, self.cache_salt))
+        self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)

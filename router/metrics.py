@@ -1,0 +1,140 @@
+"""Prometheus metrics of the router, all named `pdserve:*`, in a registry owned by the app.
+
+Per request (histograms, seconds): time to first token, time per output token (after the
+first), inter-token latency (between token chunks), end-to-end latency, queue time (arrival to
+the Generate call being opened), KV transfer time. Counters: requests by finish reason, HTTP
+responses by endpoint and status code, prompt / generation / cached tokens, KV bytes moved,
+routing decisions by role and reason. Per-worker gauges are read from the pool at scrape time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from router.pool import WorkerPool
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+class RouterMetrics:
+    def __init__(self, pool: WorkerPool, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Arrival to the first output token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between consecutive token chunks.",
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to the last output token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve:request_queue_time_seconds",
+                                    "Arrival to the Generate call being opened on a decode worker.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_time = Histogram("pdserve:kv_transfer_seconds",
+                                          "KV transfer time per remotely prefilled request.",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("pdserve:request_finished", "Requests finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.responses = Counter("pdserve:http_responses", "HTTP responses, by endpoint and status code.",
+                                 ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Output tokens streamed.", registry=r)
+        self.cached_tokens = Counter("pdserve:cached_prompt_tokens",
+                                     "Prompt tokens served from a prefix cache.", registry=r)
+        self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes moved into decode workers.", registry=r)
+        self.routing = Counter("pdserve:routing_decisions", "Worker choices, by role and reason.",
+                               ["role", "reason"], registry=r)
+        self.registry.register(_PoolCollector(pool))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start_request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+@dataclass
+class RequestTimer:
+    """One request's clock: arrival, dispatch, token chunks, finish (observed once)."""
+    metrics: RouterMetrics
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+
+    def dispatched(self) -> None:
+        self.metrics.queue_time.observe(time.monotonic() - self.arrival)
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+        elif self.last_token is not None:
+            self.metrics.itl.observe(now - self.last_token)
+        self.last_token = now
+        self.num_tokens += count
+        self.metrics.generation_tokens.inc(count)
+
+    def kv_transfer(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes:
+            self.metrics.kv_bytes.inc(num_bytes)
+        if seconds > 0:
+            self.metrics.kv_transfer_time.observe(seconds)
+
+    def finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        now = time.monotonic()
+        self.metrics.finished.labels(finish_reason).inc()
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_tokens.inc(cached_tokens)
+        if self.first_token is not None:
+            self.metrics.e2e.observe(now - self.arrival)
+            if self.num_tokens > 1 and self.last_token is not None:
+                self.metrics.tpot.observe((self.last_token - self.first_token) / (self.num_tokens - 1))
+
+
+_WORKER_GAUGES = (
+    ("healthy", "1 when the worker answers its health checks.", lambda w: float(w.healthy)),
+    ("running_requests", "Requests running on the worker.", lambda w: w.stat("running")),
+    ("waiting_requests", "Requests waiting on the worker.", lambda w: w.stat("waiting")),
+    ("kv_blocks_total", "KV cache blocks of the worker.", lambda w: w.stat("kv_blocks_total")),
+    ("kv_blocks_free", "Free KV cache blocks of the worker.", lambda w: w.stat("kv_blocks_free")),
+    ("kv_blocks_cached", "KV blocks holding reusable prefixes.", lambda w: w.stat("kv_blocks_cached")),
+    ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
+     lambda w: w.prefix_cache_hit_rate or 0.0),
+    ("prefill_tokens_queued", "Prompt tokens the worker has not computed yet.",
+     lambda w: w.stat("prefill_tokens_queued")),
+    ("router_inflight_requests", "This router's requests on the worker.", lambda w: w.inflight_requests),
+)
+
+
+class _PoolCollector:
+    """Per-worker gauges, read from the pool when Prometheus scrapes (removed workers vanish)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def collect(self):
+        workers = self._pool.workers()
+        for name, help_text, read in _WORKER_GAUGES:
+            family = GaugeMetricFamily(f"pdserve:worker_{name}", help_text, labels=["worker", "role"])
+            for worker in workers:
+                family.add_metric([worker.address, worker.role], float(read(worker)))
+            yield family
+
+    def describe(self):
+        return []

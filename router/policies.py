@@ -1,0 +1,189 @@
+"""Routing policies: which prefill worker and which decode worker serve a request.
+
+Both kinds take the routable candidates and the prompt's chained block hashes (the same ones
+the engine computes, `engine.block_hash`) and return a `Choice` (the worker and why). After the
+request is sent, `record` tells the policy where those blocks now live.
+
+- `PrefixAffinityPrefill`: the worker that recently prefilled the longest run of the prompt's
+  blocks wins, when that run covers at least `affinity_min_match_ratio` of them and the worker
+  is not more than `affinity_max_imbalance_tokens` queued prefill tokens behind the least
+  loaded one; otherwise the least loaded (queued prefill tokens, then requests sent).
+- `PowerOfTwoDecode`: conversation affinity first (the worker that holds most of this prompt's
+  blocks from an earlier turn, unless it is short of KV blocks or far busier than the
+  least loaded); otherwise sample two workers and take the less loaded (KV pressure, then
+  requests in flight).
+- `RoundRobin`: the baseline, for either role.
+"""
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from engine.block_hash import BlockHash
+from router.config import RouterConfig
+from router.pool import WorkerInfo
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker: WorkerInfo
+    reason: str  # "prefix_affinity", "conversation_affinity", "load", "power_of_two", "round_robin"
+    matched_blocks: int = 0
+
+
+class AffinityTable:
+    """Per worker, the block hashes recently routed to it, oldest forgotten first (bounded)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._tables: dict[str, OrderedDict[BlockHash, None]] = {}
+
+    def record(self, address: str, hashes: Sequence[BlockHash]) -> None:
+        table = self._tables.setdefault(address, OrderedDict())
+        for block_hash in hashes:
+            table[block_hash] = None
+            table.move_to_end(block_hash)
+        while len(table) > self.capacity_blocks:
+            table.popitem(last=False)
+
+    def matched_blocks(self, address: str, hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading `hashes` this worker has (the chain stops at the first miss)."""
+        table = self._tables.get(address)
+        if not table:
+            return 0
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in table:
+                break
+            count += 1
+        return count
+
+    def forget(self, address: str) -> None:
+        self._tables.pop(address, None)
+
+    def size(self, address: str) -> int:
+        return len(self._tables.get(address, ()))
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash]) -> Choice:
+        """Pick one of `candidates` (non-empty)."""
+
+    def record(self, worker: WorkerInfo, hashes: Sequence[BlockHash]) -> None:
+        """`hashes` (a prompt's, or a finished sequence's) are now cached on `worker`."""
+
+    def forget(self, address: str) -> None:
+        """The worker left the pool."""
+
+
+def _best_match(table: AffinityTable, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash],
+                min_ratio: float) -> tuple[list[WorkerInfo], int]:
+    """The candidates sharing the longest cached run of `hashes`, if it is long enough to count."""
+    if not hashes:
+        return [], 0
+    matches = {w.address: table.matched_blocks(w.address, hashes) for w in candidates}
+    best = max(matches.values())
+    if best == 0 or best / len(hashes) < min_ratio:
+        return [], 0
+    return [w for w in candidates if matches[w.address] == best], best
+
+
+class PrefixAffinityPrefill:
+    name = "prefix_affinity"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.table = AffinityTable(config.affinity_capacity_blocks)
+        self.min_match_ratio = config.affinity_min_match_ratio
+        self.max_imbalance_tokens = config.affinity_max_imbalance_tokens
+
+    @staticmethod
+    def _load(worker: WorkerInfo) -> tuple[int, int, int]:
+        return worker.prefill_load_tokens, worker.inflight_requests, worker.num_routed
+
+    def choose(self, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash]) -> Choice:
+        least_loaded = min(candidates, key=self._load)
+        preferred, matched = _best_match(self.table, candidates, hashes, self.min_match_ratio)
+        if preferred:
+            worker = min(preferred, key=self._load)
+            if worker.prefill_load_tokens - least_loaded.prefill_load_tokens <= self.max_imbalance_tokens:
+                return Choice(worker, "prefix_affinity", matched)
+        return Choice(least_loaded, "load")
+
+    def record(self, worker: WorkerInfo, hashes: Sequence[BlockHash]) -> None:
+        self.table.record(worker.address, hashes)
+
+    def forget(self, address: str) -> None:
+        self.table.forget(address)
+
+
+class PowerOfTwoDecode:
+    name = "power_of_two"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.table = AffinityTable(config.affinity_capacity_blocks)
+        self.min_match_ratio = config.affinity_min_match_ratio
+        self.max_imbalance_requests = config.affinity_max_imbalance_requests
+        self.low_watermark = config.kv_free_low_watermark
+        self._rng = random.Random(config.seed)
+
+    def _short_of_kv(self, worker: WorkerInfo) -> bool:
+        total = worker.stat("kv_blocks_total")
+        return bool(total) and worker.stat("kv_blocks_free") / total < self.low_watermark
+
+    @staticmethod
+    def _requests(worker: WorkerInfo) -> int:
+        return max(worker.inflight_requests, worker.stat("running") + worker.stat("waiting"))
+
+    def _load(self, worker: WorkerInfo) -> tuple[bool, int]:
+        return self._short_of_kv(worker), self._requests(worker)
+
+    def choose(self, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash]) -> Choice:
+        preferred, matched = _best_match(self.table, candidates, hashes, self.min_match_ratio)
+        if preferred:
+            worker = min(preferred, key=self._load)
+            fewest = min(self._requests(w) for w in candidates)
+            if not self._short_of_kv(worker) and self._requests(worker) - fewest <= self.max_imbalance_requests:
+                return Choice(worker, "conversation_affinity", matched)
+        if len(candidates) == 1:
+            return Choice(candidates[0], "power_of_two")
+        first, second = self._rng.sample(list(candidates), 2)
+        return Choice(second if self._load(second) < self._load(first) else first, "power_of_two")
+
+    def record(self, worker: WorkerInfo, hashes: Sequence[BlockHash]) -> None:
+        self.table.record(worker.address, hashes)
+
+    def forget(self, address: str) -> None:
+        self.table.forget(address)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash]) -> Choice:
+        ordered = sorted(candidates, key=lambda w: w.address)
+        worker = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Choice(worker, "round_robin")
+
+    def record(self, worker: WorkerInfo, hashes: Sequence[BlockHash]) -> None:
+        pass
+
+    def forget(self, address: str) -> None:
+        pass
+
+
+def make_prefill_policy(config: RouterConfig) -> Policy:
+    return PrefixAffinityPrefill(config) if config.prefill_policy == "prefix_affinity" else RoundRobin(config)
+
+
+def make_decode_policy(config: RouterConfig) -> Policy:
+    return PowerOfTwoDecode(config) if config.decode_policy == "power_of_two" else RoundRobin(config)

@@ -1,0 +1,308 @@
+"""The worker registry: who serves, where, how healthy and how loaded.
+
+`WorkerPool` holds one `WorkerInfo` (and one gRPC client) per worker address. It starts from the
+static lists in `RouterConfig`; the Ray controller (deploy/) feeds it through the same methods:
+
+    add_worker(role, address)        a new worker; polled at once, routable once it answers
+    drain_worker(address)            no new requests; in-flight ones finish
+    remove_worker(address)           drain, then close the channel when nothing is in flight
+    mark_unhealthy(address, reason)  out of routing until a poll succeeds again
+
+A background task polls every worker's Health and Stats each `stats_interval_s`; a worker is
+routable when its last `unhealthy_after_failures` polls did not all fail and Health said ok.
+Besides the polled stats, the pool counts what this router has in flight on each worker (open
+Generate streams, prompt tokens not yet prefilled), which is fresher than any poll.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from router.client import WorkerClient
+from router.config import RouterConfig, check_grpc_address
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class WorkerInfo:
+    role: str  # "prefill", "decode" or "both" (colocated)
+    address: str  # gRPC host:port
+    healthy: bool = False
+    draining: bool = False
+    stats: Any = None  # the last WorkerStats message
+    model: str = ""
+    transport_address: str = ""
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    last_poll_time: float | None = None
+    inflight_requests: int = 0  # this router's requests on this worker
+    outstanding_prefill_tokens: int = 0  # prompt tokens sent here whose first token has not come back
+    num_routed: int = 0  # requests this router has sent here, ever
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def stat(self, name: str, default: int = 0) -> int:
+        return int(getattr(self.stats, name)) if self.stats is not None else default
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        queries = self.stat("prefix_cache_queries")
+        return self.stat("prefix_cache_hits") / queries if queries else None
+
+    @property
+    def prefill_load_tokens(self) -> int:
+        """Queued prefill tokens: this router's outstanding ones or the worker's own count, whichever is larger."""
+        return max(self.outstanding_prefill_tokens, self.stat("prefill_tokens_queued"))
+
+    def status(self) -> dict[str, Any]:
+        return {"role": self.role, "address": self.address, "healthy": self.healthy, "draining": self.draining,
+                "model": self.model, "transport_address": self.transport_address,
+                "running": self.stat("running"), "waiting": self.stat("waiting"),
+                "kv_blocks_total": self.stat("kv_blocks_total"), "kv_blocks_free": self.stat("kv_blocks_free"),
+                "kv_blocks_cached": self.stat("kv_blocks_cached"), "block_size": self.stat("block_size"),
+                "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "prefill_tokens_queued": self.stat("prefill_tokens_queued"),
+                "num_preemptions": self.stat("num_preemptions"),
+                "kv_bytes_sent": self.stat("kv_bytes_sent"), "kv_bytes_received": self.stat("kv_bytes_received"),
+                "router_inflight_requests": self.inflight_requests,
+                "router_outstanding_prefill_tokens": self.outstanding_prefill_tokens,
+                "router_num_routed": self.num_routed,
+                "last_error": self.last_error, "last_poll_time": self.last_poll_time}
+
+
+@dataclass
+class Assignment:
+    """One request's place in the pool; releases its load counts exactly once."""
+    pool: "WorkerPool"
+    decode: WorkerInfo
+    prefill: WorkerInfo | None
+    num_prompt_tokens: int
+    _prefill_released: bool = False
+    _released: bool = False
+
+    @property
+    def prefill_address(self) -> str:
+        return self.prefill.address if self.prefill is not None else ""
+
+    def prefill_done(self) -> None:
+        if self.prefill is not None and not self._prefill_released:
+            self._prefill_released = True
+            self.prefill.outstanding_prefill_tokens -= self.num_prompt_tokens
+            self.prefill.inflight_requests -= 1
+            self.pool._maybe_close(self.prefill)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self.prefill_done()
+        self._released = True
+        self.decode.inflight_requests -= 1
+        self.pool._maybe_close(self.decode)
+
+
+@dataclass
+class WorkerPool:
+    config: RouterConfig
+    client_factory: Callable[[str, str], Any] = WorkerClient
+    _workers: dict[str, WorkerInfo] = field(default_factory=dict)
+    _clients: dict[str, Any] = field(default_factory=dict)
+    _removed: set[str] = field(default_factory=set)
+    _poll_task: asyncio.Task | None = None
+    _background: set[asyncio.Task] = field(default_factory=set)
+    # Called with a worker's address once it has left the pool (policies forget it).
+    removal_listeners: list[Callable[[str], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for role, addresses in (("prefill", self.config.prefill), ("decode", self.config.decode),
+                                ("both", self.config.colocated)):
+            for address in addresses:
+                self.add_worker(role, address)
+
+    # ---- membership (the controller's interface) -----------------------------------------------
+
+    def add_worker(self, role: str, address: str) -> WorkerInfo:
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; choose one of {', '.join(ROLES)}")
+        check_grpc_address(address, f"{role} worker")
+        existing = self._workers.get(address)
+        if existing is not None:
+            if existing.role != role:
+                raise ValueError(f"worker {address} is already registered as a {existing.role} worker")
+            existing.draining = False
+            self._removed.discard(address)
+            return existing
+        self._removed.discard(address)
+        worker = WorkerInfo(role=role, address=address)
+        self._workers[address] = worker
+        if self._poll_task is not None:
+            self._spawn(self.poll_worker(worker))
+        return worker
+
+    def drain_worker(self, address: str) -> None:
+        self._get(address).draining = True
+
+    def remove_worker(self, address: str) -> None:
+        worker = self._get(address)
+        worker.draining = True
+        self._removed.add(address)
+        self._maybe_close(worker)
+
+    def mark_unhealthy(self, address: str, reason: str) -> None:
+        worker = self._workers.get(address)
+        if worker is not None and worker.healthy:
+            logger.warning("worker %s (%s) taken out of routing: %s", address, worker.role, reason)
+            worker.healthy = False
+        if worker is not None:
+            worker.last_error = reason
+
+    def workers(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def get(self, address: str) -> WorkerInfo | None:
+        return self._workers.get(address)
+
+    def client(self, address: str) -> Any:
+        """The worker's gRPC client, created on first use (grpc.aio channels bind to the running loop)."""
+        client = self._clients.get(address)
+        if client is None:
+            worker = self._get(address)
+            client = self._clients[address] = self.client_factory(address, worker.role)
+        return client
+
+    def routable(self, *roles: str) -> list[WorkerInfo]:
+        return [w for w in self._workers.values() if w.role in roles and w.routable]
+
+    @property
+    def ready(self) -> bool:
+        """One prefill and one decode worker answer, or one colocated worker does."""
+        return bool(self.routable("both")) or (bool(self.routable("prefill")) and bool(self.routable("decode")))
+
+    def block_size(self) -> int:
+        """The KV block size the workers report (the config's until one has)."""
+        for worker in self._workers.values():
+            size = worker.stat("block_size")
+            if size:
+                return size
+        return self.config.block_size
+
+    # ---- load accounting -----------------------------------------------------------------------
+
+    def assign(self, decode: WorkerInfo, prefill: WorkerInfo | None, num_prompt_tokens: int) -> Assignment:
+        decode.inflight_requests += 1
+        decode.num_routed += 1
+        if prefill is not None:
+            prefill.inflight_requests += 1
+            prefill.num_routed += 1
+            prefill.outstanding_prefill_tokens += num_prompt_tokens
+        return Assignment(self, decode, prefill, num_prompt_tokens)
+
+    def _maybe_close(self, worker: WorkerInfo) -> None:
+        address = worker.address
+        if address in self._removed and worker.inflight_requests == 0 and self._workers.get(address) is worker:
+            del self._workers[address]
+            self._removed.discard(address)
+            client = self._clients.pop(address, None)
+            if client is not None:
+                self._spawn(client.close())
+            for listener in self.removal_listeners:
+                listener(address)
+            logger.info("worker %s (%s) removed from the pool", address, worker.role)
+
+    # ---- polling -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Poll every worker once (so routing starts informed), then keep polling in the background."""
+        await self.poll_all()
+        self._poll_task = asyncio.create_task(self._poll_forever(), name="pdserve-router-pool-poll")
+
+    async def stop(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            await asyncio.gather(self._poll_task, return_exceptions=True)
+            self._poll_task = None
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(client.close() for client in self._clients.values()), return_exceptions=True)
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll_worker(worker) for worker in self.workers()))
+
+    async def poll_worker(self, worker: WorkerInfo) -> None:
+        if self._workers.get(worker.address) is not worker:
+            return
+        client = self.client(worker.address)
+        timeout = self.config.rpc_timeout_s
+        try:
+            health, stats = await asyncio.gather(client.health(timeout), client.stats(timeout))
+        except (grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
+            self._poll_failed(worker, _describe_rpc_error(exc))
+            return
+        worker.last_poll_time = time.time()
+        worker.model, worker.transport_address = health.model, health.transport_address
+        reported = health.role or stats.role
+        if reported and (reported == "prefill") != (worker.role == "prefill"):
+            self._poll_failed(worker, f"registered as a {worker.role} worker but reports role {reported!r}",
+                              at_once=True)
+            return
+        worker.stats = stats
+        if not health.ok:
+            self._poll_failed(worker, "the worker reports it is not ok", at_once=True)
+            return
+        if not worker.healthy:
+            logger.info("worker %s (%s) is healthy", worker.address, worker.role)
+        worker.healthy = True
+        worker.consecutive_failures = 0
+        worker.last_error = None
+
+    def _poll_failed(self, worker: WorkerInfo, reason: str, at_once: bool = False) -> None:
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        if worker.healthy and (at_once or worker.consecutive_failures >= self.config.unhealthy_after_failures):
+            logger.warning("worker %s (%s) is unhealthy: %s", worker.address, worker.role, reason)
+            worker.healthy = False
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            try:
+                await self.poll_all()
+            except Exception:  # a poll bug must not stop polling
+                logger.exception("worker poll failed")
+
+    def _spawn(self, coroutine) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coroutine)
+        except RuntimeError:  # no loop (construction outside the server): nothing to poll yet
+            coroutine.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _get(self, address: str) -> WorkerInfo:
+        worker = self._workers.get(address)
+        if worker is None:
+            raise ValueError(f"no worker with address {address} in the pool")
+        return worker
+
+
+def _describe_rpc_error(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"

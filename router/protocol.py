@@ -1,0 +1,230 @@
+"""The OpenAI HTTP API's shapes: request models (validated -> 400) and response/chunk builders.
+
+Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`, `cache_salt`, `priority`). Unknown fields are ignored, as OpenAI
+clients send ones that a server may not know. Values outside what this server supports (n > 1,
+echo, suffix, logit_bias, tools, structured output) are refused with a 400 that says so.
+Sampling ranges are the engine's (`engine.sampling_params.SamplingParams`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+from engine.sampling_params import SamplingParams
+from router.errors import APIError, invalid_request
+
+Int = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: Bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by both endpoints."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Int | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: Bool = False
+    n: Int | None = 1
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    cache_salt: str | None = None
+    priority: Int = 0
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise invalid_request(f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
+        if self.logit_bias:
+            raise invalid_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise invalid_request("cache_salt must be a non-empty string when set", "cache_salt")
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; its ValueError (out-of-range values) becomes a 400."""
+        values: dict[str, Any] = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "seed") if getattr(self, name) is not None}
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+                                  ignore_eos=self.ignore_eos, logprobs=logprobs,
+                                  skip_special_tokens=self.skip_special_tokens,
+                                  include_stop_str_in_output=self.include_stop_str_in_output, **values)
+        except ValueError as exc:
+            message = str(exc)
+            first_word = message.split(" ", 1)[0]
+            param = first_word if first_word in type(self).model_fields or first_word == "max_tokens" else None
+            if message.startswith("stop strings") or message.startswith("at most 16 stop"):
+                param = "stop"
+            raise invalid_request(message, param) from exc
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool = False
+    best_of: Int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise invalid_request("echo is not supported by this server", "echo")
+        if self.best_of not in (None, 1):
+            raise invalid_request(f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        if self.suffix:
+            raise invalid_request("suffix is not supported by this server", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and all(isinstance(item, int) for item in prompt):
+            return list(prompt)
+        if len(prompt) != 1:
+            raise invalid_request(f"got {len(prompt)} prompts; this server takes exactly one prompt per request",
+                                  "prompt")
+        return prompt[0] if isinstance(prompt[0], str) else list(prompt[0])
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: Bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise invalid_request("tools (function calling) are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid_request("only response_format {'type': 'text'} is supported by this server",
+                                  "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_request(model: type[_GenerationRequest], data: Any) -> _GenerationRequest:
+    """Validate a decoded JSON body against `model`; a 400 naming the first bad field otherwise."""
+    if not isinstance(data, dict):
+        raise invalid_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    request.check_supported()
+    return request
+
+
+def _from_validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    location = first.get("loc", ())
+    param = str(location[0]) if location else None
+    path = ".".join(str(part) for part in location if not _is_type_tag(part))
+    if first.get("type") == "missing":
+        return invalid_request(f"missing required field {path!r}", param, "missing_required_parameter")
+    return invalid_request(f"invalid value for {path!r}: {first.get('msg', 'invalid')}", param)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """pydantic puts the union member it tried ('str', 'list[int]', ...) into error locations."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "dict"})
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def model_card(name: str, max_model_len: int | None, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+            "max_model_len": max_model_len}
+
+
+Endpoint = Literal["completions", "chat"]
+
+
+def completion_body(endpoint: Endpoint, request_id: str, model: str, created: int, text: str,
+                    finish_reason: str | None, logprobs: Any, usage: dict[str, Any]) -> dict[str, Any]:
+    """The whole (non-streaming) response."""
+    if endpoint == "completions":
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage}
+
+
+def stream_chunk(endpoint: Endpoint, request_id: str, model: str, created: int, text: str | None,
+                 finish_reason: str | None, logprobs: Any = None, first: bool = False) -> dict[str, Any]:
+    """One SSE chunk with a choice (`text` None: the chunk only carries the finish reason)."""
+    if endpoint == "completions":
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(endpoint: Endpoint, request_id: str, model: str, created: int,
+                usage: dict[str, Any]) -> dict[str, Any]:
+    obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,170 @@
+"""From a decode worker's TokenChunks to OpenAI output: text deltas, SSE events, whole bodies.
+
+`OutputAssembler` owns one request's output: it detokenizes incrementally (never half a UTF-8
+character), applies stop strings (`engine.detokenizer.IncrementalDetokenizer`), and counts
+tokens. When a stop string matches, the request is over for the client even though the worker
+would go on: the caller aborts the worker (`Generation.abort`).
+
+`sse_events` and `collect` drive a started `Generation` to its end and render it as SSE lines
+or as one response body.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from router import protocol
+from router.dispatch import ClientGone, Generation
+from router.errors import APIError, upstream_failed
+from router.logprobs import TokenText, chat_logprobs, completion_logprobs
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class OutputEvent:
+    text: str
+    logprob_entries: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class OutputAssembler:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self._want_logprobs = params.logprobs is not None
+        self._per_token = bool(params.stop)  # to know exactly which token completed a stop string
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def add(self, chunk: Any) -> OutputEvent:
+        """Consume one TokenChunk; raises APIError (502) when the worker reports a failure."""
+        if self.finish_reason is not None:
+            return OutputEvent("")
+        if chunk.finish_reason == "error":
+            raise upstream_failed(f"the decode worker failed the request: {chunk.error or 'no details'}")
+        if chunk.finish_reason == "abort":
+            raise upstream_failed("the decode worker aborted the request")
+        if chunk.finish_reason and chunk.finish_reason not in FINISH_REASONS:
+            raise upstream_failed(f"the decode worker sent an unknown finish reason {chunk.finish_reason!r}")
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        token_ids = list(chunk.token_ids)
+        final = bool(chunk.finish_reason)
+        groups = [[t] for t in token_ids] if self._per_token and token_ids else [token_ids]
+        taken, text, stopped = 0, "", False
+        for index, group in enumerate(groups):
+            delta = self._detokenizer.add_tokens(group, final=final and index == len(groups) - 1)
+            taken += len(group)
+            text += delta.new_text
+            if delta.stopped:
+                stopped = True
+                break
+        self.output_token_ids.extend(token_ids[:taken])
+        entries = list(chunk.logprobs)[:taken] if self._want_logprobs else []
+        self.text += text
+        self.stopped_by_string = stopped
+        self.finish_reason = "stop" if stopped else (chunk.finish_reason or None)
+        return OutputEvent(text, entries, self.finish_reason)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return protocol.usage_dict(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+
+
+@dataclass
+class ResponseContext:
+    """What rendering needs besides the output itself."""
+    endpoint: protocol.Endpoint
+    request_id: str
+    model: str
+    created: int
+    token_text: TokenText
+    want_logprobs: bool = False
+    include_usage: bool = False
+
+    def logprobs(self, entries: list[Any], text_offset: int) -> Any:
+        if not self.want_logprobs:
+            return None
+        if self.endpoint == "completions":
+            return completion_logprobs(self.token_text, entries, text_offset)
+        return chat_logprobs(self.token_text, entries)
+
+
+async def drive(generation: Generation, assembler: OutputAssembler, first_chunk: Any) -> AsyncIterator[OutputEvent]:
+    """Feed the Generate stream through the assembler until the request finishes."""
+    chunk = first_chunk
+    while True:
+        if chunk is None:
+            raise upstream_failed("the decode worker closed the stream before the request finished")
+        event = assembler.add(chunk)
+        yield event
+        if event.finish_reason:
+            if assembler.stopped_by_string:
+                generation.abort()
+            return
+        chunk = await generation.next_chunk()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+async def sse_events(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
+                     first_chunk: Any) -> AsyncIterator[str]:
+    """The SSE body: chunks as text becomes final, then usage (if asked), then `data: [DONE]`.
+    A failure after the stream began is sent as an `{"error": ...}` event before [DONE]."""
+    finish_reason = "abort"  # unless the stream completes: the client went away
+    args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
+    try:
+        if ctx.endpoint == "chat":
+            yield sse(protocol.stream_chunk(*args, "", None, first=True))
+        try:
+            async for event in drive(generation, assembler, first_chunk):
+                if event.text or event.logprob_entries or event.finish_reason:
+                    offset = len(assembler.text) - len(event.text)
+                    text = event.text if event.text or ctx.endpoint == "completions" else None
+                    yield sse(protocol.stream_chunk(*args, text, event.finish_reason,
+                                                    ctx.logprobs(event.logprob_entries, offset)))
+        except APIError as exc:
+            finish_reason = "error"
+            yield sse(exc.body())
+            yield sse("[DONE]")
+            return
+        finish_reason = assembler.finish_reason or "error"
+        if ctx.include_usage:
+            yield sse(protocol.usage_chunk(*args, assembler.usage))
+        yield sse("[DONE]")
+    except ClientGone:
+        return
+    finally:
+        generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
+
+
+async def collect(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
+                  first_chunk: Any) -> dict[str, Any]:
+    """The whole (non-streaming) response body; APIError / ClientGone propagate."""
+    finish_reason = "abort"
+    entries: list[Any] = []
+    try:
+        try:
+            async for event in drive(generation, assembler, first_chunk):
+                entries.extend(event.logprob_entries)
+        except APIError:
+            finish_reason = "error"
+            raise
+        finish_reason = assembler.finish_reason or "error"
+    finally:
+        generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
+    return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, assembler.text,
+                                    assembler.finish_reason, ctx.logprobs(entries, 0), assembler.usage)
