@@ -1,0 +1,85 @@
+"""Small helpers shared by the sender and the receiver."""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+def normalize_layers(layers: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:
+    """None -> every layer; else a non-empty sequence of distinct layer indices in range."""
+    if layers is None:
+        return tuple(range(num_layers))
+    result = tuple(int(layer) for layer in layers)
+    if not result:
+        raise ValueError("layers is empty")
+    if len(set(result)) != len(result):
+        raise ValueError(f"layers has duplicates: {list(result)}")
+    bad = [layer for layer in result if not 0 <= layer < num_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: the cache has {num_layers} layers")
+    return result
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int | None, name: str) -> list[int]:
+    ids = [int(block) for block in block_ids]
+    if not ids:
+        raise ValueError(f"{name} is empty")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name} has duplicate block ids")
+    upper = num_blocks if num_blocks is not None else float("inf")
+    bad = [block for block in ids if not 0 <= block < upper]
+    if bad:
+        limit = f"0..{num_blocks - 1}" if num_blocks is not None else ">= 0"
+        raise ValueError(f"{name} {bad[:8]} out of range (valid: {limit})")
+    return ids
+
+
+def check_request_id(request_id: str) -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+    return request_id
+
+
+class BoundedSet:
+    """Remembers the last `capacity` keys (to explain late messages for ended transfers)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._items[key] = None
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        self._items.pop(key, None)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+
+class TaskSet:
+    """Keeps fire-and-forget tasks alive and lets the owner cancel them all."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: failures are reported through transfer states
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,165 @@
+"""What one data message carries, and the views that read or write it in the caches.
+
+A data message covers `layers x block_ids[block_start:block_end]` of one transfer; on the wire
+its payload is, for each layer in order, each block's chunk in order. Transports either move
+chunks straight from/into cache memory (`chunk_views`) or through a contiguous staging tensor
+(`gather` / `scatter`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .layout import KVLayout
+
+
+@dataclass(frozen=True)
+class DataPiece:
+    layers: tuple[int, ...]
+    block_start: int
+    block_end: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_end - self.block_start
+
+    def nbytes(self, layout: KVLayout) -> int:
+        return len(self.layers) * self.num_blocks * layout.chunk_nbytes
+
+
+def plan_pieces(layers: Sequence[int], num_blocks: int, layout: KVLayout,
+                max_bytes: int) -> list[DataPiece]:
+    """Split `layers x num_blocks` chunks into messages of at most `max_bytes` each."""
+    chunk = layout.chunk_nbytes
+    if chunk > max_bytes:
+        raise ValueError(f"one KV chunk is {chunk} bytes, above the message limit of {max_bytes}")
+    layer_bytes = num_blocks * chunk
+    pieces = []
+    if layer_bytes <= max_bytes:
+        per_message = max_bytes // layer_bytes
+        for start in range(0, len(layers), per_message):
+            pieces.append(DataPiece(tuple(layers[start:start + per_message]), 0, num_blocks))
+    else:
+        blocks_per_message = max_bytes // chunk
+        for layer in layers:
+            for start in range(0, num_blocks, blocks_per_message):
+                pieces.append(DataPiece((layer,), start, min(num_blocks, start + blocks_per_message)))
+    return pieces
+
+
+def staging_view(buffer: torch.Tensor, layout: KVLayout, piece: DataPiece) -> torch.Tensor:
+    """View the head of a flat uint8 buffer as `[layers, blocks, 2, block_size, heads, dim]`."""
+    nbytes = piece.nbytes(layout)
+    if buffer.numel() < nbytes:
+        raise ValueError(f"staging buffer of {buffer.numel()} bytes is smaller than {nbytes}")
+    return buffer[:nbytes].view(layout.dtype).view(
+        len(piece.layers), piece.num_blocks, *layout.chunk_shape)
+
+
+class CacheViews:
+    """The per-layer caches, with byte views for zero-copy socket I/O on CPU."""
+
+    def __init__(self, layer_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        self.caches = list(layer_caches)
+        self.layout = layout
+        self._layer_bytes: list[memoryview] | None = None
+        if not layout.is_cuda:
+            self._layer_bytes = [
+                memoryview(cache.view(torch.uint8).reshape(-1).numpy()) for cache in self.caches]
+
+    @property
+    def supports_chunk_views(self) -> bool:
+        return self._layer_bytes is not None
+
+    def chunk_views(self, layers: Sequence[int], block_ids: Sequence[int]) -> list[memoryview]:
+        assert self._layer_bytes is not None, "chunk views need caches in host memory"
+        size = self.layout.chunk_nbytes
+        views = []
+        for layer in layers:
+            layer_bytes = self._layer_bytes[layer]
+            views.extend(layer_bytes[block * size:(block + 1) * size] for block in block_ids)
+        return views
+
+    def gather(self, layers: Sequence[int], index: torch.Tensor, out: torch.Tensor) -> None:
+        for position, layer in enumerate(layers):
+            torch.index_select(self.caches[layer], 0, index, out=out[position])
+
+    def scatter(self, layers: Sequence[int], index: torch.Tensor, src: torch.Tensor) -> None:
+        for position, layer in enumerate(layers):
+            self.caches[layer].index_copy_(0, index, src[position])
+
+    def release(self) -> None:
+        self._layer_bytes = None
+        self.caches = []
+
+
+class BlockSource:
+    """The source side of one data message (sender)."""
+
+    def __init__(self, views: CacheViews, piece: DataPiece, block_ids: Sequence[int],
+                 index: torch.Tensor, is_active: Callable[[], bool]) -> None:
+        self.views = views
+        self.piece = piece
+        self.block_ids = block_ids[piece.block_start:piece.block_end]
+        self.index = index[piece.block_start:piece.block_end]
+        self.nbytes = piece.nbytes(views.layout)
+        self.is_active = is_active
+
+    @property
+    def supports_chunk_views(self) -> bool:
+        return self.views.supports_chunk_views
+
+    def chunk_views(self) -> list[memoryview]:
+        return self.views.chunk_views(self.piece.layers, self.block_ids)
+
+    def gather_into(self, buffer: torch.Tensor) -> torch.Tensor:
+        out = staging_view(buffer, self.views.layout, self.piece)
+        self.views.gather(self.piece.layers, self.index.to(buffer.device), out)
+        return buffer[:self.nbytes]
+
+
+class BlockSink:
+    """The destination side of one data message (receiver); `is_active()` turns False the
+    moment the transfer is cancelled or fails, after which nothing may be written."""
+
+    def __init__(self, views: CacheViews, piece: DataPiece, block_ids: Sequence[int],
+                 index: torch.Tensor, is_active: Callable[[], bool]) -> None:
+        self.views = views
+        self.piece = piece
+        self.block_ids = block_ids[piece.block_start:piece.block_end]
+        self.index = index[piece.block_start:piece.block_end]
+        self.nbytes = piece.nbytes(views.layout)
+        self.is_active = is_active
+
+    @property
+    def supports_chunk_views(self) -> bool:
+        return self.views.supports_chunk_views
+
+    def chunk_views(self) -> list[memoryview]:
+        return self.views.chunk_views(self.piece.layers, self.block_ids)
+
+    def scatter_from(self, buffer: torch.Tensor) -> bool:
+        """Copy a received staging buffer into the blocks, if still active."""
+        if not self.is_active():
+            return False
+        src = staging_view(buffer, self.views.layout, self.piece)
+        device = self.index.device
+        self.views.scatter(self.piece.layers, self.index, src.to(device, non_blocking=True))
+        return True
+
+
+class DiscardSink:
+    """Where the bytes of a message nobody expects go: nowhere."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.supports_chunk_views = False
+
+    @staticmethod
+    def is_active() -> bool:
+        return False
+
+    def scatter_from(self, buffer: torch.Tensor) -> bool:
+        return False

@@ -1,0 +1,69 @@
+"""Receiver addresses: `scheme://...` strings, possibly several joined by commas.
+
+    tcp://HOST:PORT                 one TCP listener
+    ucx://HOST:PORT                 one UCX listener
+    nccl://HOST:PORT?store=PORT     TCP control listener + torch.distributed TCPStore
+    shm://HOSTNAME/TOKEN            same-host Unix socket (abstract namespace) + shared memory
+    shm://...,tcp://...             an `auto` receiver listening on several transports, best first
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlsplit
+
+KNOWN_SCHEMES = ("tcp", "shm", "ucx", "nccl")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One `scheme://...` entry of a receiver address."""
+
+    scheme: str
+    host: str
+    port: int | None = None
+    path: str = ""
+    query: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        netloc = self.host if self.port is None else f"{_bracket(self.host)}:{self.port}"
+        text = f"{self.scheme}://{netloc}"
+        if self.path:
+            text += "/" + self.path
+        if self.query:
+            text += "?" + "&".join(f"{k}={v}" for k, v in sorted(self.query.items()))
+        return text
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def parse_address(address: str) -> list[Endpoint]:
+    """Split and parse a receiver address; raise ValueError naming the bad part."""
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"receiver address must be a non-empty string, got {address!r}")
+    endpoints = []
+    for part in address.split(","):
+        part = part.strip()
+        parsed = urlsplit(part)
+        if parsed.scheme not in KNOWN_SCHEMES:
+            raise ValueError(f"address {part!r}: unknown transport {parsed.scheme!r} "
+                             f"(known: {', '.join(KNOWN_SCHEMES)})")
+        if not parsed.hostname:
+            raise ValueError(f"address {part!r} names no host")
+        try:
+            port = parsed.port
+        except ValueError as exc:
+            raise ValueError(f"address {part!r}: bad port") from exc
+        if parsed.scheme != "shm" and port is None:
+            raise ValueError(f"address {part!r} names no port")
+        path = parsed.path.lstrip("/")
+        if parsed.scheme == "shm" and not path:
+            raise ValueError(f"address {part!r} names no shared-memory token")
+        endpoints.append(Endpoint(scheme=parsed.scheme, host=parsed.hostname, port=port, path=path,
+                                  query=dict(parse_qsl(parsed.query))))
+    return endpoints
+
+
+def join_address(endpoints: list[Endpoint]) -> str:
+    return ",".join(str(endpoint) for endpoint in endpoints)

@@ -1,0 +1,55 @@
+"""Configuration shared by senders and receivers of every transport."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Timeouts, listening address and buffer sizes.
+
+    timeout_s: a peer that sends nothing (data, acknowledgement or heartbeat) for this long
+        while a transfer depends on it is declared dead and its transfers end FAILED; also
+        bounds connecting and the layout handshake.
+    pending_timeout_s: a receiver fails an expected transfer that no sender started within
+        this long (None: wait until cancelled).
+    host / port: where a receiver listens (port 0: any free port).
+    advertise_host: the host written into `receiver.address` (default: `host`).
+    max_message_bytes: the largest single data message; bounds the staging buffers of the
+        staged transports (ucx, nccl, GPU caches over tcp).
+    shm_slot_bytes / shm_num_slots: the shared-memory ring of one shm connection.
+    """
+
+    timeout_s: float = 5.0
+    pending_timeout_s: float | None = 120.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    max_message_bytes: int = 16 << 20
+    shm_slot_bytes: int = 16 << 20
+    shm_num_slots: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.pending_timeout_s is not None and not self.pending_timeout_s > 0:
+            raise ValueError(f"pending_timeout_s must be > 0 or None, got {self.pending_timeout_s!r}")
+        if not self.host:
+            raise ValueError("host must be a non-empty host name or IP address")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_message_bytes < 4096:
+            raise ValueError(f"max_message_bytes must be >= 4096, got {self.max_message_bytes}")
+        if self.shm_slot_bytes < 4096:
+            raise ValueError(f"shm_slot_bytes must be >= 4096, got {self.shm_slot_bytes}")
+        if self.shm_num_slots < 1:
+            raise ValueError(f"shm_num_slots must be >= 1, got {self.shm_num_slots}")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often an idle connection sends a heartbeat: well inside `timeout_s`."""
+        return self.timeout_s / 4
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host

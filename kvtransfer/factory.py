@@ -1,0 +1,97 @@
+"""Choosing transports by name and building senders and receivers.
+
+    tcp    asyncio sockets, zero-copy for host-memory caches; works everywhere
+    shm    same host: a shared-memory ring per connection, Unix socket for control
+    ucx    UCX through ucxx (optional dependency); device memory directly on GPU
+    nccl   torch.distributed point-to-point, a 2-rank group per sender/receiver pair
+           (NCCL for GPU caches, gloo for CPU caches)
+    auto   receiver: listen on the best transports for its caches (CPU: shm and tcp; GPU:
+           ucx or nccl, and tcp) and advertise them all, best first; sender: use the first
+           offered transport that works from here (shm only on the same host)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .config import TransferConfig
+from .layout import KVLayout
+from .receiver import KVReceiver
+from .sender import KVSender
+from .status import TransportUnavailableError
+from .transports.base import Transport
+
+TRANSPORT_NAMES = ("tcp", "shm", "ucx", "nccl")
+
+
+def _transport_class(name: str) -> type[Transport]:
+    if name == "tcp":
+        from .transports.tcp import TcpTransport
+        return TcpTransport
+    if name == "shm":
+        from .transports.shm import ShmTransport
+        return ShmTransport
+    if name == "ucx":
+        from .transports.ucx import UcxTransport
+        return UcxTransport
+    if name == "nccl":
+        from .transports.nccl import NcclTransport
+        return NcclTransport
+    raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORT_NAMES)} "
+                     "or auto")
+
+
+def transport_unavailable_reason(name: str) -> str | None:
+    """None if `name` can be used in this process, else why not."""
+    return _transport_class(name).unavailable_reason()
+
+
+def available_transports() -> list[str]:
+    """The transports usable in this process, in TRANSPORT_NAMES order."""
+    return [name for name in TRANSPORT_NAMES if transport_unavailable_reason(name) is None]
+
+
+def _make(name: str) -> Transport:
+    reason = transport_unavailable_reason(name)
+    if reason is not None:
+        raise TransportUnavailableError(f"transport {name!r} is unavailable: {reason}")
+    return _transport_class(name)()
+
+
+def _usable(names: Sequence[str]) -> list[str]:
+    return [name for name in names if transport_unavailable_reason(name) is None]
+
+
+def auto_receiver_transports(layout: KVLayout) -> list[str]:
+    """What an `auto` receiver listens on, best first: CPU caches -> shm, tcp;
+    GPU caches -> ucx (else nccl), tcp."""
+    if not layout.is_cuda:
+        return _usable(["shm", "tcp"])
+    fast = _usable(["ucx"]) or _usable(["nccl"])
+    return fast + _usable(["tcp"])
+
+
+def auto_sender_transports(layout: KVLayout) -> list[str]:
+    """What an `auto` sender may use; the order of the receiver's address picks among them."""
+    if not layout.is_cuda:
+        return _usable(["shm", "tcp", "nccl"])
+    return _usable(["ucx", "nccl", "shm", "tcp"])
+
+
+def create_receiver(transport: str, layer_caches: Sequence[torch.Tensor],
+                    config: TransferConfig | None = None) -> KVReceiver:
+    """A receiver listening on `transport` ("tcp", "shm", "ucx", "nccl" or "auto");
+    `receiver.address` is what senders need."""
+    layout = KVLayout.from_caches(layer_caches)
+    names = auto_receiver_transports(layout) if transport == "auto" else [transport]
+    return KVReceiver([_make(name) for name in names], layer_caches, config)
+
+
+def create_sender(transport: str, layer_caches: Sequence[torch.Tensor],
+                  config: TransferConfig | None = None) -> KVSender:
+    """A sender over `transport` ("tcp", "shm", "ucx", "nccl" or "auto")."""
+    layout = KVLayout.from_caches(layer_caches)
+    names = auto_sender_transports(layout) if transport == "auto" else [transport]
+    return KVSender([_make(name) for name in names], layer_caches, config,
+                    transport_name=transport)

@@ -1,0 +1,122 @@
+"""The KV cache layout both sides of a transfer must agree on.
+
+One tensor per layer, shaped `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (index 0 = K,
+1 = V). A (layer, block) pair is one contiguous chunk of `chunk_nbytes` bytes: the unit that
+kvtransfer moves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .status import LayoutMismatchError
+
+_DTYPES_BY_NAME = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                  torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape, dtype and device of one side's paged KV cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "device", str(torch.device(self.device)))
+
+    @classmethod
+    def from_caches(cls, layer_caches: Sequence[torch.Tensor]) -> "KVLayout":
+        """Describe a list of per-layer caches, checking they share one valid layout."""
+        if len(layer_caches) == 0:
+            raise ValueError("layer_caches is empty: need one tensor per layer")
+        first = layer_caches[0]
+        for index, cache in enumerate(layer_caches):
+            if not isinstance(cache, torch.Tensor):
+                raise TypeError(f"layer_caches[{index}] is a {type(cache).__name__}, not a tensor")
+            if cache.dim() != 5 or cache.shape[1] != 2:
+                raise ValueError(
+                    f"layer_caches[{index}] has shape {tuple(cache.shape)}; expected "
+                    "[num_blocks, 2, block_size, num_kv_heads, head_dim]")
+            if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
+                raise ValueError(
+                    f"layer_caches[{index}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}, "
+                    f"layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}: "
+                    "all layers must match")
+            if not cache.is_contiguous():
+                raise ValueError(f"layer_caches[{index}] is not contiguous")
+        num_blocks, _, block_size, num_kv_heads, head_dim = first.shape
+        return cls(num_layers=len(layer_caches), num_blocks=num_blocks, block_size=block_size,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=first.dtype,
+                   device=str(first.device))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one (layer, block) pair: K and V of `block_size` tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def is_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+    def describe(self) -> str:
+        return (f"layers={self.num_layers} blocks={self.num_blocks} block_size={self.block_size} "
+                f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
+                f"dtype={str(self.dtype).removeprefix('torch.')} device={self.device}")
+
+    def to_wire(self) -> dict:
+        return {"num_layers": self.num_layers, "num_blocks": self.num_blocks,
+                "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": str(self.dtype).removeprefix("torch."),
+                "device": self.device}
+
+    @classmethod
+    def from_wire(cls, fields: dict) -> "KVLayout":
+        dtype_name = fields["dtype"]
+        if dtype_name not in _DTYPES_BY_NAME:
+            raise ValueError(f"unsupported KV cache dtype {dtype_name!r}")
+        return cls(num_layers=int(fields["num_layers"]), num_blocks=int(fields["num_blocks"]),
+                   block_size=int(fields["block_size"]), num_kv_heads=int(fields["num_kv_heads"]),
+                   head_dim=int(fields["head_dim"]), dtype=_DTYPES_BY_NAME[dtype_name],
+                   device=fields["device"])
+
+    def transfer_compatible(self, other: "KVLayout") -> bool:
+        """Whether blocks can move between the two caches: everything but the pool size and
+        the device must agree (a CPU sender may feed a GPU receiver over tcp)."""
+        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype) == (
+            other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.dtype)
+
+
+def check_layouts(sender: KVLayout, receiver: KVLayout) -> None:
+    """Raise LayoutMismatchError, naming both layouts, if blocks cannot move between them."""
+    if not sender.transfer_compatible(receiver):
+        raise LayoutMismatchError(layout_mismatch_message(sender, receiver))
+
+
+def layout_mismatch_message(sender: KVLayout, receiver: KVLayout) -> str:
+    return (f"KV layout mismatch: sender has [{sender.describe()}], "
+            f"receiver has [{receiver.describe()}]")

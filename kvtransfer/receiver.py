@@ -1,0 +1,448 @@
+"""The receiving side (decode worker): registers its caches, listens, and writes the blocks
+that senders push into the destinations it was told to expect.
+
+Lifecycle of one expected transfer (request id):
+    expect()                -> PENDING       blocks reserved by the caller, nothing written yet
+    sender's `begin`        -> TRANSFERRING  bound to that sender's connection
+    every layer written     -> SUCCESS
+    peer dead / silent for timeout_s, sender abort, bad request,
+    no sender within pending_timeout_s, close()  -> FAILED (error says why)
+    cancel()                -> forgotten     no byte is written into its blocks after it returns
+
+Threading: the public methods are called from the engine thread and never wait on the
+network. All I/O, and every write into the caches, runs on one event-loop thread owned by the
+receiver; `cancel()` runs on that thread too, which orders it against every write.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from . import _protocol as proto
+from ._common import BoundedSet, TaskSet, check_block_ids, check_request_id, normalize_layers
+from ._loop import pick_loop
+from ._payload import BlockSink, CacheViews, DataPiece, DiscardSink
+from .addresses import join_address
+from .config import TransferConfig
+from .layout import KVLayout, check_layouts
+from .status import LayoutMismatchError, TransferError, TransferState, TransferStatus
+from .transports.base import Channel, ChannelClosed, Listener, Transport, TransportContext
+
+
+class _ExpectedTransfer:
+    def __init__(self, request_id: str, dst_block_ids: list[int], layers: tuple[int, ...],
+                 device: str) -> None:
+        self.request_id = request_id
+        self.dst_block_ids = dst_block_ids
+        self.layers = layers
+        self.layer_position = {layer: position for position, layer in enumerate(layers)}
+        self.index = torch.tensor(dst_block_ids, dtype=torch.int64, device=device)
+        self.blocks_done = [0] * len(layers)
+        self.layers_complete = 0
+        self.leading_layers_complete = 0
+        self.state = TransferState.PENDING
+        self.error: str | None = None
+        self.bytes = 0
+        self.created = time.monotonic()
+        self.active = True  # False once ended or cancelled; read and written on the loop thread
+        self.uid: str | None = None
+        self.connection: _SenderConnection | None = None
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.request_id, self.state, self.error, self.bytes,
+                              self.layers_complete, len(self.layers))
+
+    def layer_done(self, layer: int) -> bool:
+        position = self.layer_position.get(layer)
+        return position is not None and self.blocks_done[position] == len(self.dst_block_ids)
+
+
+class _SenderConnection:
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.transfers: dict[str, _ExpectedTransfer] = {}  # uid -> bound transfer
+        self.ended_uids = BoundedSet()
+
+
+class KVReceiver:
+    """Receives KV blocks into `layer_caches`. Create with `kvtransfer.create_receiver`."""
+
+    def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
+                 config: TransferConfig | None = None) -> None:
+        self.config = config or TransferConfig()
+        self.layout = KVLayout.from_caches(layer_caches)
+        if self.layout.chunk_nbytes > self.config.max_message_bytes:
+            raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
+                             f"max_message_bytes={self.config.max_message_bytes}")
+        self.transport = "+".join(t.name for t in transports)
+        self._transports = list(transports)
+        self._views = CacheViews(layer_caches, self.layout)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._expected: dict[str, _ExpectedTransfer] = {}
+        self._cancelled = BoundedSet()
+        self._connections: set[_SenderConnection] = set()
+        self._total_bytes = 0
+        self._closed = False
+        self._loop_thread, self._shared_loop_users = pick_loop(self._transports, "kvtransfer-receiver")
+        self._tasks = TaskSet()
+        self._listeners: list[Listener] = []
+        try:
+            self._loop_thread.run(self._start(), timeout=max(30.0, self.config.timeout_s))
+        except BaseException:
+            self._release_loop()
+            raise
+        self.address = join_address([listener.endpoint for listener in self._listeners])
+
+    # ---- public API (engine thread) -------------------------------------------------------
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int],
+               layers: Iterable[int] | None = None) -> None:
+        """Announce a transfer: `dst_block_ids` (one per source block, in order) will receive
+        `layers` (default: all). The blocks must stay reserved until the transfer ends."""
+        check_request_id(request_id)
+        ids = check_block_ids(dst_block_ids, self.layout.num_blocks, "dst_block_ids")
+        layer_tuple = normalize_layers(layers, self.layout.num_layers)
+        record = _ExpectedTransfer(request_id, ids, layer_tuple, self.layout.device)
+        self._check_open()
+        with self._lock:
+            if request_id in self._expected:
+                raise ValueError(f"request {request_id!r} is already expected; cancel it first")
+            self._expected[request_id] = record
+        self._loop_thread.call_soon(self._cancelled.discard, request_id)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        """The transfer's current status; KeyError if it was never expected or was cancelled."""
+        with self._lock:
+            return self._get(request_id).status()
+
+    def layers_ready(self, request_id: str) -> int:
+        """How many of the expected layers, counted in expected order from the first, have
+        fully arrived: layer `layers[i]` may be read once this exceeds i."""
+        with self._lock:
+            return self._get(request_id).leading_layers_complete
+
+    def wait_layer(self, request_id: str, layer: int, timeout: float | None = None) -> bool:
+        """Block until `layer` has arrived (True), or the transfer ended without it, was
+        cancelled, or `timeout` passed (False). For a decode step that overlaps arrival."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                record = self._expected.get(request_id)
+                if record is None or record.state is TransferState.FAILED:
+                    return False
+                if record.layer_done(layer):
+                    return True
+                if record.state is TransferState.SUCCESS:
+                    return False  # ended without that layer: it was not expected
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+
+    def wait(self, request_id: str, timeout: float | None = None) -> TransferStatus:
+        """Block until the transfer ends or `timeout` passes; return its status. For tools and
+        tests: an engine loop polls instead."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                record = self._get(request_id)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if record.state.is_terminal or (remaining is not None and remaining <= 0):
+                    return record.status()
+                self._changed.wait(remaining)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the transfer in whatever state and forget it (also the way to drop the record
+        of a finished one). Idempotent. Once it returns, no byte of this transfer is written
+        into its destination blocks, which go back to their owner."""
+        if self._closed:
+            return
+        self._loop_thread.call(self._cancel_on_loop, request_id)
+
+    @property
+    def total_bytes_received(self) -> int:
+        with self._lock:
+            return self._total_bytes
+
+    def close(self) -> None:
+        """Fail every live transfer, close listeners and connections, stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop_thread.run(self._shutdown(), timeout=max(30.0, 3 * self.config.timeout_s))
+        finally:
+            with self._changed:
+                for record in self._expected.values():
+                    self._end_locked(record, TransferState.FAILED, "receiver closed")
+                self._changed.notify_all()
+            self._release_loop()
+            self._views.release()
+
+    def __enter__(self) -> "KVReceiver":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVReceiver({self.transport}, {self.address!r}, {self.layout.describe()})"
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("receiver is closed")
+
+    def _get(self, request_id: str) -> _ExpectedTransfer:
+        record = self._expected.get(request_id)
+        if record is None:
+            raise KeyError(f"unknown request id {request_id!r} (never expected, or cancelled)")
+        return record
+
+    def _release_loop(self) -> None:
+        if not self._shared_loop_users:
+            self._loop_thread.stop()
+        for transport in self._shared_loop_users:
+            transport.release_shared_loop()
+
+    def _end_locked(self, record: _ExpectedTransfer, state: TransferState,
+                    error: str | None) -> bool:
+        """Move a live transfer to SUCCESS or FAILED (caller holds the lock)."""
+        if record.state.is_terminal:
+            record.active = False
+            return False
+        record.state, record.error, record.active = state, error, False
+        if record.connection is not None and record.uid is not None:
+            record.connection.transfers.pop(record.uid, None)
+            record.connection.ended_uids.add(record.uid)
+        self._changed.notify_all()
+        return True
+
+    def _fail(self, record: _ExpectedTransfer, reason: str, tell_sender: bool) -> None:
+        with self._lock:
+            ended = self._end_locked(record, TransferState.FAILED, reason)
+        if ended and tell_sender and record.connection is not None and record.uid is not None:
+            self._send_error(record.connection, record.uid, reason)
+
+    def _send_error(self, connection: _SenderConnection, uid: str, reason: str) -> None:
+        message = {"type": proto.ERROR, "uid": uid, "error": reason}
+        self._tasks.spawn(self._send_quietly(connection, message))
+
+    @staticmethod
+    async def _send_quietly(connection: _SenderConnection, message: dict) -> None:
+        try:
+            await connection.channel.send_control(message)
+        except (ChannelClosed, OSError):
+            pass  # the connection's own reader reports its end
+
+    # ---- loop thread ----------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        ctx = TransportContext(self.config, self.layout, loop, "receiver")
+        try:
+            for transport in self._transports:
+                self._listeners.append(await transport.listen(ctx, self._on_channel))
+        except BaseException:
+            for listener in self._listeners:
+                await listener.close()
+            raise
+        self._tasks.spawn(self._watchdog())
+
+    async def _shutdown(self) -> None:
+        for listener in self._listeners:
+            await listener.close()
+        for connection in list(self._connections):
+            await connection.channel.close()
+        await self._tasks.cancel_all()
+
+    def _on_channel(self, channel: Channel) -> None:
+        if self._closed:
+            self._tasks.spawn(channel.close())
+            return
+        self._tasks.spawn(self._serve(channel))
+
+    def _cancel_on_loop(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+        with self._lock:
+            record = self._expected.pop(request_id, None)
+            if record is None:
+                return
+            ended = self._end_locked(record, TransferState.FAILED, "cancelled by the receiver")
+        if ended and record.connection is not None and record.uid is not None:
+            self._send_error(record.connection, record.uid, "cancelled by the receiver")
+
+    async def _serve(self, channel: Channel) -> None:
+        connection = _SenderConnection(channel)
+        reason = "connection closed"
+        try:
+            if not await self._handshake(channel):
+                return
+            self._connections.add(connection)
+            while True:
+                message = await channel.recv_control()
+                kind = message.get("type")
+                if kind == proto.DATA:
+                    await self._on_data(connection, message)
+                elif kind == proto.BEGIN:
+                    self._on_begin(connection, message)
+                elif kind == proto.ABORT:
+                    record = connection.transfers.get(message.get("uid"))
+                    if record is not None:
+                        self._fail(record, f"sender gave up: {message.get('error')}", False)
+                elif kind != proto.PING:
+                    raise ChannelClosed(f"{channel.peer} sent an unexpected {kind!r} message")
+        except ChannelClosed as exc:
+            reason = str(exc)
+        except asyncio.TimeoutError:
+            reason = f"no handshake from {channel.peer} within {self.config.timeout_s} s"
+        except asyncio.CancelledError:
+            reason = "receiver closed"
+            raise
+        except Exception as exc:
+            reason = f"internal error: {exc!r}"
+            raise
+        finally:
+            self._connections.discard(connection)
+            for record in list(connection.transfers.values()):
+                self._fail(record, f"lost the connection to sender {channel.peer}: {reason}", False)
+            await channel.close()
+
+    async def _handshake(self, channel: Channel) -> bool:
+        hello = await asyncio.wait_for(channel.recv_control(), self.config.timeout_s)
+        if hello.get("type") != proto.HELLO:
+            raise ChannelClosed(f"{channel.peer} did not start with a hello")
+        try:
+            if hello.get("version") != proto.PROTOCOL_VERSION:
+                raise TransferError(f"protocol version {hello.get('version')} from the sender, "
+                                    f"{proto.PROTOCOL_VERSION} here")
+            check_layouts(KVLayout.from_wire(hello["layout"]), self.layout)
+            extra = await channel.accept_hello(hello)
+        except (TransferError, ValueError, KeyError) as exc:
+            await channel.send_control({"type": proto.HELLO_REJECT, "error": str(exc),
+                                        "layout_mismatch": isinstance(exc, LayoutMismatchError)})
+            return False
+        await channel.send_control(dict(extra, type=proto.HELLO_OK))
+        await asyncio.wait_for(channel.after_hello_ok(hello), self.config.timeout_s)
+        return True
+
+    def _why_unknown(self, request_id: str) -> str:
+        if request_id in self._cancelled:
+            return f"request {request_id!r} was cancelled by the receiver"
+        return f"request {request_id!r} is not expected by the receiver"
+
+    def _on_begin(self, connection: _SenderConnection, message: dict) -> None:
+        uid, request_id = str(message["uid"]), str(message["request_id"])
+        refusal, fail_record = None, False
+        with self._lock:
+            record = self._expected.get(request_id)
+            if record is None:
+                refusal = self._why_unknown(request_id)
+            elif record.state.is_terminal:
+                refusal = f"request {request_id!r} already ended ({record.state.value})"
+            elif record.uid is not None:
+                refusal = f"request {request_id!r} is already being received from another sender"
+            elif [int(b) for b in message["dst_block_ids"]] != record.dst_block_ids:
+                refusal, fail_record = (f"dst_block_ids differ: sender sends to "
+                                        f"{message['dst_block_ids']}, receiver expects "
+                                        f"{record.dst_block_ids}"), True
+            elif sorted(int(layer) for layer in message["layers"]) != sorted(record.layers):
+                refusal, fail_record = (f"layers differ: sender sends {message['layers']}, "
+                                        f"receiver expects {list(record.layers)}"), True
+            else:
+                record.uid, record.connection = uid, connection
+                record.state = TransferState.TRANSFERRING
+                connection.transfers[uid] = record
+                self._changed.notify_all()
+        if fail_record:
+            self._fail(record, refusal, False)
+        if refusal is not None:
+            connection.ended_uids.add(uid)
+            self._send_error(connection, uid, refusal)
+
+    def _sink_for(self, connection: _SenderConnection, message: dict,
+                  piece: DataPiece, nbytes: int) -> tuple[BlockSink | DiscardSink, _ExpectedTransfer | None]:
+        uid = str(message["uid"])
+        record = connection.transfers.get(uid)
+        if record is None:
+            if uid not in connection.ended_uids:
+                connection.ended_uids.add(uid)
+                self._send_error(connection, uid, "data for a transfer that never began")
+            return DiscardSink(nbytes), None
+        problem = None
+        if any(layer not in record.layer_position for layer in piece.layers):
+            problem = f"data for layers {list(piece.layers)} outside the expected {list(record.layers)}"
+        elif not 0 <= piece.block_start < piece.block_end <= len(record.dst_block_ids):
+            problem = f"data for blocks [{piece.block_start}, {piece.block_end}) out of range"
+        elif nbytes != piece.nbytes(self.layout):
+            problem = f"data message announces {nbytes} bytes, its blocks hold {piece.nbytes(self.layout)}"
+        elif any(record.blocks_done[record.layer_position[layer]] + piece.num_blocks
+                 > len(record.dst_block_ids) for layer in piece.layers):
+            problem = "duplicate data for a layer"
+        if problem is not None:
+            self._fail(record, problem, True)
+            return DiscardSink(nbytes), None
+        return BlockSink(self._views, piece, record.dst_block_ids, record.index,
+                         lambda: record.active), record
+
+    async def _on_data(self, connection: _SenderConnection, message: dict) -> None:
+        piece = DataPiece(tuple(int(layer) for layer in message["layers"]),
+                          int(message["block_start"]), int(message["block_end"]))
+        nbytes = int(message["nbytes"])
+        sink, record = self._sink_for(connection, message, piece, nbytes)
+        landed = await connection.channel.recv_data(message, sink)
+        if record is None or not record.active:
+            return
+        if not landed:
+            self._fail(record, "a data message arrived incomplete (sender cancelled midway)", False)
+            return
+        with self._lock:
+            record.bytes += nbytes
+            self._total_bytes += nbytes
+            full = len(record.dst_block_ids)
+            for layer in piece.layers:
+                position = record.layer_position[layer]
+                record.blocks_done[position] += piece.num_blocks
+                if record.blocks_done[position] == full:
+                    record.layers_complete += 1
+            while (record.leading_layers_complete < len(record.layers)
+                   and record.blocks_done[record.leading_layers_complete] == full):
+                record.leading_layers_complete += 1
+            if record.layers_complete == len(record.layers):
+                self._end_locked(record, TransferState.SUCCESS, None)
+            self._changed.notify_all()
+        await connection.channel.send_control({
+            "type": proto.ACK, "uid": message["uid"], "layers": list(piece.layers),
+            "block_start": piece.block_start, "block_end": piece.block_end})
+
+    async def _watchdog(self) -> None:
+        config = self.config
+        interval = min(0.25, config.timeout_s / 8)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for connection in list(self._connections):
+                channel = connection.channel
+                if connection.transfers and now - channel.last_rx > config.timeout_s:
+                    reason = (f"sender {channel.peer} sent nothing for {config.timeout_s:g} s "
+                              "(dead or stalled)")
+                    for record in list(connection.transfers.values()):
+                        self._fail(record, reason, False)
+                    await channel.close()
+                elif now - channel.last_tx >= config.heartbeat_interval_s:
+                    self._tasks.spawn(self._send_quietly(connection, {"type": proto.PING}))
+            if config.pending_timeout_s is not None:
+                with self._lock:
+                    stale = [record for record in self._expected.values()
+                             if record.state is TransferState.PENDING
+                             and now - record.created > config.pending_timeout_s]
+                    for record in stale:
+                        self._end_locked(record, TransferState.FAILED,
+                                         f"no sender started the transfer within "
+                                         f"{config.pending_timeout_s:g} s")

@@ -1,0 +1,509 @@
+"""The sending side (prefill worker): pushes source blocks into a receiver's destination blocks.
+
+Lifecycle of one outgoing transfer (request id):
+    start() / send()        -> PENDING       connecting (handshake once per receiver) and queued
+    first data message out  -> TRANSFERRING
+    receiver acknowledged every layer -> SUCCESS
+    layout mismatch, receiver refused or cancelled, connection lost, receiver silent for
+    timeout_s, close()      -> FAILED (error says why)
+    cancel()                -> forgotten     the source blocks are not read after it returns
+
+Layer-wise streaming: `start()` opens a transfer over some layers, `send_layers()` pushes a
+group of them as soon as prefill has computed it; `send()` does both for layers that are ready.
+
+Threading: the public methods are called from the engine thread and never wait on the network;
+connections, handshakes and all reads of the source blocks run on one event-loop thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Iterable, Sequence
+
+import torch
+
+from . import _protocol as proto
+from ._common import TaskSet, check_block_ids, check_request_id, normalize_layers
+from ._loop import pick_loop
+from ._payload import BlockSource, CacheViews, plan_pieces
+from .addresses import Endpoint, parse_address
+from .config import TransferConfig
+from .layout import KVLayout
+from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
+                     TransportUnavailableError)
+from .transports.base import Channel, ChannelClosed, Transport, TransportContext
+
+
+class _OutgoingTransfer:
+    def __init__(self, request_id: str, address: str, src_block_ids: list[int],
+                 dst_block_ids: list[int], layers: tuple[int, ...], device: str) -> None:
+        self.uid = uuid.uuid4().hex
+        self.request_id = request_id
+        self.address = address
+        self.src_block_ids = src_block_ids
+        self.dst_block_ids = dst_block_ids
+        self.layers = layers
+        self.layer_position = {layer: position for position, layer in enumerate(layers)}
+        self.index = torch.tensor(src_block_ids, dtype=torch.int64, device=device)
+        self.queued_layers: set[int] = set()
+        self.blocks_acked = [0] * len(layers)
+        self.layers_acked = 0
+        self.unacked_messages = 0
+        self.state = TransferState.PENDING
+        self.error: str | None = None
+        self.bytes = 0
+        self.active = True  # False once ended or cancelled; the loop thread reads it per write
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.request_id, self.state, self.error, self.bytes,
+                              self.layers_acked, len(self.layers))
+
+
+class _ReceiverConnection:
+    def __init__(self, address: str, candidates: list[tuple[Transport, Endpoint]]) -> None:
+        self.address = address
+        self.candidates = candidates
+        self.channel: Channel | None = None
+        self.transport: Transport | None = None
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.transfers: dict[str, _OutgoingTransfer] = {}  # uid -> transfer
+        self.task: asyncio.Task | None = None
+        self.ping_queued = False
+
+
+class KVSender:
+    """Sends KV blocks from `layer_caches`. Create with `kvtransfer.create_sender`."""
+
+    def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
+                 config: TransferConfig | None = None, transport_name: str | None = None) -> None:
+        self.config = config or TransferConfig()
+        self.layout = KVLayout.from_caches(layer_caches)
+        if self.layout.chunk_nbytes > self.config.max_message_bytes:
+            raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
+                             f"max_message_bytes={self.config.max_message_bytes}")
+        self.transport = transport_name or "+".join(t.name for t in transports)
+        self._transports = list(transports)
+        self._views = CacheViews(layer_caches, self.layout)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._transfers: dict[str, _OutgoingTransfer] = {}
+        self._connections: dict[str, _ReceiverConnection] = {}
+        self._total_bytes = 0
+        self._closed = False
+        self._loop_thread, self._shared_loop_users = pick_loop(self._transports, "kvtransfer-sender")
+        self._tasks = TaskSet()
+        try:
+            self._loop_thread.run(self._start(), timeout=30.0)
+        except BaseException:
+            self._release_loop()
+            raise
+
+    # ---- public API (engine thread) -------------------------------------------------------
+
+    def start(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int], layers: Iterable[int] | None = None) -> "TransferHandle":
+        """Open a transfer of `layers` (default: all) of `src_block_ids` into the receiver's
+        `dst_block_ids` (same length, matched in order). Nothing is sent until
+        `send_layers()`; the receiver must `expect()` the same request id, blocks and layers.
+        The source blocks must stay unchanged until the transfer ends or is cancelled."""
+        check_request_id(request_id)
+        src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
+        dst = check_block_ids(dst_block_ids, None, "dst_block_ids")
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+        layer_tuple = normalize_layers(layers, self.layout.num_layers)
+        candidates = self._candidates(dst_address)
+        transfer = _OutgoingTransfer(request_id, dst_address, src, dst, layer_tuple,
+                                     self.layout.device)
+        self._check_open()
+        with self._lock:
+            if request_id in self._transfers:
+                raise ValueError(f"request {request_id!r} already has a transfer; cancel it first")
+            self._transfers[request_id] = transfer
+        self._loop_thread.call_soon(self._open_on_loop, transfer, candidates)
+        return TransferHandle(self, request_id)
+
+    def send_layers(self, request_id: str, layers: Iterable[int]) -> None:
+        """Push `layers` of an open transfer: call it as soon as prefill has written them.
+        Returns at once; on GPU the copy waits for the work queued so far on the current
+        stream."""
+        layer_tuple = normalize_layers(layers, self.layout.num_layers)
+        with self._lock:
+            transfer = self._get(request_id)
+            outside = [layer for layer in layer_tuple if layer not in transfer.layer_position]
+            if outside:
+                raise ValueError(f"layers {outside} are not part of transfer {request_id!r} "
+                                 f"(it covers {list(transfer.layers)})")
+            again = [layer for layer in layer_tuple if layer in transfer.queued_layers]
+            if again:
+                raise ValueError(f"layers {again} of {request_id!r} were already sent")
+            transfer.queued_layers.update(layer_tuple)
+        ready_event = None
+        if self.layout.is_cuda:
+            ready_event = torch.cuda.Event()
+            ready_event.record(torch.cuda.current_stream(torch.device(self.layout.device)))
+        self._loop_thread.call_soon(self._queue_on_loop, transfer, ("layers", transfer, layer_tuple,
+                                                                    ready_event))
+
+    def send(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], layers: Iterable[int] | None = None) -> "TransferHandle":
+        """`start()` and `send_layers()` of every layer in one call: for blocks already computed."""
+        handle = self.start(request_id, dst_address, src_block_ids, dst_block_ids, layers)
+        with self._lock:
+            transfer_layers = self._get(request_id).layers
+        self.send_layers(request_id, transfer_layers)
+        return handle
+
+    def poll(self, request_id: str) -> TransferStatus:
+        """The transfer's current status; KeyError if unknown or cancelled."""
+        with self._lock:
+            return self._get(request_id).status()
+
+    def wait(self, request_id: str, timeout: float | None = None) -> TransferStatus:
+        """Block until the transfer ends or `timeout` passes (for tools and tests)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                transfer = self._get(request_id)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if transfer.state.is_terminal or (remaining is not None and remaining <= 0):
+                    return transfer.status()
+                self._changed.wait(remaining)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the transfer in whatever state and forget it (also the way to drop the record
+        of a finished one); the receiver is told. Idempotent. Once it returns the source
+        blocks are not read any more."""
+        if self._closed:
+            return
+        self._loop_thread.call(self._cancel_on_loop, request_id)
+
+    def connect(self, dst_address: str, timeout: float | None = None) -> str:
+        """Connect and handshake now instead of on the first transfer; return the transport
+        used. Raises LayoutMismatchError (naming both layouts) or TransferError."""
+        self._check_open()
+        candidates = self._candidates(dst_address)
+        timeout = timeout if timeout is not None else 3 * self.config.timeout_s
+        return self._loop_thread.run(self._connect_on_loop(dst_address, candidates), timeout)
+
+    @property
+    def total_bytes_sent(self) -> int:
+        """Bytes the receivers acknowledged as written, over all transfers."""
+        with self._lock:
+            return self._total_bytes
+
+    def close(self) -> None:
+        """Fail every live transfer, close all connections, stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop_thread.run(self._shutdown(), timeout=max(30.0, 3 * self.config.timeout_s))
+        finally:
+            with self._changed:
+                for transfer in self._transfers.values():
+                    self._end_locked(transfer, TransferState.FAILED, "sender closed")
+            self._release_loop()
+            self._views.release()
+
+    def __enter__(self) -> "KVSender":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVSender({self.transport}, {self.layout.describe()})"
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("sender is closed")
+
+    def _get(self, request_id: str) -> _OutgoingTransfer:
+        transfer = self._transfers.get(request_id)
+        if transfer is None:
+            raise KeyError(f"unknown request id {request_id!r} (never started, or cancelled)")
+        return transfer
+
+    def _release_loop(self) -> None:
+        if not self._shared_loop_users:
+            self._loop_thread.stop()
+        for transport in self._shared_loop_users:
+            transport.release_shared_loop()
+
+    def _candidates(self, dst_address: str) -> list[tuple[Transport, Endpoint]]:
+        endpoints = parse_address(dst_address)
+        by_name = {transport.name: transport for transport in self._transports}
+        candidates = [(by_name[e.scheme], e) for e in endpoints if e.scheme in by_name]
+        if not candidates:
+            offered = ", ".join(sorted({e.scheme for e in endpoints}))
+            raise TransportUnavailableError(
+                f"receiver {dst_address!r} offers {offered}; this sender uses "
+                f"{', '.join(by_name)}")
+        return candidates
+
+    def _end_locked(self, transfer: _OutgoingTransfer, state: TransferState,
+                    error: str | None) -> bool:
+        if transfer.state.is_terminal:
+            transfer.active = False
+            return False
+        transfer.state, transfer.error, transfer.active = state, error, False
+        self._changed.notify_all()
+        return True
+
+    # ---- loop thread ----------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._tasks.spawn(self._watchdog())
+
+    async def _shutdown(self) -> None:
+        for connection in list(self._connections.values()):
+            if connection.channel is not None:
+                await connection.channel.close()
+        await self._tasks.cancel_all()
+
+    def _connection_for(self, address: str,
+                        candidates: list[tuple[Transport, Endpoint]]) -> _ReceiverConnection:
+        connection = self._connections.get(address)
+        if connection is None:
+            connection = _ReceiverConnection(address, candidates)
+            self._connections[address] = connection
+            connection.task = self._tasks.spawn(self._run_connection(connection))
+        return connection
+
+    def _open_on_loop(self, transfer: _OutgoingTransfer,
+                      candidates: list[tuple[Transport, Endpoint]]) -> None:
+        if not transfer.active:
+            return
+        connection = self._connection_for(transfer.address, candidates)
+        connection.transfers[transfer.uid] = transfer
+        connection.queue.put_nowait(("begin", transfer))
+
+    def _queue_on_loop(self, transfer: _OutgoingTransfer, item: tuple) -> None:
+        connection = self._connections.get(transfer.address)
+        if transfer.active and connection is not None and transfer.uid in connection.transfers:
+            connection.queue.put_nowait(item)
+
+    async def _connect_on_loop(self, address: str,
+                               candidates: list[tuple[Transport, Endpoint]]) -> str:
+        connection = self._connection_for(address, candidates)
+        await asyncio.shield(connection.ready)
+        return connection.transport.name
+
+    def _cancel_on_loop(self, request_id: str) -> None:
+        with self._lock:
+            transfer = self._transfers.pop(request_id, None)
+            if transfer is None:
+                return
+            ended = self._end_locked(transfer, TransferState.FAILED, "cancelled by the sender")
+        connection = self._connections.get(transfer.address)
+        if connection is not None and connection.transfers.pop(transfer.uid, None) is not None:
+            if ended:
+                connection.queue.put_nowait(("abort", transfer.uid, "cancelled by the sender"))
+
+    def _fail(self, transfer: _OutgoingTransfer, reason: str) -> None:
+        with self._lock:
+            self._end_locked(transfer, TransferState.FAILED, reason)
+
+    async def _establish(self, connection: _ReceiverConnection) -> Channel:
+        loop = asyncio.get_running_loop()
+        ctx = TransportContext(self.config, self.layout, loop, "sender")
+        errors = []
+        for transport, endpoint in connection.candidates:
+            try:
+                channel = await asyncio.wait_for(transport.connect(ctx, endpoint),
+                                                 self.config.timeout_s)
+            except (OSError, TransferError, asyncio.TimeoutError) as exc:
+                errors.append(f"{endpoint}: {exc or type(exc).__name__}")
+                continue
+            try:
+                await self._handshake(channel)
+            except BaseException:
+                await channel.close()
+                raise
+            connection.transport = transport
+            return channel
+        raise TransferError(f"cannot connect to receiver {connection.address}: "
+                            + "; ".join(errors))
+
+    async def _handshake(self, channel: Channel) -> None:
+        await channel.send_control(dict(channel.hello_fields(), type=proto.HELLO,
+                                        version=proto.PROTOCOL_VERSION,
+                                        layout=self.layout.to_wire()))
+        try:
+            reply = await asyncio.wait_for(channel.recv_control(), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(f"receiver {channel.peer} did not answer the handshake within "
+                                f"{self.config.timeout_s:g} s") from None
+        if reply.get("type") == proto.HELLO_REJECT:
+            error_type = LayoutMismatchError if reply.get("layout_mismatch") else TransferError
+            raise error_type(f"receiver {channel.peer} refused the connection: {reply.get('error')}")
+        if reply.get("type") != proto.HELLO_OK:
+            raise TransferError(f"receiver {channel.peer} answered the handshake with "
+                                f"{reply.get('type')!r}")
+        await asyncio.wait_for(channel.after_hello_ok(reply), self.config.timeout_s)
+
+    async def _run_connection(self, connection: _ReceiverConnection) -> None:
+        reason = "connection closed"
+        try:
+            try:
+                connection.channel = await self._establish(connection)
+            except BaseException as exc:
+                connection.ready.set_exception(
+                    exc if isinstance(exc, Exception) else TransferError("sender closed"))
+                raise
+            connection.ready.set_result(connection.channel)
+            writer = asyncio.ensure_future(self._write_loop(connection))
+            reader = asyncio.ensure_future(self._read_loop(connection))
+            try:
+                done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                writer.cancel()
+                reader.cancel()
+                await asyncio.gather(writer, reader, return_exceptions=True)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+        except (ChannelClosed, OSError) as exc:
+            reason = f"lost the connection to receiver {connection.address}: {exc}"
+        except TransferError as exc:
+            reason = str(exc)
+        except asyncio.CancelledError:
+            reason = "sender closed"
+            raise
+        except Exception as exc:
+            reason = f"internal error on the connection to {connection.address}: {exc!r}"
+            raise
+        finally:
+            if self._connections.get(connection.address) is connection:
+                del self._connections[connection.address]
+            for transfer in list(connection.transfers.values()):
+                self._fail(transfer, reason)
+            connection.transfers.clear()
+            if connection.channel is not None:
+                await connection.channel.close()
+
+    async def _write_loop(self, connection: _ReceiverConnection) -> None:
+        channel = connection.channel
+        while True:
+            item = await connection.queue.get()
+            kind, transfer = item[0], item[1]
+            if kind == "ping":
+                connection.ping_queued = False
+                await channel.send_control({"type": proto.PING})
+            elif kind == "abort":
+                await channel.send_control({"type": proto.ABORT, "uid": transfer, "error": item[2]})
+            elif not transfer.active:
+                continue
+            elif kind == "begin":
+                await channel.send_control({
+                    "type": proto.BEGIN, "uid": transfer.uid, "request_id": transfer.request_id,
+                    "dst_block_ids": transfer.dst_block_ids, "layers": list(transfer.layers)})
+            elif kind == "layers":
+                await self._send_layers_on_loop(channel, transfer, item[2], item[3])
+
+    async def _send_layers_on_loop(self, channel: Channel, transfer: _OutgoingTransfer,
+                                   layers: tuple[int, ...], ready_event) -> None:
+        if ready_event is not None:
+            torch.cuda.current_stream(torch.device(self.layout.device)).wait_event(ready_event)
+        limit = getattr(channel, "max_payload_bytes", self.config.max_message_bytes)
+        for piece in plan_pieces(layers, len(transfer.src_block_ids), self.layout, limit):
+            if not transfer.active:
+                return
+            with self._lock:
+                if transfer.state is TransferState.PENDING:
+                    transfer.state = TransferState.TRANSFERRING
+                    self._changed.notify_all()
+            transfer.unacked_messages += 1
+            source = BlockSource(self._views, piece, transfer.src_block_ids, transfer.index,
+                                 lambda: transfer.active)
+            await channel.send_data({
+                "type": proto.DATA, "uid": transfer.uid, "request_id": transfer.request_id,
+                "layers": list(piece.layers), "block_start": piece.block_start,
+                "block_end": piece.block_end}, source)
+
+    async def _read_loop(self, connection: _ReceiverConnection) -> None:
+        channel = connection.channel
+        while True:
+            message = await channel.recv_control()
+            kind = message.get("type")
+            if kind == proto.ACK:
+                self._on_ack(connection, message)
+            elif kind == proto.ERROR:
+                transfer = connection.transfers.pop(str(message.get("uid")), None)
+                if transfer is not None:
+                    self._fail(transfer, f"receiver {connection.address}: {message.get('error')}")
+            elif kind != proto.PING:
+                raise ChannelClosed(f"receiver sent an unexpected {kind!r} message")
+
+    def _on_ack(self, connection: _ReceiverConnection, message: dict) -> None:
+        transfer = connection.transfers.get(str(message.get("uid")))
+        if transfer is None or not transfer.active:
+            return
+        layers = [int(layer) for layer in message["layers"]]
+        num_blocks = int(message["block_end"]) - int(message["block_start"])
+        full = len(transfer.src_block_ids)
+        with self._lock:
+            transfer.unacked_messages -= 1
+            transfer.bytes += len(layers) * num_blocks * self.layout.chunk_nbytes
+            self._total_bytes += len(layers) * num_blocks * self.layout.chunk_nbytes
+            for layer in layers:
+                position = transfer.layer_position[layer]
+                transfer.blocks_acked[position] += num_blocks
+                if transfer.blocks_acked[position] == full:
+                    transfer.layers_acked += 1
+            if transfer.layers_acked == len(transfer.layers):
+                self._end_locked(transfer, TransferState.SUCCESS, None)
+                connection.transfers.pop(transfer.uid, None)
+            self._changed.notify_all()
+
+    async def _watchdog(self) -> None:
+        config = self.config
+        interval = min(0.25, config.timeout_s / 8)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for connection in list(self._connections.values()):
+                channel = connection.channel
+                if channel is None or not connection.ready.done():
+                    continue
+                waiting = any(t.unacked_messages > 0 for t in connection.transfers.values())
+                if waiting and now - channel.last_rx > config.timeout_s:
+                    reason = (f"receiver {connection.address} sent nothing for "
+                              f"{config.timeout_s:g} s (dead or stalled)")
+                    for transfer in list(connection.transfers.values()):
+                        self._fail(transfer, reason)
+                    await channel.close()
+                elif (now - channel.last_tx >= config.heartbeat_interval_s
+                      and not connection.ping_queued):
+                    connection.ping_queued = True
+                    connection.queue.put_nowait(("ping", None))
+
+
+class TransferHandle:
+    """What `KVSender.start()` / `send()` return: a request id bound to its sender."""
+
+    def __init__(self, sender: KVSender, request_id: str) -> None:
+        self.sender = sender
+        self.request_id = request_id
+
+    def send_layers(self, layers: Iterable[int]) -> None:
+        self.sender.send_layers(self.request_id, layers)
+
+    def poll(self) -> TransferStatus:
+        return self.sender.poll(self.request_id)
+
+    def wait(self, timeout: float | None = None) -> TransferStatus:
+        return self.sender.wait(self.request_id, timeout)
+
+    def cancel(self) -> None:
+        self.sender.cancel(self.request_id)
+
+    def __repr__(self) -> str:
+        return f"TransferHandle({self.request_id!r})"

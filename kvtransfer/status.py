@@ -1,0 +1,48 @@
+"""Transfer states, the status snapshot that `poll()` returns, and kvtransfer's exceptions."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # known, no byte moved yet
+    TRANSFERRING = "transferring"  # bound to a peer, some layers may have arrived
+    SUCCESS = "success"  # every expected layer written (receiver) / acknowledged (sender)
+    FAILED = "failed"  # ended without success; `error` says why
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """A snapshot of one transfer, as seen by the side that polled it."""
+
+    request_id: str
+    state: TransferState
+    error: str | None
+    bytes_transferred: int  # bytes written into the receiver's blocks (acknowledged, on the sender)
+    layers_done: int  # layers complete on the receiver (acknowledged, on the sender)
+    num_layers: int  # layers the transfer covers
+
+    @property
+    def done(self) -> bool:
+        return self.state.is_terminal
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TransferState.SUCCESS
+
+
+class TransferError(RuntimeError):
+    """A transfer or connection failed; the message says why."""
+
+
+class LayoutMismatchError(TransferError):
+    """The two sides describe different KV cache layouts."""
+
+
+class TransportUnavailableError(TransferError):
+    """The requested transport cannot be used in this process (missing dependency, platform)."""

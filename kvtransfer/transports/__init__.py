@@ -1,0 +1,1 @@
+"""Transport implementations, looked up by name (see `kvtransfer.factory`)."""

@@ -1,0 +1,228 @@
+"""ucx: UCX through `ucxx` (optional dependency: `pip install ucxx-cu12 libucx-cu12`).
+
+UCX picks the fastest path it finds between the two processes: shared memory or TCP on one
+host, RDMA between hosts, CUDA IPC / GPUDirect for device memory, which it sends directly.
+Control messages and payloads are tagged messages on one endpoint per connection (payloads
+on their own tag); each payload is one contiguous staging buffer, gathered from and scattered
+into the blocks on the device where the caches live.
+
+ucxx keeps one context per process, bound to the event loop it was started on, so every ucx
+sender and receiver in a process shares one loop thread (`_UcxRuntime`); the runtime resets
+ucxx (stopping its threads) when its last user closes. Set UCX_TLS and friends in the
+environment to restrict transports (e.g. UCX_TLS=tcp,self on a machine without RDMA/GPU).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from .._loop import LoopThread
+from .._payload import BlockSink, BlockSource, DiscardSink
+from ..addresses import Endpoint
+from ..status import TransferError
+from .base import Channel, ChannelClosed, Listener, Transport, TransportContext
+
+_PAYLOAD_TAG = 0x6B76  # an int: ucxx hashes tags with hash(), which is stable only for ints
+_log = logging.getLogger(__name__)
+
+
+def _import_ucxx():
+    import ucxx
+    return ucxx
+
+
+class _UcxRuntime:
+    """The process-wide loop thread that every ucx sender and receiver runs on.
+
+    This is the one piece of process-level state in kvtransfer, mirroring ucxx's own
+    process-wide context."""
+
+    _lock = threading.Lock()
+    _loop: LoopThread | None = None
+    _users = 0
+
+    @classmethod
+    def acquire(cls) -> LoopThread:
+        with cls._lock:
+            if cls._loop is None:
+                loop = LoopThread("kvtransfer-ucx")
+                try:
+                    loop.run(cls._init())
+                except BaseException:
+                    loop.stop()
+                    raise
+                cls._loop = loop
+            cls._users += 1
+            return cls._loop
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users > 0 or cls._loop is None:
+                return
+            loop, cls._loop = cls._loop, None
+        try:
+            loop.run(cls._reset(), timeout=30.0)
+        finally:
+            loop.stop()
+
+    @staticmethod
+    async def _init() -> None:
+        ucxx = _import_ucxx()
+        try:
+            ucxx.init(progress_mode="thread", enable_python_future=True)
+        except RuntimeError as exc:  # initialised elsewhere in this process: share it
+            _log.warning("ucxx was already initialised outside kvtransfer: %s", exc)
+
+    @staticmethod
+    async def _reset() -> None:
+        ucxx = _import_ucxx()
+        await asyncio.sleep(0)
+        for attempt in range(2):
+            gc.collect()
+            try:
+                ucxx.reset()
+                return
+            except Exception as exc:  # objects still alive: ucxx stays up until exit
+                if attempt == 1:
+                    _log.warning("could not reset ucxx: %s", exc)
+                await asyncio.sleep(0.05)
+
+
+def _as_ucx_buffer(tensor: torch.Tensor):
+    return tensor if tensor.is_cuda else tensor.numpy()
+
+
+class UcxChannel(Channel):
+    def __init__(self, endpoint, ctx: TransportContext, peer: str) -> None:
+        super().__init__(peer)
+        self._ep = endpoint
+        self._ctx = ctx
+        self._send_lock = asyncio.Lock()
+        self._staging: torch.Tensor | None = None
+        self._closed = False
+        self.max_payload_bytes = ctx.config.max_message_bytes
+
+    def _failure(self, exc: Exception) -> ChannelClosed:
+        return ChannelClosed(f"ucx connection to {self.peer} failed: {exc or type(exc).__name__}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelClosed(f"connection to {self.peer} is closed")
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self._ctx.layout.device)
+        return self._staging[:nbytes]
+
+    async def _send_control_unlocked(self, message: dict) -> None:
+        self._check_open()
+        try:
+            await self._ep.send_obj(json.dumps(message, separators=(",", ":")).encode())
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        self.mark_tx()
+
+    async def send_control(self, message: dict) -> None:
+        async with self._send_lock:
+            await self._send_control_unlocked(message)
+
+    async def recv_control(self) -> dict:
+        self._check_open()
+        try:
+            data = await self._ep.recv_obj()
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        self.mark_rx()
+        return json.loads(bytes(data))
+
+    async def send_data(self, header: dict, source: BlockSource) -> None:
+        async with self._send_lock:
+            if not source.is_active():
+                return
+            staged = source.gather_into(self._staging_buffer(source.nbytes))
+            if staged.is_cuda:
+                torch.cuda.current_stream(staged.device).synchronize()
+            await self._send_control_unlocked(dict(header, nbytes=source.nbytes))
+            try:
+                await self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
+            except Exception as exc:
+                raise self._failure(exc) from exc
+            self.mark_tx()
+
+    async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
+        self._check_open()
+        staging = self._staging_buffer(int(header["nbytes"]))
+        try:
+            await self._ep.recv(_as_ucx_buffer(staging), tag=_PAYLOAD_TAG)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        self.mark_rx()
+        return sink.scatter_from(staging)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        endpoint, self._ep = self._ep, None
+        try:
+            endpoint.abort()
+        except Exception as exc:  # already broken: nothing left to release
+            _log.debug("ucx endpoint abort: %s", exc)
+        self._staging = None
+
+
+class _UcxListener(Listener):
+    def __init__(self, ctx: TransportContext, on_channel: Callable[[Channel], None]) -> None:
+        ucxx = _import_ucxx()
+
+        async def on_endpoint(endpoint) -> None:
+            on_channel(UcxChannel(endpoint, ctx, f"ucx peer {endpoint.uid:#x}"))
+
+        self._listener = ucxx.create_listener(on_endpoint, port=ctx.config.port,
+                                              connect_timeout=ctx.config.timeout_s)
+        self.endpoint = Endpoint("ucx", ctx.config.public_host, self._listener.port)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+class UcxTransport(Transport):
+    name = "ucx"
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        try:
+            _import_ucxx()
+        except Exception as exc:  # ImportError, or a missing/broken libucx
+            return (f"ucxx cannot be imported ({type(exc).__name__}: {exc}); install it with "
+                    "`pip install ucxx-cu12 libucx-cu12`")
+        return None
+
+    def acquire_shared_loop(self) -> LoopThread:
+        return _UcxRuntime.acquire()
+
+    def release_shared_loop(self) -> None:
+        _UcxRuntime.release()
+
+    async def listen(self, ctx: TransportContext,
+                     on_channel: Callable[[Channel], None]) -> Listener:
+        return _UcxListener(ctx, on_channel)
+
+    async def connect(self, ctx: TransportContext, endpoint: Endpoint) -> Channel:
+        ucxx = _import_ucxx()
+        try:
+            ep = await ucxx.create_endpoint(endpoint.host, endpoint.port,
+                                            connect_timeout=ctx.config.timeout_s)
+        except Exception as exc:
+            raise TransferError(f"ucx connect to {endpoint} failed: {exc or type(exc).__name__}") from exc
+        return UcxChannel(ep, ctx, str(endpoint))
