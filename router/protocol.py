@@ -18,9 +18,12 @@ from engine.sampling_params import SamplingParams
 from router.errors import APIError, invalid_request
 
 Int = Annotated[int, Strict()]
-Number = Annotated[float, Strict()]
+Int32 = Annotated[int, Strict(), Field(ge=-2**31, le=2**31 - 1)]  # bounds of the wire schema's fields
+Int64 = Annotated[int, Strict(), Field(ge=-2**63, le=2**63 - 1)]
+UInt32 = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
-TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
+TokenIds = list[UInt32]
 
 
 class StreamOptions(BaseModel):
@@ -35,16 +38,16 @@ class _GenerationRequest(BaseModel):
     model: str
     temperature: Number | None = None
     top_p: Number | None = None
-    top_k: Int | None = None
+    top_k: Int32 | None = None
     min_p: Number | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    seed: Int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: Bool = False
-    n: Int | None = 1
+    n: Int32 | None = 1
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -52,7 +55,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     cache_salt: str | None = None
-    priority: Int = 0
+    priority: Int32 = 0
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -90,10 +93,10 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: Int | None = 16
-    logprobs: Int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: Bool = False
-    best_of: Int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -120,10 +123,10 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: Bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Int32 | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -1,0 +1,236 @@
+"""The OpenAI API through the official `openai` client, against a real uvicorn router and fake
+decode/prefill workers over real gRPC."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.router.harness import reply_script, token_chunks, wait_until
+
+REPLY = "Hello world, hello there!"
+NON_ASCII = "Grüße aus Zürich: 世界 🎉 ok"
+
+
+@pytest.fixture
+def client(router):
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client, router):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_completion_non_streaming(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, REPLY, num_cached_tokens=16)
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40)
+    assert out.choices[0].text == REPLY
+    assert out.choices[0].finish_reason == "stop"
+    prompt_ids = tokenizer.encode("Once upon a time")
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+    assert out.usage.completion_tokens == len(reply_ids) + 1  # + EOS
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens == 16
+    sent = decode.requests[-1]
+    assert list(sent.prompt_token_ids) == prompt_ids
+    assert sent.sampling.max_tokens == 40
+    assert sent.request_id == out.id
+
+
+def test_completion_streaming_with_usage(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, REPLY)
+    stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=40, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == REPLY
+    assert len([t for t in texts if t]) > 3  # streamed piece by piece, not in one block
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == len(tokenizer.encode(REPLY, add_special_tokens=False)) + 1
+
+
+def test_chat_non_streaming_applies_the_chat_template(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, REPLY)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=64)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == REPLY
+    assert out.choices[0].finish_reason == "stop"
+    assert list(decode.requests[-1].prompt_token_ids) == tokenizer.apply_chat_template(messages)
+    assert out.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages))
+
+
+def test_chat_streaming(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, REPLY)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == REPLY
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].usage.prompt_tokens == len(decode.requests[-1].prompt_token_ids)
+
+
+def test_chat_without_max_tokens_gets_the_rest_of_the_context(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    sent = decode.requests[-1]
+    assert sent.sampling.max_tokens == 512 - len(sent.prompt_token_ids)
+
+
+def test_max_tokens_finishes_with_length(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, REPLY)
+    out = client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+    reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3
+    assert out.choices[0].text == tokenizer.decode(reply_ids[:3])
+
+
+def test_non_ascii_output_never_splits_a_character(client, decode, tokenizer):
+    reply_ids = tokenizer.encode(NON_ASCII, add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in reply_ids]
+    assert any("\ufffd" in p for p in pieces)  # the tokenizer does split characters across tokens
+    decode.script = reply_script(tokenizer, NON_ASCII)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "grüß"}],
+                                            stream=True)
+    texts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert "".join(texts) == NON_ASCII
+    assert all("\ufffd" not in t for t in texts)
+    out = client.completions.create(model="tiny", prompt="Zürich", max_tokens=100)
+    assert out.choices[0].text == NON_ASCII
+
+
+def test_stop_string_truncates_and_aborts_the_worker(client, decode, tokenizer, router):
+    decode.script = reply_script(tokenizer, "Hello world. And then more text that should never be sent")
+    out = client.completions.create(model="tiny", prompt="Hi", max_tokens=100, stop=[". And"])
+    assert out.choices[0].text == "Hello world"
+    assert out.choices[0].finish_reason == "stop"
+    request_id = decode.requests[-1].request_id
+    wait_until(lambda: request_id in decode.finished, message="the worker's stream to end")
+    assert request_id in decode.cancelled or request_id in decode.aborts
+    stop_ids = tokenizer.encode("Hello world. And", add_special_tokens=False)
+    assert out.usage.completion_tokens <= len(stop_ids) + 1
+    assert decode.requests[-1].sampling.stop_token_ids == []  # stop strings stay in the router
+
+
+def test_stop_string_streaming_holds_back_a_possible_stop(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "one, two, three STOP four")
+    stream = client.completions.create(model="tiny", prompt="count", max_tokens=100, stop="STOP",
+                                       stream=True)
+    chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == "one, two, three "
+    assert all("S" not in t for t in texts)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_string_included_when_asked(router, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "alpha beta gamma")
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 50,
+                                                        "stop": ["beta"], "include_stop_str_in_output": True})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == "alpha beta"
+
+
+def test_sampling_parameters_reach_the_worker(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=7, temperature=0.7, top_p=0.9, seed=1234,
+                              presence_penalty=0.5, frequency_penalty=-0.5, user="someone",
+                              extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                                          "ignore_eos": True, "stop_token_ids": [5, 6]})
+    sampling = decode.requests[-1].sampling
+    assert sampling.max_tokens == 7
+    assert sampling.temperature == pytest.approx(0.7)
+    assert sampling.top_p == pytest.approx(0.9)
+    assert sampling.top_k == 20
+    assert sampling.min_p == pytest.approx(0.05)
+    assert sampling.seed == 1234
+    assert sampling.presence_penalty == pytest.approx(0.5)
+    assert sampling.frequency_penalty == pytest.approx(-0.5)
+    assert sampling.repetition_penalty == pytest.approx(1.1)
+    assert sampling.ignore_eos is True
+    assert list(sampling.stop_token_ids) == [5, 6]
+    assert not sampling.HasField("logprobs")
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=7)
+    defaults = decode.requests[-1].sampling
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty) == (1.0, 1.0, -1, 1.0)
+    assert not defaults.HasField("seed")
+
+
+def test_token_id_prompt(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4)
+    assert list(decode.requests[-1].prompt_token_ids) == [5, 6, 7, 8]
+    client.completions.create(model="tiny", prompt=["just one"], max_tokens=4)
+    assert list(decode.requests[-1].prompt_token_ids) == tokenizer.encode("just one")
+
+
+def test_completion_logprobs(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "Hello world", eos=False)
+    out = client.completions.create(model="tiny", prompt="Hi", max_tokens=50, logprobs=2)
+    assert decode.requests[-1].sampling.logprobs == 2
+    reply_ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    logprobs = out.choices[0].logprobs
+    assert "".join(logprobs.tokens) == "Hello world"
+    assert logprobs.token_logprobs == [pytest.approx(-0.5)] * len(reply_ids)
+    assert len(logprobs.top_logprobs) == len(reply_ids) and all(len(t) == 2 for t in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_chat_logprobs_stream_and_bytes(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "世界", eos=False)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            logprobs=True, top_logprobs=2, stream=True)
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert decode.requests[-1].sampling.logprobs == 2
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == "世界"
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_seed_is_forwarded_identically(client, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    for _ in range(2):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], seed=7,
+                                       temperature=1.0, max_tokens=5)
+    first, second = decode.requests[-2:]
+    assert first.sampling == second.sampling and first.sampling.seed == 7
+    assert first.prompt_token_ids == second.prompt_token_ids
+
+
+def test_worker_error_mid_stream_becomes_an_error_event(router, decode, tokenizer):
+    pb_chunks = token_chunks(tokenizer.encode("partial", add_special_tokens=False), "")
+    def script(request):
+        failure = token_chunks([], "error")[0]
+        failure.error = "the KV transfer failed"
+        return [*pb_chunks, failure]
+    decode.script = script
+    with httpx.stream("POST", router.url + "/v1/completions",
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "the KV transfer failed" in error["message"] and error["type"] == "upstream_error"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert text == "partial"
+
+
+def test_worker_error_before_any_token_is_an_http_error(router, decode, tokenizer):
+    def script(request):
+        failure = token_chunks([], "error")[0]
+        failure.error = "model step failed"
+        return [failure]
+    decode.script = script
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5})
+    assert r.status_code == 502
+    assert "model step failed" in r.json()["error"]["message"]
+    assert router.state.dispatcher.inflight == 0

@@ -1,0 +1,68 @@
+"""A client that goes away cancels its Generate stream at once: the decode worker frees the
+request's blocks (seen through /status) and the router's load counts return to zero."""
+import socket
+
+import httpx
+
+from tests.router.harness import Hang, reply_script, wait_until
+
+
+def free_blocks_in_status(router, decode):
+    status = httpx.get(router.url + "/status").json()
+    worker = next(w for w in status["workers"] if w["address"] == decode.address)
+    return worker["kv_blocks_free"], worker["kv_blocks_total"], status["inflight_requests"]
+
+
+def hanging_script(tokenizer):
+    """One token, then nothing until the request is cancelled or aborted."""
+    first = reply_script(tokenizer, "Hello")
+    return lambda request: [first(request)[0], Hang()]
+
+
+def test_streaming_client_disconnect_frees_blocks(router, decode, tokenizer):
+    decode.script = hanging_script(tokenizer)
+    with httpx.stream("POST", router.url + "/v1/chat/completions",
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                            "max_tokens": 100}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream is open and a token came
+        request_id = decode.requests[-1].request_id
+        free, total, inflight = free_blocks_in_status(router, decode)
+        assert free < total and inflight == 1  # the request holds blocks while it streams
+    # leaving the `with` closes the connection mid-stream
+    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
+    assert request_id in decode.cancelled
+    assert free_blocks_in_status(router, decode) == (total, total, 0)
+    decode_info = router.state.pool.get(decode.address)
+    assert decode_info.inflight_requests == 0
+    assert all(p.outstanding_prefill_tokens == 0 for p in router.state.pool.workers())
+
+
+def test_non_streaming_client_disconnect_frees_blocks(router, decode, tokenizer):
+    decode.script = hanging_script(tokenizer)
+    try:
+        httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 50},
+                   timeout=httpx.Timeout(30.0, read=0.5))  # gives up while the worker hangs
+    except httpx.ReadTimeout:
+        pass
+    wait_until(lambda: decode.requests and decode.requests[-1].request_id in decode.finished,
+               message="the worker to see the cancellation")
+    assert decode.requests[-1].request_id in decode.cancelled
+    free, total, inflight = free_blocks_in_status(router, decode)
+    assert free == total and inflight == 0
+
+
+def test_disconnect_before_the_first_token_frees_blocks(router, decode):
+    decode.script = lambda request: [Hang()]  # the "prefill" never finishes
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": true}'
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_until(lambda: len(decode.active) == 1, message="the request to reach the worker")
+        request_id = decode.requests[-1].request_id
+    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
+    assert request_id in decode.cancelled
+    free, total, inflight = free_blocks_in_status(router, decode)
+    assert free == total and inflight == 0
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'pdserve:request_finished_total{finish_reason="abort"} 1.0' in metrics

@@ -1,0 +1,246 @@
+"""Each malformed request class gets the right status and an OpenAI-style error body; worker
+refusals and missing workers become 400/429/503 with Retry-After; never a 500 for a client's
+mistake."""
+import httpx
+import openai
+import pytest
+
+from tests.router.harness import Fail, Hang, reply_script, wait_until
+
+import grpc
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    (COMPLETIONS, {"prompt": "x"}, "model", "missing required field 'model'"),
+    (COMPLETIONS, {"model": "tiny"}, "prompt", "missing required field 'prompt'"),
+    (CHAT, {"model": "tiny"}, "messages", "missing required field 'messages'"),
+    (CHAT, {"model": "tiny", "messages": []}, "messages", "messages"),
+    (CHAT, {"model": "tiny", "messages": "hello"}, "messages", "messages"),
+    (CHAT, {"model": "tiny", "messages": [{"content": "no role"}]}, "messages", "role"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages", "text"),
+    (COMPLETIONS, {"model": "tiny", "prompt": 42}, "prompt", "prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "temperature": 101}, "temperature", "temperature must be in"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature", "temperature must be in"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p", "top_p must be in"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "top_k": -5}, "top_k", "top_k must be"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "min_p": 2}, "min_p", "min_p must be in"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "presence_penalty": 3}, "presence_penalty", "presence_penalty"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty",
+     "frequency_penalty"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": True}, "max_tokens", "valid integer"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": 2.5}, "max_tokens", "valid integer"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "logprobs": 50}, "logprobs", "logprobs must be in"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "seed": "abc"}, "seed", "valid integer"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "stop": [""]}, "stop", "stop strings"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "stop": ["s"] * 17}, "stop", "at most 16"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "n": 2}, "n", "n=2 is not supported"),
+    (CHAT, {"model": "tiny", "messages": USER, "n": 3}, "n", "n=3 is not supported"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "best_of": 2}, "best_of", "best_of"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "echo": True}, "echo", "echo"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "suffix": "end"}, "suffix", "suffix"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "logit_bias"),
+    (COMPLETIONS, {"model": "tiny", "prompt": ["a", "b"]}, "prompt", "exactly one prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": ""}, "prompt", "the prompt is empty"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [5, 99999]}, "prompt", "outside the vocabulary"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [5, -1]}, "prompt", "prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options", "only allowed when stream"),
+    (CHAT, {"model": "tiny", "messages": USER, "top_logprobs": 2}, "top_logprobs", "requires logprobs"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    (CHAT, {"model": "tiny", "messages": USER, "response_format": {"type": "json_object"}}, "response_format",
+     "response_format"),
+])
+def test_invalid_request_is_a_400_naming_the_field(router, decode, path, body, param, fragment):
+    error = error_of(httpx.post(router.url + path, json=body), 400)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert fragment in error["message"]
+    assert decode.requests == []  # refused before reaching any worker
+
+
+def test_bad_json_and_non_object_bodies(router):
+    headers = {"content-type": "application/json"}
+    error = error_of(httpx.post(router.url + COMPLETIONS, content=b"{not json", headers=headers), 400)
+    assert error["code"] == "invalid_json" and "not valid JSON" in error["message"]
+    error = error_of(httpx.post(router.url + COMPLETIONS, content=b"", headers=headers), 400)
+    assert "empty" in error["message"]
+    error = error_of(httpx.post(router.url + COMPLETIONS, content=b"\xff\xfe", headers=headers), 400)
+    assert error["code"] == "invalid_json"
+    error = error_of(httpx.post(router.url + CHAT, json=[1, 2, 3]), 400)
+    assert "JSON object" in error["message"]
+
+
+def test_unknown_model_is_a_404(router):
+    error = error_of(httpx.post(router.url + CHAT, json={"model": "gpt-4o", "messages": USER}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "'gpt-4o'" in error["message"] and "'tiny'" in error["message"]
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+
+
+def test_prompt_longer_than_the_context_is_a_400(router, decode):
+    long_prompt = [5] * 512  # the tiny model's context is 512 tokens
+    error = error_of(httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": long_prompt}), 400)
+    assert error["code"] == "context_length_exceeded" and "512" in error["message"]
+    error = error_of(httpx.post(router.url + COMPLETIONS,
+                                json={"model": "tiny", "prompt": [5] * 500, "max_tokens": 100}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    error = error_of(httpx.post(router.url + CHAT, json={"model": "tiny", "messages": USER,
+                                                         "max_completion_tokens": 1000}), 400)
+    assert error["param"] == "max_completion_tokens"
+    assert decode.requests == []
+
+
+def test_body_size_is_capped(make_router, decode):
+    router = make_router(decode=[decode.address], max_request_body_bytes=1000)
+    error = error_of(httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x" * 2000}), 413)
+    assert "1000 bytes" in error["message"]
+
+    def chunked():  # no Content-Length: the cap applies while reading
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(50):
+            yield b"y" * 100
+        yield b'"}'
+    error_of(httpx.post(router.url + COMPLETIONS, content=chunked(), headers={"content-type": "application/json"}),
+             413)
+    assert decode.requests == []
+
+
+def test_api_key_is_required_on_v1_routes(make_router, decode, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    router = make_router(colocated=[decode.address], api_key="s3cret")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+        error = error_of(httpx.post(router.url + COMPLETIONS, json=body, headers=headers), 401)
+        assert error["code"] == "invalid_api_key"
+    error_of(httpx.get(router.url + "/v1/models"), 401)
+    assert decode.requests == []
+    assert httpx.post(router.url + COMPLETIONS, json=body, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    good = openai.OpenAI(base_url=router.url + "/v1", api_key="s3cret", max_retries=0)
+    assert good.completions.create(**body).choices[0].text == "ok"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=router.url + "/v1", api_key="bad", max_retries=0).models.list()
+    assert httpx.get(router.url + "/health").status_code == 200  # operations routes stay open
+
+
+def test_unknown_route_and_method_have_openai_bodies(router):
+    error = error_of(httpx.get(router.url + "/v1/nothing"), 404)
+    assert error["type"] == "not_found_error"
+    error = error_of(httpx.get(router.url + COMPLETIONS), 405)
+    assert error["code"] == "method_not_allowed"
+
+
+def test_no_healthy_decode_worker_is_a_503_with_retry_after(make_router, loop):
+    dead = "127.0.0.1:1"  # nothing listens on port 1
+    router = make_router(decode=[dead], unhealthy_after_failures=1)
+    r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x"})
+    error = error_of(r, 503)
+    assert r.headers["retry-after"] == "1"
+    assert error["type"] == "service_unavailable"
+    health = httpx.get(router.url + "/health")
+    error_of(health, 503)
+    assert health.headers["retry-after"] == "1"
+    status = httpx.get(router.url + "/status").json()
+    assert status["ready"] is False
+    assert status["workers"][0]["healthy"] is False and status["workers"][0]["last_error"]
+
+
+def test_health_needs_a_prefill_and_a_decode_worker_or_a_colocated_one(make_router, decode, prefills, loop):
+    only_decode = make_router(decode=[decode.address])
+    assert httpx.get(only_decode.url + "/health").status_code == 503
+    pair = make_router(decode=[decode.address], prefill=[prefills[0].address])
+    assert httpx.get(pair.url + "/health").json() == {"status": "ok"}
+    colocated = make_router(colocated=[decode.address])
+    assert httpx.get(colocated.url + "/health").status_code == 200
+    prefills[0].ok = False  # the worker says it is not ok: out of routing at the next poll
+    wait_until(lambda: httpx.get(pair.url + "/health").status_code == 503, message="health to turn 503")
+
+
+def test_worker_invalid_argument_becomes_a_400(router, decode):
+    decode.script = lambda request: [Fail(grpc.StatusCode.INVALID_ARGUMENT, "prompt token id 7 is not allowed")]
+    error = error_of(httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x"}), 400)
+    assert error["message"] == "prompt token id 7 is not allowed"
+    decode.script = lambda request: [Fail(grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context window")]
+    error = error_of(httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x"}), 400)
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_worker_out_of_capacity_is_a_429_with_retry_after(router, decode):
+    decode.script = lambda request: [Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")]
+    r = httpx.post(router.url + CHAT, json={"model": "tiny", "messages": USER})
+    error = error_of(r, 429)
+    assert r.headers["retry-after"] == "1" and "queue full" in error["message"]
+    assert router.state.dispatcher.inflight == 0
+
+
+def test_router_inflight_limit_is_a_429(make_router, decode, loop, tokenizer):
+    router = make_router(decode=[decode.address], max_inflight_requests=1)
+    decode.script = lambda request: [*reply_script(tokenizer, "a")(request)[:1], Hang()]
+    with httpx.stream("POST", router.url + COMPLETIONS,
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True}) as held:
+        assert held.status_code == 200
+        r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"})
+        error = error_of(r, 429)
+        assert r.headers["retry-after"] == "1" and "max_inflight_requests=1" in error["message"]
+    wait_until(lambda: router.state.dispatcher.inflight == 0, message="the held request to be released")
+    decode.script = reply_script(tokenizer, "ok")
+    assert httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"}).status_code == 200
+
+
+def test_dead_decode_worker_is_retried_on_another(make_router, decode, loop, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    # Round robin takes the dead worker ("127.0.0.1:1" sorts first) for the first request; no
+    # polling in between, so the failed Generate call is what takes it out of routing.
+    router = make_router(decode=[decode.address, "127.0.0.1:1"], decode_policy="round_robin",
+                         stats_interval_s=3600)
+    dead = router.state.pool.get("127.0.0.1:1")
+    dead.healthy = True  # pretend its last poll was fine
+    for _ in range(4):
+        r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+    assert dead.healthy is False and "Generate failed" in dead.last_error
+    assert dead.num_routed == 1 and len(decode.requests) == 4
+
+
+def test_malformed_bodies_never_cause_a_500(router):
+    bodies = [None, 1, "s", [], {}, {"model": None}, {"model": "tiny", "prompt": None},
+              {"model": "tiny", "prompt": [[1, 2], "a"]}, {"model": "tiny", "prompt": [[]]},
+              {"model": "tiny", "prompt": "x", "stop": 5}, {"model": "tiny", "prompt": "x", "stream": "yes"},
+              {"model": "tiny", "prompt": "x", "stream_options": "yes", "stream": True},
+              {"model": "tiny", "messages": [None]}, {"model": "tiny", "messages": [{"role": 5, "content": "x"}]},
+              {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
+              {"model": "tiny", "messages": [{"role": "user"}]},
+              {"model": "tiny", "prompt": "x", "temperature": float("nan")},
+              {"model": "tiny", "prompt": "x", "seed": 2**70}, {"model": "tiny", "prompt": "x", "max_tokens": -5},
+              {"model": "tiny", "prompt": "x", "logprobs": -1}, {"model": "tiny", "prompt": "x", "top_k": 2**40},
+              {"model": "tiny", "prompt": "x", "priority": 2**40}, {"model": "tiny", "prompt": "x", "n": 2**40},
+              {"model": "tiny", "prompt": "x", "max_tokens": 2**40},
+              {"model": "tiny", "prompt": "x", "stop_token_ids": [2**40]}, {"model": "tiny", "prompt": [2**40]},
+              {"model": "tiny", "prompt": "x", "temperature": 1e309}]
+    import json
+    for path in (COMPLETIONS, CHAT):
+        for body in bodies:
+            content = json.dumps(body).encode()  # NaN and Infinity are written as JSON extensions
+            r = httpx.post(router.url + path, content=content, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}

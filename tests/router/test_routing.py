@@ -1,0 +1,257 @@
+"""Routing policies (unit, on WorkerInfo objects) and routing through a real router (prefill
+affinity among two prefill workers, load spreading, colocated workers, pool membership)."""
+import httpx
+import pytest
+
+from engine.block_hash import hash_full_blocks
+from router.config import RouterConfig
+from router.policies import AffinityTable, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin
+from router.pool import WorkerInfo, WorkerPool
+from tests.router.harness import reply_script, wait_until
+
+
+def hashes(tokens, block_size=4):
+    return hash_full_blocks(tokens, block_size)
+
+
+def workers(role, count):
+    return [WorkerInfo(role=role, address=f"10.0.0.{i}:5000", healthy=True) for i in range(count)]
+
+
+# ---- unit: policies ---------------------------------------------------------------------------
+
+def test_affinity_table_matches_leading_run_and_forgets_oldest():
+    table = AffinityTable(capacity_blocks=4)
+    a = hashes(list(range(16)))  # 4 blocks
+    table.record("w", a)
+    assert table.matched_blocks("w", a) == 4
+    assert table.matched_blocks("w", hashes(list(range(8)) + [99] * 8)) == 2
+    assert table.matched_blocks("w", hashes([99] + list(range(1, 16)))) == 0  # chained: a first-block miss ends it
+    assert table.matched_blocks("other", a) == 0
+    table.record("w", hashes([50] * 8))  # 2 new blocks push out the 2 oldest
+    assert table.size("w") == 4
+    assert table.matched_blocks("w", a) == 0
+    table.forget("w")
+    assert table.size("w") == 0
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        AffinityTable(0)
+
+
+def test_prefix_affinity_prefers_the_longest_cached_prefix():
+    policy = PrefixAffinityPrefill(RouterConfig(block_size=4))
+    p0, p1 = workers("prefill", 2)
+    shared = list(range(40))
+    policy.record(p0, hashes(shared[:16]))
+    policy.record(p1, hashes(shared[:36]))
+    choice = policy.choose([p0, p1], hashes(shared))
+    assert (choice.worker, choice.reason, choice.matched_blocks) == (p1, "prefix_affinity", 9)
+
+
+def test_prefix_affinity_yields_to_load_when_imbalanced():
+    policy = PrefixAffinityPrefill(RouterConfig(block_size=4, affinity_max_imbalance_tokens=1000))
+    p0, p1 = workers("prefill", 2)
+    prompt = list(range(32))
+    policy.record(p0, hashes(prompt))
+    p0.outstanding_prefill_tokens = 1000
+    assert policy.choose([p0, p1], hashes(prompt)).worker is p0  # exactly at the threshold: still affinity
+    p0.outstanding_prefill_tokens = 1001
+    choice = policy.choose([p0, p1], hashes(prompt))
+    assert (choice.worker, choice.reason) == (p1, "load")
+
+
+def test_prefix_affinity_needs_a_large_enough_share_of_the_prompt():
+    policy = PrefixAffinityPrefill(RouterConfig(block_size=4, affinity_min_match_ratio=0.5))
+    p0, p1 = workers("prefill", 2)
+    system = list(range(8))  # a shared 2-block "system prompt"
+    policy.record(p0, hashes(system))
+    p0.num_routed = 1
+    short_tail = policy.choose([p0, p1], hashes(system + [90, 91, 92, 93]))
+    assert (short_tail.worker, short_tail.reason) == (p0, "prefix_affinity")  # 2 of 3 blocks
+    long_tail = policy.choose([p0, p1], hashes(system + list(range(100, 124))))
+    assert (long_tail.worker, long_tail.reason) == (p1, "load")  # 2 of 8 blocks: load decides
+
+
+def test_prefill_load_uses_queued_tokens_then_requests_sent():
+    policy = PrefixAffinityPrefill(RouterConfig())
+    p0, p1, p2 = workers("prefill", 3)
+    p0.outstanding_prefill_tokens = 10
+    p1.stats = type("Stats", (), {"prefill_tokens_queued": 5})()  # the worker's own count
+    assert policy.choose([p0, p1, p2], []).worker is p2
+    p2.outstanding_prefill_tokens = 10
+    assert policy.choose([p0, p1, p2], []).worker is p1
+    p1.outstanding_prefill_tokens = 10
+    p1.stats = None
+    p0.num_routed, p1.num_routed, p2.num_routed = 3, 1, 2
+    assert policy.choose([p0, p1, p2], []).worker is p1
+
+
+class Stats:
+    def __init__(self, running=0, waiting=0, kv_blocks_total=100, kv_blocks_free=100):
+        self.running, self.waiting = running, waiting
+        self.kv_blocks_total, self.kv_blocks_free = kv_blocks_total, kv_blocks_free
+
+
+def test_power_of_two_takes_the_less_loaded_of_two():
+    policy = PowerOfTwoDecode(RouterConfig(seed=3))
+    d0, d1 = workers("decode", 2)
+    d0.stats, d1.stats = Stats(running=5), Stats(running=1)
+    assert {policy.choose([d0, d1], []).worker.address for _ in range(20)} == {d1.address}
+    d1.stats = Stats(running=1, kv_blocks_free=2)  # short of KV blocks beats fewer requests
+    assert policy.choose([d0, d1], []).worker is d0
+    d0.inflight_requests = 0
+    d0.stats = d1.stats = Stats()
+    picked = {policy.choose([d0, d1], []).worker.address for _ in range(50)}
+    assert picked == {d0.address, d1.address}  # equal load: both get picked
+
+
+def test_conversation_affinity_sends_a_follow_up_turn_back():
+    policy = PowerOfTwoDecode(RouterConfig(block_size=4, affinity_max_imbalance_requests=2))
+    d0, d1, d2 = workers("decode", 3)
+    first_turn = list(range(24))
+    policy.record(d2, hashes(first_turn + [7, 7, 7, 7]))  # prompt + reply, recorded at the end
+    follow_up = first_turn + [7, 7, 7, 7] + [8] * 8
+    choice = policy.choose([d0, d1, d2], hashes(follow_up))
+    assert (choice.worker, choice.reason, choice.matched_blocks) == (d2, "conversation_affinity", 7)
+    d2.inflight_requests = 3  # 3 more than the least loaded (> 2): load wins
+    assert policy.choose([d0, d1, d2], hashes(follow_up)).reason == "power_of_two"
+    d2.inflight_requests = 0
+    d2.stats = Stats(kv_blocks_free=1)
+    assert policy.choose([d0, d1, d2], hashes(follow_up)).worker is not d2
+
+
+def test_round_robin_cycles_in_address_order():
+    policy = RoundRobin()
+    ws = workers("decode", 3)
+    assert [policy.choose(list(reversed(ws)), []).worker for _ in range(6)] == ws + ws
+
+
+def test_pool_membership_changes():
+    config = RouterConfig(prefill=["127.0.0.1:7001"], decode=["127.0.0.1:7002"])
+    pool = WorkerPool(config)
+    forgotten = []
+    pool.removal_listeners.append(forgotten.append)
+    assert [w.role for w in pool.workers()] == ["prefill", "decode"]
+    assert not pool.ready  # nothing polled yet
+    for w in pool.workers():
+        w.healthy = True
+    assert pool.ready
+    added = pool.add_worker("both", "127.0.0.1:7003")
+    assert pool.add_worker("both", "127.0.0.1:7003") is added
+    with pytest.raises(ValueError, match="already registered as a both worker"):
+        pool.add_worker("decode", "127.0.0.1:7003")
+    with pytest.raises(ValueError, match="unknown worker role"):
+        pool.add_worker("router", "127.0.0.1:7004")
+    with pytest.raises(ValueError, match="host:port"):
+        pool.add_worker("decode", "localhost")
+    decode = pool.get("127.0.0.1:7002")
+    assignment = pool.assign(decode, pool.get("127.0.0.1:7001"), 100)
+    pool.remove_worker("127.0.0.1:7002")  # drained: stays until its request is done
+    assert pool.get("127.0.0.1:7002") is decode and not decode.routable
+    assert pool.get("127.0.0.1:7001").outstanding_prefill_tokens == 100
+    assignment.release()
+    assignment.release()  # idempotent
+    assert pool.get("127.0.0.1:7002") is None and forgotten == ["127.0.0.1:7002"]
+    assert pool.get("127.0.0.1:7001").outstanding_prefill_tokens == 0
+    pool.mark_unhealthy("127.0.0.1:7001", "test")
+    assert not pool.ready and pool.get("127.0.0.1:7001").last_error == "test"
+    with pytest.raises(ValueError, match="no worker with address"):
+        pool.drain_worker("127.0.0.1:9999")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="listed more than once"):
+        RouterConfig(prefill=["127.0.0.1:1"], decode=["127.0.0.1:1"])
+    with pytest.raises(ValueError, match="host:port"):
+        RouterConfig(decode=["127.0.0.1"])
+    with pytest.raises(ValueError, match="unknown prefill policy"):
+        RouterConfig(prefill_policy="random")
+    with pytest.raises(ValueError, match="api_key must be non-empty"):
+        RouterConfig(api_key="")
+    with pytest.raises(ValueError, match="affinity_min_match_ratio"):
+        RouterConfig(affinity_min_match_ratio=1.5)
+    assert RouterConfig(model="m").served_model_name == "m"
+    assert RouterConfig().host == "127.0.0.1"
+
+
+# ---- through the router -----------------------------------------------------------------------
+
+SHARED = ("You are reviewing the following document. It is long, and every question about it "
+          "shares it as a prefix, which is what prefix affinity is for. " * 3)
+
+
+def test_shared_prefix_goes_to_the_same_prefill_worker(router, decode, prefills, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    for question in ["What is it about?", "Who wrote it?", "Summarize.", "Is it long?", "Why?"]:
+        r = httpx.post(router.url + "/v1/completions",
+                       json={"model": "tiny", "prompt": SHARED + question, "max_tokens": 4})
+        assert r.status_code == 200
+    used = {request.prefill_address for request in decode.requests}
+    assert len(used) == 1 and used <= {p.address for p in prefills}
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'pdserve:routing_decisions_total{reason="prefix_affinity",role="prefill"} 4.0' in metrics
+
+
+def test_load_spreads_when_prefixes_differ(router, decode, prefills, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    prompts = [f"Story number {i}: " + "a dog, a cat and a fox went to town. " * (i + 1) for i in range(6)]
+    for prompt in prompts:
+        assert httpx.post(router.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 2}).status_code == 200
+    counts = {p.address: 0 for p in prefills}
+    for request in decode.requests:
+        counts[request.prefill_address] += 1
+    assert sorted(counts.values()) == [3, 3]
+
+
+def test_busy_prefill_worker_is_avoided_for_new_prefixes(make_router, decode, prefills, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    prefills[0].queued_tokens = 50_000  # reported through Stats
+    router = make_router(decode=[decode.address], prefill=[p.address for p in prefills])
+    for i in range(3):
+        httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i} fresh", "max_tokens": 2})
+    assert {r.prefill_address for r in decode.requests} == {prefills[1].address}
+
+
+def test_colocated_worker_prefills_locally(make_router, decode, prefills, tokenizer):
+    decode.role = "both"
+    decode.script = reply_script(tokenizer, "ok")
+    router = make_router(colocated=[decode.address], prefill=[prefills[0].address])
+    r = httpx.post(router.url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+    assert decode.requests[-1].prefill_address == ""
+
+
+def test_unhealthy_prefill_worker_is_skipped_and_comes_back(router, decode, prefills, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    prefills[0].ok = False
+    wait_until(lambda: not router.state.pool.get(prefills[0].address).healthy, message="worker 0 unhealthy")
+    for i in range(4):
+        httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i} other", "max_tokens": 2})
+    assert {r.prefill_address for r in decode.requests} == {prefills[1].address}
+    status = httpx.get(router.url + "/status").json()
+    by_address = {w["address"]: w for w in status["workers"]}
+    assert by_address[prefills[0].address]["healthy"] is False
+    assert "not ok" in by_address[prefills[0].address]["last_error"]
+    prefills[0].ok = True
+    wait_until(lambda: router.state.pool.get(prefills[0].address).healthy, message="worker 0 healthy again")
+
+
+def test_worker_added_at_run_time_gets_traffic(make_router, loop, decode, prefills, tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    router = make_router(decode=[decode.address], prefill=[prefills[0].address], prefill_policy="round_robin")
+    loop.run(_add(router.state.pool, "prefill", prefills[1].address))
+    wait_until(lambda: router.state.pool.get(prefills[1].address).healthy, message="the new worker to be polled")
+    for i in range(4):
+        httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i}", "max_tokens": 2})
+    assert {r.prefill_address for r in decode.requests} == {p.address for p in prefills}
+    loop.run(_remove(router.state.pool, prefills[1].address))
+    assert router.state.pool.get(prefills[1].address) is None
+
+
+async def _add(pool, role, address):
+    pool.add_worker(role, address)
+
+
+async def _remove(pool, address):
+    pool.remove_worker(address)
