@@ -51,29 +51,37 @@ class AsyncEngine:
             yield delta
 
     async def submit(self, request: Request, detokenize: bool = True) -> AsyncIterator[StreamDelta]:
+        stream = self.open_stream(request.request_id)
+        self.add(request, detokenize)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def open_stream(self, request_id: str) -> "RequestStream":
+        """Register the output stream of a request that the caller adds itself, e.g. through
+        `call_and_deliver(LLMEngine.add_imported, ...)`. Call from the event loop that reads it;
+        `close()` it when done (an unfinished request is then aborted)."""
         if self._stopped.is_set():
             raise RuntimeError("engine is shut down")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._streams[request.request_id] = stream
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        return RequestStream(self, request_id, stream)
+
+    def add(self, request: Request, detokenize: bool = True) -> None:
+        """Queue a request whose stream was opened with `open_stream` (an invalid one's
+        ValueError is raised to that stream's reader)."""
         self._post(("add", request, detokenize))
-        finished = False
-        try:
-            while True:
-                delta = await stream.queue.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                finished = delta.finished
-                yield delta
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._post(("abort", request.request_id))
-            with self._streams_lock:
-                self._streams.pop(request.request_id, None)
+
+    def _close_stream(self, request_id: str, abort: bool) -> None:
+        if abort:
+            self._post(("abort", request_id))
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -82,7 +90,15 @@ class AsyncEngine:
         """Run `fn(engine, *args)` on the engine thread; returns a concurrent Future (for stats, admin)."""
         import concurrent.futures
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, args, future))
+        self._post(("call", fn, args, future, False))
+        return future
+
+    def call_and_deliver(self, fn, *args):
+        """Like `call`, and a StreamDelta that `fn` returns also goes to its request's stream
+        (e.g. `LLMEngine.finish_import`, whose first token must reach the stream in order)."""
+        import concurrent.futures
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", fn, args, future, True))
         return future
 
     def shutdown(self) -> None:
@@ -120,11 +136,15 @@ class AsyncEngine:
                 if final is not None:
                     self._deliver(final, final.request_id)
             elif kind == "call":
-                _, fn, args, future = command
+                _, fn, args, future, deliver = command
                 try:
-                    future.set_result(fn(self.engine, *args))
+                    result = fn(self.engine, *args)
                 except Exception as exc:
                     future.set_exception(exc)
+                    continue
+                if deliver and isinstance(result, StreamDelta):
+                    self._deliver(result, result.request_id)
+                future.set_result(result)
 
     def _wait_for_work(self, timeout: float) -> None:
         self._wakeup.wait(timeout)
@@ -147,3 +167,36 @@ class AsyncEngine:
                 ids = list(self._streams)
             for request_id in ids:
                 self._deliver(RuntimeError(f"engine loop died: {exc}"), request_id)
+
+
+class RequestStream:
+    """The deltas of one request, as an async iterator that ends after the finished delta.
+
+    An exception the engine thread delivers (e.g. an invalid request) is raised to the reader.
+    `close(abort=True)` aborts the request unless its finished delta was read.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta = await self._stream.queue.get()
+        if isinstance(delta, BaseException):
+            raise delta
+        self.finished = delta.finished
+        return delta
+
+    def close(self, abort: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._close_stream(self.request_id, abort and not self.finished)

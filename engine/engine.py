@@ -18,7 +18,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import StreamDelta, TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepOutput
+from engine.kv_hooks import ImportPlan
+from engine.scheduler import SampledToken, Scheduler, SchedulerStats, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,38 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- disaggregation roles (run on the engine thread; see engine/kv_hooks.py) ------------
+
+    def add_imported(self, request: Request, detokenize: bool = False) -> ImportPlan:
+        """Decode role: allocate the prompt's blocks after this worker's prefix-cache match; the
+        request waits for its KV (raises ValueError / KVCacheFullError, nothing changed)."""
+        plan = self.scheduler.add_imported_request(request)
+        if detokenize and self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        return plan
+
+    def finish_import(self, request_id: str, first_token: SampledToken) -> StreamDelta:
+        """Decode role: every block to fill was written; append the prefill worker's first token."""
+        return self._to_delta(self.scheduler.finish_import(request_id, first_token))
+
+    def fail_import(self, request_id: str, fallback_to_local_prefill: bool,
+                    message: str = "KV transfer failed") -> StreamDelta | None:
+        """Decode role: prefill locally (returns None) or end the request with `message`."""
+        final = self.scheduler.fail_import(request_id, fallback_to_local_prefill, message)
+        return self._to_delta(final) if final is not None else None
+
+    def release_export(self, request_id: str) -> bool:
+        """Prefill role: unpin an exported request's blocks once its transfer has ended."""
+        return self.scheduler.release_export(request_id)
+
+    def stats(self) -> tuple[SchedulerStats, int]:
+        """Scheduler counters and the prompt tokens not yet computed (queued prefill work)."""
+        scheduler = self.scheduler
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                     for r in scheduler.waiting + scheduler.running)
+        return scheduler.stats(), queued
 
     # ---- the step ---------------------------------------------------------------------------
 

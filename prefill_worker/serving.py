@@ -1,0 +1,92 @@
+"""Process plumbing shared by both worker kinds: engine flags, the gRPC server, the ready line.
+
+A worker prints exactly one line when it serves, for tests and Ray to parse:
+
+    READY grpc=HOST:PORT transport=ADDRESS role=ROLE
+
+(`transport=` is empty for a colocated worker.) SIGTERM / SIGINT stop it gracefully.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="default", help="model folder, GGUF file or 'default' (SmolLM2-135M)")
+    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on P and D)")
+    group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size on CPU")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests")
+    group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="gRPC and transport listen host")
+    group.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    group.add_argument("--advertise-host", default=None, help="host written into the printed addresses")
+    group.add_argument("--log-level", default="WARNING")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as `engine.llm.build_engine_config` keyword options (unset ones left out)."""
+    names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
+             "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
+             "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed"}
+    options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def build_async_engine(model: str, options: dict[str, Any], role: str, kv_exporter=None):
+    from engine.async_engine import AsyncEngine
+    from engine.engine import LLMEngine
+    from engine.llm import build_engine_config
+    engine = LLMEngine(build_engine_config(model, role=role, **options), kv_exporter=kv_exporter)
+    return AsyncEngine(engine, idle_wait_s=0.01)
+
+
+async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,
+                ready_fields: Callable[[str], str], on_stop: Callable[[], Awaitable[None]]) -> None:
+    """Bind, print the ready line, run until SIGTERM/SIGINT, then stop (grace 2 s) and `on_stop()`."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    add_servicer(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {host}:{port}")
+    await server.start()
+    address = f"{advertise_host or host}:{bound}"
+    print(f"READY grpc={address} {ready_fields(address)}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+    await on_stop()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def abort_invalid(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
