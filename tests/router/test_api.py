@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.harness import reply_script, token_chunks, wait_until
+from tests.router.harness import Hang, reply_script, token_chunks, wait_until
 
 REPLY = "Hello world, hello there!"
 NON_ASCII = "Grüße aus Zürich: 世界 🎉 ok"
@@ -110,13 +110,16 @@ def test_non_ascii_output_never_splits_a_character(client, decode, tokenizer):
 
 
 def test_stop_string_truncates_and_aborts_the_worker(client, decode, tokenizer, router):
-    decode.script = reply_script(tokenizer, "Hello world. And then more text that should never be sent")
+    text = "Hello world. And then more text that should never be sent"
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    decode.script = lambda request: [*token_chunks(tokens, ""), Hang()]  # only an abort ends this stream
     out = client.completions.create(model="tiny", prompt="Hi", max_tokens=100, stop=[". And"])
     assert out.choices[0].text == "Hello world"
     assert out.choices[0].finish_reason == "stop"
     request_id = decode.requests[-1].request_id
-    wait_until(lambda: request_id in decode.finished, message="the worker's stream to end")
-    assert request_id in decode.cancelled or request_id in decode.aborts
+    wait_until(lambda: request_id in decode.finished and request_id in decode.aborts,
+               message="the router to abort the worker's request")
+    assert decode.free_blocks == decode.num_blocks
     stop_ids = tokenizer.encode("Hello world. And", add_special_tokens=False)
     assert out.usage.completion_tokens <= len(stop_ids) + 1
     assert decode.requests[-1].sampling.stop_token_ids == []  # stop strings stay in the router
