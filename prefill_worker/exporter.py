@@ -33,6 +33,7 @@ class ExportResult:
 
 @dataclass
 class _Export:
+    sender: Any
     address: str
     dst_block_ids: list[int]
     first_block_index: int
@@ -43,17 +44,16 @@ class _Export:
 
 
 class KVPusher:
-    """`sender` is a kvtransfer sender over this worker's caches; `release(request_id)` must
+    """Each export names its kvtransfer sender (over this worker's caches); `release(request_id)` must
     unpin the request's blocks on the engine thread (e.g. `AsyncEngine.call(release_export)`).
     `lease_s` bounds how long blocks stay pinned for one transfer; `hold_s` delays every send
     (fault injection for tests: it makes the SENDING_KV state observable)."""
 
-    def __init__(self, sender: Any, lease_s: float = 60.0, hold_s: float = 0.0, poll_s: float = 0.002) -> None:
+    def __init__(self, lease_s: float = 60.0, hold_s: float = 0.0, poll_s: float = 0.002) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         if hold_s < 0:
             raise ValueError(f"hold_s must be >= 0, got {hold_s}")
-        self.sender = sender
         self.lease_s = lease_s
         self.hold_s = hold_s
         self.poll_s = poll_s
@@ -69,10 +69,11 @@ class KVPusher:
 
     # ---- prefill handler side -------------------------------------------------------------
 
-    def expect(self, request_id: str, address: str, dst_block_ids: list[int],
+    def expect(self, request_id: str, sender: Any, address: str, dst_block_ids: list[int],
                first_block_index: int) -> concurrent.futures.Future:
-        """Register where `request_id`'s KV goes; the future resolves to an ExportResult."""
-        export = _Export(address, list(dst_block_ids), first_block_index)
+        """Register where `request_id`'s KV goes and which sender pushes it; the future resolves
+        to an ExportResult."""
+        export = _Export(sender, address, list(dst_block_ids), first_block_index)
         with self._lock:
             if request_id in self._expected or request_id in self._active:
                 raise ValueError(f"request id {request_id!r} already has an export")
@@ -89,7 +90,7 @@ class KVPusher:
         with self._lock:
             export = self._active.pop(request_id, None) or self._expected.pop(request_id, None)
         if export is not None and export.started:
-            self._cancel_transfer(request_id)
+            self._cancel_transfer(export, request_id)
         self.abort_in_engine(request_id)
         if export is not None and not export.future.done():
             export.future.set_result(ExportResult(False, 0, "aborted"))
@@ -137,9 +138,9 @@ class KVPusher:
                     return
                 export.started = True
                 export.deadline = now + self.lease_s
-                self.sender.send(request_id, export.address, export.src_block_ids, export.dst_block_ids)
+                export.sender.send(request_id, export.address, export.src_block_ids, export.dst_block_ids)
             return
-        status = self.sender.poll(request_id)
+        status = export.sender.poll(request_id)
         if status.done:
             self._end(request_id, export, ExportResult(status.ok, status.bytes_transferred, status.error))
         elif now > export.deadline:
@@ -152,14 +153,15 @@ class KVPusher:
                 return  # aborted meanwhile: abort() owns the cleanup
             del self._active[request_id]
         if export.started:
-            self._cancel_transfer(request_id)
+            self._cancel_transfer(export, request_id)
         self.release(request_id)
         if not export.future.done():
             export.future.set_result(result)
 
-    def _cancel_transfer(self, request_id: str) -> None:
+    @staticmethod
+    def _cancel_transfer(export: _Export, request_id: str) -> None:
         try:
-            self.sender.cancel(request_id)
+            export.sender.cancel(request_id)
         except Exception:
             logger.exception("cancelling the transfer of %s failed", request_id)
 

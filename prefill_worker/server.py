@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,23 +58,55 @@ class PrefillWorker:
         from prefill_worker.serving import build_async_engine
         self.config = config
         self.role = "prefill"
-        # The engine needs its exporter at construction and the sender needs the engine's caches:
-        # the pusher gets its sender right after.
-        self.pusher = KVPusher(sender=None, lease_s=config.export_lease_s, hold_s=config.hold_kv_send_s)
+        self.pusher = KVPusher(lease_s=config.export_lease_s, hold_s=config.hold_kv_send_s)
         self.engine = build_async_engine(config.model, config.engine_options, "prefill", kv_exporter=self.pusher)
-        caches = self.engine.engine.runner.kv_cache.layers
-        self.sender = kvtransfer.create_sender(config.transport, caches,
-                                               kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s))
-        self.layout = self.sender.layout
-        self.pusher.sender = self.sender
+        self._caches = self.engine.engine.runner.kv_cache.layers
+        self._transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s)
+        self._senders: dict[str, Any] = {}
+        self._senders_lock = threading.Lock()
+        self.layout = kvtransfer.KVLayout.from_caches(self._caches)
         self.pusher.release = lambda request_id: self.engine.call(LLMEngine.release_export, request_id)
         self.pusher.abort_in_engine = self.engine.abort
         self.block_size = self.layout.block_size
 
+    def sender_for(self, destination_transport: str, address: str) -> Any:
+        """The sender for a destination, created on first use (blocking: call it off the event
+        loop): the destination's transport, or kvtransfer's `auto` choice when the receiver
+        offers several. With a fixed `--transport`, it must be among those offered."""
+        import kvtransfer
+        offered = [part.split("://", 1)[0] for part in address.split(",")]
+        if self.config.transport != "auto":
+            if self.config.transport not in offered:
+                raise ValueError(f"this prefill worker sends KV over {self.config.transport} only, "
+                                 f"the destination offers {', '.join(offered)}")
+            transport = self.config.transport
+        elif len(offered) > 1:
+            transport = "auto"
+        else:
+            transport = destination_transport or offered[0]
+        if transport != "auto" and transport not in kvtransfer.TRANSPORT_NAMES:
+            raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(kvtransfer.TRANSPORT_NAMES)}")
+        with self._senders_lock:
+            sender = self._senders.get(transport)
+            if sender is None:
+                try:
+                    sender = kvtransfer.create_sender(transport, self._caches, self._transfer_config)
+                except kvtransfer.TransportUnavailableError as exc:
+                    raise ValueError(str(exc)) from exc
+                self._senders[transport] = sender
+            return sender
+
+    @property
+    def kv_bytes_sent(self) -> int:
+        with self._senders_lock:
+            return sum(sender.total_bytes_sent for sender in self._senders.values())
+
     def close(self) -> None:
         self.pusher.close()
         self.engine.shutdown()
-        self.sender.close()
+        with self._senders_lock:
+            for sender in self._senders.values():
+                sender.close()
 
     def servicer(self):
         return _PrefillServicer(self)
@@ -100,7 +133,12 @@ class _PrefillServicer(_servicer_base()):
         request_id = engine_request.request_id
         destination = request.destination
         try:
-            done = worker.pusher.expect(request_id, destination.address, list(destination.block_ids),
+            sender = await asyncio.get_running_loop().run_in_executor(None, worker.sender_for, destination.transport,
+                                                                       destination.address)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            done = worker.pusher.expect(request_id, sender, destination.address, list(destination.block_ids),
                                         destination.first_block_index)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -164,4 +202,4 @@ class _PrefillServicer(_servicer_base()):
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         stats, queued = await asyncio.wrap_future(self.worker.engine.call(LLMEngine.stats))
         return worker_stats_to_wire("prefill", stats, queued, self.worker.block_size,
-                                    kv_bytes_sent=self.worker.sender.total_bytes_sent)
+                                    kv_bytes_sent=self.worker.kv_bytes_sent)

@@ -1,0 +1,217 @@
+"""Prefill + decode workers as separate processes: token-exact against the colocated worker and
+the offline engine over every kvtransfer transport, prefix-cache hits on the prefill worker,
+follow-up turns that move only the missing blocks, conditional disaggregation, bad requests."""
+import random
+
+import grpc
+import pytest
+
+import kvtransfer
+from engine import LLM, SamplingParams, wire
+from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
+
+pytestmark = pytest.mark.slow
+
+TRANSPORTS = kvtransfer.available_transports()
+BLOCK = 16
+NEW = 12
+THRESHOLD = 8
+ENGINE = ["--num-blocks", "256"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    specs = [("prefill", ENGINE), ("decode", ENGINE + ["--role", "both"])]
+    specs += [("decode", ENGINE + ["--transport", t, "--local-prefill-threshold", str(THRESHOLD)]) for t in TRANSPORTS]
+    workers = start_workers(specs)
+    prefill, colocated, *decodes = workers
+    yield {"prefill": prefill, "colocated": colocated, "decode": dict(zip(TRANSPORTS, decodes))}
+    stop_workers(workers)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def bytes_per_block(llm):
+    cache = llm.engine.runner.kv_cache.data
+    return cache[:, 0].numel() * cache.element_size()
+
+
+@pytest.fixture(autouse=True)
+def no_blocks_held_after(cluster):
+    yield
+    for worker in [cluster["prefill"], cluster["colocated"], *cluster["decode"].values()]:
+        wait_until(lambda: all_blocks_free(worker), what=f"{worker.grpc_address} to free every block")
+
+
+def offline(llm, prompt, max_tokens=NEW):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+
+
+def random_prompt(seed, length):
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(length)]
+
+
+def blocks(num_tokens):
+    return -(-num_tokens // BLOCK)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_disaggregated_greedy_is_token_exact(cluster, llm, bytes_per_block, transport):
+    tok = llm.tokenizer
+    text = tok.encode("The history of the Roman empire begins with the founding of the city, which according to "
+                      "legend happened in 753 BC, and continues through the kingdom, the republic and the empire.")
+    other = tok.encode("Les fleurs du jardin sont belles au printemps, quand le soleil revient enfin sur la ville "
+                       "et que les enfants jouent dans les parcs jusqu'au soir.")
+    # a whole number of blocks, a partial last block, a longer one (distinct: no prefix hit on D)
+    prompts = [text[:BLOCK * 2], other[:BLOCK * 2 + 5], random_prompt(len(transport), 77)]
+    decode = cluster["decode"][transport]
+    assert decode.transport_address.startswith(f"{transport}://")
+    for index, prompt in enumerate(prompts):
+        result = generate(decode, f"{transport}-{index}", prompt, cluster["prefill"])
+        assert result.token_ids == offline(llm, prompt)
+        assert result.finish_reason == "length"
+        assert result.first.prefilled_remotely
+        # every prompt position's KV arrives, including a partial last block
+        assert result.first.kv_bytes_received == blocks(len(prompt)) * bytes_per_block
+        assert result.first.num_prompt_tokens == len(prompt)
+
+
+def test_colocated_and_disaggregated_match_offline(cluster, llm):
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+               for c in ("Name a fruit that is yellow.", "Écris un mot en français.")]
+    prompts.append(tok.encode("Les fleurs du jardin sont belles au printemps, quand le soleil revient et que"))
+    decode = cluster["decode"][TRANSPORTS[0]]
+    for index, prompt in enumerate(prompts):
+        reference = offline(llm, prompt, 24)
+        colocated = generate(cluster["colocated"], f"colo-{index}", prompt, params=sampling(24))
+        disaggregated = generate(decode, f"pd-{index}", prompt, cluster["prefill"], params=sampling(24))
+        assert colocated.token_ids == reference
+        assert disaggregated.token_ids == reference
+        assert not colocated.first.prefilled_remotely
+        assert disaggregated.first.prefilled_remotely
+
+
+def test_seeded_sampling_and_logprobs_match_colocated(cluster):
+    """The prefill worker samples output position 0, the decode worker the rest: a seeded
+    request gives the same tokens (and logprobs) as on one colocated engine."""
+    prompt = random_prompt(7, 40)
+    params = sampling(16, temperature=0.9, seed=1234, logprobs=2, top_p=0.95)
+    colocated = generate(cluster["colocated"], "seeded-colo", prompt, params=params)
+    disaggregated = generate(cluster["decode"][TRANSPORTS[0]], "seeded-pd", prompt, cluster["prefill"], params=params)
+    assert disaggregated.first.prefilled_remotely
+    assert disaggregated.token_ids == colocated.token_ids
+    colo_lp = [lp for chunk in colocated.chunks for lp in chunk.logprobs]
+    pd_lp = [lp for chunk in disaggregated.chunks for lp in chunk.logprobs]
+    assert [lp.token_id for lp in pd_lp] == colocated.token_ids
+    assert len(pd_lp[0].top) == 2
+    for mine, theirs in zip(pd_lp, colo_lp):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t.token_id for t in mine.top] == [t.token_id for t in theirs.top]
+
+
+def test_shared_prefix_hits_the_prefill_workers_cache(cluster, llm):
+    first = random_prompt(11, 100)
+    second = first[:96] + random_prompt(12, 20)
+    prefill = cluster["prefill"]
+    decodes = list(cluster["decode"].values())
+    generate(decodes[0], "prefix-a", first, prefill)
+    before = prefill.stats()
+    # a decode worker that has not seen the prefix: it receives every block, P computes only the tail
+    result = generate(decodes[-1], "prefix-b", second, prefill)
+    after = prefill.stats()
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 96
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(second) - 96
+    assert result.first.num_cached_tokens == 96
+    assert result.token_ids == offline(llm, second)
+
+
+def test_follow_up_turn_transfers_only_missing_blocks(cluster, llm, bytes_per_block):
+    decode, prefill = cluster["decode"][TRANSPORTS[0]], cluster["prefill"]
+    turn1 = random_prompt(21, 50)
+    answer = generate(decode, "turn-1", turn1, prefill)
+    assert answer.first.kv_bytes_received == blocks(len(turn1)) * bytes_per_block
+    turn2 = turn1 + answer.token_ids + random_prompt(22, 30)
+    before = decode.stats()
+    result = generate(decode, "turn-2", turn2, prefill)
+    after = decode.stats()
+    # the decode worker cached the full blocks of turn 1 and of its own answer (all computed but the last token)
+    cached_blocks = (len(turn1) + len(answer.token_ids) - 1) // BLOCK
+    assert after.prefix_cache_hits - before.prefix_cache_hits == cached_blocks * BLOCK
+    expected = (blocks(len(turn2)) - cached_blocks) * bytes_per_block
+    assert result.first.prefilled_remotely
+    assert result.first.kv_bytes_received == expected
+    assert after.kv_bytes_received - before.kv_bytes_received == expected
+    assert expected < blocks(len(turn2)) * bytes_per_block
+    assert result.token_ids == offline(llm, turn2)
+
+
+def test_short_uncached_tail_is_prefilled_locally(cluster, llm):
+    decode, prefill = cluster["decode"][TRANSPORTS[0]], cluster["prefill"]
+    prompt = random_prompt(31, THRESHOLD - 3)
+    before = prefill.stats()
+    result = generate(decode, "short", prompt, prefill)
+    assert not result.first.prefilled_remotely
+    assert result.first.kv_bytes_received == 0
+    assert prefill.stats().prefix_cache_queries == before.prefix_cache_queries  # P never saw it
+    assert result.token_ids == offline(llm, prompt)
+
+
+def _refused(call, *args):
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, timeout=60)
+        if not isinstance(result, wire.messages().PrefillResponse):
+            list(result)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value.details()
+
+
+@pytest.mark.parametrize("worker", ["decode", "colocated"])
+def test_bad_requests_are_invalid_argument(cluster, worker):
+    pb = wire.messages()
+    decode = cluster["decode"][TRANSPORTS[0]] if worker == "decode" else cluster["colocated"]
+    stub = decode.stub()
+    prefill_address = cluster["prefill"].grpc_address
+
+    def ask(prompt, params):
+        return _refused(stub.Generate, pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt, sampling=params,
+                                                          prefill_address=prefill_address))
+
+    assert "prompt is empty" in ask([], sampling())
+    assert "context is 8192 tokens" in ask([5] * 9000, sampling())
+    assert "outside the vocabulary" in ask([5, 10 ** 6], sampling())
+    assert "temperature" in ask([5, 6], sampling(temperature=-1.0))
+    assert "top_p" in ask([5, 6], sampling(top_p=0.0))
+    assert "top_k" in ask([5, 6], sampling(top_k=-7))
+    assert "max_tokens" in ask([5, 6], sampling(max_tokens=0))
+    assert "repetition_penalty" in ask([5, 6], sampling(repetition_penalty=0.0))
+
+
+def test_prefill_worker_refuses_bad_requests(cluster, llm):
+    pb = wire.messages()
+    stub = cluster["prefill"].stub()
+    cache = llm.engine.runner.kv_cache.data
+    layout = pb.KVLayout(num_layers=cache.shape[0], block_size=BLOCK, num_kv_heads=cache.shape[4],
+                         head_dim=cache.shape[5], dtype="float32")
+
+    def ask(prompt, params=None, **destination):
+        fields = dict(transport="tcp", address="tcp://127.0.0.1:9", layout=layout, block_ids=[1, 2],
+                      first_block_index=0)
+        fields.update(destination)
+        return _refused(stub.Prefill, pb.PrefillRequest(request_id="bad", prompt_token_ids=prompt,
+                                                        sampling=params or sampling(),
+                                                        destination=pb.KVDestination(**fields)))
+
+    assert "prompt is empty" in ask([])
+    assert "temperature" in ask([5] * 20, sampling(temperature=-2.0))
+    message = ask([5] * 20, layout=pb.KVLayout(num_layers=2, block_size=BLOCK, num_kv_heads=3, head_dim=64,
+                                               dtype="float32"))
+    assert "KV layout mismatch" in message and "layers=2" in message and f"layers={cache.shape[0]}" in message
+    assert "has 2 blocks" in ask([5] * 20, block_ids=[1, 2, 3])
+    assert "address is empty" in ask([5] * 20, address="")
