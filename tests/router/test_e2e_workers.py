@@ -1,0 +1,226 @@
+"""End to end with real processes: a prefill worker, a decode worker and the router
+(`python -m router`) on the default model, driven by the official `openai` client.
+
+Greedy outputs must be identical to the offline engine (`engine.LLM`), including non-ASCII
+text; a repeated prefix reports cached tokens; a client that disconnects frees its blocks on
+the decode worker (seen through the router's /status).
+"""
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.router.harness import free_socket, wait_until
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_BLOCKS = 512
+STARTUP_TIMEOUT_S = 600
+
+if not (REPO / "decode_worker" / "__main__.py").exists() or not (REPO / "prefill_worker" / "__main__.py").exists():
+    pytest.skip("the workers (python -m prefill_worker / decode_worker) are not in this tree yet",
+                allow_module_level=True)
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+CHAT_CHINESE = [{"role": "user", "content": "用中文介绍一下你自己。"}]
+PLAIN = "The quick brown fox"
+LONG_PREFIX = ("Here is a long document that several questions will share as their common prefix. " * 12)
+NEW_TOKENS = 24
+
+
+class Process:
+    """A child process whose stdout is read by a thread; `wait_for(prefix)` returns the first
+    line starting with `prefix`."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        self.args = args
+        self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, prefix: str, timeout: float = STARTUP_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.popen.poll() is not None:
+                    break
+                continue
+            if line.startswith(prefix):
+                return line.strip()
+        raise AssertionError(f"{' '.join(self.args)} did not print {prefix!r}; output:\n{''.join(self.log[-40:])}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start_worker(module: str) -> tuple[Process, str]:
+    process = Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS)])
+    ready = process.wait_for("READY ")
+    fields = dict(part.split("=", 1) for part in ready.split()[1:])
+    return process, fields["grpc"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    processes = []
+    try:
+        prefill, prefill_address = start_worker("prefill_worker")
+        processes.append(prefill)
+        decode, decode_address = start_worker("decode_worker")
+        processes.append(decode)
+        sock = free_socket()
+        port = sock.getsockname()[1]
+        sock.close()
+        router = Process(["-m", "router", "--model", "default", "--prefill", prefill_address,
+                          "--decode", decode_address, "--port", str(port), "--stats-interval", "0.5",
+                          "--log-level", "warning"])
+        processes.append(router)
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            if router.popen.poll() is not None:
+                raise AssertionError("the router exited:\n" + "".join(router.log[-40:]))
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_until(healthy, timeout=STARTUP_TIMEOUT_S, message="the router to report healthy")
+        yield {"url": url, "decode": decode_address, "prefill": prefill_address}
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from engine import LLM
+    return LLM("default", num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def offline_greedy(offline, prompt, max_tokens=NEW_TOKENS):
+    [output] = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return offline.tokenizer.decode(output.token_ids), output
+
+
+def decode_status(cluster):
+    status = httpx.get(cluster["url"] + "/status").json()
+    return next(w for w in status["workers"] if w["address"] == cluster["decode"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_matches_the_offline_engine(client, offline, stream):
+    expected, output = offline_greedy(offline, CHAT)
+    if stream:
+        chunks = list(client.chat.completions.create(model="default", messages=CHAT, max_tokens=NEW_TOKENS,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        out = client.chat.completions.create(model="default", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
+        text, usage = out.choices[0].message.content, out.usage
+    assert text == expected
+    assert usage.completion_tokens == len(output.token_ids)
+    assert usage.prompt_tokens == len(output.prompt_token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_matches_the_offline_engine(client, offline, stream):
+    expected, output = offline_greedy(offline, PLAIN)
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="default", prompt=PLAIN, max_tokens=NEW_TOKENS, temperature=0, stream=True))
+    else:
+        out = client.completions.create(model="default", prompt=PLAIN, max_tokens=NEW_TOKENS, temperature=0)
+        text = out.choices[0].text
+        assert out.choices[0].finish_reason == ("length" if len(output.token_ids) == NEW_TOKENS else "stop")
+    assert text == expected
+
+
+def test_non_ascii_output(client, offline):
+    expected, _ = offline_greedy(offline, CHAT_CHINESE, max_tokens=32)
+    assert any(ord(ch) > 127 for ch in expected)
+    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+        model="default", messages=CHAT_CHINESE, max_tokens=32, temperature=0, stream=True)
+        if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == expected
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_stop_string_and_max_tokens(client, offline):
+    expected, _ = offline_greedy(offline, PLAIN)
+    words = expected.split()
+    assert len(words) > 3
+    stop = " " + words[2]
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=NEW_TOKENS, temperature=0, stop=[stop])
+    assert out.choices[0].text == expected[:expected.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    texts = [client.chat.completions.create(model="default", messages=CHAT, max_tokens=16, temperature=1.0,
+                                            seed=1234).choices[0].message.content for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+def test_repeated_prefix_reports_cached_tokens(client):
+    first = client.completions.create(model="default", prompt=LONG_PREFIX + "First question?", max_tokens=2,
+                                      temperature=0)
+    second = client.completions.create(model="default", prompt=LONG_PREFIX + "Second question?", max_tokens=2,
+                                       temperature=0)
+    assert first.usage.prompt_tokens > 64
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_client_disconnect_frees_blocks(client, cluster):
+    before = decode_status(cluster)
+    assert before["kv_blocks_free"] == before["kv_blocks_total"] == NUM_BLOCKS
+    with httpx.stream("POST", cluster["url"] + "/v1/completions",
+                      json={"model": "default", "prompt": PLAIN, "max_tokens": 400, "temperature": 0,
+                            "ignore_eos": True, "stream": True}, timeout=600) as response:
+        received = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                received += 1
+            if received >= 3:
+                break
+        during = decode_status(cluster)
+        assert during["running"] == 1 and during["kv_blocks_free"] < NUM_BLOCKS
+    wait_until(lambda: decode_status(cluster)["running"] == 0, timeout=60, message="the request to be aborted")
+    after = decode_status(cluster)
+    assert after["kv_blocks_free"] == after["kv_blocks_total"]
+    status = httpx.get(cluster["url"] + "/status").json()
+    assert status["inflight_requests"] == 0
