@@ -100,11 +100,15 @@ def start_workers(specs: list[tuple[str, list[str]]]) -> list[WorkerProcess]:
 
 
 def stop_workers(workers: list[WorkerProcess]) -> None:
+    """Stop every worker; then check none logged a traceback (an unhandled error in a handler)."""
     for worker in workers:
         if worker.process.poll() is None:
             worker.process.terminate()
     for worker in workers:
         worker.stop()
+    for worker in workers:
+        text = "".join(worker.log)
+        assert "Traceback" not in text, f"{worker.kind} worker {worker.grpc_address} logged an error:\n{text[-4000:]}"
 
 
 def sampling(max_tokens: int = 12, temperature: float = 0.0, seed: int | None = None, logprobs: int | None = None,
