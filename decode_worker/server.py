@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,8 +135,8 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
         worker = self.worker
         try:
             engine_request = worker.engine.engine.make_request(
-                list(request.prompt_token_ids), sampling_from_wire(request.sampling), request.request_id or None,
-                priority=request.priority, cache_salt=request.cache_salt or None)
+                list(request.prompt_token_ids), sampling_from_wire(request.sampling),
+                request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority, cache_salt=request.cache_salt or None)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = engine_request.request_id

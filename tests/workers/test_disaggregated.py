@@ -148,6 +148,9 @@ def test_follow_up_turn_transfers_only_missing_blocks(cluster, llm, bytes_per_bl
     assert result.first.prefilled_remotely
     assert result.first.kv_bytes_received == expected
     assert after.kv_bytes_received - before.kv_bytes_received == expected
+    # imported prompt tokens count as computed: the decode worker ran only the decode steps
+    assert after.prompt_tokens_computed == before.prompt_tokens_computed
+    assert after.decode_tokens - before.decode_tokens == NEW - 1
     assert expected < blocks(len(turn2)) * bytes_per_block
     assert result.token_ids == offline(llm, turn2)
 
