@@ -31,7 +31,8 @@ if not (REPO / "decode_worker" / "__main__.py").exists() or not (REPO / "prefill
                 allow_module_level=True)
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-CHAT_CHINESE = [{"role": "user", "content": "用中文介绍一下你自己。"}]
+NON_ASCII_CHATS = [[{"role": "user", "content": "Say hello in Japanese."}],  # kana split across tokens
+                   [{"role": "user", "content": "Écris une phrase sur le café."}]]
 PLAIN = "The quick brown fox"
 LONG_PREFIX = ("Here is a long document that several questions will share as their common prefix. " * 12)
 NEW_TOKENS = 24
@@ -167,14 +168,17 @@ def test_completion_greedy_matches_the_offline_engine(client, offline, stream):
     assert text == expected
 
 
-def test_non_ascii_output(client, offline):
-    expected, _ = offline_greedy(offline, CHAT_CHINESE, max_tokens=32)
+@pytest.mark.parametrize("messages", NON_ASCII_CHATS)
+def test_non_ascii_output(client, offline, messages):
+    expected, _ = offline_greedy(offline, messages, max_tokens=32)
     assert any(ord(ch) > 127 for ch in expected)
     pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
-        model="default", messages=CHAT_CHINESE, max_tokens=32, temperature=0, stream=True)
+        model="default", messages=messages, max_tokens=32, temperature=0, stream=True)
         if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == expected
     assert all("\ufffd" not in piece for piece in pieces)
+    out = client.chat.completions.create(model="default", messages=messages, max_tokens=32, temperature=0)
+    assert out.choices[0].message.content == expected
 
 
 def test_stop_string_and_max_tokens(client, offline):
@@ -211,12 +215,10 @@ def test_client_disconnect_frees_blocks(client, cluster):
     with httpx.stream("POST", cluster["url"] + "/v1/completions",
                       json={"model": "default", "prompt": PLAIN, "max_tokens": 400, "temperature": 0,
                             "ignore_eos": True, "stream": True}, timeout=600) as response:
+        lines = response.iter_lines()  # keep a reference: a dropped iterator closes the connection
         received = 0
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                received += 1
-            if received >= 3:
-                break
+        while received < 3:
+            received += next(lines).startswith("data: ")
         during = decode_status(cluster)
         assert during["running"] == 1 and during["kv_blocks_free"] < NUM_BLOCKS
     wait_until(lambda: decode_status(cluster)["running"] == 0, timeout=60, message="the request to be aborted")
