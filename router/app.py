@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from router import protocol
 from router.config import RouterConfig
 from router.dispatch import ClientGone, Dispatcher
-from router.errors import (APIError, context_length_exceeded, install_error_handlers, invalid_request,
+from router.errors import (context_length_exceeded, install_error_handlers, invalid_request,
                            model_not_found, payload_too_large, unauthorized, unavailable)
 from router.logprobs import TokenText
 from router.metrics import RouterMetrics

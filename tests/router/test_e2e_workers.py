@@ -226,3 +226,15 @@ def test_client_disconnect_frees_blocks(client, cluster):
     assert after["kv_blocks_free"] == after["kv_blocks_total"]
     status = httpx.get(cluster["url"] + "/status").json()
     assert status["inflight_requests"] == 0
+
+
+def test_logprobs_from_real_workers(client, offline):
+    expected, output = offline_greedy(offline, PLAIN, max_tokens=8)
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=8, temperature=0, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert out.choices[0].text == expected
+    assert len(logprobs.tokens) == len(output.token_ids)
+    assert "".join(logprobs.tokens) == expected
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0.0 and len(top) == 2
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the sampled token is the top one
