@@ -79,8 +79,8 @@ class Process:
                 self.popen.wait()
 
 
-def start_worker(module: str) -> tuple[Process, str]:
-    process = Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS)])
+def start_worker(module: str, *extra: str) -> tuple[Process, str]:
+    process = Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS), *extra])
     ready = process.wait_for("READY ")
     fields = dict(part.split("=", 1) for part in ready.split()[1:])
     return process, fields["grpc"]
@@ -92,7 +92,8 @@ def cluster():
     try:
         prefill, prefill_address = start_worker("prefill_worker")
         processes.append(prefill)
-        decode, decode_address = start_worker("decode_worker")
+        # threshold 0: every prompt is prefilled on the prefill worker and its KV transferred
+        decode, decode_address = start_worker("decode_worker", "--local-prefill-threshold", "0")
         processes.append(decode)
         sock = free_socket()
         port = sock.getsockname()[1]
@@ -200,13 +201,16 @@ def test_seeded_sampling_is_reproducible(client):
     assert texts[0] == texts[1]
 
 
-def test_repeated_prefix_reports_cached_tokens(client):
+def test_repeated_prefix_reports_cached_tokens(client, cluster):
     first = client.completions.create(model="default", prompt=LONG_PREFIX + "First question?", max_tokens=2,
                                       temperature=0)
     second = client.completions.create(model="default", prompt=LONG_PREFIX + "Second question?", max_tokens=2,
                                        temperature=0)
     assert first.usage.prompt_tokens > 64
     assert second.usage.prompt_tokens_details.cached_tokens > 0
+    metrics = httpx.get(cluster["url"] + "/metrics").text
+    kv_bytes = next(line for line in metrics.splitlines() if line.startswith("pdserve:kv_transfer_bytes_total"))
+    assert float(kv_bytes.split()[-1]) > 0  # the KV did move from the prefill to the decode worker
 
 
 def test_client_disconnect_frees_blocks(client, cluster):
