@@ -256,7 +256,8 @@ class KVReceiver:
         self._tasks.spawn(self._watchdog())
 
     async def _shutdown(self) -> None:
-        for listener in self._listeners:
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
             await listener.close()
         for connection in list(self._connections):
             await connection.channel.close()
@@ -293,9 +294,7 @@ class KVReceiver:
                 elif kind == proto.BEGIN:
                     self._on_begin(connection, message)
                 elif kind == proto.ABORT:
-                    record = connection.transfers.get(message.get("uid"))
-                    if record is not None:
-                        self._fail(record, f"sender gave up: {message.get('error')}", False)
+                    self._on_abort(connection, message)
                 elif kind != proto.PING:
                     raise ChannelClosed(f"{channel.peer} sent an unexpected {kind!r} message")
         except ChannelClosed as exc:
@@ -365,6 +364,18 @@ class KVReceiver:
         if refusal is not None:
             connection.ended_uids.add(uid)
             self._send_error(connection, uid, refusal)
+
+    def _on_abort(self, connection: _SenderConnection, message: dict) -> None:
+        """The sender gave up: fail its transfer, also one it never began (still PENDING)."""
+        uid = str(message.get("uid"))
+        record = connection.transfers.get(uid)
+        if record is None and uid not in connection.ended_uids:
+            with self._lock:
+                candidate = self._expected.get(str(message.get("request_id")))
+            if candidate is not None and candidate.uid is None:
+                record = candidate
+        if record is not None:
+            self._fail(record, f"sender gave up: {message.get('error')}", False)
 
     def _sink_for(self, connection: _SenderConnection, message: dict,
                   piece: DataPiece, nbytes: int) -> tuple[BlockSink | DiscardSink, _ExpectedTransfer | None]:

@@ -305,7 +305,7 @@ class KVSender:
         connection = self._connections.get(transfer.address)
         if connection is not None and connection.transfers.pop(transfer.uid, None) is not None:
             if ended:
-                connection.queue.put_nowait(("abort", transfer.uid, "cancelled by the sender"))
+                connection.queue.put_nowait(("abort", transfer, "cancelled by the sender"))
 
     def _fail(self, transfer: _OutgoingTransfer, reason: str) -> None:
         with self._lock:
@@ -398,7 +398,8 @@ class KVSender:
                 connection.ping_queued = False
                 await channel.send_control({"type": proto.PING})
             elif kind == "abort":
-                await channel.send_control({"type": proto.ABORT, "uid": transfer, "error": item[2]})
+                await channel.send_control({"type": proto.ABORT, "uid": transfer.uid,
+                                            "request_id": transfer.request_id, "error": item[2]})
             elif not transfer.active:
                 continue
             elif kind == "begin":

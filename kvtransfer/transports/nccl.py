@@ -126,6 +126,7 @@ class NcclChannel(StreamChannel):
     def _destroy_group(self) -> None:
         self._group = None
         self._store = None
+        self._store_factory = None
         self._staging = None
 
 
@@ -135,17 +136,21 @@ class _NcclListener(Listener):
         config = ctx.config
         self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=config.timeout_s))
-        store = self._store
 
         def on_socket(conn: socket.socket, peer: str) -> None:
             local_host = conn.getsockname()[0]
             stream = AsyncSocket(conn, ctx.loop, f"nccl://{peer}")
-            on_channel(NcclChannel(stream, ctx, lambda: store, local_host))
+            on_channel(NcclChannel(stream, ctx, self._get_store, local_host))
 
         self._control = TcpListener(ctx, "nccl", on_socket)
         control = self._control.endpoint
         self.endpoint = Endpoint("nccl", control.host, control.port,
                                  query={"store": str(self._store.port)})
+
+    def _get_store(self):
+        if self._store is None:
+            raise ChannelClosed("the receiver's store is closed")
+        return self._store
 
     async def close(self) -> None:
         await self._control.close()

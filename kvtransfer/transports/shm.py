@@ -50,7 +50,11 @@ class _SlotRing:
         self.slots = torch.frombuffer(mapping, dtype=torch.uint8).view(num_slots, slot_bytes)
 
     def release(self) -> None:
-        self.slots = None  # the mapping is unmapped when the last view is collected
+        self.slots = None
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: unmapped when it is collected
 
 
 class ShmChannel(StreamChannel):
@@ -134,7 +138,9 @@ class _ShmListener(Listener):
 
     async def _set_up(self, conn: socket.socket) -> None:
         """Receive the sender's ring (fd + geometry) before the generic protocol starts."""
-        stream = AsyncSocket(conn, self._ctx.loop, f"shm peer fd {conn.fileno()}")
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[0]
+        stream = AsyncSocket(conn, self._ctx.loop, f"{self.endpoint} peer pid {pid}")
         try:
             fds: list[int] = []
             data = b""

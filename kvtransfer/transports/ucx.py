@@ -72,6 +72,10 @@ class _UcxRuntime:
             loop.run(cls._reset(), timeout=30.0)
         finally:
             loop.stop()
+            # ucxx patches `loop.close` with a closure holding its progress task (and through
+            # it the UCX worker and its progress thread); drop it so both are freed now.
+            vars(loop.loop).pop("close", None)
+            gc.collect()
 
     @staticmethod
     async def _init() -> None:
@@ -111,6 +115,9 @@ class UcxChannel(Channel):
         self.max_payload_bytes = ctx.config.max_message_bytes
 
     def _failure(self, exc: Exception) -> ChannelClosed:
+        # ucxx's request future keeps this exception alive from C++; its traceback would pin
+        # our frames and, through them, the endpoint and the whole UCX worker.
+        exc.__traceback__ = None
         return ChannelClosed(f"ucx connection to {self.peer} failed: {exc or type(exc).__name__}")
 
     def _check_open(self) -> None:
@@ -127,7 +134,7 @@ class UcxChannel(Channel):
         try:
             await self._ep.send_obj(json.dumps(message, separators=(",", ":")).encode())
         except Exception as exc:
-            raise self._failure(exc) from exc
+            raise self._failure(exc) from None
         self.mark_tx()
 
     async def send_control(self, message: dict) -> None:
@@ -139,7 +146,7 @@ class UcxChannel(Channel):
         try:
             data = await self._ep.recv_obj()
         except Exception as exc:
-            raise self._failure(exc) from exc
+            raise self._failure(exc) from None
         self.mark_rx()
         return json.loads(bytes(data))
 
@@ -154,7 +161,7 @@ class UcxChannel(Channel):
             try:
                 await self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
             except Exception as exc:
-                raise self._failure(exc) from exc
+                raise self._failure(exc) from None
             self.mark_tx()
 
     async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
@@ -163,7 +170,7 @@ class UcxChannel(Channel):
         try:
             await self._ep.recv(_as_ucx_buffer(staging), tag=_PAYLOAD_TAG)
         except Exception as exc:
-            raise self._failure(exc) from exc
+            raise self._failure(exc) from None
         self.mark_rx()
         return sink.scatter_from(staging)
 
@@ -224,5 +231,6 @@ class UcxTransport(Transport):
             ep = await ucxx.create_endpoint(endpoint.host, endpoint.port,
                                             connect_timeout=ctx.config.timeout_s)
         except Exception as exc:
-            raise TransferError(f"ucx connect to {endpoint} failed: {exc or type(exc).__name__}") from exc
+            exc.__traceback__ = None  # see UcxChannel._failure
+            raise TransferError(f"ucx connect to {endpoint} failed: {exc or type(exc).__name__}") from None
         return UcxChannel(ep, ctx, str(endpoint))
