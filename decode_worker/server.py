@@ -136,16 +136,20 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
         try:
             engine_request = worker.engine.engine.make_request(
                 list(request.prompt_token_ids), sampling_from_wire(request.sampling),
-                request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority, cache_salt=request.cache_salt or None)
+                request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority,
+                cache_salt=request.cache_salt or None)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = engine_request.request_id
-        if request_id in self._live:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already in use")
+        try:
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            stream = worker.engine.open_stream(request_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         live = _Live(request_id)
         self._live[request_id] = live
         want_logprobs = engine_request.sampling_params.logprobs is not None
-        stream = worker.engine.open_stream(request_id)
         try:
             try:
                 remote = await self._start(engine_request, request.prefill_address, live)

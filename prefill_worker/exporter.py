@@ -116,12 +116,15 @@ class KVPusher:
     # ---- watcher thread -------------------------------------------------------------------
 
     def _watch(self) -> None:
+        timeout = 0.5
         while not self._stopped:
-            self._wakeup.wait(self.poll_s if self._active else 0.5)
+            self._wakeup.wait(timeout)
             self._wakeup.clear()
             with self._lock:
                 items = list(self._active.items())
             now = time.monotonic()
+            timeout = min([self.poll_s if export.started else max(self.poll_s, export.deadline - now)
+                           for _, export in items], default=0.5)
             for request_id, export in items:
                 try:
                     self._advance(request_id, export, now)

@@ -87,6 +87,3 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-
-async def abort_invalid(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
