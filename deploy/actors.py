@@ -1,0 +1,178 @@
+"""Worker actors: one prefill, decode or colocated worker (engine + gRPC server + KV transport
+endpoint) per Ray actor, and the controller's handle on them.
+
+`WorkerActor` lifecycle (one state per line):
+
+    created    the actor process exists, with OMP_NUM_THREADS set before torch loads
+    start()    engine built off the event loop; gRPC server listening; returns both addresses
+               (gRPC and KV transport), the process id and the node's IP
+    serving    `run_until_stopped()` stays pending while it serves: the controller's watch call,
+               which fails at once when the actor dies
+    stop()     gRPC server stopped with a grace period, engine and transport closed
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from deploy.config import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+GRPC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class WorkerActor:
+    """One worker inside a Ray actor. `role` is "prefill", "decode" or "both" (colocated)."""
+
+    def __init__(self, role: str, spec: WorkerSpec) -> None:
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"unknown worker role {role!r}")
+        self.role = role
+        self.spec = spec
+        self._worker: Any = None
+        self._server: Any = None
+        self._stopped: asyncio.Event | None = None
+
+    async def start(self) -> dict[str, Any]:
+        import grpc
+
+        import ray
+        from engine import wire
+        logging.basicConfig(level=self.spec.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._stopped = asyncio.Event()
+        node_ip = ray.util.get_node_ip_address()
+        advertise = node_ip if self.spec.advertise_node_ip else self.spec.host
+        self._worker = await asyncio.to_thread(self._build_worker, advertise)
+        server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        services = wire.services()
+        if self.role == "prefill":
+            services.add_PrefillServiceServicer_to_server(self._worker.servicer(), server)
+        else:
+            services.add_DecodeServiceServicer_to_server(self._worker.servicer(), server)
+        port = server.add_insecure_port(f"{self.spec.host}:0")
+        if port == 0:
+            raise RuntimeError(f"the {self.role} worker cannot listen on {self.spec.host}")
+        await server.start()
+        self._server = server
+        return {"role": self.role, "grpc_address": f"{advertise}:{port}",
+                "transport_address": getattr(self._worker, "transport_address", "") or "",
+                "pid": os.getpid(), "node_ip": node_ip}
+
+    def _build_worker(self, advertise_host: str) -> Any:
+        import torch
+        torch.set_num_threads(self.spec.omp_num_threads)
+        options = dict(self.spec.engine_options, device=self.spec.device)
+        if self.role == "prefill":
+            from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+            return PrefillWorker(PrefillWorkerConfig(model=self.spec.model, engine_options=options,
+                                                     transport=self.spec.transport))
+        from decode_worker.server import DecodeWorker, DecodeWorkerConfig
+        extra = {}
+        if self.spec.local_prefill_threshold is not None:
+            extra["local_prefill_threshold"] = self.spec.local_prefill_threshold
+        return DecodeWorker(DecodeWorkerConfig(model=self.spec.model, role=self.role, engine_options=options,
+                                               transport=self.spec.transport, host=self.spec.host,
+                                               advertise_host=advertise_host, **extra))
+
+    async def run_until_stopped(self) -> None:
+        """Pending while the worker serves; returns after `stop()`."""
+        if self._stopped is None:
+            raise RuntimeError("the worker has not been started")
+        await self._stopped.wait()
+
+    async def stop(self, grace_s: float) -> None:
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace=grace_s)
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            closed = worker.close()
+            if asyncio.iscoroutine(closed):
+                await closed
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+class RayWorkerHandle:
+    """The controller's handle on one `WorkerActor` (see `deploy.controller.WorkerHandle`)."""
+
+    def __init__(self, actor: Any, role: str) -> None:
+        self.actor = actor
+        self.role = role
+        self._client: Any = None
+        self._dead = False
+
+    async def start(self) -> dict[str, Any]:
+        from router.client import WorkerClient
+        info = await self.actor.start.remote()
+        self._client = WorkerClient(info["grpc_address"], self.role)
+        return info
+
+    async def wait_dead(self) -> str:
+        import ray
+        try:
+            await self.actor.run_until_stopped.remote()
+        except ray.exceptions.RayActorError as exc:
+            self._dead = True
+            return _actor_death_reason(exc)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {str(exc)[:300]}"
+        return "stopped"
+
+    async def stats(self, timeout_s: float) -> dict[str, Any]:
+        if self._client is None:
+            raise RuntimeError("the worker has not reported its address yet")
+        message = await self._client.stats(timeout_s)
+        return {field.name: value for field, value in message.ListFields()}
+
+    async def stop(self, grace_s: float) -> None:
+        import ray
+        try:
+            if self._client is not None and not self._dead:
+                await asyncio.wait_for(self.actor.stop.remote(grace_s), grace_s + 10.0)
+        except Exception as exc:  # dead or stuck: the kill below ends it either way
+            logger.info("graceful stop of a %s worker failed: %s", self.role, _actor_death_reason(exc))
+        finally:
+            if self._client is not None:
+                client, self._client = self._client, None
+                await client.close()
+            ray.kill(self.actor, no_restart=True)
+
+
+class RayWorkerLauncher:
+    """Creates `WorkerActor`s with their resources: `num_gpus` per worker on GPU, fractional
+    `num_cpus` on CPU, and OMP_NUM_THREADS set in the actor's environment."""
+
+    def __init__(self, spec: WorkerSpec, controller_name: str, namespace: str) -> None:
+        self.spec = spec
+        self.controller_name = controller_name
+        self.namespace = namespace
+        self._actor_class: Any = None
+
+    def launch(self, role: str, worker_id: str) -> RayWorkerHandle:
+        import ray
+        if self._actor_class is None:
+            self._actor_class = ray.remote(WorkerActor)
+        threads = str(self.spec.omp_num_threads)
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+        actor_class = self._actor_class.options(
+            name=f"{self.controller_name}:{worker_id}", namespace=self.namespace,
+            num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, max_restarts=0, max_concurrency=1000,
+            runtime_env={"env_vars": env})
+        return RayWorkerHandle(actor_class.remote(role, self.spec), role)
+
+
+def _actor_death_reason(exc: BaseException) -> str:
+    """One line out of Ray's multi-line actor error, preferring the one that says why."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "because" in line:
+            return line[:300]
+    return (lines[0] if lines else type(exc).__name__)[:300]

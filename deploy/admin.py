@@ -1,0 +1,94 @@
+"""Admin HTTP routes, mounted on the router's app by `pdserve serve` (Bearer `api_key` when set):
+
+    POST /admin/scale   {"prefill": N, "decode": M, "colocated": K, "drain": [ADDRESS, ...],
+                         "wait": false, "timeout_s": 600}
+                        -> {"targets": {...}} (with "wait": the controller status once settled)
+    GET  /admin/status  -> the controller status (targets, workers, recent events)
+
+Omitted pool sizes keep their value. Errors use the router's OpenAI-style error body.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from deploy.client import ControllerClient
+from router.errors import invalid_request, unauthorized
+
+POOL_FIELDS = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+
+
+def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter:
+    async def require_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise unauthorized()
+
+    admin = APIRouter(prefix="/admin", dependencies=[Depends(require_api_key)])
+
+    @admin.post("/scale")
+    async def scale(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        sizes = parse_scale_body(body)
+        timeout_s = _timeout(body)
+        try:
+            targets = await controller.scale(**sizes)
+        except ValueError as exc:
+            raise invalid_request(str(exc)) from None
+        if body.get("wait", False):
+            return JSONResponse(await controller.wait_settled(timeout_s))
+        return JSONResponse({"targets": targets})
+
+    @admin.get("/status")
+    async def status() -> JSONResponse:
+        return JSONResponse(await controller.status())
+
+    return admin
+
+
+def parse_scale_body(body: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(body) - set(POOL_FIELDS) - {"drain", "wait", "timeout_s"})
+    if unknown:
+        raise invalid_request(f"unknown field(s) {', '.join(unknown)}; send prefill, decode, colocated, drain, "
+                              "wait, timeout_s", unknown[0])
+    sizes: dict[str, Any] = {}
+    for name in POOL_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid_request(f"{name} must be an integer >= 0, got {value!r}", name)
+        sizes[name] = value
+    drain = body.get("drain", [])
+    if not isinstance(drain, list) or not all(isinstance(a, str) for a in drain):
+        raise invalid_request("drain must be a list of worker addresses (host:port)", "drain")
+    if not sizes:
+        raise invalid_request("nothing to scale: send at least one of prefill, decode, colocated")
+    if not isinstance(body.get("wait", False), bool):
+        raise invalid_request("wait must be true or false", "wait")
+    sizes["drain"] = drain
+    return sizes
+
+
+def _timeout(body: dict[str, Any]) -> float:
+    value = body.get("timeout_s", 600.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise invalid_request(f"timeout_s must be a number > 0, got {value!r}", "timeout_s")
+    return float(value)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid_request("send a JSON object such as {\"decode\": 2}", code="invalid_json")
+    return body

@@ -1,0 +1,254 @@
+"""The `pdserve` command line.
+
+    pdserve serve   [--model default|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
+                    [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
+                    [--api-key KEY] [engine options]           run the cluster until Ctrl-C / SIGTERM
+    pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
+    pdserve status  [--json] [--events N]
+    pdserve bench   ARGS...                                    forwards to benchmarks/serve.py
+
+`scale` and `status` find the running controller through the state file that `serve` writes
+(`~/.cache/pdserve/serve.json`, or --state-file / $PDSERVE_STATE_FILE), or through
+--ray-address (then --namespace / --controller-name name it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from deploy.config import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, TRANSPORTS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,scale,status,bench}")
+
+    serve = commands.add_parser("serve", help="start (or join) a Ray cluster and serve the OpenAI API")
+    serve.add_argument("--model", default="default", help="model folder, .gguf file or 'default' (SmolLM2-135M)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    serve.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers (default 0)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0: any free port)")
+    serve.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="auto: cuda when the Ray cluster has GPUs (one GPU per worker)")
+    serve.add_argument("--transport", default="auto", choices=TRANSPORTS, help="KV transport between P and D")
+    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $PDSERVE_API_KEY)")
+    engine = serve.add_argument_group("engine (every worker)")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
+    engine.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
+                        help="KV blocks per worker (default: from --kv-cache-memory-gb)")
+    engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    engine.add_argument("--local-prefill-threshold", type=int, default=None,
+                        help="decode workers prefill locally when fewer uncached prompt tokens than this")
+    placement = serve.add_argument_group("Ray and placement")
+    placement.add_argument("--ray-address", default=None,
+                           help="join this Ray cluster ('auto': the local `ray start` head); default: start a "
+                                "local instance")
+    placement.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Ray namespace (default %(default)s)")
+    placement.add_argument("--controller-name", default=DEFAULT_CONTROLLER_NAME)
+    placement.add_argument("--worker-cpus", type=float, default=None,
+                           help="Ray CPUs each worker holds (default 0.5 on CPU, 1 with a GPU)")
+    placement.add_argument("--omp-num-threads", type=int, default=None,
+                           help="torch threads per worker (default: cores / initial workers, at least 1)")
+    placement.add_argument("--worker-host", default=None,
+                           help="where workers listen (default 127.0.0.1 locally, 0.0.0.0 when joining)")
+    placement.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance (default: all)")
+    placement.add_argument("--object-store-mb", type=int, default=150, help="object store of a local instance")
+    placement.add_argument("--include-dashboard", action="store_true", help="start Ray's dashboard (local instance)")
+    placement.add_argument("--ray-temp-dir", default=None, help="Ray's temp/session folder for a local instance")
+    placement.add_argument("--drain-timeout", type=float, default=120.0,
+                           help="longest wait for a draining worker's requests (s)")
+    placement.add_argument("--worker-start-timeout", type=float, default=900.0, help="model load limit (s)")
+    _add_locator_arguments(serve, with_ray_address=False)
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+    scale = commands.add_parser("scale", help="resize the pools of a running `pdserve serve`")
+    scale.add_argument("--prefill", type=int, default=None)
+    scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument("--colocated", type=int, default=None)
+    scale.add_argument("--drain", action="append", default=[], metavar="ADDRESS",
+                       help="when shrinking, drain this worker (gRPC address) first; repeatable")
+    scale.add_argument("--no-wait", action="store_true", help="return at once instead of waiting for the pools")
+    scale.add_argument("--timeout", type=float, default=900.0, help="longest wait (s)")
+    _add_locator_arguments(scale)
+
+    status = commands.add_parser("status", help="the workers of a running `pdserve serve`")
+    status.add_argument("--json", action="store_true", help="print the controller's status as JSON")
+    status.add_argument("--events", type=int, default=5, help="recent controller events to show (default 5)")
+    _add_locator_arguments(status)
+
+    bench = commands.add_parser("bench", help="run benchmarks/serve.py against a running server")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _add_locator_arguments(parser: argparse.ArgumentParser, with_ray_address: bool = True) -> None:
+    parser.add_argument("--state-file", type=Path, default=None,
+                        help="the serve state file (default $PDSERVE_STATE_FILE or ~/.cache/pdserve/serve.json)")
+    if with_ray_address:
+        parser.add_argument("--ray-address", default=None, help="reach the controller through this Ray cluster")
+        parser.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+        parser.add_argument("--controller-name", default=DEFAULT_CONTROLLER_NAME)
+
+
+# ---- serve --------------------------------------------------------------------------------------
+
+def serve_options(args: argparse.Namespace):
+    from deploy.cluster import RaySettings
+    from deploy.serve import ServeOptions
+    engine_options = {name: getattr(args, name) for name in
+                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "kv_cache_memory_gb",
+                       "max_model_len", "dtype") if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        engine_options["enable_prefix_caching"] = False
+    ray_settings = RaySettings(address=args.ray_address, namespace=args.namespace, num_cpus=args.num_cpus,
+                               object_store_memory_mb=args.object_store_mb, include_dashboard=args.include_dashboard,
+                               temp_dir=args.ray_temp_dir)
+    return ServeOptions(model=args.model, served_model_name=args.served_model_name, prefill=args.prefill,
+                        decode=args.decode, colocated=args.colocated, host=args.host, port=args.port,
+                        device=args.device, transport=args.transport, api_key=args.api_key or None,
+                        engine_options=engine_options, worker_cpus=args.worker_cpus,
+                        omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
+                        local_prefill_threshold=args.local_prefill_threshold, ray=ray_settings,
+                        controller_name=args.controller_name, state_file=args.state_file,
+                        drain_timeout_s=args.drain_timeout, start_timeout_s=args.worker_start_timeout,
+                        log_level=args.log_level.upper())
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        options = serve_options(args)
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    from deploy.serve import serve
+    return serve(options)
+
+
+# ---- scale / status -----------------------------------------------------------------------------
+
+def _controller(args: argparse.Namespace) -> Any:
+    from deploy.cluster import connect, default_state_file, find_controller, read_state
+    if args.ray_address:
+        address, namespace, name = args.ray_address, args.namespace, args.controller_name
+        token_auth = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    else:
+        state = read_state(args.state_file or default_state_file())
+        address, namespace, name = state.ray_address, state.namespace, state.controller
+        token_auth = state.token_auth
+    connect(address, namespace, token_auth)
+    return find_controller(name, namespace)
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    if args.prefill is None and args.decode is None and args.colocated is None:
+        print("pdserve: error: nothing to scale: give --prefill, --decode and/or --colocated", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"pdserve: error: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
+        return 2
+    try:
+        controller = _controller(args)
+        import ray
+        result = ray.get(controller.scale.remote(args.prefill, args.decode, args.colocated, args.drain))
+        if "error" in result:
+            raise ValueError(result["error"])
+        targets = result["targets"]
+        print(f"scaling to {targets['prefill']} prefill, {targets['decode']} decode, {targets['both']} colocated")
+        if args.no_wait:
+            return 0
+        status = ray.get(controller.wait_settled.remote(args.timeout))
+    except (ValueError, ConnectionError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_status(status, events=3))
+    if not status["settled"]:
+        print(f"pdserve: the pools did not settle within {args.timeout:.0f} s (see the events above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    try:
+        controller = _controller(args)
+        import ray
+        status = ray.get(controller.status.remote())
+    except (ValueError, ConnectionError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2) if args.json else format_status(status, events=args.events))
+    return 0
+
+
+COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("STATE", "state"), ("ADDRESS", "address"), ("PID", "pid"),
+           ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"), ("KV USE", "kv_usage"),
+           ("PREFIX HIT", "prefix_cache_hit_rate"))
+
+
+def format_status(status: dict[str, Any], events: int = 5) -> str:
+    """A fixed-width table of the workers, the pool targets, and the last few events."""
+    def cell(key: str, worker: dict[str, Any]) -> str:
+        value = worker.get(key)
+        if key == "healthy":
+            return "ok" if value else "down"
+        if key == "role":
+            return "colocated" if value == "both" else str(value)
+        if key in ("kv_usage", "prefix_cache_hit_rate"):
+            return "-" if value is None else f"{100 * value:.1f}%"
+        return "-" if value in (None, "") else str(value)
+
+    rows = [[title for title, _ in COLUMNS]]
+    rows += [[cell(key, worker) for _, key in COLUMNS] for worker in status["workers"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
+    targets = status["targets"]
+    lines.append(f"targets: {targets['prefill']} prefill, {targets['decode']} decode, {targets['both']} colocated"
+                 f" ({'settled' if status['settled'] else 'changing'}); routers: {status['routers']}")
+    for event in status["events"][-events:] if events > 0 else []:
+        lines.append(f"  {_clock(event['time'])}  {event['message']}")
+    return "\n".join(lines)
+
+
+def _clock(timestamp: float) -> str:
+    import time
+    return time.strftime("%H:%M:%S", time.localtime(timestamp))
+
+
+# ---- bench --------------------------------------------------------------------------------------
+
+def run_bench(args: argparse.Namespace) -> int:
+    script = REPO_ROOT / "benchmarks" / "serve.py"
+    if not script.exists():
+        print(f"pdserve: error: {script} does not exist yet; run the offline benchmark with "
+              "`python benchmarks/offline.py`", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, [sys.executable, str(script), *args.args])
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": run_serve, "scale": run_scale, "status": run_status, "bench": run_bench}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Ray sessions: start a small local instance or join a cluster; find a running controller.
+
+`pdserve serve` writes a state file (default `~/.cache/pdserve/serve.json`, or
+`$PDSERVE_STATE_FILE`) with the Ray address, namespace, controller name and router URL, so
+`pdserve scale` / `pdserve status` find the controller without flags.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from deploy.config import DEFAULT_NAMESPACE
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE_ENV = "PDSERVE_STATE_FILE"
+# On Linux Ray advertises the host's routable IP even for a one-machine instance; with this
+# set to 0 it uses 127.0.0.1 (what it does on macOS/Windows), so nothing binds beyond loopback.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# A new local instance uses token authentication (token in ~/.ray/auth_token); a client that
+# joins it by explicit address must say so.
+RAY_AUTH_ENV = "RAY_AUTH_MODE"
+
+
+@dataclass
+class RaySettings:
+    """`address=None` starts a local instance (small: no dashboard, bounded object store, usage
+    stats off, 127.0.0.1 when `loopback`); otherwise join that cluster ("auto" finds a local
+    `ray start` head)."""
+    address: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    object_store_memory_mb: int = 150
+    include_dashboard: bool = False
+    loopback: bool = True
+    temp_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.address is not None and not self.address:
+            raise ValueError("ray address must be non-empty when set (e.g. 'auto' or HOST:6379)")
+        if self.object_store_memory_mb < 75:
+            raise ValueError(f"object store memory must be at least 75 MB (Ray's minimum), "
+                             f"got {self.object_store_memory_mb}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
+        if self.temp_dir is not None and len(self.temp_dir) > 40:
+            raise ValueError(f"ray temp dir {self.temp_dir!r} is too long: Ray's socket paths under it must "
+                             "fit in 107 bytes; use a short path such as /tmp/pdserve-ray")
+
+
+def quiet_ray_environment(loopback: bool, token_auth: bool = False) -> None:
+    """Environment for Ray in this process and the ones it starts (raylet, workers, actors).
+    Call before `import ray`: Ray reads some of it once, at import."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if token_auth:
+        os.environ[RAY_AUTH_ENV] = "token"
+    if loopback:
+        os.environ[RAY_LOOPBACK_ENV] = "0"
+        constants = sys.modules.get("ray._private.ray_constants")
+        if constants is not None:  # ray already imported: its constant was read from the environment then
+            constants.ENABLE_RAY_CLUSTER = False
+
+
+def start_or_join(settings: RaySettings) -> dict[str, Any]:
+    """`ray.init` as the settings say; returns {"address", "started", "node_ip", "resources"}."""
+    started = settings.address is None
+    quiet_ray_environment(loopback=started and settings.loopback)
+    import ray
+    if started:
+        context = ray.init(num_cpus=settings.num_cpus or os.cpu_count() or 1, num_gpus=settings.num_gpus,
+                           include_dashboard=settings.include_dashboard,
+                           object_store_memory=settings.object_store_memory_mb * 2**20,
+                           namespace=settings.namespace, _temp_dir=settings.temp_dir,
+                           logging_level=logging.WARNING)
+    else:
+        context = ray.init(address=settings.address, namespace=settings.namespace, logging_level=logging.WARNING)
+    return {"address": context.address_info["gcs_address"], "started": started,
+            "node_ip": context.address_info["node_ip_address"], "resources": ray.cluster_resources(),
+            "token_auth": os.environ.get(RAY_AUTH_ENV, "").lower() == "token"}
+
+
+def connect(address: str, namespace: str, token_auth: bool = False) -> None:
+    """Join a running cluster as a short-lived client (pdserve scale/status)."""
+    quiet_ray_environment(loopback=address.startswith("127.0.0.1:"), token_auth=token_auth)
+    import ray
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
+
+
+def find_controller(name: str, namespace: str) -> Any:
+    import ray
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ValueError(f"no pdserve controller named {name!r} in Ray namespace {namespace!r}: is "
+                         "`pdserve serve` running against this cluster?") from None
+
+
+# ---- the state file -----------------------------------------------------------------------------
+
+@dataclass
+class ServeState:
+    pid: int
+    ray_address: str
+    namespace: str
+    controller: str
+    url: str
+    started_ray: bool
+    token_auth: bool = False
+
+
+def default_state_file() -> Path:
+    override = os.environ.get(STATE_FILE_ENV)
+    return Path(override) if override else Path.home() / ".cache" / "pdserve" / "serve.json"
+
+
+def write_state(path: Path, state: ServeState) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(asdict(state), indent=2) + "\n")
+    temporary.replace(path)
+
+
+def read_state(path: Path) -> ServeState:
+    """The state of a running `pdserve serve`; ValueError when none runs (missing or stale file)."""
+    try:
+        data = json.loads(path.read_text())
+        state = ServeState(**data)
+    except FileNotFoundError:
+        raise ValueError(f"no running `pdserve serve` found ({path} does not exist); start one, or pass "
+                         "--ray-address to reach a cluster directly") from None
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"{path} is not a pdserve state file ({exc}); remove it") from None
+    if not pid_alive(state.pid):
+        raise ValueError(f"the `pdserve serve` that wrote {path} (pid {state.pid}) is no longer running; "
+                         "remove the file or start a new one")
+    return state
+
+
+def check_state_file_free(path: Path) -> None:
+    """Refuse to start a second `pdserve serve` that would overwrite a live one's state file."""
+    try:
+        state = read_state(path)
+    except ValueError:
+        return
+    if state.pid != os.getpid():
+        raise ValueError(f"another `pdserve serve` (pid {state.pid}, {state.url}) owns {path}; stop it, or "
+                         f"give this one its own --state-file")
+
+
+def remove_state(path: Path) -> None:
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

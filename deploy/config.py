@@ -1,0 +1,130 @@
+"""Deployment configuration: what every worker actor gets, and how the controller runs the pools.
+
+Dataclasses validated at construction; no module globals. `WorkerSpec` travels to each worker
+actor (it must stay picklable: plain values only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("prefill", "decode", "both")  # "both": a colocated worker (prefills and decodes itself)
+TRANSPORTS = ("auto", "ucx", "nccl", "tcp", "shm")
+DEVICES = ("cpu", "cuda")
+DEFAULT_CONTROLLER_NAME = "pdserve-controller"
+DEFAULT_NAMESPACE = "pdserve"
+
+
+@dataclass
+class WorkerSpec:
+    """How to build one worker (engine + gRPC server + KV transport endpoint) inside its actor.
+
+    `host` is where the worker's gRPC server and KV receiver listen; `advertise_node_ip` writes
+    the Ray node's IP into the reported addresses instead (for `host="0.0.0.0"` on multi-node
+    clusters). `num_cpus` / `num_gpus` are the Ray resources each worker actor holds.
+    """
+    model: str = "default"
+    device: str = "cpu"
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    transport: str = "auto"
+    host: str = "127.0.0.1"
+    advertise_node_ip: bool = False
+    num_cpus: float = 0.5
+    num_gpus: float = 0.0
+    omp_num_threads: int = 1
+    local_prefill_threshold: int | None = None  # decode workers; None: the worker's default
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string: a model folder, a .gguf file or 'default'")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} once resolved, got {self.device!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if not self.host:
+            raise ValueError("host must be a non-empty host name or IP address")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"num_cpus and num_gpus must be >= 0, got {self.num_cpus} and {self.num_gpus}")
+        if self.device == "cuda" and self.num_gpus <= 0:
+            raise ValueError("a cuda worker needs num_gpus > 0 (one GPU per worker: num_gpus=1)")
+        if self.omp_num_threads < 1:
+            raise ValueError(f"omp_num_threads must be >= 1, got {self.omp_num_threads}")
+        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
+            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
+        if "device" in self.engine_options or "role" in self.engine_options:
+            raise ValueError("engine_options must not set device or role: use WorkerSpec.device and the pool role")
+
+
+@dataclass
+class PoolTargets:
+    """How many workers of each role the controller keeps alive."""
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+
+    def __post_init__(self) -> None:
+        for role, count in self.counts().items():
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ValueError(f"the {_pool_name(role)} pool size must be an integer >= 0, got {count!r}")
+        if self.decode + self.colocated == 0:
+            raise ValueError("no worker could answer requests: ask for at least one decode worker "
+                             "(with --prefill) or one colocated worker")
+        if self.prefill and not self.decode:
+            raise ValueError(f"{self.prefill} prefill worker(s) but no decode worker to send their KV to: "
+                             "ask for at least one decode worker, or set the prefill pool to 0")
+
+    def counts(self) -> dict[str, int]:
+        return {"prefill": self.prefill, "decode": self.decode, "both": self.colocated}
+
+    def replace(self, prefill: int | None = None, decode: int | None = None,
+                colocated: int | None = None) -> "PoolTargets":
+        """A new, validated target with the given pools changed."""
+        return PoolTargets(prefill=self.prefill if prefill is None else prefill,
+                           decode=self.decode if decode is None else decode,
+                           colocated=self.colocated if colocated is None else colocated)
+
+
+@dataclass
+class ControllerConfig:
+    """The controller's pools and timings.
+
+    Health: every `health_interval_s` each worker's gRPC Stats is polled (`rpc_timeout_s`);
+    `unhealthy_after_failures` failed polls in a row mark it unhealthy, `replace_after_failures`
+    replace it. A dead actor is noticed at once (its watch call fails) and replaced.
+    Draining: a worker leaves after every router reports none of its requests in flight and
+    its own Stats say nothing runs or waits, or after `drain_timeout_s`.
+    """
+    targets: PoolTargets = field(default_factory=PoolTargets)
+    worker: WorkerSpec = field(default_factory=WorkerSpec)
+    name: str = DEFAULT_CONTROLLER_NAME
+    namespace: str = DEFAULT_NAMESPACE
+    health_interval_s: float = 1.0
+    rpc_timeout_s: float = 5.0
+    unhealthy_after_failures: int = 2
+    replace_after_failures: int = 10
+    start_timeout_s: float = 900.0
+    drain_timeout_s: float = 120.0
+    stop_grace_s: float = 5.0
+    router_stale_after_s: float = 10.0
+    max_start_backoff_s: float = 60.0
+    max_events: int = 100
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.namespace:
+            raise ValueError("the controller name and namespace must be non-empty")
+        for name in ("health_interval_s", "rpc_timeout_s", "start_timeout_s", "drain_timeout_s",
+                     "router_stale_after_s", "max_start_backoff_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
+        if self.unhealthy_after_failures < 1 or self.replace_after_failures < self.unhealthy_after_failures:
+            raise ValueError("need 1 <= unhealthy_after_failures <= replace_after_failures, got "
+                             f"{self.unhealthy_after_failures} and {self.replace_after_failures}")
+        if self.max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {self.max_events}")
+
+
+def _pool_name(role: str) -> str:
+    return "colocated" if role == "both" else role

@@ -1,0 +1,441 @@
+"""The controller: owns pool membership, keeps each pool at its target size, drains and replaces.
+
+One worker's lifecycle in the controller (one state per line):
+
+    STARTING   actor launched; engine loading; gRPC server not yet reported (not routable)
+    READY      addresses reported; in the membership the routers sync from; Stats polled
+    DRAINING   in the membership with `draining=True`: routers send it nothing new; it leaves
+               once every live router reports none of its requests in flight and a later
+               Stats poll says nothing runs or waits on it (or after `drain_timeout_s`)
+    STOPPING   out of the membership; its gRPC server stops (grace), then the actor is killed
+    (gone)     stopped, dead (its actor died: noticed at once, replaced), failed to start (retried
+               with backoff), or unresponsive for `replace_after_failures` polls (killed, replaced)
+
+`PoolController` is plain asyncio over a `Launcher` (Ray actors in production, fakes in tests);
+`ControllerActor` is the Ray actor around it, found by name (`pdserve-controller` in namespace
+`pdserve` by default). Routers learn workers only through `router_sync()` (see
+deploy/router_sync.py), which also carries each router's in-flight counts back for draining.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from deploy.config import ROLES, ControllerConfig, PoolTargets
+
+logger = logging.getLogger(__name__)
+
+STARTING, READY, DRAINING, STOPPING = "starting", "ready", "draining", "stopping"
+
+
+class WorkerHandle(Protocol):
+    """One launched worker, as the controller drives it."""
+
+    async def start(self) -> dict[str, Any]:
+        """Build the engine and serve; return {"grpc_address", "transport_address", "pid", "node_ip"}."""
+
+    async def wait_dead(self) -> str:
+        """Return (with a reason) when the worker has died; never returns while it lives."""
+
+    async def stats(self, timeout_s: float) -> dict[str, Any]:
+        """The worker's Stats as a dict (WorkerStats fields); raises when it does not answer."""
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop serving (open calls get `grace_s`), then end the worker for good. Idempotent."""
+
+
+class Launcher(Protocol):
+    def launch(self, role: str, worker_id: str) -> WorkerHandle: ...
+
+
+@dataclass
+class Member:
+    worker_id: str
+    role: str
+    handle: WorkerHandle
+    state: str = STARTING
+    grpc_address: str = ""
+    transport_address: str = ""
+    pid: int | None = None
+    node_ip: str = ""
+    healthy: bool = False
+    stats: dict[str, Any] | None = None
+    stats_time: float | None = None  # when the last successful poll was sent
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    launched_at: float = 0.0
+    ready_at: float | None = None
+    drain_started: float | None = None
+    routers_clear_at: float | None = None  # first time every live router reported nothing in flight
+    start_task: asyncio.Task | None = None
+
+    def stat(self, name: str) -> int:
+        return int(self.stats.get(name, 0)) if self.stats else 0
+
+    @property
+    def load(self) -> int:
+        return self.stat("running") + self.stat("waiting")
+
+
+@dataclass
+class _RouterReport:
+    time: float
+    workers: dict[str, dict[str, Any]]  # address -> {"inflight": int, "draining": bool}
+
+
+@dataclass
+class PoolController:
+    config: ControllerConfig
+    launcher: Launcher
+    clock: Any = time.monotonic
+    targets: PoolTargets = field(init=False)
+    _members: dict[str, Member] = field(default_factory=dict, init=False)
+    _routers: dict[str, _RouterReport] = field(default_factory=dict, init=False)
+    _events: collections.deque = field(init=False)
+    _backoff: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
+    _prefer_drain: set[str] = field(default_factory=set, init=False)
+    _start_failures: list[str] = field(default_factory=list, init=False)
+    _tasks: set[asyncio.Task] = field(default_factory=set, init=False)
+    _loop_task: asyncio.Task | None = field(default=None, init=False)
+    _next_id: int = field(default=1, init=False)
+    _closed: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.targets = self.config.targets
+        self._events = collections.deque(maxlen=self.config.max_events)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self, wait: bool = True) -> None:
+        """Launch the initial pools and the health loop; with `wait`, return once every pool is at
+        its target, or raise RuntimeError naming the first worker that failed to start."""
+        if self._loop_task is not None:
+            raise RuntimeError("the controller is already started")
+        self._reconcile()
+        self._loop_task = asyncio.get_running_loop().create_task(self._health_loop(), name="pdserve-controller")
+        if not wait:
+            return
+        deadline = self.clock() + self.config.start_timeout_s
+        while not self.settled():
+            if self._closed:
+                raise RuntimeError("the controller was shut down while the pools were starting")
+            if self._start_failures:
+                raise RuntimeError(self._start_failures[0])
+            if self.clock() > deadline:
+                raise RuntimeError(f"the pools did not reach {self.targets} within {self.config.start_timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    async def shutdown(self) -> None:
+        """Stop every worker (grace), then forget them. The controller cannot be restarted."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        members = list(self._members.values())
+        for member in members:
+            if member.state != STOPPING:
+                self._stop(member, "shutting down")
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # ---- the public interface ------------------------------------------------------------------
+
+    def scale(self, prefill: int | None = None, decode: int | None = None, colocated: int | None = None,
+              drain: list[str] | tuple[str, ...] = ()) -> dict[str, int]:
+        """Set new pool targets (None keeps a pool's size); `drain` names workers (gRPC
+        addresses) to remove first when a pool shrinks. Returns the targets. The work happens
+        in the background: follow it with `settled()` / `wait_settled()`."""
+        if self._closed:
+            raise ValueError("the controller is shutting down")
+        targets = self.targets.replace(prefill, decode, colocated)
+        known = {m.grpc_address for m in self._members.values() if m.grpc_address}
+        unknown = [address for address in drain if address not in known]
+        if unknown:
+            raise ValueError(f"no worker at {', '.join(unknown)}; workers: {', '.join(sorted(known)) or 'none'}")
+        self.targets = targets
+        self._prefer_drain = set(drain)
+        self._backoff.clear()
+        self._event(f"scale to {targets.prefill} prefill, {targets.decode} decode, {targets.colocated} colocated")
+        self._reconcile()
+        return targets.counts()
+
+    def settled(self) -> bool:
+        """Every pool has exactly its target of READY workers and nothing is starting, draining or stopping."""
+        for role, target in self.targets.counts().items():
+            members = [m for m in self._members.values() if m.role == role]
+            if len(members) != target or any(m.state != READY for m in members):
+                return False
+        return True
+
+    async def wait_settled(self, timeout_s: float) -> bool:
+        deadline = self.clock() + timeout_s
+        while not self.settled():
+            if self.clock() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def membership(self) -> list[dict[str, Any]]:
+        """The routable workers: READY ones, and DRAINING ones flagged `draining`."""
+        return [{"worker_id": m.worker_id, "role": m.role, "address": m.grpc_address,
+                 "transport_address": m.transport_address, "draining": m.state == DRAINING}
+                for m in self._sorted_members() if m.state in (READY, DRAINING)]
+
+    def router_sync(self, router_id: str, workers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """A router reports what it holds (address -> {"inflight", "draining"}) and gets the membership."""
+        self._routers[router_id] = _RouterReport(self.clock(), dict(workers))
+        return self.membership()
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        routers = self._live_routers()
+        workers = []
+        for m in self._sorted_members():
+            total, free = m.stat("kv_blocks_total"), m.stat("kv_blocks_free")
+            queries = m.stat("prefix_cache_queries")
+            workers.append({
+                "worker_id": m.worker_id, "role": m.role, "state": m.state, "address": m.grpc_address,
+                "transport_address": m.transport_address, "pid": m.pid, "node_ip": m.node_ip,
+                "healthy": m.healthy, "running": m.stat("running"), "waiting": m.stat("waiting"),
+                "kv_blocks_total": total, "kv_blocks_free": free,
+                "kv_usage": (total - free) / total if total else None,
+                "prefix_cache_hit_rate": m.stat("prefix_cache_hits") / queries if queries else None,
+                "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0)) for r in routers),
+                "last_error": m.last_error, "age_s": round(now - m.launched_at, 1)})
+        return {"targets": self.targets.counts(), "settled": self.settled(), "workers": workers,
+                "routers": len(routers), "events": list(self._events)}
+
+    # ---- reconciling membership with the targets -----------------------------------------------
+
+    def _reconcile(self) -> None:
+        if self._closed:
+            return
+        for role, target in self.targets.counts().items():
+            members = [m for m in self._members.values() if m.role == role]
+            live = [m for m in members if m.state in (STARTING, READY)]
+            if len(live) < target:
+                # Taking back a draining worker is cheaper than starting one (its cache is warm).
+                for member in sorted((m for m in members if m.state == DRAINING), key=lambda m: m.launched_at):
+                    if len(live) == target:
+                        break
+                    member.state, member.drain_started, member.routers_clear_at = READY, None, None
+                    live.append(member)
+                    self._event(f"{member.worker_id} at {member.grpc_address} kept: the pool grew again")
+                missing = target - len(live)
+                failures, not_before = self._backoff.get(role, (0, 0.0))
+                if missing > 0 and self.clock() >= not_before:
+                    for _ in range(missing):
+                        self._launch(role)
+            elif len(live) > target:
+                for member in self._pick_victims(live, len(live) - target):
+                    if member.state == STARTING:
+                        self._stop(member, "not needed any more (scaled down before it was ready)")
+                    else:
+                        member.state, member.drain_started = DRAINING, self.clock()
+                        self._event(f"{member.worker_id} at {member.grpc_address} draining")
+
+    def _pick_victims(self, live: list[Member], count: int) -> list[Member]:
+        def order(m: Member):
+            preferred = m.grpc_address in self._prefer_drain
+            return (m.state != STARTING, not preferred, m.healthy, m.load, -(m.ready_at or m.launched_at))
+        return sorted(live, key=order)[:count]
+
+    def _launch(self, role: str) -> None:
+        worker_id = f"{'colocated' if role == 'both' else role}-{self._next_id}"
+        self._next_id += 1
+        member = Member(worker_id, role, self.launcher.launch(role, worker_id), launched_at=self.clock())
+        self._members[worker_id] = member
+        self._event(f"{worker_id} starting")
+        member.start_task = self._spawn(self._start_member(member))
+
+    async def _start_member(self, member: Member) -> None:
+        try:
+            info = await asyncio.wait_for(member.handle.start(), self.config.start_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failed start: forget it, back off, retry from the health loop
+            reason = _describe(exc)
+            if self._members.get(member.worker_id) is member:
+                del self._members[member.worker_id]
+                failures = self._backoff.get(member.role, (0, 0.0))[0] + 1
+                delay = min(self.config.max_start_backoff_s, 2.0 ** (failures - 1))
+                self._backoff[member.role] = (failures, self.clock() + delay)
+                message = f"{member.worker_id} failed to start: {reason}"
+                self._start_failures.append(message)
+                self._event(f"{message} (next try in {delay:.0f} s)", logging.WARNING)
+            self._spawn(self._quiet_stop(member.handle, 0.0))
+            return
+        if self._members.get(member.worker_id) is not member or member.state != STARTING:
+            return
+        member.grpc_address = info["grpc_address"]
+        member.transport_address = info.get("transport_address", "")
+        member.pid, member.node_ip = info.get("pid"), info.get("node_ip", "")
+        member.state, member.healthy, member.ready_at = READY, True, self.clock()
+        self._backoff.pop(member.role, None)
+        self._event(f"{member.worker_id} ready at {member.grpc_address} (pid {member.pid})")
+        self._spawn(self._watch(member))
+        self._reconcile()
+
+    async def _watch(self, member: Member) -> None:
+        reason = await member.handle.wait_dead()
+        if self._members.get(member.worker_id) is not member or member.state == STOPPING:
+            return
+        del self._members[member.worker_id]
+        self._event(f"{member.worker_id} at {member.grpc_address} died ({reason}); "
+                    f"removed from routing", logging.WARNING)
+        self._spawn(self._quiet_stop(member.handle, 0.0))
+        self._reconcile()
+
+    def _stop(self, member: Member, reason: str) -> None:
+        member.state = STOPPING
+        self._event(f"{member.worker_id}{' at ' + member.grpc_address if member.grpc_address else ''} "
+                    f"stopping: {reason}")
+        if member.start_task is not None and not member.start_task.done():
+            member.start_task.cancel()
+
+        async def stop() -> None:
+            await self._quiet_stop(member.handle, self.config.stop_grace_s)
+            if self._members.get(member.worker_id) is member:
+                del self._members[member.worker_id]
+            self._reconcile()
+        self._spawn(stop())
+
+    async def _quiet_stop(self, handle: WorkerHandle, grace_s: float) -> None:
+        try:
+            await asyncio.wait_for(handle.stop(grace_s), grace_s + 30.0)
+        except Exception as exc:  # it may be dead already; stop() kills what is left
+            logger.info("stopping a worker: %s", _describe(exc))
+
+    # ---- health and draining -------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # a bug in one tick must not end health checking
+                logger.exception("controller tick failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def tick(self) -> None:
+        """One round: poll READY/DRAINING workers, finish drains, reconcile (the health loop's body)."""
+        polled = [m for m in self._members.values() if m.state in (READY, DRAINING)]
+        await asyncio.gather(*(self._poll(m) for m in polled))
+        self._check_drains()
+        self._reconcile()
+
+    async def _poll(self, member: Member) -> None:
+        sent = self.clock()
+        try:
+            stats = await asyncio.wait_for(member.handle.stats(self.config.rpc_timeout_s),
+                                           self.config.rpc_timeout_s + 1.0)
+        except Exception as exc:
+            member.consecutive_failures += 1
+            member.last_error = _describe(exc)
+            if member.healthy and member.consecutive_failures >= self.config.unhealthy_after_failures:
+                member.healthy = False
+                self._event(f"{member.worker_id} at {member.grpc_address} unhealthy: {member.last_error}",
+                            logging.WARNING)
+            if (member.consecutive_failures >= self.config.replace_after_failures
+                    and self._members.get(member.worker_id) is member and member.state != STOPPING):
+                self._stop(member, f"unresponsive for {member.consecutive_failures} polls; replacing it")
+            return
+        if not member.healthy and member.consecutive_failures:
+            self._event(f"{member.worker_id} at {member.grpc_address} healthy again")
+        member.stats, member.stats_time = stats, sent
+        member.healthy, member.consecutive_failures, member.last_error = True, 0, None
+
+    def _check_drains(self) -> None:
+        now = self.clock()
+        routers = self._live_routers()
+        for member in [m for m in self._members.values() if m.state == DRAINING]:
+            if now - member.drain_started > self.config.drain_timeout_s:
+                self._stop(member, f"drain timed out after {self.config.drain_timeout_s:.0f} s "
+                                   f"({member.load} request(s) still on it)")
+                continue
+            if not all(self._router_released(router, member.grpc_address) for router in routers):
+                member.routers_clear_at = None
+                continue
+            if member.routers_clear_at is None:
+                member.routers_clear_at = now
+            fresh = member.stats_time is not None and member.stats_time >= member.routers_clear_at
+            if fresh and member.load == 0:
+                self._stop(member, "drained")
+
+    @staticmethod
+    def _router_released(router: _RouterReport, address: str) -> bool:
+        held = router.workers.get(address)
+        return held is None or (bool(held.get("draining")) and int(held.get("inflight", 0)) == 0)
+
+    def _live_routers(self) -> list[_RouterReport]:
+        horizon = self.clock() - self.config.router_stale_after_s
+        return [r for r in self._routers.values() if r.time >= horizon]
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _sorted_members(self) -> list[Member]:
+        rank = {role: i for i, role in enumerate(ROLES)}
+        return sorted(self._members.values(), key=lambda m: (rank[m.role], m.launched_at, m.worker_id))
+
+    def _event(self, message: str, level: int = logging.INFO) -> None:
+        logger.log(level, "%s", message)
+        self._events.append({"time": time.time(), "message": message})
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
+
+
+class ControllerActor:
+    """The Ray actor around `PoolController` (async: one event loop runs the health loop and
+    every call). Errors a caller can fix come back as {"error": message}, not as exceptions."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        from deploy.actors import RayWorkerLauncher
+        self.config = config
+        self.controller = PoolController(config, RayWorkerLauncher(config.worker, config.name, config.namespace))
+
+    async def start(self) -> dict[str, Any]:
+        try:
+            await self.controller.start(wait=True)
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        return self.controller.status()
+
+    async def scale(self, prefill: int | None = None, decode: int | None = None, colocated: int | None = None,
+                    drain: list[str] | None = None) -> dict[str, Any]:
+        try:
+            return {"targets": self.controller.scale(prefill, decode, colocated, drain or ())}
+        except ValueError as exc:
+            return {"error": str(exc)}
+
+    async def wait_settled(self, timeout_s: float) -> dict[str, Any]:
+        await self.controller.wait_settled(timeout_s)
+        return self.controller.status()
+
+    async def status(self) -> dict[str, Any]:
+        return self.controller.status()
+
+    async def membership(self) -> list[dict[str, Any]]:
+        return self.controller.membership()
+
+    async def router_sync(self, router_id: str, workers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.controller.router_sync(router_id, workers)
+
+    async def shutdown(self) -> None:
+        await self.controller.shutdown()
+
+    async def ping(self) -> str:
+        return self.config.name

@@ -1,0 +1,334 @@
+"""`pdserve serve`: Ray (started or joined), the controller and its pools, and the router.
+
+The driver process runs the router (FastAPI on uvicorn) and a task that syncs the router's
+`WorkerPool` from the controller (deploy/router_sync.py); the controller actor owns the worker
+actors. Startup order: Ray -> controller (loads the pools) while the router's tokenizer loads ->
+HTTP listening at once (`/health` is 503 until a prefill + decode pair, or a colocated worker,
+answers) -> the ready line `pdserve ready: URL/v1 ...` -> the state file for `pdserve
+scale/status`.
+
+SIGINT / SIGTERM: stop HTTP, stop every worker (grace), kill the controller, stop Ray if this
+process started it, wait for the worker processes to exit, remove the state file.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
+                            start_or_join, write_state)
+from deploy.config import DEFAULT_CONTROLLER_NAME, ControllerConfig, PoolTargets, WorkerSpec
+
+logger = logging.getLogger("pdserve")
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class ServeOptions:
+    """Everything `pdserve serve` takes; validated before Ray starts, so mistakes fail fast."""
+    model: str = "default"
+    served_model_name: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto: cuda when the Ray cluster has GPUs
+    transport: str = "auto"
+    api_key: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    worker_cpus: float | None = None  # Ray CPUs per worker (default: 0.5 on CPU, 1 with a GPU)
+    omp_num_threads: int | None = None  # default: this machine's cores / initial workers (>= 1)
+    worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining
+    local_prefill_threshold: int | None = None
+    ray: RaySettings = field(default_factory=RaySettings)
+    controller_name: str = DEFAULT_CONTROLLER_NAME
+    state_file: Path | None = None  # None: default_state_file()
+    sync_interval_s: float = 0.5
+    health_interval_s: float = 1.0
+    drain_timeout_s: float = 120.0
+    start_timeout_s: float = 900.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        self.targets = PoolTargets(prefill=self.prefill, decode=self.decode, colocated=self.colocated)
+        if not self.host:
+            raise ValueError("--host must be a non-empty address")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must be non-empty when set")
+        if self.worker_cpus is not None and self.worker_cpus <= 0:
+            raise ValueError(f"--worker-cpus must be > 0, got {self.worker_cpus}")
+        if self.omp_num_threads is not None and self.omp_num_threads < 1:
+            raise ValueError(f"--omp-num-threads must be >= 1, got {self.omp_num_threads}")
+        if not self.sync_interval_s > 0:
+            raise ValueError(f"sync_interval_s must be > 0, got {self.sync_interval_s}")
+        if self.model != "default" and not Path(self.model).exists():
+            raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
+                             "a .gguf file, or 'default')")
+        from engine.llm import build_engine_config
+        build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
+        self.controller_config(WorkerSpec(model=self.model, transport=self.transport))
+
+    def worker_spec(self, resources: dict[str, float], started_ray: bool) -> WorkerSpec:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if resources.get("GPU", 0) > 0 else "cpu"
+        if device == "cuda" and resources.get("GPU", 0) <= 0:
+            raise ValueError("--device cuda, but the Ray cluster has no GPU; use --device cpu, or join a cluster "
+                             "with GPUs (--ray-address)")
+        workers = self.prefill + self.decode + self.colocated
+        threads = self.omp_num_threads or max(1, (os.cpu_count() or 1) // workers)
+        host = self.worker_host or ("127.0.0.1" if started_ray else "0.0.0.0")
+        return WorkerSpec(model=self.model, device=device, engine_options=dict(self.engine_options),
+                          transport=self.transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
+                          num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
+                          num_gpus=1.0 if device == "cuda" else 0.0, omp_num_threads=threads,
+                          local_prefill_threshold=self.local_prefill_threshold)
+
+    def controller_config(self, worker: WorkerSpec) -> ControllerConfig:
+        return ControllerConfig(targets=self.targets, worker=worker, name=self.controller_name,
+                                namespace=self.ray.namespace, health_interval_s=self.health_interval_s,
+                                drain_timeout_s=self.drain_timeout_s, start_timeout_s=self.start_timeout_s)
+
+
+class ServeError(Exception):
+    """Startup failed for a reason the user can act on (message printed, exit status 1)."""
+
+
+def serve(options: ServeOptions) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit status."""
+    state_file = options.state_file or default_state_file()
+    stopping = _TerminateAsInterrupt()
+    controller = None
+    session: dict[str, Any] = {}
+    worker_pids: list[int] = []
+    status = 0
+    try:
+        check_state_file_free(state_file)
+        with stopping:
+            session = start_or_join(options.ray)
+            spec = options.worker_spec(session["resources"], session["started"])
+            controller = _create_controller(options.controller_config(spec))
+            status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids))
+    except (ServeError, ValueError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _teardown(controller, session, worker_pids)
+        remove_state(state_file)
+        print("pdserve stopped", flush=True)
+    return status
+
+
+async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[str, Any], controller: Any,
+                       state_file: Path, worker_pids: list[int]) -> int:
+    from deploy.admin import admin_routes
+    from deploy.client import ControllerClient
+    from deploy.router_sync import MembershipSync
+    from router.app import create_app
+    from router.config import RouterConfig
+    from router.pool import WorkerPool
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    client = ControllerClient(controller)
+    sock = _listen(options.host, options.port)
+    port = sock.getsockname()[1]
+    url = f"http://{_url_host(options.host)}:{port}"
+    starting = loop.create_task(client.start())
+    server = sync = server_task = None
+    try:
+        from engine.tokenizer import Tokenizer
+        tokenizer = await _unless_stopped(asyncio.to_thread(Tokenizer.from_pretrained, options.model), stop)
+        router_config = RouterConfig(model=options.model, served_model_name=options.served_model_name,
+                                     host=options.host, port=port, api_key=options.api_key,
+                                     max_model_len=options.engine_options.get("max_model_len"),
+                                     block_size=options.engine_options.get("block_size", 16))
+        pool = WorkerPool(router_config)
+        app = create_app(router_config, tokenizer=tokenizer, pool=pool)
+        app.include_router(admin_routes(client, options.api_key))
+        server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                        lifespan="on"))
+        server_task = loop.create_task(server.serve(sockets=[sock]))
+        sync = MembershipSync(pool, client.router_sync, options.sync_interval_s)
+        sync.start()
+        try:
+            status = await _unless_stopped(starting, stop)
+        except ValueError as exc:
+            raise ServeError(f"the worker pools did not start: {exc}") from None
+        await _unless_stopped(_wait_healthy(url, server_task), stop)
+        worker_pids.extend(w["pid"] for w in status["workers"] if w.get("pid"))
+        write_state(state_file, ServeState(pid=os.getpid(), ray_address=session["address"],
+                                           namespace=options.ray.namespace, controller=options.controller_name,
+                                           url=url, started_ray=session["started"],
+                                           token_auth=session["token_auth"]))
+        print(f"pdserve ready: {url}/v1 (model {options.model}; {options.prefill} prefill, {options.decode} "
+              f"decode, {options.colocated} colocated worker(s) on {spec.device}; Ray at {session['address']}; "
+              f"`pdserve status` / `pdserve scale`)", flush=True)
+        if options.host not in LOOPBACK_HOSTS and options.api_key is None:
+            logger.warning("listening on %s without --api-key: anyone who can reach it can use it", options.host)
+        await _unless_stopped(asyncio.shield(server_task), stop)
+        if not stop.is_set():
+            raise ServeError("the HTTP server stopped unexpectedly")
+        return 0
+    except _Stopped:
+        return 0
+    finally:
+        logger.info("shutting down")
+        if server is not None:
+            server.should_exit = True
+        if server_task is not None:
+            await asyncio.gather(server_task, return_exceptions=True)
+        if sync is not None:
+            await sync.stop()
+        starting.cancel()
+        with contextlib.suppress(Exception):
+            final = await asyncio.wait_for(client.status(), 10)
+            worker_pids.extend(w["pid"] for w in final["workers"] if w.get("pid"))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.shutdown(), 60)
+        sock.close()
+
+
+class _Stopped(Exception):
+    pass
+
+
+async def _unless_stopped(awaitable, stop: asyncio.Event):
+    """Await `awaitable` unless SIGINT/SIGTERM comes first (then raise _Stopped)."""
+    task = asyncio.ensure_future(awaitable)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise _Stopped()
+
+
+async def _wait_healthy(url: str, server_task: asyncio.Task) -> None:
+    import httpx
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            if server_task.done():
+                raise ServeError(f"the HTTP server stopped while starting: {server_task.exception()!r}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(f"{url}/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.2)
+
+
+def _create_controller(config: ControllerConfig) -> Any:
+    import ray
+
+    from deploy.controller import ControllerActor
+    try:
+        ray.get_actor(config.name, namespace=config.namespace)
+    except ValueError:
+        pass
+    else:
+        raise ServeError(f"a pdserve controller named {config.name!r} already runs in Ray namespace "
+                         f"{config.namespace!r}; stop that `pdserve serve` or pass --controller-name")
+    actor_class = ray.remote(ControllerActor).options(name=config.name, namespace=config.namespace, num_cpus=0,
+                                                      max_restarts=0, max_concurrency=1000)
+    return actor_class.remote(config)
+
+
+def _teardown(controller: Any, session: dict[str, Any], worker_pids: list[int]) -> None:
+    import ray
+    if not ray.is_initialized():
+        return
+    if controller is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(controller, no_restart=True)
+    ray.shutdown()
+    if session.get("started"):
+        _wait_exited(worker_pids, timeout_s=30.0)
+
+
+def _wait_exited(pids: list[int], timeout_s: float) -> None:
+    """Local instance only: the worker processes exit once Ray is gone; make sure they did."""
+    from deploy.cluster import pid_alive
+    deadline = time.monotonic() + timeout_s
+    remaining = [pid for pid in set(pids) if _is_ray_process(pid)]
+    while remaining and time.monotonic() < deadline:
+        time.sleep(0.2)
+        remaining = [pid for pid in remaining if pid_alive(pid) and _is_ray_process(pid)]
+    for pid in remaining:
+        logger.warning("worker process %d did not exit with Ray; killing it", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_ray_process(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(b"ray::")
+    except OSError:
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+class _TerminateAsInterrupt:
+    """While active, SIGTERM raises KeyboardInterrupt (so blocking startup calls unwind through
+    the same cleanup as Ctrl-C); inside the event loop, signal handlers take over."""
+
+    def __enter__(self) -> "_TerminateAsInterrupt":
+        self._previous = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        raise KeyboardInterrupt()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handling (the driver owns SIGINT/SIGTERM)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
