@@ -79,26 +79,30 @@ class Process:
                 self.popen.wait()
 
 
-def start_worker(module: str, *extra: str) -> tuple[Process, str]:
-    process = Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS), *extra])
+def start_worker(module: str, *extra: str) -> Process:
+    return Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS), *extra])
+
+
+def grpc_address(process: Process) -> str:
+    """Waits for the worker's `READY grpc=HOST:PORT ...` line."""
     ready = process.wait_for("READY ")
-    fields = dict(part.split("=", 1) for part in ready.split()[1:])
-    return process, fields["grpc"]
+    return dict(part.split("=", 1) for part in ready.split()[1:])["grpc"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
     processes = []
     try:
-        prefill, prefill_address = start_worker("prefill_worker")
-        processes.append(prefill)
-        # threshold 0: every prompt is prefilled on the prefill worker and its KV transferred
-        decode, decode_address = start_worker("decode_worker", "--local-prefill-threshold", "0")
-        processes.append(decode)
+        # two prefill workers (routing between them is tested); threshold 0: every prompt is
+        # prefilled on a prefill worker and its KV transferred to the decode worker
+        processes += [start_worker("prefill_worker"), start_worker("prefill_worker"),
+                      start_worker("decode_worker", "--local-prefill-threshold", "0")]
+        prefill_addresses = [grpc_address(p) for p in processes[:2]]
+        decode_address = grpc_address(processes[2])
         sock = free_socket()
         port = sock.getsockname()[1]
         sock.close()
-        router = Process(["-m", "router", "--model", "default", "--prefill", prefill_address,
+        router = Process(["-m", "router", "--model", "default", "--prefill", ",".join(prefill_addresses),
                           "--decode", decode_address, "--port", str(port), "--stats-interval", "0.5",
                           "--log-level", "warning"])
         processes.append(router)
@@ -112,7 +116,7 @@ def cluster():
             except httpx.TransportError:
                 return False
         wait_until(healthy, timeout=STARTUP_TIMEOUT_S, message="the router to report healthy")
-        yield {"url": url, "decode": decode_address, "prefill": prefill_address}
+        yield {"url": url, "decode": decode_address, "prefill": prefill_addresses}
     finally:
         for process in reversed(processes):
             process.stop()
@@ -137,6 +141,11 @@ def offline_greedy(offline, prompt, max_tokens=NEW_TOKENS):
 def decode_status(cluster):
     status = httpx.get(cluster["url"] + "/status").json()
     return next(w for w in status["workers"] if w["address"] == cluster["decode"])
+
+
+def prefill_status(cluster) -> dict[str, dict]:
+    status = httpx.get(cluster["url"] + "/status").json()
+    return {w["address"]: w for w in status["workers"] if w["role"] == "prefill"}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -242,3 +251,32 @@ def test_logprobs_from_real_workers(client, offline):
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob <= 0.0 and len(top) == 2
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the sampled token is the top one
+
+
+def test_shared_prefix_goes_to_one_prefill_worker_and_hits_its_cache(client, cluster):
+    document = "A shared report on river ecology, water quality and fish populations. " * 10
+    before = prefill_status(cluster)
+    for question in ["Which fish?", "How is the water?", "Who wrote it?", "Summarize it."]:
+        client.completions.create(model="default", prompt=document + question, max_tokens=1, temperature=0)
+    after = prefill_status(cluster)
+    routed = {a: after[a]["router_num_routed"] - before[a]["router_num_routed"] for a in cluster["prefill"]}
+    assert sorted(routed.values()) == [0, 4]
+    chosen = max(routed, key=routed.get)
+    assert after[chosen]["prefix_cache_hit_rate"] > (before[chosen]["prefix_cache_hit_rate"] or 0.0)
+
+
+def test_different_prefixes_spread_over_the_prefill_workers(client, cluster):
+    """Without a shared prefix, each request goes to the prefill worker with the least work; idle
+    workers are told apart by how many requests each has been sent. (/status polls the workers,
+    so the router's view of their queues is fresh before each request.)"""
+    topics = ["volcanoes", "glaciers", "deserts", "coral reefs", "tundra", "rainforests"]
+    start = [w["router_num_routed"] for w in prefill_status(cluster).values()]
+    for topic in topics:
+        before = {a: w["router_num_routed"] for a, w in prefill_status(cluster).items()}
+        prompt = f"Write a detailed essay about {topic}. " * 8
+        client.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0)
+        after = {a: w["router_num_routed"] for a, w in prefill_status(cluster).items()}
+        [target] = [a for a in after if after[a] == before[a] + 1]
+        assert before[target] == min(before.values())
+    totals = list(after.values())
+    assert abs(totals[0] - totals[1]) <= max(abs(start[0] - start[1]) - len(topics), 1)
