@@ -100,12 +100,15 @@ def start_workers(specs: list[tuple[str, list[str]]]) -> list[WorkerProcess]:
 
 
 def stop_workers(workers: list[WorkerProcess]) -> None:
-    """Stop every worker; then check none logged a traceback (an unhandled error in a handler)."""
-    for worker in workers:
-        if worker.process.poll() is None:
-            worker.process.terminate()
+    """Stop every worker with SIGTERM; then check that each one still running exited cleanly and
+    none logged a traceback (an unhandled error in a handler)."""
+    running = [worker for worker in workers if worker.process.poll() is None]
+    for worker in running:
+        worker.process.terminate()
     for worker in workers:
         worker.stop()
+    for worker in running:
+        assert worker.process.returncode == 0, f"{worker.kind} worker exited with {worker.process.returncode}"
     for worker in workers:
         text = "".join(worker.log)
         assert "Traceback" not in text, f"{worker.kind} worker {worker.grpc_address} logged an error:\n{text[-4000:]}"

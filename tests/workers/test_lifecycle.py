@@ -30,7 +30,7 @@ def cluster():
         ("prefill", ["--num-blocks", "64"] + HOLD),
         ("prefill", ["--num-blocks", "64"] + HOLD),
         ("decode", DECODE),
-        ("decode", DECODE + ["--on-transfer-failure", "fail"]),
+        ("decode", DECODE + ["--on-transfer-failure", "fail", "--transfer-timeout-s", "8"]),
     ])
     yield dict(zip(names, workers))
     stop_workers(workers)
@@ -176,3 +176,11 @@ def test_unreachable_prefill_worker_in_fail_mode(cluster):
                       params=sampling(5), prefill=type("Dead", (), {"grpc_address": "127.0.0.1:1"})())
     assert result.finish_reason == "error"
     assert "UNAVAILABLE" in result.error
+
+
+def test_timed_out_transfer_fails_cleanly_and_frees_both_sides(cluster):
+    decode, hold = cluster["decode_fail"], cluster["hold"]
+    result = generate(decode, "timed-out", random_prompt(12, 60), hold, params=sampling(5))
+    assert result.finish_reason == "error"
+    assert "remote prefill failed" in result.error
+    assert "no KV within 8.0 s" in result.error or "DEADLINE_EXCEEDED" in result.error
