@@ -41,11 +41,13 @@ class WorkerProcess:
             self.process.kill()
             self.process.wait(30)
 
-    def stop(self) -> None:
+    def stop(self, terminate: bool = True) -> None:
+        """SIGTERM (once: a second one during the graceful stop would kill it), wait, then SIGKILL."""
         if self.process.poll() is None:
-            self.process.terminate()
+            if terminate:
+                self.process.terminate()
             try:
-                self.process.wait(20)
+                self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -106,7 +108,7 @@ def stop_workers(workers: list[WorkerProcess]) -> None:
     for worker in running:
         worker.process.terminate()
     for worker in workers:
-        worker.stop()
+        worker.stop(terminate=False)
     for worker in running:
         assert worker.process.returncode == 0, f"{worker.kind} worker exited with {worker.process.returncode}"
     for worker in workers:
