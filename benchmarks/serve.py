@@ -1,0 +1,603 @@
+"""Serving benchmark for any OpenAI-compatible server (pdserve, vLLM, SGLang, ...).
+
+Sends a workload (benchmarks/workloads.py) with Poisson arrivals at --request-rate (requests per
+second, or `inf`: all at once) and/or at most --max-concurrency requests in flight, streams every
+response, and reports per request:
+
+  TTFT   time to the first token (send -> first chunk carrying a token)
+  ITL    every inter-token latency: the gap between chunks, split evenly over the tokens a chunk
+         carries (a chunk of k tokens after a gap g gives k gaps of g/k; tokens that arrive with the
+         first one get 0), so a request has exactly completion_tokens - 1 of them
+  TPOT   (e2e - TTFT) / (completion_tokens - 1), the mean time per output token after the first
+  E2E    send -> last byte; tokens in / out and cached prompt tokens from the stream's usage
+
+Tokens per chunk are counted from the chunk's logprobs (`logprobs` is requested unless
+--no-logprobs; one entry per token in the OpenAI API), otherwise one per non-empty text chunk.
+The summary has mean / median / p90 / p99 of each, request and token throughput, and goodput:
+requests per second that meet every --slo bound (e.g. `--slo ttft:500 tpot:50`, milliseconds).
+For `agent`, --request-rate is the rate at which conversations start; their turns follow one
+another, each after its think time.
+
+    python benchmarks/serve.py --base-url http://127.0.0.1:8000 --workload chat --request-rate 2 \\
+        --num-requests 64 --slo ttft:1000 tpot:100 --json out.json
+    pdserve bench --base-url http://127.0.0.1:8000 ...        (the same command)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads import WORKLOADS, Conversation, Workload, WorkloadConfig, build_workload  # noqa: E402
+
+ENDPOINTS = ("chat", "completions")
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class SLO:
+    """Latency bounds in milliseconds; None: not bounded."""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"SLO {name} must be a positive number of milliseconds, got {value!r}")
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> "SLO":
+        """From `ttft:MS` / `tpot:MS` items."""
+        values: dict[str, float] = {}
+        for item in items or []:
+            key, sep, number = item.partition(":")
+            if not sep or key not in ("ttft", "tpot"):
+                raise ValueError(f"--slo takes ttft:MS and/or tpot:MS, got {item!r}")
+            try:
+                values[f"{key}_ms"] = float(number)
+            except ValueError:
+                raise ValueError(f"--slo {item!r}: {number!r} is not a number of milliseconds") from None
+        return cls(**values)
+
+    @property
+    def is_set(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def met_by(self, result: "RequestResult") -> bool:
+        if not result.success:
+            return False
+        if self.ttft_ms is not None and result.ttft_s * 1000 > self.ttft_ms:
+            return False
+        tpot = result.tpot_s
+        return self.tpot_ms is None or tpot is None or tpot * 1000 <= self.tpot_ms
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run against one server."""
+    base_url: str
+    model: str | None = None  # None: the first model /v1/models lists
+    api_key: str | None = None
+    endpoint: str = "chat"
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    timeout_s: float | None = None  # the whole run; unfinished requests are cancelled and counted
+    request_timeout_s: float = 600.0
+    seed: int = 0
+    slo: SLO = field(default_factory=SLO)
+    ignore_eos: bool = True
+    use_logprobs: bool = True
+    temperature: float = 0.0
+    show_progress: bool = True
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if not (self.request_rate > 0):
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout_s}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def api_root(self) -> str:
+        """The URL under which /chat/completions lives: base URL with /v1 (added when missing)."""
+        root = self.base_url.rstrip("/")
+        return root if root.endswith("/v1") else root + "/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class RequestResult:
+    conversation_id: int
+    turn: int
+    tag: str
+    sent_at_s: float  # since the benchmark started
+    success: bool = False
+    incomplete: bool = False  # still running when --timeout ended the run
+    error: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    streamed_tokens: int = 0
+    prompt_tokens: int | None = None  # None: the server sent no usage
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    text: str = ""
+
+    @property
+    def output_tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else self.streamed_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.success or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def record(self) -> dict[str, Any]:
+        """The JSON form (milliseconds, rounded; no text)."""
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(value * 1000, 3)
+        return {"conversation_id": self.conversation_id, "turn": self.turn, "tag": self.tag,
+                "sent_at_s": round(self.sent_at_s, 4), "success": self.success, "incomplete": self.incomplete,
+                "error": self.error, "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s), "e2e_ms": ms(self.e2e_s),
+                "itl_ms": [ms(g) for g in self.itl_s], "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+                "streamed_tokens": self.streamed_tokens, "finish_reason": self.finish_reason}
+
+
+# ---- one request --------------------------------------------------------------------------------
+
+def build_payload(config: BenchConfig, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
+                               "stream_options": {"include_usage": True}, "temperature": config.temperature}
+    if config.endpoint == "chat":
+        payload["messages"] = messages
+        if config.use_logprobs:
+            payload["logprobs"] = True
+    else:
+        payload["prompt"] = render_plain(messages)
+        if config.use_logprobs:
+            payload["logprobs"] = 0
+    if config.ignore_eos:
+        payload["ignore_eos"] = True
+    if config.temperature > 0:
+        payload["seed"] = config.seed
+    return payload
+
+
+def render_plain(messages: list[dict[str, str]]) -> str:
+    """A conversation as one completions prompt."""
+    parts = []
+    for message in messages:
+        role = message["role"]
+        parts.append(message["content"] if role == "system" else f"{role.capitalize()}: {message['content']}")
+    return "\n\n".join(parts) + "\n\nAssistant:"
+
+
+def _chunk_tokens(choice: dict[str, Any], endpoint: str, use_logprobs: bool) -> tuple[int, str]:
+    """(tokens in this chunk, its text)."""
+    if endpoint == "chat":
+        text = (choice.get("delta") or {}).get("content") or ""
+    else:
+        text = choice.get("text") or ""
+    logprobs = choice.get("logprobs")
+    if use_logprobs and logprobs:
+        entries = logprobs.get("content") if endpoint == "chat" else logprobs.get("tokens")
+        if entries is not None:
+            return len(entries), text
+    return (1 if text else 0), text
+
+
+async def send_request(client: httpx.AsyncClient, config: BenchConfig, payload: dict[str, Any],
+                       result: RequestResult, clock_start: float) -> None:
+    """Stream one request into `result` (never raises, except on cancellation)."""
+    url = f"{config.api_root}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
+    start = time.perf_counter()
+    result.sent_at_s = start - clock_start
+    last_token_at = start
+    texts: list[str] = []
+    try:
+        async with asyncio.timeout(config.request_timeout_s):
+            async with client.stream("POST", url, json=payload, headers=config.headers()) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", errors="replace")
+                    result.error = f"HTTP {response.status_code}: {_error_message(body)}"
+                    return
+                done = False
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        result.error = f"stream error: {_error_message(json.dumps(chunk))}"
+                        return
+                    now = time.perf_counter()
+                    for choice in chunk.get("choices") or []:
+                        tokens, text = _chunk_tokens(choice, config.endpoint, config.use_logprobs)
+                        texts.append(text)
+                        if choice.get("finish_reason"):
+                            result.finish_reason = choice["finish_reason"]
+                        if tokens == 0:
+                            continue
+                        if result.ttft_s is None:
+                            result.ttft_s = now - start
+                            result.itl_s.extend([0.0] * (tokens - 1))
+                        else:
+                            result.itl_s.extend([(now - last_token_at) / tokens] * tokens)
+                        last_token_at = now
+                        result.streamed_tokens += tokens
+                    usage = chunk.get("usage")
+                    if usage:
+                        result.prompt_tokens = usage.get("prompt_tokens")
+                        result.completion_tokens = usage.get("completion_tokens")
+                        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                if not done:
+                    result.error = "the stream ended without [DONE]"
+                    return
+        result.e2e_s = time.perf_counter() - start
+        result.text = "".join(texts)
+        if result.ttft_s is None:
+            result.error = "the stream carried no token"
+            return
+        result.success = True
+    except TimeoutError:
+        result.error = f"no complete response within --request-timeout {config.request_timeout_s:g} s"
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
+def _error_message(body: str) -> str:
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    except (ValueError, AttributeError):
+        pass
+    return body.strip()[:300] or "(empty body)"
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+@dataclass
+class RunOutcome:
+    results: list[RequestResult]
+    duration_s: float
+    model: str
+    max_model_len: int | None
+
+
+async def discover_model(client: httpx.AsyncClient, config: BenchConfig) -> tuple[str, int | None]:
+    """The model to send (config.model or the server's first) and its context length if the server says."""
+    try:
+        response = await client.get(f"{config.api_root}/models", headers=config.headers())
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {config.api_root}/models: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        if config.model:
+            return config.model, None
+        raise ValueError(f"GET {config.api_root}/models answered {response.status_code}: "
+                         f"{_error_message(response.text)}; pass --model")
+    cards = response.json().get("data") or []
+    chosen = next((c for c in cards if c.get("id") == config.model), None) if config.model else \
+        (cards[0] if cards else None)
+    if chosen is None:
+        if config.model:
+            return config.model, None
+        raise ValueError(f"{config.api_root}/models lists no model; pass --model")
+    return chosen["id"], chosen.get("max_model_len")
+
+
+def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Poisson arrivals: the first at 0, then exponential gaps of mean 1/rate (all 0 for inf)."""
+    if math.isinf(rate):
+        return [0.0] * count
+    offsets, now = [], 0.0
+    for index in range(count):
+        if index:
+            now += rng.expovariate(rate)
+        offsets.append(now)
+    return offsets
+
+
+async def run_workload(config: BenchConfig, workload: Workload, model: str | None = None) -> RunOutcome:
+    """Send every conversation of `workload` (arrivals, concurrency and timeouts as configured)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        if model is None:
+            model, max_model_len = await discover_model(client, config)
+        else:
+            max_model_len = None
+        rng = random.Random(config.seed)
+        offsets = arrival_offsets(len(workload.conversations), config.request_rate, rng)
+        semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        results: list[RequestResult] = []
+        progress = _progress(workload.num_requests, config.show_progress, config.label or workload.name)
+        clock_start = time.perf_counter()
+
+        async def conversation_task(conversation: Conversation, offset: float) -> None:
+            await asyncio.sleep(max(0.0, clock_start + offset - time.perf_counter()))
+            messages = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt \
+                else []
+            for index, turn in enumerate(conversation.turns):
+                if turn.think_time_s > 0:
+                    await asyncio.sleep(turn.think_time_s)
+                messages.append({"role": "user", "content": turn.content})
+                result = RequestResult(conversation.conversation_id, index, turn.tag, 0.0)
+                results.append(result)
+                payload = build_payload(config, model, list(messages), turn.max_tokens)
+                if semaphore is None:
+                    await send_request(client, config, payload, result, clock_start)
+                else:
+                    async with semaphore:
+                        await send_request(client, config, payload, result, clock_start)
+                progress.update(1)
+                if not result.success:
+                    return  # later turns would build on a reply that does not exist
+                messages.append({"role": "assistant", "content": result.text})
+
+        tasks = [asyncio.create_task(conversation_task(c, o)) for c, o in zip(workload.conversations, offsets)]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=config.timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                task.result()
+        finally:
+            progress.close()
+        finished = [r.sent_at_s + r.e2e_s for r in results if r.e2e_s is not None]
+        duration = max(finished) if finished else time.perf_counter() - clock_start
+        if pending:
+            duration = time.perf_counter() - clock_start
+        for result in results:
+            if not result.success and not result.error:
+                result.incomplete = True
+                result.error = "unfinished when --timeout ended the run"
+        return RunOutcome(results, duration, model, max_model_len)
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, show: bool, label: str):
+    if not show:
+        return _NoProgress()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=label, unit="req", dynamic_ncols=True, file=sys.stderr)
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+def distribution(values_s: list[float]) -> dict[str, float | None]:
+    """mean / median / p90 / p99 / max in milliseconds (None when there are no values)."""
+    if not values_s:
+        return {"mean": None, "median": None, "p90": None, "p99": None, "max": None, "count": 0}
+    ms = sorted(v * 1000 for v in values_s)
+    out: dict[str, float | None] = {"mean": statistics.fmean(ms)}
+    for p in PERCENTILES:
+        out["median" if p == 50 else f"p{p}"] = percentile(ms, p)
+    out["max"] = ms[-1]
+    out["count"] = len(ms)
+    return out
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    rank = (len(sorted_values) - 1) * p / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def summarize(results: list[RequestResult], duration_s: float, slo: SLO) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    cached_tokens = sum(r.cached_tokens or 0 for r in ok)
+    duration = max(duration_s, 1e-9)
+    summary: dict[str, Any] = {
+        "completed": len(ok), "errors": sum(1 for r in results if not r.success and not r.incomplete),
+        "incomplete": sum(1 for r in results if r.incomplete), "duration_s": duration_s,
+        "input_tokens": input_tokens, "output_tokens": output_tokens, "cached_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / input_tokens if input_tokens else None,
+        "request_throughput": len(ok) / duration, "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "goodput": sum(1 for r in ok if slo.met_by(r)) / duration if slo.is_set else None,
+        "slo": asdict(slo),
+        "ttft_ms": distribution([r.ttft_s for r in ok]),
+        "tpot_ms": distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": distribution([g for r in ok for g in r.itl_s]),
+        "e2e_ms": distribution([r.e2e_s for r in ok]),
+    }
+    errors = sorted({r.error for r in results if r.error and not r.incomplete})
+    summary["error_messages"] = errors[:10]
+    return summary
+
+
+def summarize_by_tag(results: list[RequestResult], duration_s: float, slo: SLO) -> dict[str, dict[str, Any]]:
+    tags = sorted({r.tag for r in results})
+    if len(tags) < 2:
+        return {}
+    return {tag: summarize([r for r in results if r.tag == tag], duration_s, slo) for tag in tags}
+
+
+def build_report(config: BenchConfig, workload: Workload, outcome: RunOutcome) -> dict[str, Any]:
+    return {
+        "label": config.label, "base_url": config.base_url, "endpoint": config.endpoint, "model": outcome.model,
+        "workload": workload.name, "workload_description": workload.description,
+        "request_rate": None if math.isinf(config.request_rate) else config.request_rate,
+        "max_concurrency": config.max_concurrency, "seed": config.seed, "num_requests": workload.num_requests,
+        "summary": summarize(outcome.results, outcome.duration_s, config.slo),
+        "by_tag": summarize_by_tag(outcome.results, outcome.duration_s, config.slo),
+        "requests": [r.record() for r in outcome.results],
+    }
+
+
+def run_benchmark(config: BenchConfig, workload_name: str, num_requests: int,
+                  workload_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build the workload (WorkloadConfig fields in `workload_options`; max_model_len defaults to the
+    context the server reports), run it, and return the report."""
+    async def go() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            model, max_model_len = await discover_model(client, config)
+        options = dict(workload_options or {})
+        if max_model_len and "max_model_len" not in options:
+            options["max_model_len"] = max_model_len
+        workload = build_workload(workload_name, num_requests, WorkloadConfig(**options), config.seed)
+        outcome = await run_workload(config, workload, model)
+        outcome.max_model_len = max_model_len
+        return build_report(config, workload, outcome)
+    return asyncio.run(go())
+
+
+def format_report(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    rate = "inf" if report["request_rate"] is None else f"{report['request_rate']:g}"
+    width = 72
+    lines = [f" {report['label'] or 'Serving benchmark'} ".center(width, "="),
+             f"workload: {report['workload']} ({report['workload_description']})",
+             f"model: {report['model']}   request rate: {rate}/s   max concurrency: "
+             f"{report['max_concurrency'] or '-'}   endpoint: {report['endpoint']}"]
+
+    def row(name: str, value: Any) -> None:
+        lines.append(f"{name:<52}{str(value):>20}")
+    row("Successful requests:", s["completed"])
+    row("Failed requests:", s["errors"])
+    if s["incomplete"]:
+        row("Unfinished at --timeout:", s["incomplete"])
+    row("Duration (s):", f"{s['duration_s']:.2f}")
+    row("Input tokens (cached):", f"{s['input_tokens']} ({s['cached_tokens']})")
+    row("Output tokens:", s["output_tokens"])
+    row("Request throughput (req/s):", f"{s['request_throughput']:.3f}")
+    if s["goodput"] is not None:
+        slo = ", ".join(f"{k[:-3]} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
+        row(f"Goodput (req/s, {slo}):", f"{s['goodput']:.3f}")
+    row("Output token throughput (tok/s):", f"{s['output_token_throughput']:.2f}")
+    row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
+    lines.append("-" * width)
+    lines.append(f"{'(ms)':<14}{'mean':>10}{'median':>10}{'p90':>12}{'p99':>12}{'max':>14}")
+    for key, title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        d = s[key]
+        cells = "".join(f"{'-' if d[k] is None else format(d[k], '.1f'):>{w}}"
+                        for k, w in (("mean", 10), ("median", 10), ("p90", 12), ("p99", 12), ("max", 14)))
+        lines.append(f"{title:<14}{cells}")
+    for tag, tagged in report["by_tag"].items():
+        t, p = tagged["ttft_ms"], tagged["tpot_ms"]
+        lines.append(f"  [{tag}] n={tagged['completed']}  TTFT median {_fmt(t['median'])} p99 {_fmt(t['p99'])}  "
+                     f"TPOT median {_fmt(p['median'])} p99 {_fmt(p['p99'])}")
+    for message in s["error_messages"]:
+        lines.append(f"error: {message}")
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (with or without /v1)")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--endpoint", default="chat", choices=ENDPOINTS, help="default chat")
+    parser.add_argument("--workload", default="chat", choices=WORKLOADS, help="default chat")
+    parser.add_argument("--num-requests", type=int, default=64,
+                        help="requests in all (agent: turns in all, in whole conversations); default 64")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrivals per second (agent: conversation starts); inf: all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--timeout", type=float, default=None, help="end the run after this many seconds")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="one request's limit (s); default 600")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo", nargs="+", default=None, metavar="KIND:MS", help="e.g. ttft:500 tpot:50")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for servers "
+                                                                     "that refuse it); output lengths vary")
+    parser.add_argument("--no-logprobs", action="store_true",
+                        help="do not request logprobs; count one token per non-empty text chunk")
+    parser.add_argument("--json", type=Path, default=None, help="write the report (with every request) here")
+    parser.add_argument("--label", default="", help="a name for this run in the report")
+    parser.add_argument("--no-progress", action="store_true")
+    group = parser.add_argument_group("workload shape (approximate token counts)")
+    for f in fields(WorkloadConfig):
+        group.add_argument("--" + f.name.replace("_", "-"), type=_bool_arg if f.type == "bool" else
+                           (int if f.type == "int" else float), default=None,
+                           help=f"default {f.default}{' (or the server-reported context)' if f.name == 'max_model_len' else ''}")
+    return parser
+
+
+def _bool_arg(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = BenchConfig(base_url=args.base_url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
+                             request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                             timeout_s=args.timeout, request_timeout_s=args.request_timeout, seed=args.seed,
+                             slo=SLO.parse(args.slo), ignore_eos=not args.no_ignore_eos,
+                             use_logprobs=not args.no_logprobs, temperature=args.temperature,
+                             show_progress=not args.no_progress, label=args.label)
+        if args.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+        overrides = {f.name: getattr(args, f.name) for f in fields(WorkloadConfig)
+                     if getattr(args, f.name) is not None}
+        report = run_benchmark(config, args.workload, args.num_requests, overrides)
+    except ValueError as exc:
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0 if report["summary"]["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

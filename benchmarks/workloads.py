@@ -1,0 +1,236 @@
+"""Serving workloads for benchmarks/serve.py: seeded, real text, sized in approximate tokens.
+
+A workload is a list of conversations; a conversation is a list of turns sent one after the
+other (each turn appends its content to the history, then the model's reply). Single-request
+workloads are conversations of one turn.
+
+  random        fixed input / output lengths, random word text
+  chat          a synthetic ShareGPT-like mix: log-normal input and output lengths from the seed,
+                clipped to the model's context (no download)
+  interference  steady short chat streams; every `long_every`-th arrival is a long prompt with a
+                short answer (it shows how a long prefill stalls the decodes that share its worker)
+  agent         conversations of `agent_turns` turns: a long system prompt with a tool schema that
+                every conversation shares, then per turn a tool result and a short reply, with an
+                exponential think time between a reply and the next turn
+
+Text is drawn from common English words, each of which is one token in the usual BPE
+vocabularies (SmolLM2's included), so a prompt of N words is close to N tokens; the server's
+usage reports the exact counts. Output lengths are exact when the server honours `ignore_eos`.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+WORKLOADS = ("random", "chat", "interference", "agent")
+
+COMMON_WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there would their we him been has when who will more no if out so said what up its "
+    "about into than them can only other new some could time these two may then do first any my now such like "
+    "our over man me even most made after also did many before must through back years where much your way well "
+    "down should because each just those people how too little state good very make world still own see men "
+    "work long get here between both life being under never day same another know while last might us great old "
+    "year off come since against go came right used take three"
+).split()
+
+TOOL_SCHEMA = """Tools you can call, one per reply, as JSON on a single line:
+{"name": "search_files", "description": "find files whose contents match a pattern",
+ "parameters": {"pattern": "string", "path": "string", "max_results": "integer"}}
+{"name": "read_file", "description": "read a file, optionally a range of lines",
+ "parameters": {"path": "string", "start_line": "integer", "end_line": "integer"}}
+{"name": "run_command", "description": "run a shell command and return its output",
+ "parameters": {"command": "string", "timeout_seconds": "integer"}}
+{"name": "edit_file", "description": "replace one exact string in a file",
+ "parameters": {"path": "string", "old": "string", "new": "string"}}
+"""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a conversation: the new message, its reply budget, and when to send it."""
+    content: str
+    max_tokens: int
+    approx_new_tokens: int
+    think_time_s: float = 0.0  # wait between the previous reply and this turn
+    tag: str = ""
+
+
+@dataclass
+class Conversation:
+    conversation_id: int
+    turns: list[Turn]
+    system_prompt: str | None = None
+
+
+@dataclass
+class Workload:
+    name: str
+    conversations: list[Conversation]
+    description: str = ""
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c.turns) for c in self.conversations)
+
+
+@dataclass
+class WorkloadConfig:
+    """Every knob of every workload (token counts are approximate input sizes)."""
+    max_model_len: int = 2048
+    # random
+    input_len: int = 128
+    output_len: int = 32
+    # chat: log-normal lengths (median, sigma), clipped
+    chat_input_median: int = 96
+    chat_input_sigma: float = 0.9
+    chat_input_max: int = 1024
+    chat_output_median: int = 48
+    chat_output_sigma: float = 0.6
+    chat_output_max: int = 192
+    # interference
+    short_input_len: int = 64
+    short_output_len: int = 64
+    long_input_len: int = 1536
+    long_output_len: int = 4
+    long_every: int = 8
+    # agent
+    agent_turns: int = 6
+    agent_system_tokens: int = 768
+    agent_tool_result_tokens: int = 96
+    agent_reply_tokens: int = 16
+    agent_think_time_s: float = 0.5
+    agent_shared_system_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ("max_model_len", "input_len", "output_len", "chat_input_median", "chat_input_max",
+                    "chat_output_median", "chat_output_max", "short_input_len", "short_output_len",
+                    "long_input_len", "long_output_len", "long_every", "agent_turns", "agent_system_tokens",
+                    "agent_tool_result_tokens", "agent_reply_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("chat_input_sigma", "chat_output_sigma", "agent_think_time_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.long_every < 2:
+            raise ValueError(f"long_every must be >= 2 (one long prompt per that many arrivals), got {self.long_every}")
+        budget = self.max_model_len - 32  # room for the chat template
+        checks = {"input_len + output_len": self.input_len + self.output_len,
+                  "short_input_len + short_output_len": self.short_input_len + self.short_output_len,
+                  "long_input_len + long_output_len": self.long_input_len + self.long_output_len,
+                  "the agent's last turn (system + turns x (tool result + reply))":
+                      self.agent_system_tokens + self.agent_turns * (self.agent_tool_result_tokens
+                                                                     + self.agent_reply_tokens + 16),
+                  "chat_output_max + 8 input tokens": self.chat_output_max + 8}
+        for what, tokens in checks.items():
+            if tokens > budget:
+                raise ValueError(f"{what} is about {tokens} tokens, more than the context allows "
+                                 f"(max_model_len {self.max_model_len} minus 32 for the chat template)")
+
+
+class TextMaker:
+    """Seeded sentences of common words: `words(n)` is about n tokens of real text."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def words(self, n: int) -> str:
+        out: list[str] = []
+        while len(out) < n:
+            sentence = [self._rng.choice(COMMON_WORDS) for _ in range(min(n - len(out), self._rng.randint(6, 16)))]
+            sentence[0] = sentence[0].capitalize()
+            sentence[-1] += "."
+            out.extend(sentence)
+        return " ".join(out)
+
+
+def build_workload(name: str, num_requests: int, config: WorkloadConfig | None = None, seed: int = 0) -> Workload:
+    """`num_requests` requests in total (agent: whole conversations of `agent_turns`, at least one)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
+    config = config or WorkloadConfig()
+    rng = random.Random(seed)
+    builders = {"random": _random, "chat": _chat, "interference": _interference, "agent": _agent}
+    return builders[name](num_requests, config, rng)
+
+
+def _single(conversation_id: int, text: str, max_tokens: int, approx: int, tag: str) -> Conversation:
+    return Conversation(conversation_id, [Turn(text, max_tokens, approx, tag=tag)])
+
+
+def _random(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
+    text = TextMaker(rng)
+    conversations = [_single(i, text.words(config.input_len), config.output_len, config.input_len, "random")
+                     for i in range(n)]
+    return Workload("random", conversations, f"{n} requests, ~{config.input_len} tokens in, "
+                                             f"{config.output_len} out")
+
+
+def _lognormal(rng: random.Random, median: int, sigma: float, low: int, high: int) -> int:
+    return max(low, min(high, int(round(median * math.exp(rng.gauss(0.0, sigma))))))
+
+
+def _chat(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
+    text = TextMaker(rng)
+    conversations = []
+    for i in range(n):
+        output_len = _lognormal(rng, config.chat_output_median, config.chat_output_sigma, 4, config.chat_output_max)
+        input_cap = min(config.chat_input_max, config.max_model_len - 32 - output_len)
+        input_len = _lognormal(rng, config.chat_input_median, config.chat_input_sigma, 8, input_cap)
+        conversations.append(_single(i, text.words(input_len), output_len, input_len, "chat"))
+    return Workload("chat", conversations,
+                    f"{n} requests, log-normal lengths: input median {config.chat_input_median} "
+                    f"(sigma {config.chat_input_sigma}, max {config.chat_input_max}), output median "
+                    f"{config.chat_output_median} (sigma {config.chat_output_sigma}, max {config.chat_output_max})")
+
+
+def _interference(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
+    text = TextMaker(rng)
+    conversations = []
+    for i in range(n):
+        if i % config.long_every == config.long_every // 2:
+            conversations.append(_single(i, text.words(config.long_input_len), config.long_output_len,
+                                         config.long_input_len, "long"))
+        else:
+            conversations.append(_single(i, text.words(config.short_input_len), config.short_output_len,
+                                         config.short_input_len, "short"))
+    return Workload("interference", conversations,
+                    f"{n} requests: short ~{config.short_input_len} in / {config.short_output_len} out, and every "
+                    f"{config.long_every}th a long ~{config.long_input_len} in / {config.long_output_len} out")
+
+
+def agent_system_prompt(config: WorkloadConfig, rng: random.Random) -> str:
+    """A system prompt of about `agent_system_tokens` tokens ending with the tool schema."""
+    text = TextMaker(rng)
+    schema_tokens = len(TOOL_SCHEMA.split()) * 3  # JSON punctuation splits into several tokens
+    filler = max(16, config.agent_system_tokens - schema_tokens)
+    return ("You are a coding agent working in a large repository. Follow these project notes. "
+            + text.words(filler) + "\n\n" + TOOL_SCHEMA)
+
+
+def _agent(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
+    text = TextMaker(rng)
+    shared = agent_system_prompt(config, rng)
+    num_conversations = max(1, n // config.agent_turns)
+    conversations = []
+    for i in range(num_conversations):
+        system = shared if config.agent_shared_system_prompt else agent_system_prompt(config, rng)
+        turns = []
+        for turn in range(config.agent_turns):
+            task = f"Task {i}: fix the failing test in module {rng.randint(1, 999)}. " if turn == 0 else ""
+            content = (f"{task}Tool result of call {turn + 1}:\n" + text.words(config.agent_tool_result_tokens)
+                       + "\nWhat is the next tool call?")
+            think = 0.0 if turn == 0 else rng.expovariate(1.0 / config.agent_think_time_s) \
+                if config.agent_think_time_s > 0 else 0.0
+            turns.append(Turn(content, config.agent_reply_tokens, config.agent_tool_result_tokens + 8,
+                              think_time_s=think, tag=f"turn{turn}"))
+        conversations.append(Conversation(i, turns, system_prompt=system))
+    return Workload("agent", conversations,
+                    f"{num_conversations} conversations x {config.agent_turns} turns: shared system prompt + tool "
+                    f"schema ~{config.agent_system_tokens} tokens, tool results ~{config.agent_tool_result_tokens}, "
+                    f"replies {config.agent_reply_tokens}, think time mean {config.agent_think_time_s} s")
