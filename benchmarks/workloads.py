@@ -117,18 +117,20 @@ class WorkloadConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.long_every < 2:
             raise ValueError(f"long_every must be >= 2 (one long prompt per that many arrivals), got {self.long_every}")
-        budget = self.max_model_len - 32  # room for the chat template
-        checks = {"input_len + output_len": self.input_len + self.output_len,
-                  "short_input_len + short_output_len": self.short_input_len + self.short_output_len,
-                  "long_input_len + long_output_len": self.long_input_len + self.long_output_len,
-                  "the agent's last turn (system + turns x (tool result + reply))":
-                      self.agent_system_tokens + self.agent_turns * (self.agent_tool_result_tokens
-                                                                     + self.agent_reply_tokens + 16),
-                  "chat_output_max + 8 input tokens": self.chat_output_max + 8}
-        for what, tokens in checks.items():
-            if tokens > budget:
-                raise ValueError(f"{what} is about {tokens} tokens, more than the context allows "
-                                 f"(max_model_len {self.max_model_len} minus 32 for the chat template)")
+
+    def check_fits(self, workload: str) -> None:
+        """ValueError when `workload`'s requests cannot fit the context (chat clips instead)."""
+        sizes = {"random": ("input_len + output_len", self.input_len + self.output_len),
+                 "chat": ("chat_output_max + 8 input tokens", self.chat_output_max + 8),
+                 "interference": ("long_input_len + long_output_len", max(
+                     self.long_input_len + self.long_output_len, self.short_input_len + self.short_output_len)),
+                 "agent": ("the agent's last turn (system + turns x (tool result + reply))",
+                           self.agent_system_tokens + self.agent_turns * (self.agent_tool_result_tokens
+                                                                          + self.agent_reply_tokens + 16))}
+        what, tokens = sizes[workload]
+        if tokens > self.max_model_len - 32:
+            raise ValueError(f"{what} is about {tokens} tokens, more than the context allows "
+                             f"(max_model_len {self.max_model_len} minus 32 for the chat template)")
 
 
 class TextMaker:
@@ -154,6 +156,7 @@ def build_workload(name: str, num_requests: int, config: WorkloadConfig | None =
     if not isinstance(num_requests, int) or num_requests < 1:
         raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
     config = config or WorkloadConfig()
+    config.check_fits(name)
     rng = random.Random(seed)
     builders = {"random": _random, "chat": _chat, "interference": _interference, "agent": _agent}
     return builders[name](num_requests, config, rng)

@@ -1,0 +1,405 @@
+"""The serving benchmark (benchmarks/serve.py) and its workloads.
+
+Fast tests: workload shapes and determinism, config validation, percentiles, and the stream
+parser against canned SSE bodies (httpx.MockTransport). The `slow` test runs every workload
+against a live pdserve (a prefill worker, a decode worker and the router as subprocesses on the
+default model) and checks that every metric is present and consistent with the server's usage.
+"""
+import asyncio
+import contextlib
+import json
+import math
+import os
+import queue
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.serve import (SLO, BenchConfig, RequestResult, arrival_offsets, distribution, percentile,
+                              run_benchmark, send_request, summarize)
+from benchmarks.workloads import COMMON_WORDS, WorkloadConfig, build_workload
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+def test_random_workload_has_fixed_sizes_and_is_seeded():
+    config = WorkloadConfig(input_len=40, output_len=7)
+    first = build_workload("random", 5, config, seed=3)
+    again = build_workload("random", 5, config, seed=3)
+    other = build_workload("random", 5, config, seed=4)
+    assert first.num_requests == 5
+    texts = [c.turns[0].content for c in first.conversations]
+    assert texts == [c.turns[0].content for c in again.conversations]
+    assert texts != [c.turns[0].content for c in other.conversations]
+    for conversation in first.conversations:
+        (turn,) = conversation.turns
+        words = turn.content.split()
+        assert len(words) == 40 and turn.max_tokens == 7
+        assert all(w.rstrip(".").lower() in COMMON_WORDS for w in words)
+
+
+def test_chat_lengths_are_clipped_to_the_context():
+    config = WorkloadConfig(max_model_len=256, chat_input_median=200, chat_input_sigma=2.0, chat_input_max=1024,
+                            chat_output_median=64, chat_output_sigma=2.0, chat_output_max=100)
+    workload = build_workload("chat", 200, config, seed=0)
+    inputs = [c.turns[0].approx_new_tokens for c in workload.conversations]
+    outputs = [c.turns[0].max_tokens for c in workload.conversations]
+    assert all(4 <= o <= 100 for o in outputs) and len(set(outputs)) > 10
+    assert all(8 <= i and i + o <= 256 - 32 for i, o in zip(inputs, outputs))
+    assert all(len(c.turns[0].content.split()) == i for c, i in zip(workload.conversations, inputs))
+
+
+def test_interference_mixes_one_long_prompt_per_period():
+    config = WorkloadConfig(short_input_len=10, short_output_len=5, long_input_len=300, long_output_len=2,
+                            long_every=4)
+    workload = build_workload("interference", 12, config)
+    tags = [c.turns[0].tag for c in workload.conversations]
+    assert tags == ["short", "short", "long", "short"] * 3
+    for conversation in workload.conversations:
+        turn = conversation.turns[0]
+        assert (len(turn.content.split()), turn.max_tokens) == ((300, 2) if turn.tag == "long" else (10, 5))
+
+
+def test_agent_conversations_share_the_system_prompt_and_think_between_turns():
+    config = WorkloadConfig(agent_turns=4, agent_system_tokens=300, agent_tool_result_tokens=20,
+                            agent_reply_tokens=6, agent_think_time_s=2.0)
+    workload = build_workload("agent", 9, config, seed=1)
+    assert len(workload.conversations) == 2 and workload.num_requests == 8  # whole conversations only
+    systems = {c.system_prompt for c in workload.conversations}
+    assert len(systems) == 1 and '"name": "read_file"' in systems.pop()
+    for conversation in workload.conversations:
+        assert [t.tag for t in conversation.turns] == ["turn0", "turn1", "turn2", "turn3"]
+        assert conversation.turns[0].think_time_s == 0 and all(t.think_time_s > 0 for t in conversation.turns[1:])
+        assert all(t.max_tokens == 6 and "Tool result of call" in t.content for t in conversation.turns)
+    private = build_workload("agent", 8, WorkloadConfig(agent_turns=4, agent_shared_system_prompt=False))
+    assert private.conversations[0].system_prompt != private.conversations[1].system_prompt
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"input_len": 0}, "input_len must be a positive integer"),
+    ({"long_every": 1}, "long_every must be >= 2"),
+    ({"agent_think_time_s": -1.0}, "agent_think_time_s must be >= 0"),
+])
+def test_workload_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WorkloadConfig(**kwargs)
+
+
+def test_workload_that_does_not_fit_the_context():
+    config = WorkloadConfig(max_model_len=512, long_input_len=1000)
+    with pytest.raises(ValueError, match=r"long_input_len \+ long_output_len is about 1004 tokens, more than the "
+                                         r"context allows \(max_model_len 512"):
+        build_workload("interference", 4, config)
+    assert build_workload("random", 1, config).num_requests == 1  # only the built workload must fit
+    with pytest.raises(ValueError, match="the agent's last turn"):
+        build_workload("agent", 6, WorkloadConfig(max_model_len=1024))
+
+
+def test_unknown_workload_and_bad_count():
+    with pytest.raises(ValueError, match="unknown workload 'sharegpt'; choose one of random, chat"):
+        build_workload("sharegpt", 3)
+    with pytest.raises(ValueError, match="num_requests must be a positive integer"):
+        build_workload("chat", 0)
+
+
+# ---- configuration, statistics ------------------------------------------------------------------
+
+def test_slo_parsing():
+    assert SLO.parse(["ttft:500", "tpot:50"]) == SLO(ttft_ms=500.0, tpot_ms=50.0)
+    assert not SLO.parse(None).is_set
+    with pytest.raises(ValueError, match="--slo takes ttft:MS and/or tpot:MS, got 'e2e:5'"):
+        SLO.parse(["e2e:5"])
+    with pytest.raises(ValueError, match="'fast' is not a number"):
+        SLO.parse(["ttft:fast"])
+    with pytest.raises(ValueError, match="SLO tpot_ms must be a positive number"):
+        SLO(tpot_ms=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"base_url": "localhost:8000"}, "--base-url must start with http"),
+    ({"request_rate": 0.0}, "--request-rate must be > 0"),
+    ({"max_concurrency": 0}, "--max-concurrency must be >= 1"),
+    ({"endpoint": "embeddings"}, "--endpoint must be one of chat, completions"),
+    ({"timeout_s": 0}, "--timeout must be > 0"),
+])
+def test_bench_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**{"base_url": "http://127.0.0.1:1", **kwargs})
+
+
+def test_api_root_adds_v1_once():
+    assert BenchConfig(base_url="http://h:1").api_root == "http://h:1/v1"
+    assert BenchConfig(base_url="http://h:1/v1/").api_root == "http://h:1/v1"
+
+
+def test_percentiles_and_distribution():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    d = distribution([0.001, 0.003, 0.002])  # seconds in, milliseconds out
+    assert d == {"mean": pytest.approx(2.0), "median": pytest.approx(2.0), "p90": pytest.approx(2.8),
+                 "p99": pytest.approx(2.98), "max": pytest.approx(3.0), "count": 3}
+    assert distribution([])["median"] is None
+
+
+def test_poisson_arrivals():
+    assert arrival_offsets(4, math.inf, random.Random(0)) == [0.0] * 4
+    offsets = arrival_offsets(4000, 8.0, random.Random(0))
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[-1] / 3999 == pytest.approx(1 / 8.0, rel=0.05)
+    assert offsets == arrival_offsets(4000, 8.0, random.Random(0))
+
+
+def test_summary_counts_goodput_against_the_slo():
+    def done(ttft, e2e, tokens):
+        return RequestResult(0, 0, "x", 0.0, success=True, ttft_s=ttft, e2e_s=e2e, completion_tokens=tokens,
+                             prompt_tokens=10, cached_tokens=4, itl_s=[(e2e - ttft) / (tokens - 1)] * (tokens - 1))
+    results = [done(0.1, 1.1, 11), done(0.5, 0.9, 5), done(0.1, 2.1, 5),
+               RequestResult(0, 0, "x", 0.0, error="HTTP 500: boom")]
+    s = summarize(results, 10.0, SLO(ttft_ms=200, tpot_ms=200))
+    # tpot: 100 ms, 100 ms, 500 ms; only the first meets both bounds
+    assert s["completed"] == 3 and s["errors"] == 1 and s["error_messages"] == ["HTTP 500: boom"]
+    assert s["goodput"] == pytest.approx(0.1) and s["request_throughput"] == pytest.approx(0.3)
+    assert s["output_tokens"] == 21 and s["input_tokens"] == 30 and s["prefix_cache_hit_rate"] == pytest.approx(0.4)
+    assert s["tpot_ms"]["median"] == pytest.approx(100.0) and s["itl_ms"]["count"] == 10 + 4 + 4
+
+
+# ---- the stream parser --------------------------------------------------------------------------
+
+def _sse(*events) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def _chat_chunk(text, tokens, finish=None):
+    logprobs = {"content": [{"token": "t", "logprob": -0.1}] * tokens} if tokens else None
+    return {"choices": [{"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+                                  "prompt_tokens_details": {"cached_tokens": 8}}}
+
+
+def _send(body: bytes, status: int = 200, endpoint: str = "chat") -> RequestResult:
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["payload"] = json.loads(request.content)
+        seen["url"] = str(request.url)
+        seen["auth"] = request.headers.get("authorization")
+        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+
+    async def go() -> RequestResult:
+        config = BenchConfig(base_url="http://bench.test", api_key="k", endpoint=endpoint)
+        result = RequestResult(0, 0, "t", 0.0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            from benchmarks.serve import build_payload
+            payload = build_payload(config, "m", [{"role": "user", "content": "hi"}], 6)
+            await send_request(client, config, payload, result, time.perf_counter())
+        return result
+    result = asyncio.run(go())
+    result.seen = seen
+    return result
+
+
+def test_multi_token_chunks_give_one_itl_per_token_after_the_first():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    body = _sse(role, _chat_chunk("ab", 2), _chat_chunk("", 1), _chat_chunk("cde", 3, "length"), USAGE, "[DONE]")
+    result = _send(body)
+    assert result.success and result.error == ""
+    assert result.streamed_tokens == 6 == result.completion_tokens
+    assert len(result.itl_s) == 5 and result.itl_s[0] == 0.0  # the 2nd token came with the first
+    assert (result.prompt_tokens, result.cached_tokens, result.finish_reason) == (12, 8, "length")
+    assert result.text == "abcde" and 0 <= result.ttft_s <= result.e2e_s
+    seen = result.seen
+    assert seen["url"] == "http://bench.test/v1/chat/completions" and seen["auth"] == "Bearer k"
+    assert seen["payload"]["stream_options"] == {"include_usage": True} and seen["payload"]["ignore_eos"] is True
+    assert seen["payload"]["logprobs"] is True and seen["payload"]["max_tokens"] == 6
+
+
+def test_completions_endpoint_counts_logprob_tokens():
+    chunk = {"choices": [{"index": 0, "text": " x y", "logprobs": {"tokens": [" x", " y"]}, "finish_reason": None}]}
+    result = _send(_sse(chunk, chunk, chunk, USAGE, "[DONE]"), endpoint="completions")
+    assert result.success and result.streamed_tokens == 6 and len(result.itl_s) == 5
+    assert result.seen["url"].endswith("/v1/completions") and result.seen["payload"]["logprobs"] == 0
+    assert result.seen["payload"]["prompt"] == "User: hi\n\nAssistant:"
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (json.dumps({"error": {"message": "prompt too long", "type": "invalid_request_error"}}).encode(), 400,
+     "HTTP 400: prompt too long"),
+    (_sse(_chat_chunk("a", 1), {"error": {"message": "worker died"}}, "[DONE]"), 200,
+     "stream error: worker died"),
+    (_sse(_chat_chunk("a", 1)), 200, "the stream ended without [DONE]"),
+    (_sse(USAGE, "[DONE]"), 200, "the stream carried no token"),
+])
+def test_failed_requests_carry_a_clear_error(body, status, message):
+    result = _send(body, status)
+    assert not result.success and result.error == message
+
+
+# ---- against a live pdserve ---------------------------------------------------------------------
+
+class _Process:
+    def __init__(self, args: list[str]) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        self.args = args
+        self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def ready_address(self, timeout: float = 600) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.popen.poll() is not None:
+                    break
+                continue
+            if line.startswith("READY "):
+                return dict(part.split("=", 1) for part in line.split()[1:])["grpc"]
+        raise AssertionError(f"{self.args} did not get ready:\n{''.join(self.log[-30:])}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+@pytest.fixture(scope="module")
+def live_pdserve():
+    processes: list[_Process] = []
+    try:
+        worker_args = ["--model", "default", "--port", "0", "--num-blocks", "512"]
+        processes += [_Process(["-m", "prefill_worker", *worker_args]),
+                      _Process(["-m", "decode_worker", *worker_args, "--local-prefill-threshold", "32"])]
+        prefill, decode = (p.ready_address() for p in processes)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        router = _Process(["-m", "router", "--model", "default", "--prefill", prefill, "--decode", decode,
+                           "--port", str(port), "--log-level", "warning"])
+        processes.append(router)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            assert router.popen.poll() is None, "the router exited:\n" + "".join(router.log[-30:])
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the router never became healthy"
+            time.sleep(0.5)
+        yield url
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        assert all(p.popen.poll() is not None for p in processes)
+
+
+TINY = {"input_len": 24, "output_len": 6, "chat_input_median": 24, "chat_output_median": 6, "chat_output_max": 10,
+        "short_input_len": 16, "short_output_len": 6, "long_input_len": 200, "long_output_len": 3, "long_every": 3,
+        "agent_turns": 3, "agent_system_tokens": 160, "agent_tool_result_tokens": 40, "agent_reply_tokens": 4,
+        "agent_think_time_s": 0.05}
+
+
+def _check_report(report: dict, expected_requests: int) -> None:
+    s = report["summary"]
+    assert (s["completed"], s["errors"], s["incomplete"]) == (expected_requests, 0, 0), s["error_messages"]
+    assert report["model"] == "default" and len(report["requests"]) == expected_requests
+    for r in report["requests"]:
+        assert r["success"] and r["error"] == ""
+        assert 0 < r["ttft_ms"] <= r["e2e_ms"]
+        assert r["streamed_tokens"] == r["completion_tokens"] > 0  # the stream's tokens are usage's
+        assert len(r["itl_ms"]) == r["completion_tokens"] - 1 and all(g >= 0 for g in r["itl_ms"])
+        assert r["ttft_ms"] + sum(r["itl_ms"]) <= r["e2e_ms"] + 1e-3
+        assert r["finish_reason"] == "length"  # ignore_eos: every request runs to max_tokens
+        assert 0 <= r["cached_tokens"] <= r["prompt_tokens"]
+        if r["completion_tokens"] > 1:
+            assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / (r["completion_tokens"] - 1), abs=0.01)
+    assert s["output_tokens"] == sum(r["completion_tokens"] for r in report["requests"])
+    assert s["input_tokens"] == sum(r["prompt_tokens"] for r in report["requests"])
+    assert 0 <= s["goodput"] <= s["request_throughput"] > 0
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = s[metric]
+        assert 0 <= d["median"] <= d["p90"] <= d["p99"] <= d["max"], metric
+    assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload, num_requests, rate, concurrency, expected", [
+    ("random", 3, math.inf, 2, 3),
+    ("chat", 3, 4.0, None, 3),
+    ("interference", 4, math.inf, 2, 4),
+    ("agent", 6, 2.0, None, 6),
+])
+def test_every_workload_against_live_pdserve(live_pdserve, workload, num_requests, rate, concurrency, expected):
+    config = BenchConfig(base_url=live_pdserve, request_rate=rate, max_concurrency=concurrency,
+                         slo=SLO(ttft_ms=60_000, tpot_ms=60_000), show_progress=False, request_timeout_s=300)
+    report = run_benchmark(config, workload, num_requests, TINY)
+    _check_report(report, expected)
+    rows = report["requests"]
+    if workload == "random":
+        assert all(r["completion_tokens"] == 6 for r in rows)
+        assert report["summary"]["goodput"] == report["summary"]["request_throughput"]  # generous SLO: all good
+    if workload == "interference":
+        long_rows = [r for r in rows if r["tag"] == "long"]
+        assert len(long_rows) == 1 and long_rows[0]["completion_tokens"] == 3
+        assert long_rows[0]["prompt_tokens"] > 200 > max(r["prompt_tokens"] for r in rows if r["tag"] == "short")
+        assert set(report["by_tag"]) == {"long", "short"}
+    if workload == "agent":
+        for conversation in (0, 1):
+            turns = sorted((r for r in rows if r["conversation_id"] == conversation), key=lambda r: r["turn"])
+            assert [r["turn"] for r in turns] == [0, 1, 2]
+            # every turn resends the history plus a tool result, and finds the earlier turns cached
+            assert turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"]
+            assert all(r["cached_tokens"] >= 160 for r in turns[1:])
+            assert all(later["sent_at_s"] >= earlier["sent_at_s"] + earlier["e2e_ms"] / 1000
+                       for earlier, later in zip(turns, turns[1:]))
+
+
+@pytest.mark.slow
+def test_pdserve_bench_command_prints_the_table_and_writes_json(live_pdserve, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "deploy", "bench", "--base-url", live_pdserve + "/v1",
+                           "--workload", "random", "--num-requests", "2", "--input-len", "16", "--output-len", "4",
+                           "--endpoint", "completions", "--slo", "ttft:60000", "tpot:60000", "--json", str(out),
+                           "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Successful requests:" in proc.stdout and "Goodput (req/s, ttft <= 60000 ms, tpot <= 60000 ms)" \
+        in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["endpoint"] == "completions"
+    _check_report(report, 2)
+    assert all(r["completion_tokens"] == 4 for r in report["requests"])
+
+
+@pytest.mark.slow
+def test_bench_command_reports_an_unreachable_server():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([sys.executable, "benchmarks/serve.py", "--base-url", f"http://127.0.0.1:{port}",
+                           "--num-requests", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"pdserve bench: error: cannot reach http://127.0.0.1:{port}/v1/models: ConnectError" in proc.stderr
