@@ -67,12 +67,12 @@ class PoolTargets:
         for role, count in self.counts().items():
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise ValueError(f"the {_pool_name(role)} pool size must be an integer >= 0, got {count!r}")
-        if self.decode + self.colocated == 0:
-            raise ValueError("no worker could answer requests: ask for at least one decode worker "
-                             "(with --prefill) or one colocated worker")
         if self.prefill and not self.decode:
             raise ValueError(f"{self.prefill} prefill worker(s) but no decode worker to send their KV to: "
                              "ask for at least one decode worker, or set the prefill pool to 0")
+        if self.decode + self.colocated == 0:
+            raise ValueError("no worker could answer requests: ask for at least one decode worker "
+                             "(with --prefill) or one colocated worker")
 
     def counts(self) -> dict[str, int]:
         return {"prefill": self.prefill, "decode": self.decode, "both": self.colocated}

@@ -173,7 +173,7 @@ class PoolController:
     async def wait_settled(self, timeout_s: float) -> bool:
         deadline = self.clock() + timeout_s
         while not self.settled():
-            if self.clock() > deadline:
+            if self.clock() >= deadline:
                 return False
             await asyncio.sleep(0.05)
         return True
@@ -360,7 +360,7 @@ class PoolController:
                 continue
             if member.routers_clear_at is None:
                 member.routers_clear_at = now
-            fresh = member.stats_time is not None and member.stats_time >= member.routers_clear_at
+            fresh = member.stats_time is not None and member.stats_time > member.routers_clear_at
             if fresh and member.load == 0:
                 self._stop(member, "drained")
 

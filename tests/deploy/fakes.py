@@ -1,0 +1,97 @@
+"""Fake workers for the controller's tests: a launcher whose handles the test drives by hand
+(start succeeds / fails / blocks, the worker dies, Stats answers or not)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeHandle:
+    role: str
+    worker_id: str
+    port: int
+    fail_start: str | None = None  # start() raises ValueError(fail_start)
+    hold_start: bool = False  # start() waits until release_start()
+    reply: dict[str, Any] = field(default_factory=lambda: {"running": 0, "waiting": 0, "kv_blocks_total": 100,
+                                                           "kv_blocks_free": 100})  # what Stats answers
+    unresponsive: bool = False
+    stopped_with_grace: float | None = None
+    _released: asyncio.Event = field(default_factory=asyncio.Event)
+    _died: asyncio.Future | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> dict[str, Any]:
+        if self.hold_start:
+            await self._released.wait()
+        if self.fail_start is not None:
+            raise ValueError(self.fail_start)
+        self._died = asyncio.get_running_loop().create_future()
+        return {"role": self.role, "grpc_address": self.address, "transport_address": f"tcp://127.0.0.1:{self.port + 1}",
+                "pid": self.port, "node_ip": "127.0.0.1"}
+
+    def release_start(self) -> None:
+        self._released.set()
+
+    async def wait_dead(self) -> str:
+        return await self._died
+
+    def die(self, reason: str = "killed") -> None:
+        self._died.set_result(reason)
+
+    async def stats(self, timeout_s: float) -> dict[str, Any]:
+        if self.unresponsive:
+            raise ConnectionError("connection refused")
+        return dict(self.reply)
+
+    async def stop(self, grace_s: float) -> None:
+        self.stopped_with_grace = grace_s
+        if self._died is not None and not self._died.done():
+            self._died.set_result("stopped")
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_with_grace is not None
+
+
+class FakeLauncher:
+    """`plan[role]` lists keyword overrides for the next handles of that role (then defaults)."""
+
+    def __init__(self) -> None:
+        self.handles: list[FakeHandle] = []
+        self.plan: dict[str, list[dict[str, Any]]] = {}
+        self._ports = itertools.count(41000, 10)
+
+    def launch(self, role: str, worker_id: str) -> FakeHandle:
+        overrides = self.plan.get(role, [])
+        handle = FakeHandle(role, worker_id, next(self._ports), **(overrides.pop(0) if overrides else {}))
+        self.handles.append(handle)
+        return handle
+
+    def of(self, role: str) -> list[FakeHandle]:
+        return [h for h in self.handles if h.role == role]
+
+    def by_address(self, address: str) -> FakeHandle:
+        return next(h for h in self.handles if h.address == address)
+
+
+async def settle(rounds: int = 5) -> None:
+    """Let spawned tasks run (start, watch, stop) without advancing the fake clock."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)

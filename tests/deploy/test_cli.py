@@ -1,0 +1,132 @@
+"""The `pdserve` command line without a cluster: options, validation messages, worker placement,
+the status table, the state file."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import build_parser, format_status, main, serve_options
+from deploy.cluster import RaySettings, ServeState, check_state_file_free, read_state, remove_state, write_state
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def options(*argv):
+    return serve_options(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_defaults_are_the_embedded_default():
+    opts = options()
+    assert (opts.model, opts.prefill, opts.decode, opts.colocated) == ("default", 1, 1, 0)
+    assert (opts.host, opts.port, opts.device, opts.transport) == ("127.0.0.1", 8000, "auto", "auto")
+    assert opts.ray.address is None and opts.ray.include_dashboard is False
+    assert opts.ray.object_store_memory_mb == 150 and opts.engine_options == {}
+
+
+def test_engine_flags_reach_every_worker():
+    opts = options("--block-size", "32", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+                   "--kv-cache-blocks", "300", "--max-model-len", "1024", "--no-prefix-caching")
+    assert opts.engine_options == {"block_size": 32, "max_num_batched_tokens": 512, "max_num_seqs": 8,
+                                   "num_blocks": 300, "max_model_len": 1024, "enable_prefix_caching": False}
+    spec = opts.worker_spec({"CPU": 2.0}, started_ray=True)
+    assert spec.engine_options == opts.engine_options and spec.model == "default"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill", "2", "--decode", "0"], "2 prefill worker(s) but no decode worker"),
+    (["--prefill", "0", "--decode", "0"], "no worker could answer requests"),
+    (["--decode", "-1"], "the decode pool size must be an integer >= 0, got -1"),
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--model", "/no/such/model.gguf"], "no such file or folder"),
+    (["--block-size", "24"], "block_size must be a power of two"),
+    (["--worker-cpus", "0"], "--worker-cpus must be > 0"),
+    (["--object-store-mb", "10"], "at least 75 MB"),
+    (["--api-key", ""], None),
+])
+def test_bad_serve_options_fail_before_anything_starts(argv, message, capsys):
+    if message is None:  # an empty --api-key means "none" (as with an unset $PDSERVE_API_KEY)
+        assert options(*argv).api_key is None
+        return
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_workers_on_cpu_get_fractional_cpus_and_a_thread_share():
+    spec = options("--prefill", "1", "--decode", "1").worker_spec({"CPU": 2.0}, started_ray=True)
+    assert spec.device == "cpu" and spec.num_gpus == 0 and spec.num_cpus == 0.5
+    assert spec.omp_num_threads == max(1, (os.cpu_count() or 1) // 2)
+    assert spec.host == "127.0.0.1" and spec.advertise_node_ip is False
+    spec = options("--omp-num-threads", "3", "--worker-cpus", "2").worker_spec({"CPU": 8.0}, started_ray=True)
+    assert (spec.omp_num_threads, spec.num_cpus) == (3, 2.0)
+
+
+def test_auto_device_takes_one_gpu_per_worker_when_the_cluster_has_gpus():
+    spec = options().worker_spec({"CPU": 16.0, "GPU": 4.0}, started_ray=False)
+    assert (spec.device, spec.num_gpus, spec.num_cpus) == ("cuda", 1.0, 1.0)
+    assert spec.host == "0.0.0.0" and spec.advertise_node_ip is True  # joined cluster: reachable from other nodes
+    with pytest.raises(ValueError, match="--device cuda, but the Ray cluster has no GPU"):
+        options("--device", "cuda").worker_spec({"CPU": 2.0}, started_ray=True)
+
+
+def test_status_table():
+    status = {"targets": {"prefill": 1, "decode": 2, "both": 0}, "settled": False, "routers": 1,
+              "workers": [
+                  {"worker_id": "prefill-1", "role": "prefill", "state": "ready", "address": "127.0.0.1:4001",
+                   "pid": 11, "healthy": True, "running": 1, "waiting": 0, "kv_usage": 0.25,
+                   "prefix_cache_hit_rate": 0.5},
+                  {"worker_id": "decode-3", "role": "decode", "state": "starting", "address": "", "pid": None,
+                   "healthy": False, "running": 0, "waiting": 0, "kv_usage": None, "prefix_cache_hit_rate": None}],
+              "events": [{"time": 0.0, "message": "decode-3 starting"}]}
+    lines = format_status(status).splitlines()
+    assert lines[0].split() == ["ID", "ROLE", "STATE", "ADDRESS", "PID", "HEALTH", "RUNNING", "WAITING", "KV",
+                                "USE", "PREFIX", "HIT"]
+    assert lines[1].split() == ["prefill-1", "prefill", "ready", "127.0.0.1:4001", "11", "ok", "1", "0", "25.0%",
+                                "50.0%"]
+    assert lines[2].split() == ["decode-3", "decode", "starting", "-", "-", "down", "0", "0", "-", "-"]
+    assert lines[3] == "targets: 1 prefill, 2 decode, 0 colocated (changing); routers: 1"
+    assert lines[4].endswith("decode-3 starting")
+
+
+def test_state_file_round_trip_and_staleness(tmp_path):
+    path = tmp_path / "serve.json"
+    state = ServeState(pid=os.getpid(), ray_address="127.0.0.1:1234", namespace="pdserve",
+                       controller="pdserve-controller", url="http://127.0.0.1:8000", started_ray=True)
+    write_state(path, state)
+    assert read_state(path) == state
+    check_state_file_free(path)  # our own: fine
+    remove_state(path)
+    assert not path.exists()
+    with pytest.raises(ValueError, match="no running `pdserve serve` found"):
+        read_state(path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path.write_text(json.dumps({**state.__dict__, "pid": int(dead.stdout)}))
+    with pytest.raises(ValueError, match=r"is no longer running"):
+        read_state(path)
+    check_state_file_free(path)  # a stale file does not block a new serve
+    path.write_text(json.dumps({**state.__dict__, "pid": os.getppid()}))
+    with pytest.raises(ValueError, match="another `pdserve serve`"):
+        check_state_file_free(path)
+    remove_state(path)
+    assert path.exists()  # not ours: left alone
+
+
+def test_scale_and_status_without_a_server_say_so(tmp_path):
+    env = {**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "none.json")}
+    for argv in (["status"], ["scale", "--decode", "2"]):
+        result = subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2
+        assert "no running `pdserve serve` found" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "scale"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "nothing to scale" in result.stderr
+
+
+def test_ray_settings_validation():
+    with pytest.raises(ValueError, match="too long"):
+        RaySettings(temp_dir="/tmp/" + "x" * 60)
+    with pytest.raises(ValueError, match="ray address must be non-empty"):
+        RaySettings(address="")

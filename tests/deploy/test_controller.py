@@ -1,0 +1,280 @@
+"""The controller's membership logic over fake workers: start, death and replacement, scaling,
+draining (routers and worker Stats must both release a worker), backoff, health."""
+import asyncio
+
+import pytest
+
+from deploy.config import ControllerConfig, PoolTargets
+from deploy.controller import DRAINING, READY, PoolController
+from tests.deploy.fakes import FakeClock, FakeLauncher, settle
+
+
+def make_controller(prefill=1, decode=1, colocated=0, **overrides):
+    launcher, clock = FakeLauncher(), FakeClock()
+    config = ControllerConfig(targets=PoolTargets(prefill, decode, colocated), health_interval_s=3600.0,
+                              **overrides)
+    return PoolController(config, launcher, clock=clock), launcher, clock
+
+
+def states(controller):
+    return sorted((w["worker_id"], w["state"]) for w in controller.status()["workers"])
+
+
+def addresses(controller, role=None):
+    return sorted(m["address"] for m in controller.membership() if role is None or m["role"] == role)
+
+
+async def test_start_brings_every_pool_to_its_target():
+    controller, launcher, _ = make_controller(prefill=1, decode=2, colocated=1)
+    await controller.start()
+    assert controller.settled()
+    membership = controller.membership()
+    assert sorted(m["role"] for m in membership) == ["both", "decode", "decode", "prefill"]
+    assert {m["address"] for m in membership} == {h.address for h in launcher.handles}
+    assert not any(m["draining"] for m in membership)
+    workers = controller.status()["workers"]
+    assert [w["pid"] for w in workers] == [launcher.by_address(w["address"]).port for w in workers]
+    assert all(w["healthy"] and w["state"] == READY for w in workers)
+    await controller.shutdown()
+    assert all(h.stopped for h in launcher.handles)
+
+
+async def test_a_failed_start_raises_with_the_workers_reason():
+    controller, launcher, _ = make_controller()
+    launcher.plan["decode"] = [{"fail_start": "no such model: /nope"}]
+    with pytest.raises(RuntimeError, match=r"decode-\d+ failed to start: ValueError: no such model: /nope"):
+        await controller.start()
+    await controller.shutdown()
+    assert all(h.stopped for h in launcher.handles)
+
+
+async def test_a_dead_worker_leaves_routing_at_once_and_is_replaced():
+    controller, launcher, _ = make_controller(prefill=1, decode=1)
+    await controller.start()
+    [old] = launcher.of("decode")
+    launcher.plan["decode"] = [{"hold_start": True}]
+    old.die("the actor is dead because its worker process has died")
+    await settle()
+    assert old.address not in addresses(controller)  # out of routing before any health tick
+    assert addresses(controller, "prefill") == [launcher.of("prefill")[0].address]
+    new = launcher.of("decode")[-1]
+    assert new is not old and not controller.settled()
+    assert any("died (the actor is dead" in e["message"] for e in controller.status()["events"])
+    new.release_start()
+    await settle()
+    assert controller.settled()
+    assert addresses(controller, "decode") == [new.address]
+    await controller.shutdown()
+
+
+async def test_scale_down_drains_until_routers_and_the_worker_are_idle():
+    controller, launcher, clock = make_controller(prefill=1, decode=1)
+    await controller.start()
+    assert controller.scale(decode=2) == {"prefill": 1, "decode": 2, "both": 0}
+    await settle()
+    assert controller.settled()
+    first, second = launcher.of("decode")
+    first.reply = {"running": 1, "waiting": 0}
+    # The router holds one request on `first`; we ask for `first` to be the one drained.
+    controller.router_sync("r1", {first.address: {"inflight": 1, "draining": False}})
+    controller.scale(decode=1, drain=[first.address])
+    assert dict(states(controller))["decode-2"] == DRAINING
+    entry = next(m for m in controller.membership() if m["address"] == first.address)
+    assert entry["draining"] is True  # still listed (so in-flight requests keep their worker), flagged
+
+    # The router has not applied the drain yet: the worker stays.
+    controller.router_sync("r1", {first.address: {"inflight": 0, "draining": False}})
+    await controller.tick()
+    assert not first.stopped
+    # Applied, but one request still in flight there.
+    controller.router_sync("r1", {first.address: {"inflight": 1, "draining": True}})
+    await controller.tick()
+    assert not first.stopped
+    # The router is done, but the worker's own Stats still show a running request.
+    controller.router_sync("r1", {first.address: {"inflight": 0, "draining": True}})
+    await controller.tick()
+    assert not first.stopped
+    first.reply = {"running": 0, "waiting": 0}
+    clock.advance(1.0)
+    await controller.tick()
+    await settle()
+    assert first.stopped and first.stopped_with_grace == controller.config.stop_grace_s
+    assert addresses(controller, "decode") == [second.address]
+    assert controller.settled() and not second.stopped
+    await controller.shutdown()
+
+
+async def test_a_drain_needs_a_stats_poll_sent_after_the_routers_released_the_worker():
+    controller, launcher, clock = make_controller(prefill=0, decode=2)
+    await controller.start()
+    victim = launcher.of("decode")[0]
+    controller.router_sync("r1", {victim.address: {"inflight": 1, "draining": False}})
+    controller.scale(decode=1, drain=[victim.address])
+    await controller.tick()  # idle Stats, but the router holds a request there
+    member = next(m for m in controller._members.values() if m.grpc_address == victim.address)
+    stats_before = member.stats_time
+    controller.router_sync("r1", {victim.address: {"inflight": 0, "draining": True}})
+    controller._check_drains()  # the routers are clear now; the last idle poll was sent before that
+    assert not victim.stopped and member.state == DRAINING
+    clock.advance(0.5)
+    await controller.tick()
+    await settle()
+    assert member.stats_time > stats_before and victim.stopped
+    await controller.shutdown()
+
+
+async def test_a_stale_router_does_not_hold_a_drain_forever():
+    controller, launcher, clock = make_controller(prefill=0, decode=2, router_stale_after_s=10.0)
+    await controller.start()
+    victim = launcher.of("decode")[1]
+    controller.router_sync("gone-router", {victim.address: {"inflight": 3, "draining": False}})
+    controller.scale(decode=1, drain=[victim.address])
+    await controller.tick()
+    assert not victim.stopped
+    clock.advance(11.0)
+    await controller.tick()
+    clock.advance(0.1)
+    await controller.tick()
+    await settle()
+    assert victim.stopped
+    await controller.shutdown()
+
+
+async def test_a_drain_that_times_out_stops_the_worker_anyway():
+    controller, launcher, clock = make_controller(prefill=0, decode=2, drain_timeout_s=30.0)
+    await controller.start()
+    victim = launcher.of("decode")[0]
+    victim.reply = {"running": 2, "waiting": 1}
+    controller.scale(decode=1, drain=[victim.address])
+    await controller.tick()
+    assert not victim.stopped
+    clock.advance(31.0)
+    await controller.tick()
+    await settle()
+    assert victim.stopped
+    assert any("drain timed out after 30 s (3 request(s) still on it)" in e["message"]
+               for e in controller.status()["events"])
+    await controller.shutdown()
+
+
+async def test_growing_again_takes_back_a_draining_worker_instead_of_starting_one():
+    controller, launcher, _ = make_controller(prefill=0, decode=2)
+    await controller.start()
+    victim = launcher.of("decode")[0]
+    victim.reply = {"running": 1, "waiting": 0}
+    await controller.tick()
+    controller.scale(decode=1, drain=[victim.address])
+    assert DRAINING in dict(states(controller)).values()
+    controller.scale(decode=2)
+    assert len(launcher.handles) == 2
+    assert controller.settled() and not any(m["draining"] for m in controller.membership())
+    await controller.shutdown()
+
+
+async def test_without_a_preference_the_least_loaded_worker_is_drained():
+    controller, launcher, _ = make_controller(prefill=0, decode=3)
+    await controller.start()
+    busy, idle, medium = launcher.of("decode")
+    busy.reply, idle.reply, medium.reply = {"running": 5}, {"running": 0}, {"running": 2}
+    await controller.tick()
+    controller.scale(decode=2)
+    draining = [m["address"] for m in controller.membership() if m["draining"]]
+    assert draining == [idle.address]
+    await controller.shutdown()
+
+
+async def test_scaling_down_a_starting_worker_stops_it_instead_of_draining_a_ready_one():
+    controller, launcher, _ = make_controller(prefill=0, decode=1)
+    await controller.start()
+    launcher.plan["decode"] = [{"hold_start": True}]
+    controller.scale(decode=2)
+    await settle()
+    ready, starting = launcher.of("decode")
+    controller.scale(decode=1)
+    await settle()
+    assert starting.stopped and not ready.stopped
+    assert controller.settled() and addresses(controller) == [ready.address]
+    await controller.shutdown()
+
+
+async def test_an_unresponsive_worker_turns_unhealthy_then_is_replaced():
+    controller, launcher, _ = make_controller(prefill=0, decode=1, unhealthy_after_failures=2,
+                                              replace_after_failures=4)
+    await controller.start()
+    [worker] = launcher.of("decode")
+    worker.unresponsive = True
+    await controller.tick()
+    assert controller.status()["workers"][0]["healthy"] is True
+    await controller.tick()
+    status = controller.status()["workers"][0]
+    assert status["healthy"] is False and "connection refused" in status["last_error"]
+    await controller.tick()
+    assert not worker.stopped
+    await controller.tick()
+    await settle()
+    assert worker.stopped
+    assert len(launcher.of("decode")) == 2 and controller.settled()
+    assert addresses(controller) == [launcher.of("decode")[1].address]
+    await controller.shutdown()
+
+
+async def test_a_failing_replacement_backs_off_before_trying_again():
+    controller, launcher, clock = make_controller(prefill=0, decode=1, max_start_backoff_s=60.0)
+    await controller.start()
+    launcher.plan["decode"] = [{"fail_start": "out of memory"}, {"fail_start": "out of memory"}]
+    launcher.of("decode")[0].die()
+    await settle()
+    assert len(launcher.of("decode")) == 2  # the first replacement failed at once
+    await controller.tick()
+    assert len(launcher.of("decode")) == 2  # backing off (1 s)
+    clock.advance(1.5)
+    await controller.tick()
+    await settle()
+    assert len(launcher.of("decode")) == 3  # second try failed too: now 2 s
+    clock.advance(1.5)
+    await controller.tick()
+    assert len(launcher.of("decode")) == 3
+    clock.advance(1.0)
+    await controller.tick()
+    await settle()
+    assert len(launcher.of("decode")) == 4 and controller.settled()
+    events = [e["message"] for e in controller.status()["events"]]
+    assert any("failed to start: ValueError: out of memory (next try in 2 s)" in e for e in events)
+    await controller.shutdown()
+
+
+async def test_scale_refuses_what_could_not_serve_and_unknown_workers():
+    controller, launcher, _ = make_controller(prefill=1, decode=1)
+    await controller.start()
+    with pytest.raises(ValueError, match="no decode worker to send their KV to"):
+        controller.scale(decode=0)
+    with pytest.raises(ValueError, match="no worker could answer requests"):
+        controller.scale(prefill=0, decode=0)
+    with pytest.raises(ValueError, match=r"the decode pool size must be an integer >= 0, got -1"):
+        controller.scale(decode=-1)
+    with pytest.raises(ValueError, match=r"no worker at 10\.0\.0\.1:1"):
+        controller.scale(decode=2, drain=["10.0.0.1:1"])
+    assert controller.targets == PoolTargets(1, 1, 0) and len(launcher.handles) == 2
+    await controller.shutdown()
+    with pytest.raises(ValueError, match="shutting down"):
+        controller.scale(decode=2)
+
+
+async def test_wait_settled_reports_whether_the_pools_arrived():
+    controller, launcher, _ = make_controller(prefill=0, decode=1)
+    await controller.start()
+    launcher.plan["decode"] = [{"hold_start": True}]
+    controller.scale(decode=2)
+    assert await controller.wait_settled(0.0) is False
+    launcher.of("decode")[1].release_start()
+    assert await asyncio.wait_for(controller.wait_settled(30.0), 30.0) is True
+    await controller.shutdown()
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="unhealthy_after_failures <= replace_after_failures"):
+        ControllerConfig(unhealthy_after_failures=5, replace_after_failures=2)
+    with pytest.raises(ValueError, match="drain_timeout_s must be > 0"):
+        ControllerConfig(drain_timeout_s=0)
+    with pytest.raises(ValueError, match="colocated pool size must be an integer >= 0"):
+        PoolTargets(colocated=-2)
