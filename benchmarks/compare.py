@@ -151,8 +151,9 @@ def pdserve(system: str, prefix_caching: bool, workdir: Path, extra: list[str]) 
 # ---- the runs -----------------------------------------------------------------------------------
 
 def bench(url: str, label: str, workload: str, num_requests: int, rate: float, plan: Plan,
-          options: dict[str, Any]) -> dict[str, Any]:
-    config = BenchConfig(base_url=url, request_rate=rate, seed=plan.seed, slo=plan.slo, label=label,
+          options: dict[str, Any], seed: int) -> dict[str, Any]:
+    """One run; every run of a system gets its own seed, so no run finds another's prompts cached."""
+    config = BenchConfig(base_url=url, request_rate=rate, seed=seed, slo=plan.slo, label=label,
                          request_timeout_s=600)
     report = run_benchmark(config, workload, num_requests, options)
     s = report["summary"]
@@ -165,11 +166,11 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
 
-def bench_command(label: str, workload: str, num_requests: int, rate: float, plan: Plan,
-                  options: dict[str, Any]) -> str:
+def bench_command(workload: str, num_requests: int, rate: float, plan: Plan, options: dict[str, Any],
+                  seed: int) -> str:
     """The equivalent `pdserve bench` command line, for the README."""
     parts = ["pdserve bench --base-url URL", f"--workload {workload}", f"--num-requests {num_requests}",
-             f"--request-rate {rate:g}", f"--seed {plan.seed}",
+             f"--request-rate {rate:g}", f"--seed {seed}",
              f"--slo ttft:{plan.slo.ttft_ms:g} tpot:{plan.slo.tpot_ms:g}"]
     parts += [f"--{k.replace('_', '-')} {v}" for k, v in options.items()]
     return " ".join(parts)
@@ -195,28 +196,27 @@ def warm_up(url: str, plan: Plan) -> None:
 
 def run_system(system: str, plan: Plan, workdir: Path, extra: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"chat": {}, "commands": []}
+
+    def run(label: str, workload: str, num_requests: int, rate: float, options: dict[str, Any], seed: int,
+            keep: str) -> dict[str, Any]:
+        out["commands"].append(bench_command(workload, num_requests, rate, plan, options, seed))
+        return slim(bench(url, f"{system} {label}", workload, num_requests, rate, plan, options, seed), keep)
+
     with pdserve(system, True, workdir, extra) as (url, serve_command):
         out["serve_command"] = " ".join(serve_command)
         warm_up(url, plan)
-        for rate in plan.rates:
-            label = f"{system} chat @ {rate:g} req/s"
-            out["chat"][f"{rate:g}"] = slim(bench(url, label, "chat", plan.chat_requests, rate, plan, plan.chat),
-                                           "summary")
-            out["commands"].append(bench_command(label, "chat", plan.chat_requests, rate, plan, plan.chat))
-        label = f"{system} interference"
-        out["interference"] = slim(bench(url, label, "interference", plan.interference_requests,
-                                         plan.interference_rate, plan, plan.interference), "interference")
-        out["commands"].append(bench_command(label, "interference", plan.interference_requests,
-                                             plan.interference_rate, plan, plan.interference))
-        label = f"{system} agent (prefix caching)"
-        out["agent_cache"] = slim(bench(url, label, "agent", plan.agent_requests, plan.agent_rate, plan, plan.agent),
-                                  "agent")
-        out["commands"].append(bench_command(label, "agent", plan.agent_requests, plan.agent_rate, plan, plan.agent))
+        for index, rate in enumerate(plan.rates):
+            out["chat"][f"{rate:g}"] = run(f"chat @ {rate:g} req/s", "chat", plan.chat_requests, rate, plan.chat,
+                                           plan.seed + index, "summary")
+        out["interference"] = run("interference", "interference", plan.interference_requests,
+                                  plan.interference_rate, plan.interference, plan.seed + 100, "interference")
+        out["agent_cache"] = run("agent (prefix caching)", "agent", plan.agent_requests, plan.agent_rate,
+                                 plan.agent, plan.seed + 200, "agent")
     with pdserve(system, False, workdir, extra) as (url, serve_command):
         out["serve_command_nocache"] = " ".join(serve_command)
         warm_up(url, plan)
-        out["agent_nocache"] = slim(bench(url, f"{system} agent (no prefix caching)", "agent", plan.agent_requests,
-                                          plan.agent_rate, plan, plan.agent), "agent")
+        out["agent_nocache"] = run("agent (no prefix caching)", "agent", plan.agent_requests, plan.agent_rate,
+                                   plan.agent, plan.seed + 200, "agent")
     return out
 
 
