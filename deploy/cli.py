@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     placement.add_argument("--controller-name", default=DEFAULT_CONTROLLER_NAME)
     placement.add_argument("--worker-cpus", type=float, default=None,
                            help="Ray CPUs each worker holds (default 0.5 on CPU, 1 with a GPU)")
+    placement.add_argument("--worker-gpus", type=float, default=None,
+                           help="Ray GPUs each cuda worker holds (default 1; 0.5 puts two workers on one GPU)")
     placement.add_argument("--omp-num-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / initial workers, at least 1)")
     placement.add_argument("--worker-host", default=None,
@@ -123,6 +125,7 @@ def serve_options(args: argparse.Namespace):
                         decode=args.decode, colocated=args.colocated, host=args.host, port=args.port,
                         device=args.device, transport=args.transport, api_key=args.api_key or None,
                         engine_options=engine_options, worker_cpus=args.worker_cpus,
+                        worker_gpus=args.worker_gpus,
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,

@@ -50,6 +50,7 @@ class ServeOptions:
     api_key: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
     worker_cpus: float | None = None  # Ray CPUs per worker (default: 0.5 on CPU, 1 with a GPU)
+    worker_gpus: float | None = None  # Ray GPUs per cuda worker (default 1; 0.5 puts P and D on one GPU)
     omp_num_threads: int | None = None  # default: this machine's cores / initial workers (>= 1)
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining
     local_prefill_threshold: int | None = None
@@ -74,6 +75,8 @@ class ServeOptions:
             raise ValueError("--api-key must be non-empty when set")
         if self.worker_cpus is not None and self.worker_cpus <= 0:
             raise ValueError(f"--worker-cpus must be > 0, got {self.worker_cpus}")
+        if self.worker_gpus is not None and not 0 < self.worker_gpus <= 1:
+            raise ValueError(f"--worker-gpus must be in (0, 1] (a worker uses one GPU), got {self.worker_gpus}")
         if self.omp_num_threads is not None and self.omp_num_threads < 1:
             raise ValueError(f"--omp-num-threads must be >= 1, got {self.omp_num_threads}")
         if not self.sync_interval_s > 0:
@@ -98,7 +101,7 @@ class ServeOptions:
         return WorkerSpec(model=self.model, device=device, engine_options=dict(self.engine_options),
                           transport=self.transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
-                          num_gpus=1.0 if device == "cuda" else 0.0, omp_num_threads=threads,
+                          num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0, omp_num_threads=threads,
                           local_prefill_threshold=self.local_prefill_threshold)
 
     def controller_config(self, worker: WorkerSpec) -> ControllerConfig:

@@ -43,6 +43,7 @@ def test_engine_flags_reach_every_worker():
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
     (["--block-size", "24"], "block_size must be a power of two"),
     (["--worker-cpus", "0"], "--worker-cpus must be > 0"),
+    (["--worker-gpus", "2"], "--worker-gpus must be in (0, 1]"),
     (["--object-store-mb", "10"], "at least 75 MB"),
     (["--api-key", ""], None),
 ])
@@ -67,6 +68,8 @@ def test_auto_device_takes_one_gpu_per_worker_when_the_cluster_has_gpus():
     spec = options().worker_spec({"CPU": 16.0, "GPU": 4.0}, started_ray=False)
     assert (spec.device, spec.num_gpus, spec.num_cpus) == ("cuda", 1.0, 1.0)
     assert spec.host == "0.0.0.0" and spec.advertise_node_ip is True  # joined cluster: reachable from other nodes
+    spec = options("--worker-gpus", "0.5").worker_spec({"CPU": 4.0, "GPU": 1.0}, started_ray=True)
+    assert (spec.device, spec.num_gpus, spec.host) == ("cuda", 0.5, "127.0.0.1")
     with pytest.raises(ValueError, match="--device cuda, but the Ray cluster has no GPU"):
         options("--device", "cuda").worker_spec({"CPU": 2.0}, started_ray=True)
 

@@ -8,12 +8,8 @@ decode), driven by the official `openai` client and the `pdserve scale/status` c
   new worker (`pdserve status`), and requests are served again;
 - SIGINT stops everything: no process of the cluster is left.
 """
-import json
 import os
-import queue
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,133 +20,28 @@ import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.deploy.harness import Serve, descendants, processes_inheriting, processes_mentioning, start_time, wait_until
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 900
 NUM_BLOCKS = 256
 PLAIN = "The quick brown fox"
 STORY = "Once upon a time, in a small village at the edge of a forest, there lived"
 LONG_STREAM_TOKENS = 600
 
 
-class Serve:
-    """`python -m deploy.cli serve ...` with its output read by a thread."""
-
-    def __init__(self, state_file: Path, ray_temp_dir: str) -> None:
-        self.state_file = state_file
-        self.ray_temp_dir = ray_temp_dir
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "PYTHONUNBUFFERED": "1", "PDSERVE_STATE_FILE": str(state_file)}
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--model", "default", "--device", "cpu", "--prefill", "1",
-             "--decode", "1", "--port", "0", "--kv-cache-blocks", str(NUM_BLOCKS), "--local-prefill-threshold", "0",
-             "--omp-num-threads", "1", "--ray-temp-dir", ray_temp_dir, "--log-level", "info"],
-            cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_ready(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1.0)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-                continue
-            if line.startswith("pdserve ready: "):
-                return line.split()[2].removesuffix("/v1")
-        raise AssertionError("pdserve serve did not get ready:\n" + self.tail())
-
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=REPO, env=self.env,
-                                capture_output=True, text=True, timeout=900)
-        if check:
-            assert result.returncode == 0, f"pdserve {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
-        return result
-
-    def status(self) -> dict:
-        return json.loads(self.cli("status", "--json").stdout)
-
-    def tail(self, lines: int = 60) -> str:
-        return "".join(self.log[-lines:])
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every process below `pid` (walking /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, stack = {}, [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            start = start_time(child)
-            if start is not None:
-                found[child] = start
-                stack.append(child)
-    return found
-
-
-def start_time(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(f"{entry}: {cmdline[:200]}")
-    return found
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
 @pytest.fixture(scope="module")
 def serve():
     with tempfile.TemporaryDirectory(prefix="pdsv-", dir="/tmp") as ray_temp_dir, \
             tempfile.TemporaryDirectory(prefix="pdserve-state-") as state_dir:
-        server = Serve(Path(state_dir) / "serve.json", ray_temp_dir)
+        server = Serve(Path(state_dir) / "serve.json", ray_temp_dir, "--model", "default", "--device", "cpu",
+                       "--prefill", "1", "--decode", "1", "--kv-cache-blocks", str(NUM_BLOCKS),
+                       "--local-prefill-threshold", "0")
         try:
             server.url = server.wait_ready()
             yield server
         finally:
-            if server.popen.poll() is None:
-                server.popen.send_signal(signal.SIGINT)
-                try:
-                    server.popen.wait(120)
-                except subprocess.TimeoutExpired:
-                    server.popen.kill()
-                    server.popen.wait()
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +172,7 @@ def test_a_killed_worker_ends_its_stream_with_an_error_and_is_replaced(serve, cl
 def test_sigint_stops_every_process_of_the_cluster(serve):
     tree = descendants(serve.popen.pid)
     assert len(tree) >= 4  # Ray's daemons, the controller and the workers run below the serve process
+    assert len(processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file))) >= len(tree)
     serve.popen.send_signal(signal.SIGINT)
     assert serve.popen.wait(180) == 0, serve.tail()
     assert serve.log[-1].strip() == "pdserve stopped"
@@ -288,4 +180,5 @@ def test_sigint_stops_every_process_of_the_cluster(serve):
     wait_until(lambda: all(start_time(pid) != started for pid, started in tree.items()), 60,
                "every process of the cluster to exit", interval=0.5)
     assert processes_mentioning(serve.ray_temp_dir) == []
+    assert processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file)) == []
     assert not serve.state_file.exists()

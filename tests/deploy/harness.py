@@ -1,0 +1,144 @@
+"""Helpers for the `pdserve serve` tests: the serve process, the `pdserve` commands, and
+finding every process of one cluster (to check that none is left after a stop)."""
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 900
+
+
+class Serve:
+    """`python -m deploy.cli serve ...` with its output read by a thread."""
+
+    def __init__(self, state_file: Path, ray_temp_dir: str, *args: str) -> None:
+        self.state_file = state_file
+        self.ray_temp_dir = ray_temp_dir
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                    "PYTHONUNBUFFERED": "1", "PDSERVE_STATE_FILE": str(state_file)}
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", "--port", "0", "--omp-num-threads", "1",
+             "--ray-temp-dir", ray_temp_dir, "--log-level", "info", *args],
+            cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout: float = STARTUP_TIMEOUT_S) -> str:
+        """The first output line containing `text`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1.0)
+            except queue.Empty:
+                if self.popen.poll() is not None:
+                    break
+                continue
+            if text in line:
+                return line
+        raise AssertionError(f"pdserve serve did not print {text!r}:\n" + self.tail())
+
+    def wait_ready(self) -> str:
+        """The router URL from the ready line `pdserve ready: URL/v1 ...`."""
+        return self.wait_for("pdserve ready: ").split()[2].removesuffix("/v1")
+
+    def stop(self, sig: int = signal.SIGINT) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(180)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=REPO, env=self.env,
+                                capture_output=True, text=True, timeout=900)
+        if check:
+            assert result.returncode == 0, f"pdserve {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    def tail(self, lines: int = 60) -> str:
+        return "".join(self.log[-lines:])
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every process below `pid` (walking /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = {}, [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            start = start_time(child)
+            if start is not None:
+                found[child] = start
+                stack.append(child)
+    return found
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(f"{entry}: {cmdline[:200]}")
+    return found
+
+
+def processes_inheriting(name: str, value: str) -> list[str]:
+    """Processes whose environment has name=value (Ray's daemons and workers inherit the serve
+    process's environment, so a unique value finds every process of one cluster)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if needle in environ:
+                found.append(f"{entry}: {cmdline[:200].decode(errors='replace')}")
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
