@@ -133,3 +133,12 @@ def test_ray_settings_validation():
         RaySettings(temp_dir="/tmp/" + "x" * 60)
     with pytest.raises(ValueError, match="ray address must be non-empty"):
         RaySettings(address="")
+
+
+def test_the_example_cluster_config_passes_rays_validation():
+    yaml = pytest.importorskip("yaml")
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    config = yaml.safe_load((REPO / "deploy" / "cluster.example.yaml").read_text())
+    validate_config(prepare_config(config))
+    assert config["provider"]["type"] == "local"
+    assert any("ray start --head" in command for command in config["head_start_ray_commands"])
