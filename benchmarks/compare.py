@@ -155,7 +155,9 @@ def bench(url: str, label: str, workload: str, num_requests: int, rate: float, p
     """One run; every run of a system gets its own seed, so no run finds another's prompts cached."""
     config = BenchConfig(base_url=url, request_rate=rate, seed=seed, slo=plan.slo, label=label,
                          request_timeout_s=600)
+    load_before = os.getloadavg()[0]
     report = run_benchmark(config, workload, num_requests, options)
+    report["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     s = report["summary"]
     print(f"  {label}: {s['completed']} ok, {s['errors']} errors, TTFT median {_ms(s['ttft_ms']['median'])}, "
           f"TPOT median {_ms(s['tpot_ms']['median'])}, {s['output_token_throughput']:.1f} out tok/s", flush=True)
