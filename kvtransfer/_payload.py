@@ -65,9 +65,12 @@ class CacheViews:
         self.caches = list(layer_caches)
         self.layout = layout
         self._layer_bytes: list[memoryview] | None = None
+        self._layer_rows = None
         if not layout.is_cuda:
-            self._layer_bytes = [
-                memoryview(cache.view(torch.uint8).reshape(-1).numpy()) for cache in self.caches]
+            # [num_blocks, chunk_nbytes] uint8 arrays: numpy's row scatter is the fastest on CPU
+            self._layer_rows = [cache.view(torch.uint8).reshape(layout.num_blocks, -1).numpy()
+                                for cache in self.caches]
+            self._layer_bytes = [memoryview(rows.reshape(-1)) for rows in self._layer_rows]
 
     @property
     def supports_chunk_views(self) -> bool:
@@ -87,11 +90,19 @@ class CacheViews:
             torch.index_select(self.caches[layer], 0, index, out=out[position])
 
     def scatter(self, layers: Sequence[int], index: torch.Tensor, src: torch.Tensor) -> None:
+        """`src` is `[len(layers), len(index), *chunk_shape]` on the caches' device."""
+        if self._layer_rows is not None:
+            rows = src.view(torch.uint8).reshape(len(layers), len(index), -1).numpy()
+            positions = index.numpy()
+            for position, layer in enumerate(layers):
+                self._layer_rows[layer][positions] = rows[position]
+            return
         for position, layer in enumerate(layers):
             self.caches[layer].index_copy_(0, index, src[position])
 
     def release(self) -> None:
         self._layer_bytes = None
+        self._layer_rows = None
         self.caches = []
 
 

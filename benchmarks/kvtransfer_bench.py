@@ -1,0 +1,291 @@
+"""KV transfer bandwidth per transport, beside the raw ceiling measured in the same run.
+
+    python benchmarks/kvtransfer_bench.py [--sizes 1,16,64,256] [--transports tcp,shm,ucx,nccl]
+                                          [--repeats 5] [--json out.json] [--smoke]
+
+Two processes: this one hosts the receiver, a spawned one the sender. Each transfer moves every
+layer of randomly scattered blocks of a SmolLM2-135M-shaped cache (30 layers, block size 16,
+3 KV heads, head dim 64, float32 on CPU) into randomly scattered destination blocks; its time
+runs from `send()` to the sender seeing every layer acknowledged. Ceilings: a plain TCP socket
+copy of the same bytes between the same two processes (for tcp, ucx, nccl) and a single
+memcpy of the same bytes (for shm), each measured right before the transfer it is paired with,
+so both see the same machine load; "% of ceiling" is the median over those pairs. Every
+transport's last transfer is checked byte for byte.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kvtransfer import (TransferConfig, available_transports, create_receiver,  # noqa: E402
+                        create_sender)
+
+MIB = 1 << 20
+CEILING_FOR = {"tcp": "socket", "ucx": "socket", "nccl": "socket", "shm": "memcpy"}
+
+
+@dataclass(frozen=True)
+class BenchLayout:
+    num_layers: int = 30
+    block_size: int = 16
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    num_blocks: int = 64
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block id across all layers: what one transferred block costs."""
+        return self.num_layers * self.chunk_nbytes
+
+    def blocks_for(self, size_mib: float) -> int:
+        return max(1, round(size_mib * MIB / self.block_nbytes))
+
+
+def make_caches(layout: BenchLayout, seed: int | None) -> list[torch.Tensor]:
+    shape = (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)
+    if seed is None:
+        return list(torch.zeros(shape).unbind(0))
+    generator = torch.Generator().manual_seed(seed)
+    return list(torch.randn(shape, generator=generator).unbind(0))
+
+
+def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
+    """The sender process: answers commands from the receiver process."""
+    torch.set_num_threads(threads)
+    caches = make_caches(layout, seed=1)
+    senders = {}
+    while True:
+        command, args = connection.recv()
+        if command == "exit":
+            break
+        if command == "raw_socket":
+            port, nbytes = args
+            connection.send(_raw_socket_send(port, nbytes))
+        elif command == "transfer":
+            transport, address, request_id, src_ids, dst_ids, timeout_s = args
+            if transport not in senders:
+                senders[transport] = create_sender(transport, caches,
+                                                   TransferConfig(timeout_s=timeout_s))
+            sender = senders[transport]
+            start = time.perf_counter()
+            handle = sender.send(request_id, address, src_ids, dst_ids)
+            status = handle.wait(600)
+            elapsed = time.perf_counter() - start
+            handle.cancel()
+            connection.send((status.state.value, status.error, elapsed))
+    for sender in senders.values():
+        sender.close()
+
+
+def _raw_socket_send(port: int, nbytes: int) -> float:
+    payload = memoryview(bytearray(os.urandom(1024)) * (nbytes // 1024 + 1))[:nbytes]
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.perf_counter()
+        sock.sendall(payload)
+        if sock.recv(1) != b"k":
+            raise RuntimeError("raw socket ceiling: no ack")
+        return time.perf_counter() - start
+
+
+def _raw_socket_receive(listener: socket.socket, nbytes: int, buffer: memoryview) -> None:
+    conn, _ = listener.accept()
+    with conn:
+        received = 0
+        while received < nbytes:
+            count = conn.recv_into(buffer[received:nbytes])
+            if count == 0:
+                raise RuntimeError("raw socket ceiling: sender closed early")
+            received += count
+        conn.sendall(b"k")
+
+
+class SocketCeiling:
+    """A plain TCP socket copy of `nbytes` from the sender process to this one."""
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(1)
+        self.port = self.listener.getsockname()[1]
+        self.buffer = memoryview(bytearray(0))
+
+    def measure(self, nbytes: int) -> float:
+        if len(self.buffer) < nbytes:
+            self.buffer = memoryview(bytearray(nbytes))
+        self.connection.send(("raw_socket", (self.port, nbytes)))
+        _raw_socket_receive(self.listener, nbytes, self.buffer)
+        return self.connection.recv()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def measure_memcpy(nbytes: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages
+    start = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout: BenchLayout,
+                      sizes: list[float], repeats: int, timeout_s: float) -> tuple[dict, bool]:
+    """Per size: (transfer seconds, ceiling seconds) pairs, each ceiling measured right before
+    its transfer so both see the same machine load."""
+    caches = make_caches(layout, seed=None)
+    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=timeout_s))
+    rng = random.Random(0)
+    per_size, verified = {}, True
+    try:
+        for size in sizes:
+            blocks = layout.blocks_for(size)
+            nbytes = blocks * layout.block_nbytes
+            pairs = []
+            for run in range(repeats + 1):  # run 0 warms up the connection and the pages
+                if CEILING_FOR[transport] == "socket":
+                    ceiling_s = ceiling.measure(nbytes)
+                else:
+                    ceiling_s = measure_memcpy(nbytes)
+                src_ids = rng.sample(range(layout.num_blocks), blocks)
+                dst_ids = rng.sample(range(layout.num_blocks), blocks)
+                request_id = f"{transport}-{size}-{run}"
+                receiver.expect(request_id, dst_ids)
+                connection.send(("transfer", (transport, receiver.address, request_id, src_ids,
+                                              dst_ids, timeout_s)))
+                state, error, elapsed = connection.recv()
+                received = receiver.wait(request_id, 600)
+                if state != "success" or not received.ok:
+                    raise RuntimeError(f"{transport} {size} MiB transfer failed: "
+                                       f"{error or received.error}")
+                if run == repeats:
+                    verified &= _verify(caches, layout, src_ids, dst_ids)
+                receiver.cancel(request_id)
+                if run:
+                    pairs.append((elapsed, ceiling_s))
+            per_size[size] = pairs
+    finally:
+        receiver.close()
+    return per_size, verified
+
+
+def _verify(caches, layout: BenchLayout, src_ids, dst_ids) -> bool:
+    expected = make_caches(layout, seed=1)
+    index_src, index_dst = torch.tensor(src_ids), torch.tensor(dst_ids)
+    return all(torch.equal(caches[layer][index_dst], expected[layer][index_src])
+               for layer in range(layout.num_layers))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    sizes = [float(size) for size in args.sizes.split(",")]
+    available = available_transports()
+    transports = available if args.transports == "all" else args.transports.split(",")
+    skipped = {name: "not available" for name in transports if name not in available}
+    transports = [name for name in transports if name in available]
+    base = BenchLayout()
+    layout = BenchLayout(num_blocks=max(2 * base.blocks_for(max(sizes)), 16))
+
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    child = context.Process(target=_sender_main, args=(child_end, layout, args.threads),
+                            daemon=True)
+    child.start()
+    ceiling = SocketCeiling(parent_end)
+    results = []
+    try:
+        for transport in transports:
+            per_size, verified = measure_transport(parent_end, ceiling, transport, layout, sizes,
+                                                   args.repeats, args.timeout)
+            for size, pairs in per_size.items():
+                nbytes = layout.blocks_for(size) * layout.block_nbytes
+                rates = [gbps(nbytes, elapsed) for elapsed, _ in pairs]
+                ceilings = [gbps(nbytes, ceiling_s) for _, ceiling_s in pairs]
+                results.append({
+                    "transport": transport, "size_mib": size, "bytes": nbytes,
+                    "blocks": layout.blocks_for(size),
+                    "gbps_median": statistics.median(rates), "gbps_best": max(rates),
+                    "ceiling": CEILING_FOR[transport],
+                    "ceiling_gbps_median": statistics.median(ceilings),
+                    "fraction_of_ceiling": statistics.median(
+                        rate / top for rate, top in zip(rates, ceilings)),
+                    "gbps_samples": rates, "ceiling_gbps_samples": ceilings,
+                    "verified_byte_exact": verified})
+    finally:
+        ceiling.close()
+        parent_end.send(("exit", None))
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    return {
+        "layout": asdict(layout), "dtype": "float32", "sizes_mib": sizes,
+        "repeats": args.repeats, "threads": args.threads, "transports": transports,
+        "skipped": skipped, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                                     "python": platform.python_version(),
+                                     "torch": torch.__version__},
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = ["| transport | size | blocks | GB/s (median) | GB/s (best) | ceiling | ceiling GB/s "
+             "(median) | % of ceiling (median of pairs) | byte-exact |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['transport']} | {row['bytes'] / MIB:.1f} MiB | {row['blocks']} "
+            f"| {row['gbps_median']:.2f} | {row['gbps_best']:.2f} | {row['ceiling']} "
+            f"| {row['ceiling_gbps_median']:.2f} | {100 * row['fraction_of_ceiling']:.0f}% "
+            f"| {'yes' if row['verified_byte_exact'] else 'NO'} |")
+    for name, reason in report["skipped"].items():
+        lines.append(f"| {name} | skipped: {reason} | | | | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1,16,64,256", help="MiB per transfer, comma-separated")
+    parser.add_argument("--transports", default="all", help="comma-separated, or all available")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per size (+1 warm-up)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timeout", type=float, default=30.0, help="transfer timeout_s")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI-sized: sizes 1,4 MiB, 1 timed run, every available transport")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.repeats = "1,4", 1
+    report = run(args)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+    return 0 if all(row["verified_byte_exact"] for row in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
