@@ -2,7 +2,8 @@
 
     POST /admin/scale   {"prefill": N, "decode": M, "colocated": K, "drain": [ADDRESS, ...],
                          "wait": false, "timeout_s": 600}
-                        -> {"targets": {...}} (with "wait": the controller status once settled)
+                        -> {"targets": {...}} (with "wait": the controller status once settled),
+                           plus "warning" when the cluster lacks the resources for the new targets
     GET  /admin/status  -> the controller status (targets, workers, recent events)
 
 Omitted pool sizes keep their value. Errors use the router's OpenAI-style error body.
@@ -38,12 +39,13 @@ def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter
         sizes = parse_scale_body(body)
         timeout_s = _timeout(body)
         try:
-            targets = await controller.scale(**sizes)
+            result = await controller.scale(**sizes)
         except ValueError as exc:
             raise invalid_request(str(exc)) from None
         if body.get("wait", False):
-            return JSONResponse(await controller.wait_settled(timeout_s))
-        return JSONResponse({"targets": targets})
+            status = await controller.wait_settled(timeout_s)
+            return JSONResponse({**status, **({"warning": result["warning"]} if "warning" in result else {})})
+        return JSONResponse(result)
 
     @admin.get("/status")
     async def status() -> JSONResponse:

@@ -174,6 +174,8 @@ def run_scale(args: argparse.Namespace) -> int:
         if "error" in result:
             raise ValueError(result["error"])
         targets = result["targets"]
+        if "warning" in result:
+            print(f"pdserve: warning: {result['warning']}", file=sys.stderr)
         print(f"scaling to {targets['prefill']} prefill, {targets['decode']} decode, {targets['both']} colocated")
         if args.no_wait:
             return 0

@@ -11,8 +11,9 @@ class ControllerClient:
         self.actor = actor
 
     async def scale(self, prefill: int | None = None, decode: int | None = None, colocated: int | None = None,
-                    drain: list[str] | None = None) -> dict[str, int]:
-        return _unwrap(await self.actor.scale.remote(prefill, decode, colocated, list(drain or [])))["targets"]
+                    drain: list[str] | None = None) -> dict[str, Any]:
+        """{"targets": {"prefill", "decode", "both"}} plus "warning" when the cluster is too small."""
+        return _unwrap(await self.actor.scale.remote(prefill, decode, colocated, list(drain or [])))
 
     async def wait_settled(self, timeout_s: float) -> dict[str, Any]:
         return await self.actor.wait_settled.remote(timeout_s)

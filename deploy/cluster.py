@@ -71,7 +71,7 @@ def quiet_ray_environment(loopback: bool, token_auth: bool = False) -> None:
 def start_or_join(settings: RaySettings) -> dict[str, Any]:
     """`ray.init` as the settings say; returns {"address", "started", "node_ip", "resources"}."""
     started = settings.address is None
-    quiet_ray_environment(loopback=started and settings.loopback)
+    quiet_ray_environment(loopback=settings.loopback if started else is_loopback_address(settings.address))
     import ray
     if started:
         context = ray.init(num_cpus=settings.num_cpus or os.cpu_count() or 1, num_gpus=settings.num_gpus,
@@ -88,9 +88,16 @@ def start_or_join(settings: RaySettings) -> dict[str, Any]:
 
 def connect(address: str, namespace: str, token_auth: bool = False) -> None:
     """Join a running cluster as a short-lived client (pdserve scale/status)."""
-    quiet_ray_environment(loopback=address.startswith("127.0.0.1:"), token_auth=token_auth)
+    quiet_ray_environment(loopback=is_loopback_address(address), token_auth=token_auth)
     import ray
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
+
+
+def is_loopback_address(address: str) -> bool:
+    """A cluster reached at 127.0.0.1 / localhost runs in loopback mode: join it the same way
+    (Ray would otherwise replace 127.0.0.1 with this host's routable IP, where nothing listens)."""
+    host = address.rpartition(":")[0] if ":" in address else address
+    return host.strip("[]") in ("127.0.0.1", "localhost", "::1")
 
 
 def find_controller(name: str, namespace: str) -> Any:

@@ -58,7 +58,8 @@ class WorkerSpec:
 
 @dataclass
 class PoolTargets:
-    """How many workers of each role the controller keeps alive."""
+    """How many workers of each role the controller keeps alive. Prefill and decode pools are
+    both empty or both non-empty (disaggregation needs both ends)."""
     prefill: int = 1
     decode: int = 1
     colocated: int = 0
@@ -70,9 +71,13 @@ class PoolTargets:
         if self.prefill and not self.decode:
             raise ValueError(f"{self.prefill} prefill worker(s) but no decode worker to send their KV to: "
                              "ask for at least one decode worker, or set the prefill pool to 0")
+        if self.decode and not self.prefill:
+            raise ValueError(f"{self.decode} decode worker(s) but no prefill worker: keep at least one prefill "
+                             "worker, or use colocated workers (which prefill themselves); the router only "
+                             "reports healthy with a prefill + decode pair or a colocated worker")
         if self.decode + self.colocated == 0:
-            raise ValueError("no worker could answer requests: ask for at least one decode worker "
-                             "(with --prefill) or one colocated worker")
+            raise ValueError("no worker could answer requests: ask for at least one prefill + decode pair "
+                             "or one colocated worker")
 
     def counts(self) -> dict[str, int]:
         return {"prefill": self.prefill, "decode": self.decode, "both": self.colocated}
@@ -124,6 +129,19 @@ class ControllerConfig:
                              f"{self.unhealthy_after_failures} and {self.replace_after_failures}")
         if self.max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {self.max_events}")
+
+
+def capacity_shortfall(targets: PoolTargets, worker: WorkerSpec, resources: dict[str, float]) -> str | None:
+    """Why the pools cannot all be placed on a cluster with these total Ray `resources`, or None.
+    (Workers beyond the capacity wait for resources: on a fixed cluster, forever.)"""
+    workers = sum(targets.counts().values())
+    needs = {"CPU": workers * worker.num_cpus, "GPU": workers * worker.num_gpus}
+    short = [f"{need:g} {name}s (the cluster has {resources.get(name, 0):g})"
+             for name, need in needs.items() if need > resources.get(name, 0) + 1e-9]
+    if not short:
+        return None
+    return (f"{workers} worker(s) need {' and '.join(short)}; lower the pool sizes, --worker-cpus / "
+            "--worker-gpus, or add nodes")
 
 
 def _pool_name(role: str) -> str:

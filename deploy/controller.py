@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from deploy.config import ROLES, ControllerConfig, PoolTargets
+from deploy.config import ROLES, ControllerConfig, PoolTargets, capacity_shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -416,10 +416,17 @@ class ControllerActor:
 
     async def scale(self, prefill: int | None = None, decode: int | None = None, colocated: int | None = None,
                     drain: list[str] | None = None) -> dict[str, Any]:
+        import ray
         try:
-            return {"targets": self.controller.scale(prefill, decode, colocated, drain or ())}
+            targets = self.controller.scale(prefill, decode, colocated, drain or ())
         except ValueError as exc:
             return {"error": str(exc)}
+        result: dict[str, Any] = {"targets": targets}
+        shortfall = capacity_shortfall(self.controller.targets, self.config.worker, ray.cluster_resources())
+        if shortfall:
+            result["warning"] = f"{shortfall}; the workers that do not fit wait until resources free up"
+            self.controller._event(result["warning"], logging.WARNING)
+        return result
 
     async def wait_settled(self, timeout_s: float) -> dict[str, Any]:
         await self.controller.wait_settled(timeout_s)

@@ -28,7 +28,7 @@ import uvicorn
 
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
                             start_or_join, write_state)
-from deploy.config import DEFAULT_CONTROLLER_NAME, ControllerConfig, PoolTargets, WorkerSpec
+from deploy.config import DEFAULT_CONTROLLER_NAME, ControllerConfig, PoolTargets, WorkerSpec, capacity_shortfall
 
 logger = logging.getLogger("pdserve")
 
@@ -127,6 +127,11 @@ def serve(options: ServeOptions) -> int:
         with stopping:
             session = start_or_join(options.ray)
             spec = options.worker_spec(session["resources"], session["started"])
+            shortfall = capacity_shortfall(options.targets, spec, session["resources"])
+            if shortfall and session["started"]:
+                raise ServeError(shortfall)
+            if shortfall:
+                logger.warning("%s; the workers that do not fit wait until nodes join", shortfall)
             controller = _create_controller(options.controller_config(spec))
             status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids))
     except (ServeError, ValueError) as exc:

@@ -15,7 +15,10 @@ class FakeController:
         self.calls.append(("scale", prefill, decode, colocated, drain))
         if decode == 0 and colocated in (None, 0):
             raise ValueError("1 prefill worker(s) but no decode worker to send their KV to")
-        return {"prefill": 1 if prefill is None else prefill, "decode": 1 if decode is None else decode, "both": 0}
+        targets = {"prefill": 1 if prefill is None else prefill, "decode": 1 if decode is None else decode, "both": 0}
+        if targets["decode"] > 8:
+            return {"targets": targets, "warning": "9 worker(s) need 4.5 CPUs (the cluster has 2)"}
+        return {"targets": targets}
 
     async def wait_settled(self, timeout_s):
         self.calls.append(("wait", timeout_s))
@@ -58,6 +61,8 @@ def test_scale_sets_targets_and_can_wait(admin):
     assert controller.calls == [("scale", None, 2, None, []), ("scale", None, 2, None, ["127.0.0.1:5"]),
                                 ("wait", 30.0)]
     assert client.get("/admin/status", headers=AUTH).json()["targets"]["decode"] == 1
+    response = client.post("/admin/scale", json={"decode": 9}, headers=AUTH)
+    assert response.json()["warning"] == "9 worker(s) need 4.5 CPUs (the cluster has 2)"
 
 
 @pytest.mark.parametrize("body, message, param", [

@@ -38,6 +38,7 @@ def test_engine_flags_reach_every_worker():
 @pytest.mark.parametrize("argv, message", [
     (["--prefill", "2", "--decode", "0"], "2 prefill worker(s) but no decode worker"),
     (["--prefill", "0", "--decode", "0"], "no worker could answer requests"),
+    (["--prefill", "0", "--decode", "1"], "1 decode worker(s) but no prefill worker"),
     (["--decode", "-1"], "the decode pool size must be an integer >= 0, got -1"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
@@ -142,3 +143,21 @@ def test_the_example_cluster_config_passes_rays_validation():
     validate_config(prepare_config(config))
     assert config["provider"]["type"] == "local"
     assert any("ray start --head" in command for command in config["head_start_ray_commands"])
+
+
+def test_capacity_shortfall_names_what_is_missing():
+    from deploy.config import PoolTargets, WorkerSpec, capacity_shortfall
+    cpu = WorkerSpec(num_cpus=0.5)
+    assert capacity_shortfall(PoolTargets(1, 3), cpu, {"CPU": 2.0}) is None
+    assert capacity_shortfall(PoolTargets(2, 3), cpu, {"CPU": 2.0}) == (
+        "5 worker(s) need 2.5 CPUs (the cluster has 2); lower the pool sizes, --worker-cpus / --worker-gpus, "
+        "or add nodes")
+    gpu = WorkerSpec(device="cuda", num_cpus=1, num_gpus=1)
+    assert "2 GPUs (the cluster has 1)" in capacity_shortfall(PoolTargets(1, 1), gpu, {"CPU": 16.0, "GPU": 1.0})
+
+
+def test_a_cluster_at_a_loopback_address_is_joined_in_loopback_mode():
+    from deploy.cluster import is_loopback_address
+    assert is_loopback_address("127.0.0.1:6379") and is_loopback_address("localhost:6379")
+    assert is_loopback_address("[::1]:6379")
+    assert not is_loopback_address("10.0.0.10:6379") and not is_loopback_address("auto")

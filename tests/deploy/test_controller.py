@@ -24,6 +24,11 @@ def addresses(controller, role=None):
     return sorted(m["address"] for m in controller.membership() if role is None or m["role"] == role)
 
 
+def decode_status(controller):
+    [worker] = [w for w in controller.status()["workers"] if w["role"] == "decode"]
+    return worker
+
+
 async def test_start_brings_every_pool_to_its_target():
     controller, launcher, _ = make_controller(prefill=1, decode=2, colocated=1)
     await controller.start()
@@ -105,7 +110,7 @@ async def test_scale_down_drains_until_routers_and_the_worker_are_idle():
 
 
 async def test_a_drain_needs_a_stats_poll_sent_after_the_routers_released_the_worker():
-    controller, launcher, clock = make_controller(prefill=0, decode=2)
+    controller, launcher, clock = make_controller(prefill=1, decode=2)
     await controller.start()
     victim = launcher.of("decode")[0]
     controller.router_sync("r1", {victim.address: {"inflight": 1, "draining": False}})
@@ -124,7 +129,7 @@ async def test_a_drain_needs_a_stats_poll_sent_after_the_routers_released_the_wo
 
 
 async def test_a_stale_router_does_not_hold_a_drain_forever():
-    controller, launcher, clock = make_controller(prefill=0, decode=2, router_stale_after_s=10.0)
+    controller, launcher, clock = make_controller(prefill=1, decode=2, router_stale_after_s=10.0)
     await controller.start()
     victim = launcher.of("decode")[1]
     controller.router_sync("gone-router", {victim.address: {"inflight": 3, "draining": False}})
@@ -141,7 +146,7 @@ async def test_a_stale_router_does_not_hold_a_drain_forever():
 
 
 async def test_a_drain_that_times_out_stops_the_worker_anyway():
-    controller, launcher, clock = make_controller(prefill=0, decode=2, drain_timeout_s=30.0)
+    controller, launcher, clock = make_controller(prefill=1, decode=2, drain_timeout_s=30.0)
     await controller.start()
     victim = launcher.of("decode")[0]
     victim.reply = {"running": 2, "waiting": 1}
@@ -158,7 +163,7 @@ async def test_a_drain_that_times_out_stops_the_worker_anyway():
 
 
 async def test_growing_again_takes_back_a_draining_worker_instead_of_starting_one():
-    controller, launcher, _ = make_controller(prefill=0, decode=2)
+    controller, launcher, _ = make_controller(prefill=1, decode=2)
     await controller.start()
     victim = launcher.of("decode")[0]
     victim.reply = {"running": 1, "waiting": 0}
@@ -166,13 +171,13 @@ async def test_growing_again_takes_back_a_draining_worker_instead_of_starting_on
     controller.scale(decode=1, drain=[victim.address])
     assert DRAINING in dict(states(controller)).values()
     controller.scale(decode=2)
-    assert len(launcher.handles) == 2
+    assert len(launcher.of("decode")) == 2
     assert controller.settled() and not any(m["draining"] for m in controller.membership())
     await controller.shutdown()
 
 
 async def test_without_a_preference_the_least_loaded_worker_is_drained():
-    controller, launcher, _ = make_controller(prefill=0, decode=3)
+    controller, launcher, _ = make_controller(prefill=1, decode=3)
     await controller.start()
     busy, idle, medium = launcher.of("decode")
     busy.reply, idle.reply, medium.reply = {"running": 5}, {"running": 0}, {"running": 2}
@@ -184,7 +189,7 @@ async def test_without_a_preference_the_least_loaded_worker_is_drained():
 
 
 async def test_scaling_down_a_starting_worker_stops_it_instead_of_draining_a_ready_one():
-    controller, launcher, _ = make_controller(prefill=0, decode=1)
+    controller, launcher, _ = make_controller(prefill=1, decode=1)
     await controller.start()
     launcher.plan["decode"] = [{"hold_start": True}]
     controller.scale(decode=2)
@@ -193,20 +198,20 @@ async def test_scaling_down_a_starting_worker_stops_it_instead_of_draining_a_rea
     controller.scale(decode=1)
     await settle()
     assert starting.stopped and not ready.stopped
-    assert controller.settled() and addresses(controller) == [ready.address]
+    assert controller.settled() and addresses(controller, "decode") == [ready.address]
     await controller.shutdown()
 
 
 async def test_an_unresponsive_worker_turns_unhealthy_then_is_replaced():
-    controller, launcher, _ = make_controller(prefill=0, decode=1, unhealthy_after_failures=2,
+    controller, launcher, _ = make_controller(prefill=1, decode=1, unhealthy_after_failures=2,
                                               replace_after_failures=4)
     await controller.start()
     [worker] = launcher.of("decode")
     worker.unresponsive = True
     await controller.tick()
-    assert controller.status()["workers"][0]["healthy"] is True
+    assert decode_status(controller)["healthy"] is True
     await controller.tick()
-    status = controller.status()["workers"][0]
+    status = decode_status(controller)
     assert status["healthy"] is False and "connection refused" in status["last_error"]
     await controller.tick()
     assert not worker.stopped
@@ -214,12 +219,12 @@ async def test_an_unresponsive_worker_turns_unhealthy_then_is_replaced():
     await settle()
     assert worker.stopped
     assert len(launcher.of("decode")) == 2 and controller.settled()
-    assert addresses(controller) == [launcher.of("decode")[1].address]
+    assert addresses(controller, "decode") == [launcher.of("decode")[1].address]
     await controller.shutdown()
 
 
 async def test_a_failing_replacement_backs_off_before_trying_again():
-    controller, launcher, clock = make_controller(prefill=0, decode=1, max_start_backoff_s=60.0)
+    controller, launcher, clock = make_controller(prefill=1, decode=1, max_start_backoff_s=60.0)
     await controller.start()
     launcher.plan["decode"] = [{"fail_start": "out of memory"}, {"fail_start": "out of memory"}]
     launcher.of("decode")[0].die()
@@ -250,18 +255,21 @@ async def test_scale_refuses_what_could_not_serve_and_unknown_workers():
         controller.scale(decode=0)
     with pytest.raises(ValueError, match="no worker could answer requests"):
         controller.scale(prefill=0, decode=0)
+    with pytest.raises(ValueError, match="2 decode worker.s. but no prefill worker"):
+        controller.scale(prefill=0, decode=2)
     with pytest.raises(ValueError, match=r"the decode pool size must be an integer >= 0, got -1"):
         controller.scale(decode=-1)
     with pytest.raises(ValueError, match=r"no worker at 10\.0\.0\.1:1"):
         controller.scale(decode=2, drain=["10.0.0.1:1"])
     assert controller.targets == PoolTargets(1, 1, 0) and len(launcher.handles) == 2
+    assert controller.scale(prefill=0, decode=0, colocated=1) == {"prefill": 0, "decode": 0, "both": 1}
     await controller.shutdown()
     with pytest.raises(ValueError, match="shutting down"):
         controller.scale(decode=2)
 
 
 async def test_wait_settled_reports_whether_the_pools_arrived():
-    controller, launcher, _ = make_controller(prefill=0, decode=1)
+    controller, launcher, _ = make_controller(prefill=1, decode=1)
     await controller.start()
     launcher.plan["decode"] = [{"hold_start": True}]
     controller.scale(decode=2)
