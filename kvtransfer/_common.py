@@ -61,6 +61,15 @@ class BoundedSet:
         return key in self._items
 
 
+async def within(seconds: float, awaitable):
+    """`await awaitable` with a time limit (TimeoutError). Unlike Python 3.11's
+    `asyncio.wait_for`, it never swallows a cancellation that races with completion."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
+
+
 class TaskSet:
     """Keeps fire-and-forget tasks alive and lets the owner cancel them all."""
 
@@ -79,7 +88,13 @@ class TaskSet:
             task.exception()  # retrieved: failures are reported through transfer states
 
     async def cancel_all(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
+        await cancel_and_wait(self._tasks)
+
+
+async def cancel_and_wait(tasks) -> None:
+    """Cancel tasks and wait for them to end, cancelling again any that swallowed it."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, pending = await asyncio.wait(pending, timeout=0.1)

@@ -6,6 +6,8 @@ import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
+from ._common import cancel_and_wait
+
 T = TypeVar("T")
 
 
@@ -91,10 +93,7 @@ class LoopThread:
 
     async def _cancel_tasks(self) -> None:
         current = asyncio.current_task()
-        tasks = [task for task in asyncio.all_tasks() if task is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([task for task in asyncio.all_tasks() if task is not current])
         await self.loop.shutdown_default_executor()
 
 

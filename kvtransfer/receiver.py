@@ -23,7 +23,8 @@ from typing import Iterable, Sequence
 import torch
 
 from . import _protocol as proto
-from ._common import BoundedSet, TaskSet, check_block_ids, check_request_id, normalize_layers
+from ._common import (BoundedSet, TaskSet, check_block_ids, check_request_id, normalize_layers,
+                      within)
 from ._loop import pick_loop
 from ._payload import BlockSink, CacheViews, DataPiece, DiscardSink
 from .addresses import join_address
@@ -314,7 +315,7 @@ class KVReceiver:
             await channel.close()
 
     async def _handshake(self, channel: Channel) -> bool:
-        hello = await asyncio.wait_for(channel.recv_control(), self.config.timeout_s)
+        hello = await within(self.config.timeout_s, channel.recv_control())
         if hello.get("type") != proto.HELLO:
             raise ChannelClosed(f"{channel.peer} did not start with a hello")
         try:
@@ -328,7 +329,7 @@ class KVReceiver:
                                         "layout_mismatch": isinstance(exc, LayoutMismatchError)})
             return False
         await channel.send_control(dict(extra, type=proto.HELLO_OK))
-        await asyncio.wait_for(channel.after_hello_ok(hello), self.config.timeout_s)
+        await within(self.config.timeout_s, channel.after_hello_ok(hello))
         return True
 
     def _why_unknown(self, request_id: str) -> str:

@@ -25,7 +25,8 @@ from typing import Iterable, Sequence
 import torch
 
 from . import _protocol as proto
-from ._common import TaskSet, check_block_ids, check_request_id, normalize_layers
+from ._common import (TaskSet, cancel_and_wait, check_block_ids, check_request_id,
+                      normalize_layers, within)
 from ._loop import pick_loop
 from ._payload import BlockSource, CacheViews, plan_pieces
 from .addresses import Endpoint, parse_address
@@ -317,8 +318,7 @@ class KVSender:
         errors = []
         for transport, endpoint in connection.candidates:
             try:
-                channel = await asyncio.wait_for(transport.connect(ctx, endpoint),
-                                                 self.config.timeout_s)
+                channel = await within(self.config.timeout_s, transport.connect(ctx, endpoint))
             except (OSError, TransferError, asyncio.TimeoutError) as exc:
                 errors.append(f"{endpoint}: {exc or type(exc).__name__}")
                 continue
@@ -337,7 +337,7 @@ class KVSender:
                                         version=proto.PROTOCOL_VERSION,
                                         layout=self.layout.to_wire()))
         try:
-            reply = await asyncio.wait_for(channel.recv_control(), self.config.timeout_s)
+            reply = await within(self.config.timeout_s, channel.recv_control())
         except asyncio.TimeoutError:
             raise TransferError(f"receiver {channel.peer} did not answer the handshake within "
                                 f"{self.config.timeout_s:g} s") from None
@@ -347,7 +347,7 @@ class KVSender:
         if reply.get("type") != proto.HELLO_OK:
             raise TransferError(f"receiver {channel.peer} answered the handshake with "
                                 f"{reply.get('type')!r}")
-        await asyncio.wait_for(channel.after_hello_ok(reply), self.config.timeout_s)
+        await within(self.config.timeout_s, channel.after_hello_ok(reply))
 
     async def _run_connection(self, connection: _ReceiverConnection) -> None:
         reason = "connection closed"
@@ -364,9 +364,7 @@ class KVSender:
             try:
                 done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                writer.cancel()
-                reader.cancel()
-                await asyncio.gather(writer, reader, return_exceptions=True)
+                await cancel_and_wait([writer, reader])
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .._common import cancel_and_wait, within
 from .._payload import BlockSink, BlockSource, DiscardSink, staging_view
 from ..addresses import Endpoint
 from ..status import TransferError
@@ -148,7 +149,7 @@ class _ShmListener(Listener):
                 try:
                     chunk, new_fds, _, _ = socket.recv_fds(conn, _SETUP.size - len(data), 1)
                 except (BlockingIOError, InterruptedError):
-                    await asyncio.wait_for(stream._wait(writable=False), self._ctx.config.timeout_s)
+                    await within(self._ctx.config.timeout_s, stream._wait(writable=False))
                     continue
                 if not chunk:
                     raise ChannelClosed("shm peer closed during setup")
@@ -168,10 +169,7 @@ class _ShmListener(Listener):
         self._on_channel(ShmChannel(stream, _SlotRing(mapping, num_slots, slot_bytes), self._ctx))
 
     async def close(self) -> None:
-        tasks = [self._task, *self._setups]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([self._task, *self._setups])
         self._sock.close()
 
 

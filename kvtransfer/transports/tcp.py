@@ -7,6 +7,7 @@ import asyncio
 import socket
 from typing import Awaitable, Callable
 
+from .._common import cancel_and_wait
 from ..addresses import Endpoint
 from ._stream import AsyncSocket, SocketPayloadChannel
 from .base import Channel, Listener, Transport, TransportContext
@@ -50,8 +51,7 @@ class TcpListener(Listener):
             self._on_socket(conn, f"{peer[0]}:{peer[1]}")
 
     async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         self._sock.close()
 
 

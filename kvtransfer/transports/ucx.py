@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .._common import cancel_and_wait
 from .._loop import LoopThread
 from .._payload import BlockSink, BlockSource, DiscardSink
 from ..addresses import Endpoint
@@ -250,14 +251,11 @@ class UcxChannel(Channel):
             return
         self._closed = True
         self._abort_endpoint()
-        tasks = list(self._payload_sends)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = list(self._payload_sends)
         if self._next_recv is not None:
-            self._next_recv[0].cancel()
-            await asyncio.gather(self._next_recv[0], return_exceptions=True)
+            pending.append(self._next_recv[0])
             self._next_recv = None
+        await cancel_and_wait(pending)
         self._free_buffers = None
         self._recv_buffers = []
 

@@ -24,7 +24,7 @@ TIMEOUT_S = 3.0  # dead/silent peer timeout of the long-lived pairs
 SHORT_TIMEOUT_S = 1.0  # for the dead/silent peer tests
 GUARD_S = 60.0  # hang guard for waits; never a performance bound
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # starts processes
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

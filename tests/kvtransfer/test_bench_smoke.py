@@ -1,0 +1,36 @@
+"""The benchmark's CI-sized run: every available transport moves real blocks between two
+processes, checks them byte for byte, and reports rates next to the ceilings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtransfer import available_transports
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # starts processes
+
+
+def test_benchmark_smoke_reports_every_transport(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kvtransfer_bench.py"),
+                          "--smoke", "--json", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["sizes_mib"] == [1.0, 4.0] and report["layout"]["num_layers"] == 30
+    rows = {(row["transport"], row["size_mib"]): row for row in report["results"]}
+    assert set(rows) == {(name, size) for name in available_transports() for size in (1.0, 4.0)}
+    for (transport, _), row in rows.items():
+        assert row["verified_byte_exact"] is True
+        assert row["ceiling"] == ("memcpy" if transport == "shm" else "socket")
+        assert row["gbps_median"] > 0 and row["ceiling_gbps_median"] > 0
+        assert row["bytes"] == row["blocks"] * 30 * 2 * 16 * 3 * 64 * 4
+    assert "| transport |" in run.stdout and "% of ceiling" in run.stdout

@@ -1,0 +1,315 @@
+"""kvtransfer pieces in one process: layout, config, addresses, message planning, transport
+selection, argument validation, dtypes, and refusals that need no second process."""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+
+import pytest
+import torch
+
+import kvtransfer
+from kvtransfer import (KVLayout, LayoutMismatchError, TransferConfig, TransferError,
+                        TransferState, TransportUnavailableError, available_transports,
+                        create_receiver, create_sender)
+from kvtransfer._payload import BlockSource, CacheViews, DataPiece, DiscardSink, BlockSink, plan_pieces
+from kvtransfer.addresses import parse_address
+from kvtransfer.layout import check_layouts
+from kvtransfer.transports._stream import AsyncSocket, SocketPayloadChannel
+
+from .peer import CacheSpec, is_sentinel, same_bytes, sentinel_caches, source_caches
+
+GUARD_S = 60.0
+SMALL = CacheSpec(num_layers=4, num_blocks=8)
+
+
+def test_layout_from_caches_and_describe():
+    layout = KVLayout.from_caches(source_caches(CacheSpec(), 0))
+    assert layout == KVLayout(30, 48, 16, 3, 64, torch.float32, "cpu")
+    assert layout.chunk_nbytes == 2 * 16 * 3 * 64 * 4
+    assert layout.describe() == ("layers=30 blocks=48 block_size=16 kv_heads=3 head_dim=64 "
+                                 "dtype=float32 device=cpu")
+    assert KVLayout.from_wire(layout.to_wire()) == layout
+
+
+@pytest.mark.parametrize("caches, message", [
+    ([], "empty"),
+    ([torch.zeros(4, 2, 16, 3)], "expected"),
+    ([torch.zeros(4, 3, 16, 3, 64)], "expected"),
+    ([torch.zeros(4, 2, 16, 3, 64), torch.zeros(5, 2, 16, 3, 64)], "all layers must match"),
+    ([torch.zeros(4, 2, 16, 3, 64), torch.zeros(4, 2, 16, 3, 64, dtype=torch.float16)],
+     "all layers must match"),
+    ([torch.zeros(2, 4, 16, 3, 64).transpose(0, 1)], "not contiguous"),
+    ([torch.zeros(4, 2, 64, 3, 16).transpose(2, 4)], "not contiguous"),
+])
+def test_layout_rejects_bad_caches(caches, message):
+    with pytest.raises(ValueError, match=message):
+        KVLayout.from_caches(caches)
+
+
+def test_layout_compatibility_ignores_pool_size_and_device_only():
+    base = KVLayout(30, 100, 16, 3, 64, torch.bfloat16, "cpu")
+    assert base.transfer_compatible(KVLayout(30, 7, 16, 3, 64, torch.bfloat16, "cuda:0"))
+    for other in (KVLayout(29, 100, 16, 3, 64, torch.bfloat16),
+                  KVLayout(30, 100, 32, 3, 64, torch.bfloat16),
+                  KVLayout(30, 100, 16, 4, 64, torch.bfloat16),
+                  KVLayout(30, 100, 16, 3, 128, torch.bfloat16),
+                  KVLayout(30, 100, 16, 3, 64, torch.float16)):
+        assert not base.transfer_compatible(other)
+        with pytest.raises(LayoutMismatchError) as raised:
+            check_layouts(other, base)
+        assert other.describe() in str(raised.value) and base.describe() in str(raised.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"pending_timeout_s": -1.0}, "pending_timeout_s"),
+    ({"host": ""}, "host"),
+    ({"port": 70000}, "port"),
+    ({"max_message_bytes": 10}, "max_message_bytes"),
+    ({"shm_slot_bytes": 10}, "shm_slot_bytes"),
+    ({"shm_num_slots": 0}, "shm_num_slots"),
+])
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransferConfig(**kwargs)
+
+
+def test_config_defaults_detect_a_dead_peer_in_seconds():
+    config = TransferConfig()
+    assert 0 < config.timeout_s <= 10 and config.heartbeat_interval_s < config.timeout_s
+
+
+def test_parse_addresses():
+    endpoints = parse_address("shm://Host-1/123-abc,tcp://10.0.0.5:4000,nccl://h:1?store=2")
+    assert [e.scheme for e in endpoints] == ["shm", "tcp", "nccl"]
+    assert endpoints[0].path == "123-abc" and endpoints[1].port == 4000
+    assert endpoints[2].query == {"store": "2"}
+    assert str(endpoints[1]) == "tcp://10.0.0.5:4000"
+    for bad, message in (("http://x:1", "unknown transport"), ("tcp://x", "no port"),
+                         ("shm://host", "no shared-memory token"), ("", "non-empty")):
+        with pytest.raises(ValueError, match=message):
+            parse_address(bad)
+
+
+@pytest.mark.parametrize("num_layers, num_blocks, max_chunks", [
+    (30, 20, 700), (30, 20, 45), (7, 100, 30), (3, 1, 1), (5, 9, 4)])
+def test_plan_pieces_covers_every_chunk_once(num_layers, num_blocks, max_chunks):
+    layout = KVLayout(num_layers, 200, 16, 3, 64, torch.float32)
+    layers = random.Random(0).sample(range(num_layers), num_layers)
+    pieces = plan_pieces(layers, num_blocks, layout, max_chunks * layout.chunk_nbytes)
+    covered = [(layer, block) for piece in pieces for layer in piece.layers
+               for block in range(piece.block_start, piece.block_end)]
+    assert sorted(covered) == sorted((layer, block) for layer in layers for block in range(num_blocks))
+    assert all(piece.nbytes(layout) <= max_chunks * layout.chunk_nbytes for piece in pieces)
+
+
+def test_plan_pieces_refuses_a_chunk_above_the_limit():
+    layout = KVLayout(2, 4, 16, 3, 64, torch.float32)
+    with pytest.raises(ValueError, match="above the message limit"):
+        plan_pieces([0, 1], 4, layout, layout.chunk_nbytes - 1)
+
+
+def test_available_transports_and_unknown_names():
+    names = available_transports()
+    assert "tcp" in names and "shm" in names
+    assert ("nccl" in names) == torch.distributed.is_available()
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
+        create_receiver("carrier-pigeon", sentinel_caches(SMALL))
+
+
+def test_ucx_without_ucxx_is_a_clear_error(monkeypatch):
+    from kvtransfer.transports import ucx
+
+    def broken_import():
+        raise ImportError("No module named 'ucxx'")
+
+    monkeypatch.setattr(ucx, "_import_ucxx", broken_import)
+    assert "ucx" not in available_transports()
+    with pytest.raises(TransportUnavailableError, match="pip install ucxx-cu12 libucx-cu12"):
+        create_receiver("ucx", sentinel_caches(SMALL))
+    with pytest.raises(TransportUnavailableError, match="No module named 'ucxx'"):
+        create_sender("ucx", sentinel_caches(SMALL))
+
+
+@pytest.fixture
+def tcp_pair():
+    source = source_caches(SMALL, 5)
+    caches = sentinel_caches(SMALL)
+    receiver = create_receiver("tcp", caches, TransferConfig(timeout_s=2.0))
+    sender = create_sender("tcp", source, TransferConfig(timeout_s=2.0))
+    yield receiver, sender, caches, source
+    sender.close()
+    receiver.close()
+
+
+def test_auto_prefers_shm_on_the_same_host_and_falls_back_to_tcp():
+    source = source_caches(SMALL, 1)
+    caches = sentinel_caches(SMALL)
+    with create_receiver("auto", caches) as receiver, create_sender("auto", source) as sender:
+        schemes = [endpoint.scheme for endpoint in parse_address(receiver.address)]
+        assert schemes == ["shm", "tcp"]
+        assert sender.connect(receiver.address) == "shm"
+        elsewhere = receiver.address.replace(parse_address(receiver.address)[0].host, "otherhost", 1)
+        with create_sender("auto", source) as remote_sender:
+            assert remote_sender.connect(elsewhere) == "tcp"
+            receiver.expect("fallback", [3, 4])
+            assert remote_sender.send("fallback", elsewhere, [0, 7], [3, 4]).wait(GUARD_S).ok
+        assert receiver.wait("fallback", GUARD_S).ok
+        assert same_bytes(caches[2][4], source[2][7])
+
+
+def test_sender_without_a_matching_transport_says_what_is_offered():
+    with create_sender("tcp", source_caches(SMALL, 0)) as sender:
+        with pytest.raises(TransportUnavailableError, match="offers shm; this sender uses tcp"):
+            sender.start("r", "shm://somehost/token", [0], [0])
+
+
+def test_argument_validation(tcp_pair):
+    receiver, sender, _, _ = tcp_pair
+    with pytest.raises(ValueError, match="dst_block_ids has duplicate"):
+        receiver.expect("a", [1, 1])
+    with pytest.raises(ValueError, match=r"out of range \(valid: 0..7\)"):
+        receiver.expect("a", [8])
+    with pytest.raises(ValueError, match="layers \\[4\\] out of range"):
+        receiver.expect("a", [1], layers=[4])
+    with pytest.raises(ValueError, match="request_id"):
+        receiver.expect("", [1])
+    receiver.expect("a", [1])
+    with pytest.raises(ValueError, match="already expected"):
+        receiver.expect("a", [2])
+    with pytest.raises(KeyError, match="unknown request id 'nope'"):
+        receiver.poll("nope")
+    with pytest.raises(ValueError, match="2 source blocks but 1 destination"):
+        sender.start("s", receiver.address, [0, 1], [0])
+    with pytest.raises(ValueError, match="src_block_ids"):
+        sender.start("s", receiver.address, [9], [0])
+    sender.start("s", receiver.address, [0], [1], layers=[0, 1])
+    with pytest.raises(ValueError, match="already has a transfer"):
+        sender.start("s", receiver.address, [0], [1])
+    with pytest.raises(ValueError, match=r"layers \[2\] are not part of transfer"):
+        sender.send_layers("s", [2])
+    sender.send_layers("s", [0])
+    with pytest.raises(ValueError, match=r"layers \[0\] of 's' were already sent"):
+        sender.send_layers("s", [0, 1])
+    sender.cancel("s")
+
+
+def test_dst_blocks_or_layers_that_differ_fail_both_sides(tcp_pair):
+    receiver, sender, caches, _ = tcp_pair
+    receiver.expect("blocks", [1, 2])
+    status = sender.send("blocks", receiver.address, [0, 1], [2, 1]).wait(GUARD_S)
+    assert status.state is TransferState.FAILED and "dst_block_ids differ" in status.error
+    assert receiver.wait("blocks", GUARD_S).state is TransferState.FAILED
+    receiver.expect("layers", [3], layers=[0, 1])
+    status = sender.send("layers", receiver.address, [0], [3], layers=[0, 2]).wait(GUARD_S)
+    assert status.state is TransferState.FAILED and "layers differ" in status.error
+    assert "layers differ" in receiver.wait("layers", GUARD_S).error
+    assert all(is_sentinel(cache) for cache in caches)
+
+
+def test_unreachable_receiver_fails_fast_with_a_reason():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{dead_port}"
+    with create_sender("tcp", source_caches(SMALL, 0), TransferConfig(timeout_s=1.0)) as sender:
+        with pytest.raises(TransferError, match="cannot connect to receiver"):
+            sender.connect(address)
+        status = sender.send("x", address, [0], [0]).wait(GUARD_S)
+        assert status.state is TransferState.FAILED and "cannot connect" in status.error
+
+
+def test_wait_layer_is_false_once_cancelled(tcp_pair):
+    receiver, _, _, _ = tcp_pair
+    receiver.expect("gone", [0])
+    assert not receiver.wait_layer("gone", 0, 0.05)
+    receiver.cancel("gone")
+    assert not receiver.wait_layer("gone", 0, GUARD_S)
+
+
+def test_one_sender_feeds_two_receivers():
+    source = source_caches(SMALL, 9)
+    first, second = sentinel_caches(SMALL), sentinel_caches(SMALL)
+    with create_receiver("tcp", first) as one, create_receiver("shm", second) as two, \
+            create_sender("auto", source) as sender:
+        one.expect("r", [0, 1])
+        two.expect("r2", [6])
+        sender.send("r", one.address, [2, 3], [0, 1])
+        sender.send("r2", two.address, [5], [6])
+        assert one.wait("r", GUARD_S).ok and two.wait("r2", GUARD_S).ok
+        assert sender.wait("r", GUARD_S).ok and sender.wait("r2", GUARD_S).ok
+        assert sender.total_bytes_sent == 3 * SMALL.num_layers * SMALL.chunk_nbytes
+        for layer in range(SMALL.num_layers):
+            assert same_bytes(first[layer][1], source[layer][3])
+            assert same_bytes(second[layer][6], source[layer][5])
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches_arrive_byte_exact(transport, dtype):
+    spec = CacheSpec(num_layers=3, num_blocks=6, dtype=dtype)
+    source = source_caches(spec, 2)
+    caches = sentinel_caches(spec)
+    with create_receiver(transport, caches) as receiver, create_sender(transport, source) as sender:
+        receiver.expect("half", [5, 0, 2])
+        sender.send("half", receiver.address, [1, 4, 3], [5, 0, 2])
+        assert receiver.wait("half", GUARD_S).ok
+        for layer in range(spec.num_layers):
+            for src, dst in ((1, 5), (4, 0), (3, 2)):
+                assert same_bytes(caches[layer][dst], source[layer][src])
+        assert is_sentinel(caches[1][1])
+
+
+def test_a_payload_cut_short_by_a_cancel_is_not_counted():
+    """tcp pads the rest of a payload when the sender cancels midway; the trailer byte tells the
+    receiver not to count it, and the stream stays in step for the next message."""
+    spec = CacheSpec(num_layers=2, num_blocks=16)
+    layout = KVLayout.from_caches(source_caches(spec, 0))
+    src_views = CacheViews(source_caches(spec, 3), layout)
+    dst_caches = sentinel_caches(spec)
+    dst_views = CacheViews(dst_caches, layout)
+    piece = DataPiece((0, 1), 0, 16)
+    src_ids, dst_ids = list(range(16)), list(reversed(range(16)))
+    src_index, dst_index = torch.tensor(src_ids), torch.tensor(dst_ids)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair()
+        left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # many syscalls per payload
+        sending = SocketPayloadChannel(AsyncSocket(left, loop, "left"))
+        receiving = SocketPayloadChannel(AsyncSocket(right, loop, "right"))
+        calls = iter([True, True, False])  # active for the header and one syscall, then cancelled
+        cut = BlockSource(src_views, piece, src_ids, src_index, lambda: next(calls, False))
+        header = {"type": "data"}
+        send = loop.create_task(sending.send_data(header, cut))
+        message = await receiving.recv_control()
+        sink = BlockSink(dst_views, piece, dst_ids, dst_index, lambda: True)
+        first = await receiving.recv_data(message, sink)
+        await send
+        whole = BlockSource(src_views, piece, src_ids, src_index, lambda: True)
+        send = loop.create_task(sending.send_data(header, whole))
+        message = await receiving.recv_control()
+        second = await receiving.recv_data(message, sink)
+        await send
+        await sending.close()
+        await receiving.close()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert (first, second) == (False, True)
+    for layer in range(2):
+        for src, dst in zip(src_ids, dst_ids):
+            assert same_bytes(dst_caches[layer][dst], src_views.caches[layer][src])
+
+
+def test_discard_sink_never_writes():
+    sink = DiscardSink(128)
+    assert not sink.is_active() and not sink.scatter_from(torch.zeros(128, dtype=torch.uint8))
+
+
+def test_public_api_is_exported():
+    for name in ("create_sender", "create_receiver", "available_transports", "KVLayout",
+                 "TransferConfig", "TransferState", "TransferStatus", "LayoutMismatchError"):
+        assert hasattr(kvtransfer, name)
