@@ -41,6 +41,8 @@ class WorkerActor:
 
         import ray
         from engine import wire
+        if self._stopped is not None:
+            raise RuntimeError(f"this {self.role} worker was already started")
         logging.basicConfig(level=self.spec.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._stopped = asyncio.Event()
