@@ -1,7 +1,9 @@
 """Disaggregated vs colocated pdserve, same total workers, every workload; JSON and PNG plots.
 
-For each system it starts `pdserve serve` (python -m deploy serve, a local Ray instance, the
-default model on CPU), warms it up, runs the workloads with benchmarks/serve.py, and stops it:
+Starts both systems side by side, each its own `pdserve serve` (python -m deploy serve, a local
+Ray instance, the default model on CPU, workers at nice 0), warms them up, then runs every
+workload on one system right after the other (alternating which goes first), so that both see
+the same background load on a shared machine; the idle one costs little (stats polls).
 
   disaggregated   --prefill 1 --decode 1
   colocated       --prefill 0 --decode 0 --colocated 2
@@ -9,7 +11,7 @@ default model on CPU), warms it up, runs the workloads with benchmarks/serve.py,
   chat          at each of --rates (Poisson), latency percentiles vs request rate
   interference  short streams plus periodic long prompts, TPOT of the short ones over time
   agent         multi-turn tool loops, TTFT per turn, with prefix caching on and off (a second
-                start of each system with --no-prefix-caching runs only this workload)
+                start of both systems with --no-prefix-caching runs only this workload)
 
 Writes <out>/compare.json (summaries, plus the per-request series the plots need) and
 <out>/latency_vs_rate.png, <out>/interference_tpot.png, <out>/agent_ttft_per_turn.png.
@@ -41,6 +43,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.serve import SLO, BenchConfig, run_benchmark  # noqa: E402
 
+# every system: a 0.5 GiB KV cache per worker (~11k tokens of SmolLM2-135M, plenty here), so four
+# workers fit in memory next to each other
+COMMON_SERVE_ARGS = ["--kv-cache-memory-gb", "0.5"]
 SYSTEMS = {
     "disaggregated": ["--prefill", "1", "--decode", "1", "--colocated", "0"],
     "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "2"],
@@ -91,8 +96,10 @@ class ServeProcess:
 
     READY = "pdserve ready: "
 
-    def __init__(self, args: list[str], log_path: Path, state_file: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, state_file: Path, worker_niceness: int | None = 0) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if worker_niceness is not None:  # Ray starts its workers at nice 15 unless told otherwise
+            env["RAY_worker_niceness"] = str(worker_niceness)
         self.command = [sys.executable, "-m", "deploy", "serve", "--port", "0", "--state-file", str(state_file),
                         "--log-level", "warning", *args]
         self._log = open(log_path, "w")
@@ -137,15 +144,23 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def pdserve(system: str, prefix_caching: bool, workdir: Path, extra: list[str]) -> Iterator[tuple[str, list[str]]]:
-    args = [*SYSTEMS[system], *([] if prefix_caching else ["--no-prefix-caching"]), *extra]
-    name = f"{system}{'' if prefix_caching else '-nocache'}"
-    process = ServeProcess(args, workdir / f"{name}.log", workdir / f"{name}.state.json")
+def pdserve_pools(systems: list[str], prefix_caching: bool, workdir: Path, extra: list[str],
+                  worker_niceness: int | None) -> Iterator[dict[str, tuple[str, str]]]:
+    """Start every system at once (each its own `pdserve serve` and local Ray instance);
+    yields {system: (url, the serve command)} when all are ready; stops them all."""
+    processes: dict[str, tuple[ServeProcess, list[str]]] = {}
     try:
-        process.wait_ready(900)
-        yield process.url, ["pdserve", "serve", *args]
+        for system in systems:
+            args = [*SYSTEMS[system], *COMMON_SERVE_ARGS, *([] if prefix_caching else ["--no-prefix-caching"]),
+                    *extra]
+            name = f"{system}{'' if prefix_caching else '-nocache'}"
+            processes[system] = (ServeProcess(args, workdir / f"{name}.log", workdir / f"{name}.state.json",
+                                              worker_niceness), args)
+        yield {system: (process.wait_ready(900), " ".join(["pdserve", "serve", *args]))
+               for system, (process, args) in processes.items()}
     finally:
-        process.stop()
+        for process, _ in processes.values():
+            process.stop()
 
 
 # ---- the runs -----------------------------------------------------------------------------------
@@ -196,29 +211,43 @@ def warm_up(url: str, plan: Plan) -> None:
         run_benchmark(config, "random", plan.warmup_requests, {"input_len": 64, "output_len": 8})
 
 
-def run_system(system: str, plan: Plan, workdir: Path, extra: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"chat": {}, "commands": []}
+def run_side_by_side(systems: list[str], plan: Plan, workdir: Path, extra: list[str],
+                     worker_niceness: int | None) -> dict[str, Any]:
+    """Both systems run at the same time, idle while the other is measured; every workload runs on
+    one right after the other (the order alternating), so both see the same background load."""
+    out: dict[str, Any] = {system: {"chat": {}, "commands": []} for system in systems}
+    turn = [0]
 
-    def run(label: str, workload: str, num_requests: int, rate: float, options: dict[str, Any], seed: int,
-            keep: str) -> dict[str, Any]:
-        out["commands"].append(bench_command(workload, num_requests, rate, plan, options, seed))
-        return slim(bench(url, f"{system} {label}", workload, num_requests, rate, plan, options, seed), keep)
+    def each(label: str, workload: str, num_requests: int, rate: float, options: dict[str, Any], seed: int,
+             keep: str, key: str, urls: dict[str, tuple[str, str]]) -> None:
+        order = systems if turn[0] % 2 == 0 else systems[::-1]
+        turn[0] += 1
+        for system in order:
+            report = slim(bench(urls[system][0], f"{system} {label}", workload, num_requests, rate, plan, options,
+                                seed), keep)
+            if key.startswith("chat:"):
+                out[system]["chat"][key[5:]] = report
+            else:
+                out[system][key] = report
+            out[system]["commands"].append(bench_command(workload, num_requests, rate, plan, options, seed))
 
-    with pdserve(system, True, workdir, extra) as (url, serve_command):
-        out["serve_command"] = " ".join(serve_command)
-        warm_up(url, plan)
+    with pdserve_pools(systems, True, workdir, extra, worker_niceness) as urls:
+        for system in systems:
+            out[system]["serve_command"] = urls[system][1]
+            warm_up(urls[system][0], plan)
         for index, rate in enumerate(plan.rates):
-            out["chat"][f"{rate:g}"] = run(f"chat @ {rate:g} req/s", "chat", plan.chat_requests, rate, plan.chat,
-                                           plan.seed + index, "summary")
-        out["interference"] = run("interference", "interference", plan.interference_requests,
-                                  plan.interference_rate, plan.interference, plan.seed + 100, "interference")
-        out["agent_cache"] = run("agent (prefix caching)", "agent", plan.agent_requests, plan.agent_rate,
-                                 plan.agent, plan.seed + 200, "agent")
-    with pdserve(system, False, workdir, extra) as (url, serve_command):
-        out["serve_command_nocache"] = " ".join(serve_command)
-        warm_up(url, plan)
-        out["agent_nocache"] = run("agent (no prefix caching)", "agent", plan.agent_requests, plan.agent_rate,
-                                   plan.agent, plan.seed + 200, "agent")
+            each(f"chat @ {rate:g} req/s", "chat", plan.chat_requests, rate, plan.chat, plan.seed + index,
+                 "summary", f"chat:{rate:g}", urls)
+        each("interference", "interference", plan.interference_requests, plan.interference_rate,
+             plan.interference, plan.seed + 100, "interference", "interference", urls)
+        each("agent (prefix caching)", "agent", plan.agent_requests, plan.agent_rate, plan.agent, plan.seed + 200,
+             "agent", "agent_cache", urls)
+    with pdserve_pools(systems, False, workdir, extra, worker_niceness) as urls:
+        for system in systems:
+            out[system]["serve_command_nocache"] = urls[system][1]
+            warm_up(urls[system][0], plan)
+        each("agent (no prefix caching)", "agent", plan.agent_requests, plan.agent_rate, plan.agent,
+             plan.seed + 200, "agent", "agent_nocache", urls)
     return out
 
 
@@ -377,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra `pdserve serve` argument for every system (repeatable, e.g. "
                              "--serve-arg=--max-num-batched-tokens=512)")
+    parser.add_argument("--worker-niceness", type=int, default=0,
+                        help="nice value of the Ray worker processes (Ray's own default is 15, which loses every "
+                             "CPU contest on a shared machine); -1: leave Ray's default")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result_path = args.out / "compare.json"
@@ -396,10 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         logs = Path(tempfile.mkdtemp(prefix="pdserve-compare-"))
         print(f"pdserve logs in {logs}", flush=True)
-        for system in systems:
-            print(f"== {system}", flush=True)
-            results["systems"][system] = run_system(system, plan, logs, args.serve_arg)
-            result_path.write_text(json.dumps(results, indent=1))
+        niceness = None if args.worker_niceness < 0 else args.worker_niceness
+        results["worker_niceness"] = niceness
+        results["systems"] = run_side_by_side(systems, plan, logs, args.serve_arg, niceness)
         results["machine_after"] = machine_info()
         results["wall_s"] = time.monotonic() - started
         result_path.write_text(json.dumps(results, indent=1))
