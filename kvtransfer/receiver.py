@@ -446,7 +446,7 @@ class KVReceiver:
                               "(dead or stalled)")
                     for record in list(connection.transfers.values()):
                         self._fail(record, reason, False)
-                    await channel.close()
+                    self._tasks.spawn(channel.close())  # may wait on a blocked group op
                 elif now - channel.last_tx >= config.heartbeat_interval_s:
                     self._tasks.spawn(self._send_quietly(connection, {"type": proto.PING}))
             if config.pending_timeout_s is not None:

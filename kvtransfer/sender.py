@@ -478,7 +478,7 @@ class KVSender:
                               f"{config.timeout_s:g} s (dead or stalled)")
                     for transfer in list(connection.transfers.values()):
                         self._fail(transfer, reason)
-                    await channel.close()
+                    self._tasks.spawn(channel.close())  # may wait on a blocked group op
                 elif (now - channel.last_tx >= config.heartbeat_interval_s
                       and not connection.ping_queued):
                     connection.ping_queued = True

@@ -27,6 +27,7 @@ from .base import Channel, ChannelClosed, Listener, Transport, TransportContext
 from .tcp import TcpListener, open_tcp_socket
 
 _RECEIVER_RANK, _SENDER_RANK = 0, 1
+_PIPELINE_DEPTH = 2  # send staging buffers: gather one while the other is on the wire
 
 
 def _distributed():
@@ -47,6 +48,8 @@ class NcclChannel(StreamChannel):
         self._staging: torch.Tensor | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtransfer-pg")
         self.max_payload_bytes = ctx.config.max_message_bytes
+        self._free_send_buffers: asyncio.Queue[torch.Tensor] | None = None
+        self._send_error: ChannelClosed | None = None
 
     async def accept_hello(self, hello: dict) -> dict:
         remote_device = torch.device(hello["layout"]["device"]).type
@@ -88,6 +91,7 @@ class NcclChannel(StreamChannel):
             raise ChannelClosed(f"process group with {self.peer} failed: {exc}") from exc
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """The receive staging buffer, grown to the largest payload seen."""
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self._ctx.layout.device)
         return self._staging[:nbytes]
@@ -100,12 +104,34 @@ class NcclChannel(StreamChannel):
             torch.cuda.current_stream(tensor.device).synchronize()
 
     async def send_data(self, header: dict, source: BlockSource) -> None:
+        """Gather into a free staging buffer and queue its send on the group thread, which
+        sends in order; the next payload is gathered while this one is on the wire."""
+        if self._free_send_buffers is None:
+            self._free_send_buffers = asyncio.Queue()
+            for _ in range(_PIPELINE_DEPTH):
+                self._free_send_buffers.put_nowait(torch.empty(
+                    self.max_payload_bytes, dtype=torch.uint8, device=self._ctx.layout.device))
+        buffer = await self._free_send_buffers.get()
         async with self.send_lock:
+            if self._send_error is not None:
+                raise self._send_error
             if not source.is_active():
+                self._free_send_buffers.put_nowait(buffer)
                 return
-            staging = source.gather_into(self._staging_buffer(source.nbytes))
+            staged = source.gather_into(buffer)
             await self.stream.send_frame(dict(header, nbytes=source.nbytes))
-            await self._on_group_thread(self._point_to_point, True, staging)
+            sending = self._ctx.loop.run_in_executor(self._executor, self._point_to_point, True,
+                                                      staged)
+            sending.add_done_callback(lambda done: self._sent(done, buffer))
+
+    def _sent(self, done: asyncio.Future, buffer: torch.Tensor) -> None:
+        if done.cancelled() or done.exception() is not None:
+            reason = "cancelled" if done.cancelled() else done.exception()
+            self._send_error = ChannelClosed(f"process group with {self.peer} failed: {reason}")
+            self.stream.close()  # wakes the connection's reader, which reports the failure
+        elif self._free_send_buffers is not None:
+            self.mark_tx()
+            self._free_send_buffers.put_nowait(buffer)
 
     async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
         staging = self._staging_buffer(int(header["nbytes"]))
@@ -128,6 +154,7 @@ class NcclChannel(StreamChannel):
         self._store = None
         self._store_factory = None
         self._staging = None
+        self._free_send_buffers = None
 
 
 class _NcclListener(Listener):
