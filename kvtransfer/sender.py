@@ -20,6 +20,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Iterable, Sequence
 
 import torch
@@ -28,7 +29,7 @@ from . import _protocol as proto
 from ._common import (TaskSet, cancel_and_wait, check_block_ids, check_request_id,
                       normalize_layers, within)
 from ._loop import pick_loop
-from ._payload import BlockSource, CacheViews, plan_pieces
+from ._payload import BlockSource, CacheViews, DataPiece, plan_pieces
 from .addresses import Endpoint, parse_address
 from .config import TransferConfig
 from .layout import KVLayout
@@ -49,6 +50,8 @@ class _OutgoingTransfer:
         self.layer_position = {layer: position for position, layer in enumerate(layers)}
         self.index = torch.tensor(src_block_ids, dtype=torch.int64, device=device)
         self.queued_layers: set[int] = set()
+        self.pending_pieces: deque[DataPiece] = deque()  # planned, not sent yet (loop thread)
+        self.in_rotation = False  # has a "next_piece" turn queued on its connection
         self.blocks_acked = [0] * len(layers)
         self.layers_acked = 0
         self.unacked_messages = 0
@@ -405,27 +408,42 @@ class KVSender:
                     "type": proto.BEGIN, "uid": transfer.uid, "request_id": transfer.request_id,
                     "dst_block_ids": transfer.dst_block_ids, "layers": list(transfer.layers)})
             elif kind == "layers":
-                await self._send_layers_on_loop(channel, transfer, item[2], item[3])
+                self._plan_layers(connection, transfer, item[2], item[3])
+            elif kind == "next_piece":
+                await self._send_next_piece(connection, transfer)
 
-    async def _send_layers_on_loop(self, channel: Channel, transfer: _OutgoingTransfer,
-                                   layers: tuple[int, ...], ready_event) -> None:
+    def _plan_layers(self, connection: _ReceiverConnection, transfer: _OutgoingTransfer,
+                     layers: tuple[int, ...], ready_event) -> None:
+        """Split a layer group into messages; the transfer then takes turns with the other
+        transfers on this connection, one message each, so a large transfer does not hold up
+        a small one."""
         if ready_event is not None:
             torch.cuda.current_stream(torch.device(self.layout.device)).wait_event(ready_event)
-        limit = getattr(channel, "max_payload_bytes", self.config.max_message_bytes)
-        for piece in plan_pieces(layers, len(transfer.src_block_ids), self.layout, limit):
-            if not transfer.active:
-                return
-            with self._lock:
-                if transfer.state is TransferState.PENDING:
-                    transfer.state = TransferState.TRANSFERRING
-                    self._changed.notify_all()
-            transfer.unacked_messages += 1
-            source = BlockSource(self._views, piece, transfer.src_block_ids, transfer.index,
-                                 lambda: transfer.active)
-            await channel.send_data({
-                "type": proto.DATA, "uid": transfer.uid, "request_id": transfer.request_id,
-                "layers": list(piece.layers), "block_start": piece.block_start,
-                "block_end": piece.block_end}, source)
+        limit = getattr(connection.channel, "max_payload_bytes", self.config.max_message_bytes)
+        transfer.pending_pieces.extend(
+            plan_pieces(layers, len(transfer.src_block_ids), self.layout, limit))
+        if not transfer.in_rotation:
+            transfer.in_rotation = True
+            connection.queue.put_nowait(("next_piece", transfer))
+
+    async def _send_next_piece(self, connection: _ReceiverConnection,
+                               transfer: _OutgoingTransfer) -> None:
+        piece = transfer.pending_pieces.popleft()
+        if transfer.pending_pieces:
+            connection.queue.put_nowait(("next_piece", transfer))
+        else:
+            transfer.in_rotation = False
+        with self._lock:
+            if transfer.state is TransferState.PENDING:
+                transfer.state = TransferState.TRANSFERRING
+                self._changed.notify_all()
+        transfer.unacked_messages += 1
+        source = BlockSource(self._views, piece, transfer.src_block_ids, transfer.index,
+                             lambda: transfer.active)
+        await connection.channel.send_data({
+            "type": proto.DATA, "uid": transfer.uid, "request_id": transfer.request_id,
+            "layers": list(piece.layers), "block_start": piece.block_start,
+            "block_end": piece.block_end}, source)
 
     async def _read_loop(self, connection: _ReceiverConnection) -> None:
         channel = connection.channel

@@ -20,6 +20,7 @@ _MAGIC = b"PDKV"
 _MAX_FRAME_JSON = 64 << 20
 _SCRATCH_BYTES = 1 << 20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_GENUINE = memoryview(b"\x01")  # trailer of a payload read entirely from the source blocks
 
 
 def encode_frame(message: dict) -> bytes:
@@ -106,14 +107,15 @@ class AsyncSocket:
         return buffer
 
     async def send_buffers(self, buffers: Sequence[memoryview],
-                           keep_reading: Callable[[], bool] | None = None) -> bool:
-        """Send `buffers` in order. If `keep_reading()` turns False, the remaining bytes are
-        sent as zeros, so the source memory is not read any more; return whether every byte
-        came from `buffers`."""
+                           keep_reading: Callable[[], bool] | None = None,
+                           protected_buffers: int = 0) -> bool:
+        """Send `buffers` in order. If `keep_reading()` turns False once the first
+        `protected_buffers` are out, the remaining bytes are sent as zeros, so the source memory
+        is not read any more; return whether every byte came from `buffers`."""
         lengths = [len(buffer) for buffer in buffers]
         index, offset = 0, 0
         while index < len(buffers):
-            if keep_reading is not None and not keep_reading():
+            if index >= protected_buffers and keep_reading is not None and not keep_reading():
                 await self._send_zeros(sum(lengths[index:]) - offset)
                 return False
             iov = [buffers[index][offset:] if offset else buffers[index]]
@@ -204,14 +206,16 @@ class SocketPayloadChannel(StreamChannel):
             if not source.is_active():
                 return
             if source.supports_chunk_views:
-                buffers = source.chunk_views()
+                payload = source.chunk_views()
             else:
                 staging = torch.empty(source.nbytes, dtype=torch.uint8,
                                       device=source.views.layout.device)
-                buffers = [memoryview(source.gather_into(staging).cpu().numpy())]
-            await self.stream.send_frame(dict(header, nbytes=source.nbytes))
-            genuine = await self.stream.send_buffers(buffers, source.is_active)
-            await self.stream.send_buffers([memoryview(b"\x01" if genuine else b"\x00")])
+                payload = [memoryview(source.gather_into(staging).cpu().numpy())]
+            frame = memoryview(encode_frame(dict(header, nbytes=source.nbytes)))
+            # one gather write: frame, payload, trailer 1; a cancel midway turns the rest of the
+            # payload and the trailer into zeros
+            await self.stream.send_buffers([frame, *payload, _GENUINE], source.is_active,
+                                           protected_buffers=1)
 
     async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
         nbytes = int(header["nbytes"])
@@ -220,12 +224,11 @@ class SocketPayloadChannel(StreamChannel):
         if not sink.is_active():
             await self.stream.discard(nbytes + 1)
             return False
+        trailer = bytearray(1)
         if sink.supports_chunk_views:
-            landed = await self.stream.recv_into(sink.chunk_views(), sink.is_active)
-        else:
-            host = torch.empty(nbytes, dtype=torch.uint8)
-            landed = await self.stream.recv_into([memoryview(host.numpy())])
-            trailer = await self.stream.recv_exact(1)
-            return landed and trailer == b"\x01" and sink.scatter_from(host)
-        trailer = await self.stream.recv_exact(1)
-        return landed and trailer == b"\x01"
+            landed = await self.stream.recv_into([*sink.chunk_views(), memoryview(trailer)],
+                                                 sink.is_active)
+            return landed and trailer == _GENUINE
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        await self.stream.recv_into([memoryview(host.numpy()), memoryview(trailer)])
+        return trailer == _GENUINE and sink.scatter_from(host)

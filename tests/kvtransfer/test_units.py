@@ -313,3 +313,23 @@ def test_public_api_is_exported():
     for name in ("create_sender", "create_receiver", "available_transports", "KVLayout",
                  "TransferConfig", "TransferState", "TransferStatus", "LayoutMismatchError"):
         assert hasattr(kvtransfer, name)
+
+
+def test_a_small_transfer_is_not_stuck_behind_a_large_one():
+    """Transfers on one connection take turns message by message."""
+    spec = CacheSpec(num_layers=30, num_blocks=48)
+    source = source_caches(spec, 4)
+    caches = sentinel_caches(spec)
+    one_chunk = TransferConfig(max_message_bytes=spec.chunk_nbytes)  # 1440 messages for "large"
+    with create_receiver("tcp", caches) as receiver, \
+            create_sender("tcp", source, one_chunk) as sender:
+        sender.connect(receiver.address)
+        receiver.expect("large", list(range(47)))
+        receiver.expect("small", [47], layers=[0])
+        sender.send("large", receiver.address, list(range(47)), list(range(47)))
+        sender.send("small", receiver.address, [47], [47], layers=[0])
+        assert receiver.wait("small", GUARD_S).ok
+        assert receiver.poll("large").layers_done < spec.num_layers
+        assert receiver.wait("large", GUARD_S).ok
+        assert same_bytes(caches[0][47], source[0][47])
+        assert same_bytes(caches[29][46], source[29][46])
