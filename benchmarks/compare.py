@@ -60,15 +60,15 @@ class Plan:
     chat: dict[str, Any] = field(default_factory=lambda: {
         "chat_input_median": 128, "chat_input_sigma": 0.8, "chat_input_max": 768,
         "chat_output_median": 32, "chat_output_sigma": 0.5, "chat_output_max": 96})
-    interference_rate: float = 0.5
-    interference_requests: int = 30
+    interference_rate: float = 0.4
+    interference_requests: int = 24
     interference: dict[str, Any] = field(default_factory=lambda: {
-        "short_input_len": 64, "short_output_len": 48, "long_input_len": 1536, "long_output_len": 4,
-        "long_every": 6})
+        "short_input_len": 64, "short_output_len": 48, "long_input_len": 1024, "long_output_len": 4,
+        "long_every": 8})
     agent_rate: float = 0.25
-    agent_requests: int = 24
+    agent_requests: int = 20
     agent: dict[str, Any] = field(default_factory=lambda: {
-        "agent_turns": 6, "agent_system_tokens": 1024, "agent_tool_result_tokens": 96, "agent_reply_tokens": 12,
+        "agent_turns": 5, "agent_system_tokens": 768, "agent_tool_result_tokens": 96, "agent_reply_tokens": 12,
         "agent_think_time_s": 0.5})
     slo: SLO = field(default_factory=lambda: SLO(ttft_ms=3000, tpot_ms=250))
     warmup_requests: int = 2
