@@ -250,6 +250,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # Everything after `bench` belongs to benchmarks/serve.py, options included (argparse's
+        # REMAINDER does not take a leading `--option`).
+        return run_bench(argparse.Namespace(command="bench", args=argv[1:]))
     args = build_parser().parse_args(argv)
     handlers = {"serve": run_serve, "scale": run_scale, "status": run_status, "bench": run_bench}
     return handlers[args.command](args)
