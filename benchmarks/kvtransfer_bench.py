@@ -210,6 +210,7 @@ def run(args) -> dict:
     base = BenchLayout()
     layout = BenchLayout(num_blocks=max(2 * base.blocks_for(max(sizes)), 16))
 
+    load_before = os.getloadavg()
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
     child = context.Process(target=_sender_main, args=(child_end, layout, args.threads),
@@ -244,9 +245,10 @@ def run(args) -> dict:
     return {
         "layout": asdict(layout), "dtype": "float32", "sizes_mib": sizes,
         "repeats": args.repeats, "threads": args.threads, "transports": transports,
-        "skipped": skipped, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                                     "python": platform.python_version(),
-                                     "torch": torch.__version__},
+        "skipped": skipped,
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                 "python": platform.python_version(), "torch": torch.__version__,
+                 "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "results": results,
     }
 
@@ -281,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.repeats = "1,4", 1
     report = run(args)
     print(format_table(report))
+    print(f"load average (1, 5, 15 min) before {report['host']['load_average_before']}, "
+          f"after {report['host']['load_average_after']} on {report['host']['cpus']} CPUs")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)

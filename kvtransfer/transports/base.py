@@ -10,7 +10,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 from ..addresses import Endpoint
 from ..config import TransferConfig

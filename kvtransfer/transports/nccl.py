@@ -115,6 +115,8 @@ class NcclChannel(StreamChannel):
         async with self.send_lock:
             if self._send_error is not None:
                 raise self._send_error
+            if self.stream.closed or self._free_send_buffers is None:
+                raise ChannelClosed(f"connection to {self.peer} is closed")
             if not source.is_active():
                 self._free_send_buffers.put_nowait(buffer)
                 return

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .._common import cancel_and_wait, within
-from .._payload import BlockSink, BlockSource, DiscardSink, staging_view
+from .._payload import BlockSink, BlockSource, DiscardSink
 from ..addresses import Endpoint
 from ..status import TransferError
 from ._stream import AsyncSocket, StreamChannel
@@ -192,6 +192,9 @@ class ShmTransport(Transport):
         if endpoint.host != this_host():
             raise TransferError(f"shm receiver is on host {endpoint.host!r}, this is {this_host()!r}")
         config = ctx.config
+        if ctx.layout.chunk_nbytes > config.shm_slot_bytes:
+            raise TransferError(f"one KV chunk is {ctx.layout.chunk_nbytes} bytes, above "
+                                f"shm_slot_bytes={config.shm_slot_bytes}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         memfd = -1

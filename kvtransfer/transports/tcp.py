@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Awaitable, Callable
+from typing import Callable
 
 from .._common import cancel_and_wait
 from ..addresses import Endpoint

@@ -188,6 +188,7 @@ class UcxChannel(Channel):
                 self._free_buffers.put_nowait(self._new_buffer())
         buffer = await self._free_buffers.get()
         async with self._send_lock:
+            self._check_open()
             if not source.is_active():
                 self._free_buffers.put_nowait(buffer)
                 return

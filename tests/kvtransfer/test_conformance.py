@@ -9,7 +9,6 @@ import multiprocessing.resource_tracker
 import random
 
 import pytest
-import torch
 
 from kvtransfer import (KVLayout, LayoutMismatchError, TransferConfig, TransferState,
                         available_transports, create_receiver, create_sender)
