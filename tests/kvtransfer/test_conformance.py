@@ -13,8 +13,9 @@ import pytest
 from kvtransfer import (KVLayout, LayoutMismatchError, TransferConfig, TransferState,
                         available_transports, create_receiver, create_sender)
 
-from .peer import (CacheSpec, PeerError, PeerProcess, is_sentinel, kvtransfer_threads,
-                   open_fd_count, same_bytes, sentinel_caches, source_caches, wait_until)
+from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
+                   kvtransfer_threads, open_fd_count, same_bytes, sentinel_caches, source_caches,
+                   wait_until)
 
 TRANSPORTS = available_transports()
 SPEC = CacheSpec()
@@ -43,13 +44,21 @@ def sender_peer(transport):
     peer.close()
 
 
-@pytest.fixture
-def receiver(transport):
+@pytest.fixture(scope="module")
+def shared_receiver(transport):
     caches = sentinel_caches(SPEC)
     receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S))
     receiver.caches = caches
     yield receiver
     receiver.close()
+
+
+@pytest.fixture
+def receiver(shared_receiver):
+    """The module's receiver (one per transport: set-up is slow), its caches reset."""
+    for cache in shared_receiver.caches:
+        cache.fill_(SENTINEL)
+    yield shared_receiver
 
 
 def random_blocks(rng: random.Random, count: int) -> tuple[list[int], list[int]]:

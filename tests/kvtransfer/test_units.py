@@ -333,3 +333,24 @@ def test_a_small_transfer_is_not_stuck_behind_a_large_one():
         assert receiver.wait("large", GUARD_S).ok
         assert same_bytes(caches[0][47], source[0][47])
         assert same_bytes(caches[29][46], source[29][46])
+
+
+@pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx not installed")
+def test_ucx_runtime_is_released_with_its_last_user():
+    """ucxx is process-wide: its loop thread and UCX's own threads and descriptors go away
+    when the last ucx sender or receiver closes."""
+    from .peer import kvtransfer_threads, open_fd_count, wait_until
+    threads, fds = kvtransfer_threads(), open_fd_count()
+    source = source_caches(SMALL, 6)
+    caches = sentinel_caches(SMALL)
+    receiver = create_receiver("ucx", caches)
+    sender = create_sender("ucx", source)
+    assert "kvtransfer-ucx" in kvtransfer_threads()
+    receiver.expect("u", [2])
+    assert sender.send("u", receiver.address, [3], [2]).wait(GUARD_S).ok
+    sender.close()
+    assert "kvtransfer-ucx" in kvtransfer_threads()  # the receiver still uses it
+    receiver.close()
+    assert kvtransfer_threads() == threads
+    assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
+    assert same_bytes(caches[1][2], source[1][3])
