@@ -137,14 +137,20 @@ class AsyncEngine:
                     self._deliver(final, final.request_id)
             elif kind == "call":
                 _, fn, args, future, deliver = command
+                # The call runs even if its caller gave up waiting (its effects, e.g. a finished
+                # import, must happen); marking the future running first means a cancel can no
+                # longer race with setting its result, which would raise here and stop the loop.
+                wanted = future.set_running_or_notify_cancel()
                 try:
                     result = fn(self.engine, *args)
                 except Exception as exc:
-                    future.set_exception(exc)
+                    if wanted:
+                        future.set_exception(exc)
                     continue
                 if deliver and isinstance(result, StreamDelta):
                     self._deliver(result, result.request_id)
-                future.set_result(result)
+                if wanted:
+                    future.set_result(result)
 
     def _wait_for_work(self, timeout: float) -> None:
         self._wakeup.wait(timeout)

@@ -174,3 +174,26 @@ def test_async_engine_streams_and_aborts(llm, prompts, reference):
         assert stats.running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
     finally:
         engine.shutdown()
+
+
+def test_async_engine_survives_a_cancelled_call(llm, prompts, reference):
+    """A caller that cancels its `call` future before the engine thread runs it must not stop the
+    engine loop (it once died with InvalidStateError and failed every open stream)."""
+    engine = AsyncEngine(llm.engine)
+    try:
+        gate = __import__("threading").Event()
+        blocker = engine.call(lambda e: gate.wait(10))  # keeps the engine thread busy
+        cancelled = engine.call(lambda e: e.scheduler.stats())
+        assert cancelled.cancel()
+        gate.set()
+        blocker.result(timeout=30)
+
+        async def collect():
+            tokens = []
+            async for delta in engine.generate(prompts[0], GREEDY):
+                tokens.extend(delta.new_token_ids)
+            return tokens
+
+        assert asyncio.run(collect()) == reference[0]
+    finally:
+        engine.shutdown()
