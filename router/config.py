@@ -60,8 +60,10 @@ class RouterConfig:
     kv_free_low_watermark: float = 0.05
     stats_interval_s: float = 1.0
     rpc_timeout_s: float = 2.0
-    # Consecutive failed polls before a worker is taken out of routing.
-    unhealthy_after_failures: int = 2
+    # Consecutive failed polls before a worker is taken out of routing. Stats are answered between
+    # engine steps, so a long prefill on a loaded CPU can miss a poll or two without the worker being
+    # ill; a refused connection still takes it out at once.
+    unhealthy_after_failures: int = 4
     # When a decode worker does not answer a Generate call, retry on another one this many times.
     max_dispatch_retries: int = 1
     seed: int = 0  # for the power-of-two sampler, so routing is reproducible in tests
