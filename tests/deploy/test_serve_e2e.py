@@ -172,7 +172,9 @@ def test_a_killed_worker_ends_its_stream_with_an_error_and_is_replaced(serve, cl
 def test_sigint_stops_every_process_of_the_cluster(serve):
     tree = descendants(serve.popen.pid)
     assert len(tree) >= 4  # Ray's daemons, the controller and the workers run below the serve process
-    assert len(processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file))) >= len(tree)
+    # The marker must reach the cluster's processes, or the final check below proves nothing
+    # (compared with a count, not with `tree`: short-lived Ray helpers come and go between snapshots).
+    assert len(processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file))) >= 4
     serve.popen.send_signal(signal.SIGINT)
     assert serve.popen.wait(180) == 0, serve.tail()
     assert serve.log[-1].strip() == "pdserve stopped"
