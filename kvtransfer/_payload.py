@@ -76,6 +76,12 @@ class CacheViews:
     def supports_chunk_views(self) -> bool:
         return self._layer_bytes is not None
 
+    def cache_addresses(self) -> tuple[int, ...]:
+        """Where each layer's cache starts in this process (host memory only)."""
+        if self.layout.is_cuda:
+            return ()
+        return tuple(cache.data_ptr() for cache in self.caches)
+
     def chunk_views(self, layers: Sequence[int], block_ids: Sequence[int]) -> list[memoryview]:
         assert self._layer_bytes is not None, "chunk views need caches in host memory"
         size = self.layout.chunk_nbytes

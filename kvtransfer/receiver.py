@@ -246,7 +246,8 @@ class KVReceiver:
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        ctx = TransportContext(self.config, self.layout, loop, "receiver")
+        ctx = TransportContext(self.config, self.layout, loop, "receiver",
+                               self._views.cache_addresses())
         try:
             for transport in self._transports:
                 self._listeners.append(await transport.listen(ctx, self._on_channel))
@@ -409,6 +410,16 @@ class KVReceiver:
         nbytes = int(message["nbytes"])
         sink, record = self._sink_for(connection, message, piece, nbytes)
         landed = await connection.channel.recv_data(message, sink)
+        if isinstance(landed, asyncio.Future):  # the transport confirms it later
+            landed.add_done_callback(lambda verdict: self._landed(
+                connection, record, piece, nbytes, message["uid"],
+                not verdict.cancelled() and verdict.result()))
+        else:
+            self._landed(connection, record, piece, nbytes, message["uid"], landed)
+
+    def _landed(self, connection: _SenderConnection, record: _ExpectedTransfer | None,
+                piece: DataPiece, nbytes: int, uid: str, landed: bool) -> None:
+        """Count a data message whose bytes are in the blocks, and acknowledge it."""
         if record is None or not record.active:
             return
         if not landed:
@@ -429,9 +440,9 @@ class KVReceiver:
             if record.layers_complete == len(record.layers):
                 self._end_locked(record, TransferState.SUCCESS, None)
             self._changed.notify_all()
-        await connection.channel.send_control({
-            "type": proto.ACK, "uid": message["uid"], "layers": list(piece.layers),
-            "block_start": piece.block_start, "block_end": piece.block_end})
+        self._tasks.spawn(self._send_quietly(connection, {
+            "type": proto.ACK, "uid": uid, "layers": list(piece.layers),
+            "block_start": piece.block_start, "block_end": piece.block_end}))
 
     async def _watchdog(self) -> None:
         config = self.config

@@ -317,7 +317,8 @@ class KVSender:
 
     async def _establish(self, connection: _ReceiverConnection) -> Channel:
         loop = asyncio.get_running_loop()
-        ctx = TransportContext(self.config, self.layout, loop, "sender")
+        ctx = TransportContext(self.config, self.layout, loop, "sender",
+                               self._views.cache_addresses())
         errors = []
         for transport, endpoint in connection.candidates:
             try:

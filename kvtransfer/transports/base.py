@@ -30,6 +30,7 @@ class TransportContext:
     layout: KVLayout
     loop: asyncio.AbstractEventLoop
     role: str  # "sender" or "receiver"
+    cache_addresses: tuple[int, ...] = ()  # data_ptr of each layer's cache (host memory only)
 
 
 class Channel(ABC):
@@ -72,9 +73,10 @@ class Channel(ABC):
         midway, the rest of the payload may be filler."""
 
     @abstractmethod
-    async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
+    async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool | asyncio.Future:
         """Receive the payload announced by `header` into `sink`, writing into blocks only while
-        `sink.is_active()`; return whether every byte landed in the blocks."""
+        `sink.is_active()`; return whether every byte landed in the blocks, or a future of that
+        when the transport must confirm with the sender first."""
 
     @abstractmethod
     async def close(self) -> None:

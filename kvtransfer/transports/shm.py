@@ -1,14 +1,15 @@
-"""shm: same-host transfers through a shared-memory ring.
+"""shm: same-host transfers, by cross-memory reads (one copy) or through a shared-memory ring.
 
-Each connection owns a ring of `shm_num_slots` slots of `shm_slot_bytes`, in an anonymous
+See `ShmChannel` for the two data paths. Each connection owns a ring of `shm_num_slots` slots of `shm_slot_bytes`, in an anonymous
 memfd that the sender creates and passes to the receiver over the control socket (SCM_RIGHTS),
 so no name is left in /dev/shm if either process dies. The control socket is a Unix socket in
 the abstract namespace, which also makes the transport unreachable from another host or
 network namespace (an `auto` sender then falls back to tcp).
 
-Data path: the sender gathers a message's chunks into a free slot (one copy) and sends the
-header naming the slot; the receiver scatters the slot into the destination blocks (one copy)
-and hands the slot back. Several slots keep both copies running at once.
+Ring data path: the sender gathers a message's chunks into a free slot (one copy) and sends
+the header naming the slot; the receiver scatters the slot into the destination blocks (one
+copy) and hands the slot back. Several slots keep both copies running at once. The ring's
+pages cost nothing until touched, so a connection on the cross-memory path never allocates it.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import sys
 import uuid
 from typing import Callable
 
+import numpy as np
 import torch
 
+from . import _cma
 from .._common import cancel_and_wait, within
 from .._payload import BlockSink, BlockSource, DiscardSink
 from ..addresses import Endpoint
@@ -33,6 +36,8 @@ from .base import Channel, ChannelClosed, Listener, Transport, TransportContext
 _SETUP = struct.Struct("!4sIQ")  # magic, number of slots, bytes per slot
 _SETUP_MAGIC = b"PDSM"
 _SLOT_FREE = "slot_free"
+_CMA_COPIED = "cma_copied"
+_CMA_VALID = "cma_valid"
 
 
 def _socket_name(token: str) -> str:
@@ -59,27 +64,96 @@ class _SlotRing:
 
 
 class ShmChannel(StreamChannel):
+    """Two data paths, chosen at the handshake:
+
+    cma (one copy): the receiver copies the source chunks straight out of the sender's memory
+    (`_cma.read_chunks`), then reports `cma_copied`; the sender answers `cma_valid`, true only
+    if the transfer was not cancelled meanwhile, and only then does the receiver count the
+    message. A copy that raced with a sender cancel (blocks possibly reused) is never counted.
+    ring (two copies): the sender gathers into a free slot, the receiver scatters from it and
+    hands the slot back. Used when the OS forbids cross-memory reads, or for GPU caches.
+    """
+
     def __init__(self, stream: AsyncSocket, ring: _SlotRing, ctx: TransportContext) -> None:
         super().__init__(stream)
         self.ring = ring
         self.max_payload_bytes = ring.slot_bytes
-        self._device = ctx.layout.device
+        self._ctx = ctx
         self._free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(ring.num_slots):
             self._free_slots.put_nowait(slot)
+        self._cma_peer: dict | None = None  # receiver: the sender's pid and layer addresses
+        self._cma_send = False  # sender: the receiver reads our memory
+        self._probe = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        self._next_seq = 0
+        self._lent: dict[int, BlockSource] = {}  # sender: announced, not yet reported copied
+        self._confirmations: dict[int, asyncio.Future] = {}  # receiver: copied, awaiting verdict
+
+    # ---- handshake ------------------------------------------------------------------------
+
+    def hello_fields(self) -> dict:
+        if not (self._ctx.config.shm_cross_memory_attach and _cma.available()
+                and not self._ctx.layout.is_cuda):
+            return {}
+        return {"cma": {"pid": os.getpid(), "layer_addresses": list(self._ctx.cache_addresses),
+                        "probe_address": int(self._probe.ctypes.data),
+                        "probe": self._probe.tobytes().hex()}}
+
+    async def accept_hello(self, hello: dict) -> dict:
+        offer = hello.get("cma")
+        if (offer and self._ctx.config.shm_cross_memory_attach and not self._ctx.layout.is_cuda
+                and _cma.probe(int(offer["pid"]), int(offer["probe_address"]),
+                               bytes.fromhex(offer["probe"]))):
+            self._cma_peer = {"pid": int(offer["pid"]),
+                              "layer_addresses": [int(a) for a in offer["layer_addresses"]]}
+            return {"shm_mode": "cma"}
+        return {"shm_mode": "ring"}
+
+    async def after_hello_ok(self, reply: dict) -> None:
+        if self._ctx.role == "sender":
+            self._cma_send = reply.get("shm_mode") == "cma"
+
+    @property
+    def mode(self) -> str:
+        return "cma" if (self._cma_send or self._cma_peer) else "ring"
+
+    # ---- control messages of the data paths ------------------------------------------------
 
     async def recv_control(self) -> dict:
         while True:
             message = await self.stream.recv_frame()
-            if message.get("type") != _SLOT_FREE:
+            kind = message.get("type")
+            if kind == _SLOT_FREE:
+                self._free_slots.put_nowait(int(message["slot"]))
+            elif kind == _CMA_COPIED:  # sender: was the lent source still valid?
+                source = self._lent.pop(int(message["seq"]), None)
+                valid = source is not None and source.is_active()
+                await self.send_control({"type": _CMA_VALID, "seq": message["seq"],
+                                         "valid": valid})
+            elif kind == _CMA_VALID:  # receiver: the verdict on a copy
+                verdict = self._confirmations.pop(int(message["seq"]), None)
+                if verdict is not None and not verdict.done():
+                    verdict.set_result(bool(message["valid"]))
+            else:
                 return message
-            self._free_slots.put_nowait(int(message["slot"]))
 
     def _check_open(self) -> None:
         if self.stream.closed:
             raise ChannelClosed(f"connection to {self.peer} is closed")
 
+    # ---- data -----------------------------------------------------------------------------
+
     async def send_data(self, header: dict, source: BlockSource) -> None:
+        if self._cma_send:
+            async with self.send_lock:
+                self._check_open()
+                if not source.is_active():
+                    return
+                seq, self._next_seq = self._next_seq, self._next_seq + 1
+                self._lent[seq] = source
+                await self.stream.send_frame(dict(header, nbytes=source.nbytes, cma_seq=seq,
+                                                  src_block_ids=list(source.block_ids)))
+            return
         slot = await self._free_slots.get()
         self._check_open()
         if not source.is_active():
@@ -87,14 +161,16 @@ class ShmChannel(StreamChannel):
             return
         target = self.ring.slots[slot]
         if source.views.layout.is_cuda:
-            staging = torch.empty(source.nbytes, dtype=torch.uint8, device=self._device)
+            staging = torch.empty(source.nbytes, dtype=torch.uint8, device=self._ctx.layout.device)
             target[:source.nbytes].copy_(source.gather_into(staging))
         else:
             source.gather_into(target)
         await self.send_control(dict(header, nbytes=source.nbytes, slot=slot))
 
-    async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
+    async def recv_data(self, header: dict, sink: BlockSink | DiscardSink):
         self._check_open()
+        if "cma_seq" in header:
+            return await self._recv_cma(header, sink)
         slot = int(header["slot"])
         if not 0 <= slot < self.ring.num_slots or int(header["nbytes"]) > self.ring.slot_bytes:
             raise ChannelClosed(f"{self.peer} named slot {slot} of {header['nbytes']} bytes "
@@ -104,8 +180,44 @@ class ShmChannel(StreamChannel):
         finally:
             await self.send_control({"type": _SLOT_FREE, "slot": slot})
 
+    async def _recv_cma(self, header: dict, sink: BlockSink | DiscardSink):
+        """Copy out of the sender's memory; the result is a future of the sender's verdict."""
+        if self._cma_peer is None:
+            raise ChannelClosed(f"{self.peer} sent a cross-memory message without agreement")
+        seq = int(header["cma_seq"])
+        copied = False
+        if sink.is_active():
+            layout = self._ctx.layout
+            src_ids = np.asarray(header["src_block_ids"], dtype=np.uint64)
+            dst_ids = np.asarray(sink.block_ids, dtype=np.uint64)
+            if len(src_ids) != len(dst_ids):
+                raise ChannelClosed(f"{self.peer} sent {len(src_ids)} source blocks for "
+                                    f"{len(dst_ids)} destinations")
+            chunk = np.uint64(layout.chunk_nbytes)
+            layers = sink.piece.layers
+            remote = np.concatenate([np.uint64(self._cma_peer["layer_addresses"][layer])
+                                     + src_ids * chunk for layer in layers])
+            local = np.concatenate([np.uint64(self._ctx.cache_addresses[layer]) + dst_ids * chunk
+                                    for layer in layers])
+            try:
+                copied = _cma.read_chunks(self._cma_peer["pid"], local, remote,
+                                          layout.chunk_nbytes, sink.is_active)
+            except OSError as exc:
+                raise ChannelClosed(f"cannot read the memory of {self.peer}: {exc}") from None
+        await self.send_control({"type": _CMA_COPIED, "seq": seq})
+        if not copied:
+            return False
+        verdict = asyncio.get_running_loop().create_future()
+        self._confirmations[seq] = verdict
+        return verdict
+
     async def close(self) -> None:
         await super().close()
+        for verdict in self._confirmations.values():
+            if not verdict.done():
+                verdict.set_result(False)
+        self._confirmations.clear()
+        self._lent.clear()
         self.ring.release()
 
 

@@ -17,7 +17,8 @@ from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
                    kvtransfer_threads, open_fd_count, same_bytes, sentinel_caches, source_caches,
                    wait_until)
 
-TRANSPORTS = available_transports()
+# "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them)
+TRANSPORTS = available_transports() + (["shm-cma"] if "shm" in available_transports() else [])
 SPEC = CacheSpec()
 SEED = 1234
 TIMEOUT_S = 3.0  # dead/silent peer timeout of the long-lived pairs
@@ -28,8 +29,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # starts processes
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def transport(request):
+def variant(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def transport(variant):
+    return variant.split("-")[0]
+
+
+@pytest.fixture(scope="module")
+def options(variant):
+    """TransferConfig fields of the variant, on top of the timeouts."""
+    return {"shm_cross_memory_attach": True} if variant == "shm-cma" else {}
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +50,16 @@ def source():
 
 
 @pytest.fixture(scope="module")
-def sender_peer(transport):
-    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=TIMEOUT_S)
+def sender_peer(transport, options):
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=TIMEOUT_S, **options)
     yield peer
     peer.close()
 
 
 @pytest.fixture(scope="module")
-def shared_receiver(transport):
+def shared_receiver(transport, options):
     caches = sentinel_caches(SPEC)
-    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S))
+    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S, **options))
     receiver.caches = caches
     yield receiver
     receiver.close()
@@ -134,9 +146,9 @@ def test_subset_of_layers_in_any_order(receiver, sender_peer, source):
     sender_peer.call("cancel", "subset")
 
 
-def test_mismatched_layout_is_refused_naming_both(receiver, transport):
+def test_mismatched_layout_is_refused_naming_both(receiver, transport, options):
     other = CacheSpec(head_dim=32)
-    sender = create_sender(transport, source_caches(other, 0), TransferConfig(timeout_s=TIMEOUT_S))
+    sender = create_sender(transport, source_caches(other, 0), TransferConfig(timeout_s=TIMEOUT_S, **options))
     try:
         with pytest.raises(LayoutMismatchError) as raised:
             sender.connect(receiver.address)
@@ -232,11 +244,11 @@ def test_sender_cancel_before_any_data(receiver, sender_peer):
     receiver.cancel("early")
 
 
-def test_concurrent_transfers_from_two_senders_do_not_mix(receiver, sender_peer, source, transport):
+def test_concurrent_transfers_from_two_senders_do_not_mix(receiver, sender_peer, source, transport, options):
     rng = random.Random(7)
     local_seed = SEED + 1
     local_source = source_caches(SPEC, local_seed)
-    local = create_sender(transport, local_source, TransferConfig(timeout_s=TIMEOUT_S))
+    local = create_sender(transport, local_source, TransferConfig(timeout_s=TIMEOUT_S, **options))
     try:
         dst_pool = rng.sample(range(SPEC.num_blocks), 40)
         requests = []
@@ -296,11 +308,11 @@ def _assert_nothing_leaked(baseline) -> None:
     assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
 
 
-def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport):
+def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport, options):
     baseline = _baseline(transport)
     caches = sentinel_caches(SPEC)
-    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=SHORT_TIMEOUT_S))
-    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S)
+    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=SHORT_TIMEOUT_S, **options))
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **options)
     try:
         receiver.expect("killed", [5, 6, 7])
         peer.call("start", "killed", receiver.address, [1, 2, 3], [5, 6, 7])
@@ -317,10 +329,10 @@ def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport):
     _assert_nothing_leaked(baseline)
 
 
-def test_silent_sender_fails_within_the_timeout(transport):
+def test_silent_sender_fails_within_the_timeout(transport, options):
     caches = sentinel_caches(SPEC)
-    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=SHORT_TIMEOUT_S))
-    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S)
+    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=SHORT_TIMEOUT_S, **options))
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **options)
     try:
         receiver.expect("silent", [5, 6])
         peer.call("start", "silent", receiver.address, [1, 2], [5, 6])
@@ -336,11 +348,11 @@ def test_silent_sender_fails_within_the_timeout(transport):
         receiver.close()
 
 
-def test_killed_receiver_fails_the_sender_and_nothing_leaks(transport):
+def test_killed_receiver_fails_the_sender_and_nothing_leaks(transport, options):
     baseline = _baseline(transport)
-    peer = PeerProcess("receiver", transport, SPEC, 0, timeout_s=SHORT_TIMEOUT_S)
+    peer = PeerProcess("receiver", transport, SPEC, 0, timeout_s=SHORT_TIMEOUT_S, **options)
     sender = create_sender(transport, source_caches(SPEC, SEED),
-                           TransferConfig(timeout_s=SHORT_TIMEOUT_S))
+                           TransferConfig(timeout_s=SHORT_TIMEOUT_S, **options))
     try:
         peer.call("expect", "orphan", [5, 6, 7])
         sender.start("orphan", peer.address, [1, 2, 3], [5, 6, 7])
@@ -358,9 +370,9 @@ def test_killed_receiver_fails_the_sender_and_nothing_leaks(transport):
     _assert_nothing_leaked(baseline)
 
 
-def test_unstarted_expectation_fails_after_pending_timeout(transport):
+def test_unstarted_expectation_fails_after_pending_timeout(transport, options):
     caches = sentinel_caches(CacheSpec(num_layers=2, num_blocks=4))
-    config = TransferConfig(timeout_s=SHORT_TIMEOUT_S, pending_timeout_s=0.3)
+    config = TransferConfig(timeout_s=SHORT_TIMEOUT_S, pending_timeout_s=0.3, **options)
     with create_receiver(transport, caches, config) as receiver:
         receiver.expect("nobody", [0, 1])
         status = receiver.wait("nobody", GUARD_S)
@@ -368,13 +380,13 @@ def test_unstarted_expectation_fails_after_pending_timeout(transport):
         assert "no sender started the transfer within 0.3 s" in status.error
 
 
-def test_close_releases_threads_and_sockets(transport):
+def test_close_releases_threads_and_sockets(transport, options):
     baseline = _baseline(transport)
     spec = CacheSpec(num_layers=4, num_blocks=8)
     source = source_caches(spec, 3)
     caches = sentinel_caches(spec)
-    receiver = create_receiver(transport, caches)
-    sender = create_sender(transport, source)
+    receiver = create_receiver(transport, caches, TransferConfig(**options))
+    sender = create_sender(transport, source, TransferConfig(**options))
     receiver.expect("one", [7, 0])
     sender.send("one", receiver.address, [2, 5], [7, 0])
     assert receiver.wait("one", GUARD_S).ok

@@ -354,3 +354,59 @@ def test_ucx_runtime_is_released_with_its_last_user():
     assert kvtransfer_threads() == threads
     assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
     assert same_bytes(caches[1][2], source[1][3])
+
+
+def _shm_modes(receiver) -> list[str]:
+    return [connection.channel.mode for connection in receiver._connections]
+
+
+@pytest.mark.parametrize("sender_cma, receiver_cma, mode", [
+    (True, True, "cma"), (True, False, "ring"), (False, True, "ring")])
+def test_shm_uses_cross_memory_reads_only_when_both_sides_enable_them(sender_cma, receiver_cma,
+                                                                      mode):
+    from kvtransfer.transports import _cma
+    if mode == "cma" and not _cma.available():
+        pytest.skip("no process_vm_readv here")
+    source = source_caches(SMALL, 8)
+    caches = sentinel_caches(SMALL)
+    with create_receiver("shm", caches, TransferConfig(shm_cross_memory_attach=receiver_cma)) as receiver, \
+            create_sender("shm", source, TransferConfig(shm_cross_memory_attach=sender_cma)) as sender:
+        receiver.expect("m", [6, 1])
+        handle = sender.start("m", receiver.address, [2, 7], [6, 1])
+        handle.send_layers([3, 0])
+        assert receiver.wait_layer("m", 3, GUARD_S) and receiver.layers_ready("m") == 1
+        handle.send_layers([1, 2])
+        assert receiver.wait("m", GUARD_S).ok and handle.wait(GUARD_S).ok
+        assert _shm_modes(receiver) == [mode]
+        for layer in range(SMALL.num_layers):
+            assert same_bytes(caches[layer][6], source[layer][2])
+            assert same_bytes(caches[layer][1], source[layer][7])
+
+
+def test_a_cross_memory_copy_racing_a_sender_cancel_is_never_counted(monkeypatch):
+    """The receiver copies out of the sender's memory; if the sender cancelled meanwhile (its
+    blocks may already hold another request's data), the copy must not count."""
+    from kvtransfer.transports import _cma, shm
+    if not _cma.available():
+        pytest.skip("no process_vm_readv here")
+    source = source_caches(SMALL, 9)
+    caches = sentinel_caches(SMALL)
+    config = TransferConfig(shm_cross_memory_attach=True)
+    with create_receiver("shm", caches, config) as receiver, \
+            create_sender("shm", source, config) as sender:
+        real_read = _cma.read_chunks
+
+        def read_then_sender_cancels(*args):
+            copied = real_read(*args)
+            sender.cancel("race")
+            return copied
+
+        sender.connect(receiver.address)  # the handshake's probe reads too: patch after it
+        monkeypatch.setattr(shm._cma, "read_chunks", read_then_sender_cancels)
+        receiver.expect("race", [1, 2])
+        sender.send("race", receiver.address, [3, 4], [1, 2])
+        status = receiver.wait("race", GUARD_S)
+        assert _shm_modes(receiver) == ["cma"]
+        assert status.state is TransferState.FAILED, status
+        assert status.bytes_transferred == 0 and status.layers_done == 0
+        assert same_bytes(caches[0][1], source[0][3]), status  # copied, never counted
