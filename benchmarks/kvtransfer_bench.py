@@ -34,7 +34,15 @@ from kvtransfer import (TransferConfig, available_transports, create_receiver,  
                         create_sender)
 
 MIB = 1 << 20
-CEILING_FOR = {"tcp": "socket", "ucx": "socket", "nccl": "socket", "shm": "memcpy"}
+CEILING_FOR = {"tcp": "socket", "ucx": "socket", "nccl": "socket", "shm": "memcpy",
+               "shm-cma": "memcpy"}
+
+
+def variant(name: str, timeout_s: float) -> tuple[str, TransferConfig]:
+    """A transport and its config; "shm-cma" is shm with cross-memory reads enabled."""
+    transport, _, extra = name.partition("-")
+    return transport, TransferConfig(timeout_s=timeout_s,
+                                     shm_cross_memory_attach=(extra == "cma"))
 
 
 @dataclass(frozen=True)
@@ -82,8 +90,8 @@ def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
         elif command == "transfer":
             transport, address, request_id, src_ids, dst_ids, timeout_s = args
             if transport not in senders:
-                senders[transport] = create_sender(transport, caches,
-                                                   TransferConfig(timeout_s=timeout_s))
+                name, config = variant(transport, timeout_s)
+                senders[transport] = create_sender(name, caches, config)
             sender = senders[transport]
             start = time.perf_counter()
             handle = sender.send(request_id, address, src_ids, dst_ids)
@@ -154,7 +162,8 @@ def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout
     """Per size: (transfer seconds, ceiling seconds) pairs, each ceiling measured right before
     its transfer so both see the same machine load."""
     caches = make_caches(layout, seed=None)
-    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=timeout_s))
+    name, config = variant(transport, timeout_s)
+    receiver = create_receiver(name, caches, config)
     rng = random.Random(0)
     per_size, verified = {}, True
     try:
@@ -204,6 +213,8 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     sizes = [float(size) for size in args.sizes.split(",")]
     available = available_transports()
+    if "shm" in available:
+        available.insert(available.index("shm") + 1, "shm-cma")
     transports = available if args.transports == "all" else args.transports.split(",")
     skipped = {name: "not available" for name in transports if name not in available}
     transports = [name for name in transports if name in available]

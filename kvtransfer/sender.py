@@ -38,6 +38,10 @@ from .status import (LayoutMismatchError, TransferError, TransferState, Transfer
 from .transports.base import Channel, ChannelClosed, Transport, TransportContext
 
 
+_MIN_MESSAGES_PER_GROUP = 4  # split a layer group at least this much...
+_MIN_SPLIT_BYTES = 1 << 20  # ...unless its messages would get smaller than this
+
+
 class _OutgoingTransfer:
     def __init__(self, request_id: str, address: str, src_block_ids: list[int],
                  dst_block_ids: list[int], layers: tuple[int, ...], device: str) -> None:
@@ -421,6 +425,10 @@ class KVSender:
         if ready_event is not None:
             torch.cuda.current_stream(torch.device(self.layout.device)).wait_event(ready_event)
         limit = getattr(connection.channel, "max_payload_bytes", self.config.max_message_bytes)
+        # a few messages per group at least, so the copies of staged transports overlap
+        group_bytes = len(layers) * len(transfer.src_block_ids) * self.layout.chunk_nbytes
+        limit = min(limit, max(group_bytes // _MIN_MESSAGES_PER_GROUP, _MIN_SPLIT_BYTES,
+                               self.layout.chunk_nbytes))
         transfer.pending_pieces.extend(
             plan_pieces(layers, len(transfer.src_block_ids), self.layout, limit))
         if not transfer.in_rotation:
