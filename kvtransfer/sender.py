@@ -184,8 +184,9 @@ class KVSender:
 
     def cancel(self, request_id: str) -> None:
         """Stop the transfer in whatever state and forget it (also the way to drop the record
-        of a finished one); the receiver is told. Idempotent. Once it returns the source
-        blocks are not read any more."""
+        of a finished one); the receiver is told. Idempotent. Once it returns this sender does
+        not read the source blocks any more (a cross-memory shm receiver may still be copying
+        them, but it never counts a copy that ended after the cancel)."""
         if self._closed:
             return
         self._loop_thread.call(self._cancel_on_loop, request_id)
