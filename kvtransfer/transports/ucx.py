@@ -71,19 +71,19 @@ class _UcxRuntime:
 
     @classmethod
     def release(cls) -> None:
-        with cls._lock:
+        with cls._lock:  # held throughout, so that no one re-initialises ucxx mid-reset
             cls._users -= 1
             if cls._users > 0 or cls._loop is None:
                 return
             loop, cls._loop = cls._loop, None
-        try:
-            loop.run(cls._reset(), timeout=30.0)
-        finally:
-            loop.stop()
-            # ucxx patches `loop.close` with a closure holding its progress task (and through
-            # it the UCX worker and its progress thread); drop it so both are freed now.
-            vars(loop.loop).pop("close", None)
-            gc.collect()
+            try:
+                loop.run(cls._reset(), timeout=30.0)
+            finally:
+                loop.stop()
+                # ucxx patches `loop.close` with a closure holding its progress task (and
+                # through it the UCX worker and its progress thread); drop it so both go now.
+                vars(loop.loop).pop("close", None)
+                gc.collect()
 
     @staticmethod
     async def _init() -> None:
