@@ -101,8 +101,7 @@ class TorchAttentionBackend:
                                                kv_cache, meta.block_tables[s], seq_lens[s], scale)
         return out
 
-    @staticmethod
-    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float) -> torch.Tensor:
         """One query token per sequence, all sequences in one padded, masked SDPA call."""
         num_seqs, num_heads, head_dim = query.shape
@@ -127,11 +126,13 @@ class TorchAttentionBackend:
         """A chunk of `query_len` tokens of one sequence: causal over its cached prefix + itself."""
         query_len = query.shape[0]
         context_len = seq_len - query_len
+        # Inputs are 4-D ([1, heads, tokens, dim]): torch's CPU flash-attention kernel (which
+        # supports GQA) takes only 4-D inputs; 3-D ones fall back to the far slower math path.
         if context_len == 0:
             out = F.scaled_dot_product_attention(
-                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
                 is_causal=True, scale=scale, enable_gqa=True)
-            return out.transpose(0, 1)
+            return out[0].transpose(0, 1)
         block_size = kv_cache.shape[2]
         keys, values = gather_kv(kv_cache, block_table[: -(-seq_len // block_size)])
         keys, values = keys[:seq_len], values[:seq_len]
@@ -139,6 +140,6 @@ class TorchAttentionBackend:
         query_positions = torch.arange(context_len, seq_len, device=query.device)
         mask = key_positions[None, :] <= query_positions[:, None]
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
