@@ -6,7 +6,7 @@ copy bandwidth measured in the same run (the practical ceiling). Prefill is comp
 tokens/s and attention TFLOP/s (causal, 4 * q * k * head_dim / 2 per head).
 
     python benchmarks/kernel_bench.py                      # CUDA: triton backend, bf16
-    python benchmarks/kernel_bench.py --device cpu         # CPU: torch backend, fp32, small sizes
+    python benchmarks/kernel_bench.py --device cpu         # CPU: cpu backend (native decode kernel), fp32, small sizes
     python benchmarks/kernel_bench.py --json results.json  # also write JSON ($OUT/kernel_bench.json if OUT is set)
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--backend", choices=["torch", "triton"], default=None,
-                        help="default: triton on cuda, torch on cpu")
+    parser.add_argument("--backend", choices=["cpu", "torch", "triton"], default=None,
+                        help="default: triton on cuda, cpu (torch + native decode kernel) on cpu")
     parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--num-heads", type=int, default=None)
     parser.add_argument("--num-kv-heads", type=int, default=None)
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
     # GPU defaults: a Llama-3-8B layer (32 q heads, 8 KV heads, dim 128). CPU: SmolLM2-135M's layer.
     config = BenchConfig(
         device=args.device,
-        backend=args.backend or ("triton" if on_gpu else "torch"),
+        backend=args.backend or ("triton" if on_gpu else "cpu"),
         dtype=args.dtype or ("bf16" if on_gpu else "fp32"),
         num_heads=args.num_heads or (32 if on_gpu else 9),
         num_kv_heads=args.num_kv_heads or (8 if on_gpu else 3),

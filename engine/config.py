@@ -70,7 +70,7 @@ class EngineConfig:
     model: str = "default"
     dtype: str = "auto"
     device: str = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     role: Role = "both"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
@@ -80,8 +80,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         self.device = resolve_device(self.device)
 
     @property
@@ -92,4 +92,4 @@ class EngineConfig:
     def backend_name(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        return "triton" if self.device.startswith("cuda") else "cpu"

@@ -12,7 +12,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("cpu", "torch", "triton")
 
 
 @runtime_checkable
@@ -39,7 +39,8 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Return a fresh backend: "torch" (CPU default and reference) or "triton" (CUDA default).
+    """Return a fresh backend: "cpu" (CPU default: torch plus a native decode kernel), "torch"
+    (plain torch on any device; the reference) or "triton" (CUDA default).
 
     On a machine without CUDA, asking for "triton" turns on Triton's interpreter
     (`TRITON_INTERPRET=1`, unless already set) before the kernels are defined, so the same
@@ -48,6 +49,9 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     if name == "triton":
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -57,8 +61,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def default_backend_name(device: str | torch.device) -> str:
-    """The backend an engine uses when configured with "auto": triton on CUDA, torch elsewhere."""
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+    """The backend an engine uses when configured with "auto": triton on CUDA, cpu elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "cpu"
 
 
 def host_lengths(meta: AttentionMetadata) -> tuple[list[int], list[int]]:

@@ -6,7 +6,9 @@ the wrong KV head or past a sequence's end gives a wrong answer.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -131,6 +133,62 @@ def test_torch_backend_head_dim_128_and_non_contiguous_query():
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
+def _cpu_backend():
+    """The "cpu" backend; its native kernel must have built wherever a C++ compiler exists
+    (CI has one), so a silent fallback to the torch path cannot pass these tests unnoticed."""
+    backend = get_attention_backend("cpu")
+    if not backend.native:
+        if shutil.which("c++") and importlib.util.find_spec("ninja"):
+            pytest.fail("the native CPU decode kernel did not build although a compiler is present")
+        pytest.skip("no C++ compiler/ninja: the cpu backend runs the torch path")
+    return backend
+
+
+# Decode-only batches: (num_heads, num_kv_heads, head_dim, block_size, seq_lens). head_dim 64 and
+# 128 take the AVX-512 path (where the CPU has it); 48 takes the portable loop. One sequence
+# exercises the split-by-head work items, many sequences the whole-sequence items.
+CPU_DECODE_CASES = [
+    (9, 3, 64, 16, [1, 15, 16, 17, 300, 33, 2, 64, 5]),
+    (4, 4, 64, 16, [40]),
+    (8, 2, 128, 32, [1, 31, 32, 33, 90]),
+    (32, 4, 128, 16, [200]),
+    (6, 2, 48, 8, [7, 8, 9, 70]),
+    (16, 2, 64, 16, list(range(1, 40, 3))),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens", CPU_DECODE_CASES)
+def test_cpu_backend_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, seq_lens):
+    backend = _cpu_backend()
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, seed=head_dim + len(seq_lens))
+    expected, expected_cache = reference_attention(batch)
+    out, cache = run_backend(backend, batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    assert torch.equal(cache, expected_cache.to(dtype))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_backend_equals_torch_backend_on_every_batch_kind(case):
+    backend = _cpu_backend()
+    query_lens, seq_lens = CASES[case]
+    batch = make_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, seed=11)
+    expected, _ = run_backend(TorchAttentionBackend(), batch)
+    out, _ = run_backend(backend, batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_backend_rejects_a_query_whose_dtype_differs_from_the_cache():
+    backend = _cpu_backend()
+    batch = make_batch([1, 1], [5, 9])
+    with pytest.raises(RuntimeError, match="dtype"):
+        backend._kernels.paged_decode_attention(batch.query.double(), batch.kv_cache.double(),
+                                                batch.meta.block_tables, batch.meta.seq_lens, SCALE)
+
+
 def test_padding_tokens_are_not_stored_and_give_zeros():
     batch = make_batch([1, 4], [9, 20], seed=3)
     expected, expected_cache = reference_attention(batch)
@@ -167,7 +225,7 @@ def test_store_kv_skips_negative_slots(contiguous):
 
 
 def test_unknown_backend_names_the_choices():
-    with pytest.raises(ValueError, match="choose one of torch, triton"):
+    with pytest.raises(ValueError, match="choose one of cpu, torch, triton"):
         get_attention_backend("flash")
 
 

@@ -1,0 +1,50 @@
+"""Native CPU kernels (C++ in `csrc/`), compiled on first use and cached per machine.
+
+`load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
+ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
+results more slowly. The build takes ~30 s once; later processes load the cached library from
+torch's extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), with a
+file lock so concurrent workers build it only once. The library is compiled for this CPU
+(`-march=native`), so its cache name includes a hash of the source and of the CPU's flags.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled kernels module, or None (logged once) when they cannot be built."""
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+        return load_extension(
+            name=f"pdserve_cpu_kernels_{digest}", sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy.
+            extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        log.warning("pdserve CPU kernels unavailable (%s); decode attention uses the slower torch path",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None

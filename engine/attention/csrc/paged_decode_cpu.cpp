@@ -1,0 +1,307 @@
+// Paged decode attention on the CPU: one query token per sequence, K/V read in place from the
+// paged cache through the block table (no gather copy), fp32 accumulation, any of fp32/bf16/fp16.
+//
+// Shapes (all contiguous): query/out [num_seqs, num_heads, head_dim];
+// kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, width]
+// int32; seq_lens [num_seqs] int32. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
+// Work is split over (sequence, KV head) pairs with at::parallel_for (torch's own thread pool);
+// each pair computes all of its group's query heads, so every K/V row is read once per step.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// Widen a row of `n` elements to fp32. The AVX-512 paths convert 16 lanes at a time (bf16 is
+// the top half of an fp32, so a shift; fp16 through F16C); the loop is the portable fallback.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// dot(a, b) over n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float tail = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  tail = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return tail;
+}
+
+// y += p * x over n floats.
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+#if defined(__AVX512F__)
+// exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
+// (relative error ~2e-9 there), times 2^n. Inputs below -87 give ~0 rather than denormals.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// x <- exp(x - max(x)) over n floats; returns the sum of the results.
+inline float exp_shifted(float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+#if defined(__AVX512F__)
+// Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 instructions per
+// sum instead of a full horizontal reduction for each.
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], u[4], r[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int kMaxGroup = 16;
+
+// One sequence, one KV head, head_dim = 16 * NV: the group's query heads stay in registers, K is
+// scored 16 tokens at a time (reduced with hsum16), V is accumulated in registers.
+template <typename T, int NV>
+void decode_one_head_avx512(const T* q_src, const T* cache, const int32_t* table, int64_t len, int64_t group,
+                            int64_t block_size, int64_t token_stride, int64_t half_stride, int64_t block_stride,
+                            float scale, float* scores, T* out) {
+  __m512 q[kMaxGroup][NV];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < NV; ++v) q[g][v] = _mm512_mul_ps(load16(q_src + g * 16 * NV + 16 * v), sv);
+  // Pass 1: scores[g * len + t]
+  __m512 part[kMaxGroup][16];
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* k_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride;
+    const int64_t in_block = std::min(block_size, len - t0);
+    for (int64_t c0 = 0; c0 < in_block; c0 += 16) {
+      const int64_t n = std::min<int64_t>(16, in_block - c0);
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= n) {
+          for (int64_t g = 0; g < group; ++g) part[g][j] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* k = k_block + (c0 + j) * token_stride;
+        __m512 kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
+          for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[g][v], kv[v], acc);
+          part[g][j] = acc;
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+      for (int64_t g = 0; g < group; ++g) _mm512_mask_storeu_ps(scores + g * len + t0 + c0, mask, hsum16(part[g]));
+    }
+  }
+  float inv[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    const float sum = exp_shifted(scores + g * len, len);
+    inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+  }
+  // Pass 2: out_g = sum_t p_gt v_t / sum_t p_gt
+  __m512 acc[kMaxGroup][NV];
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* v_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + half_stride;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = v_block + j * token_stride;
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * len + t0 + j]);
+        for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+      }
+    }
+  }
+  alignas(64) float row[16 * NV];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(row + 16 * v, _mm512_mul_ps(acc[g][v], _mm512_set1_ps(inv[g])));
+    for (int64_t d = 0; d < 16 * NV; ++d) out[g * 16 * NV + d] = static_cast<T>(row[d]);
+  }
+}
+#endif
+
+template <typename T>
+void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t half_stride = block_size * token_stride;  // K -> V within a block
+  const int64_t block_stride = 2 * half_stride;
+  const T* q_ptr = query.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  // A work item is a sequence and a range of its KV heads. With enough sequences to keep every
+  // thread busy, an item takes all heads, so K/V rows (all heads of a token are contiguous) are
+  // streamed once, in order; a small batch splits by head instead, to use every thread.
+  const int64_t heads_per_item = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = heads_per_item * head_dim;  // floats of one token's K (or V) in this item
+    const int64_t qheads = heads_per_item * group;
+    std::vector<float> q(qheads * head_dim), acc(qheads * head_dim), row(width), scores;
+    std::vector<float> sums(qheads);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / items_per_seq, first_kv_head = (item % items_per_seq) * heads_per_item;
+      const int64_t len = lens[seq];
+      const int32_t* table = tables + seq * table_width;
+      const T* q_src = q_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
+#if defined(__AVX512F__)
+      if ((head_dim == 64 || head_dim == 128) && group <= kMaxGroup) {
+        scores.resize(std::max<int64_t>(len, 1) * group);
+        for (int64_t kh = first_kv_head; kh < first_kv_head + heads_per_item; ++kh) {
+          const int64_t q_off = (seq * num_heads + kh * group) * head_dim;
+          const T* head_cache = cache + kh * head_dim;
+          if (head_dim == 64)
+            decode_one_head_avx512<T, 4>(q_ptr + q_off, head_cache, table, len, group, block_size, token_stride,
+                                         half_stride, block_stride, fscale, scores.data(), out_ptr + q_off);
+          else
+            decode_one_head_avx512<T, 8>(q_ptr + q_off, head_cache, table, len, group, block_size, token_stride,
+                                         half_stride, block_stride, fscale, scores.data(), out_ptr + q_off);
+        }
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < qheads * head_dim; ++i) q[i] = static_cast<float>(q_src[i]) * fscale;
+      scores.resize(std::max<int64_t>(len, 1) * qheads);
+      // Pass 1: scores[h * len + t] = q_h . k_t (h's KV head)
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* k_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + first_kv_head * head_dim;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(k_block + j * token_stride, row.data(), width);
+          for (int64_t h = 0; h < qheads; ++h)
+            scores[h * len + t0 + j] = dot(q.data() + h * head_dim, row.data() + (h / group) * head_dim, head_dim);
+        }
+      }
+      // Softmax per query head (normalized at the end).
+      for (int64_t h = 0; h < qheads; ++h) sums[h] = exp_shifted(scores.data() + h * len, len);
+      // Pass 2: acc_h = sum_t p_t v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* v_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + half_stride +
+                           first_kv_head * head_dim;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(v_block + j * token_stride, row.data(), width);
+          for (int64_t h = 0; h < qheads; ++h)
+            axpy(scores[h * len + t0 + j], row.data() + (h / group) * head_dim, acc.data() + h * head_dim, head_dim);
+        }
+      }
+      T* o = out_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
+      for (int64_t h = 0; h < qheads; ++h) {
+        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(1) == 2, "paged_decode_attention: bad shapes");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode_attention: query and cache dtypes differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
+              "paged_decode_attention: heads/head_dim disagree with the cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode_attention: block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
+              "paged_decode_attention: one block table and length per query");
+  auto q = query.contiguous();
+  auto cache = kv_cache.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty_like(q);
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_kernel<float>(out, q, cache, tables, lens, scale); break;
+    case at::kBFloat16: decode_kernel<c10::BFloat16>(out, q, cache, tables, lens, scale); break;
+    case at::kHalf: decode_kernel<c10::Half>(out, q, cache, tables, lens, scale); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float32/bfloat16/float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache (CPU)");
+}
