@@ -8,9 +8,14 @@ For each: output and total tokens/s of the engine and of transformers `generate`
 64 in arrival order, left-padded, each batch run to its longest request: what static batching
 costs), and their ratio. Also the decode step time at batch 1 against the memory-bandwidth bound
 (weights + KV bytes read per step over a copy bandwidth measured here) and prefill FLOP/s against
-a matmul peak measured here. Prints a table and writes JSON.
+a matmul peak measured here. Prints each result as it is measured, then a table; writes JSON.
 
-    python benchmarks/offline.py [--workloads fixed,mixed] [--json out.json] [--smoke]
+Both sides run in the same dtype (`--dtype`): bfloat16 by default where the CPU computes it
+natively (AVX512-BF16 or AMX, as vLLM's CPU backend does), float32 elsewhere. The engine gets
+`--kv-cache-memory-gb` of KV cache (default 4, vLLM's CPU default), so `mixed` fits without
+preemption; preemptions are reported.
+
+    python benchmarks/offline.py [--workloads fixed,mixed] [--dtype bfloat16] [--json out.json] [--smoke]
 """
 from __future__ import annotations
 
@@ -60,14 +65,16 @@ def make_workload(name: str, vocab_size: int, seed: int, smoke: bool) -> Workloa
     return Workload(name, prompts, outs)
 
 
-def run_engine(llm: LLM, workload: Workload) -> float:
+def run_engine(llm: LLM, workload: Workload) -> tuple[float, int]:
+    """Seconds to generate the workload, and the preemptions it caused."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    preempted_before = llm.engine.scheduler.stats().num_preemptions
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     got = sum(len(o.token_ids) for o in outputs)
     assert got == workload.output_tokens, f"engine produced {got} tokens, expected {workload.output_tokens}"
-    return elapsed
+    return elapsed, llm.engine.scheduler.stats().num_preemptions - preempted_before
 
 
 def run_transformers(hf, workload: Workload, batch_size: int = 64) -> float:
@@ -136,7 +143,7 @@ def decode_step_vs_bandwidth(llm: LLM, context: int, steps: int) -> dict:
             "fraction_of_bound": bound_s / step_s}
 
 
-def prefill_vs_peak(llm: LLM, tokens: int) -> dict:
+def prefill_vs_peak(llm: LLM, tokens: int, dtype: torch.dtype = torch.float32) -> dict:
     engine = llm.engine
     arch = engine.runner.arch
     prompt = [2000 + (i % 7000) for i in range(tokens)]
@@ -152,9 +159,18 @@ def prefill_vs_peak(llm: LLM, tokens: int) -> dict:
     flops = 2 * matmul_params * tokens + attention_flops
     if arch.tie_word_embeddings:
         flops += 2 * arch.vocab_size * arch.hidden_size  # lm_head on the last token only
-    peak = matmul_peak_gflops()
+    peak = matmul_peak_gflops(dtype=dtype)
     return {"tokens": tokens, "seconds": elapsed, "gflops": flops / elapsed / 1e9, "matmul_peak_gflops": peak,
             "fraction_of_peak": flops / elapsed / 1e9 / peak}
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -165,35 +181,50 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--smoke", action="store_true", help="tiny CI-sized run")
     parser.add_argument("--no-transformers", action="store_true", help="engine only")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
+                        help="for both engine and transformers (default: bfloat16 where the CPU has native bf16)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     args = parser.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
 
-    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb,
               enable_prefix_caching=False)
     hf = None
     if not args.no_transformers:
         import transformers
-        hf = transformers.AutoModelForCausalLM.from_pretrained(_model_dir(args.model), torch_dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(_model_dir(args.model),
+                                                               dtype=getattr(torch, dtype)).eval()
     vocab = llm.engine.runner.arch.vocab_size
-    results: dict = {"model": args.model, "threads": torch.get_num_threads(), "workloads": {},
-                     "load_average_before": os.getloadavg()}
+    results: dict = {"model": args.model, "dtype": dtype, "threads": torch.get_num_threads(),
+                     "attention_backend": llm.engine.runner.backend.name,
+                     "native_decode_kernel": bool(getattr(llm.engine.runner.backend, "native", False)),
+                     "workloads": {}, "load_average_before": os.getloadavg()}
+    print(f"model={args.model} dtype={dtype} threads={results['threads']} "
+          f"backend={results['attention_backend']} native decode kernel={results['native_decode_kernel']}", flush=True)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
     for name in args.workloads.split(","):
         workload = make_workload(name, vocab, args.seed, args.smoke)
         total = workload.prompt_tokens + workload.output_tokens
-        engine_s = run_engine(llm, workload)
+        engine_s, preemptions = run_engine(llm, workload)
         row = {"requests": len(workload.prompts), "prompt_tokens": workload.prompt_tokens,
                "output_tokens": workload.output_tokens, "engine_seconds": engine_s,
-               "engine_output_tps": workload.output_tokens / engine_s, "engine_total_tps": total / engine_s}
+               "engine_output_tps": workload.output_tokens / engine_s, "engine_total_tps": total / engine_s,
+               "engine_preemptions": preemptions}
+        print(f"{name}: engine {engine_s:.1f} s, {total / engine_s:.1f} total tok/s "
+              f"({preemptions} preemptions)", flush=True)
         if hf is not None:
             hf_s = run_transformers(hf, workload)
             row.update({"transformers_seconds": hf_s, "transformers_output_tps": workload.output_tokens / hf_s,
                         "transformers_total_tps": total / hf_s, "speedup": hf_s / engine_s})
+            print(f"{name}: transformers {hf_s:.1f} s, {total / hf_s:.1f} total tok/s -> "
+                  f"speedup {hf_s / engine_s:.2f}x", flush=True)
         results["workloads"][name] = row
     results["decode_batch1"] = decode_step_vs_bandwidth(llm, context=64 if args.smoke else 512,
                                                         steps=8 if args.smoke else 32)
-    results["prefill"] = prefill_vs_peak(llm, tokens=64 if args.smoke else 1024)
+    results["prefill"] = prefill_vs_peak(llm, tokens=64 if args.smoke else 1024, dtype=getattr(torch, dtype))
     results["load_average_after"] = os.getloadavg()
     print_table(results)
     if args.json:
@@ -207,7 +238,7 @@ def _model_dir(model: str) -> str:
 
 
 def print_table(results: dict) -> None:
-    print(f"\nmodel={results['model']} threads={results['threads']} load average before/after "
+    print(f"\nmodel={results['model']} dtype={results['dtype']} threads={results['threads']} load average before/after "
           f"{results['load_average_before'][0]:.1f}/{results['load_average_after'][0]:.1f}")
     print(f"{'workload':<8} {'reqs':>5} {'engine out/s':>13} {'engine tot/s':>13} {'hf out/s':>9} {'hf tot/s':>9} {'speedup':>8}")
     for name, row in results["workloads"].items():
