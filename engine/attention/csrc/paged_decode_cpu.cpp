@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -124,6 +125,14 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Prefetch `rows` rows of `lines` cache lines each, `stride` elements apart, into L1.
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t lines) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t l = 0; l < lines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(first + r * stride) + 64 * l, _MM_HINT_T0);
+}
+
 constexpr int kMaxGroup = 16;
 
 // One sequence, one KV head, head_dim = 16 * NV: the group's query heads stay in registers, K is
@@ -136,11 +145,26 @@ void decode_one_head_avx512(const T* q_src, const T* cache, const int32_t* table
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < group; ++g)
     for (int v = 0; v < NV; ++v) q[g][v] = _mm512_mul_ps(load16(q_src + g * 16 * NV + 16 * v), sv);
-  // Pass 1: scores[g * len + t]
+  // Pass 1: scores[g * len + t]. With AVX512-BF16, bf16 q.k runs as pairwise bf16 dot products
+  // accumulated in fp32 (vdpbf16ps: exact products, like widening first) and is scaled after.
+#if defined(__AVX512BF16__)
+  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16>;
+  __m512i q_bf16[kMaxGroup][NV / 2 > 0 ? NV / 2 : 1];
+  if constexpr (kDotBf16)
+    for (int64_t g = 0; g < group; ++g)
+      for (int v = 0; v < NV / 2; ++v)
+        q_bf16[g][v] = _mm512_loadu_si512(reinterpret_cast<const void*>(q_src + g * 16 * NV + 32 * v));
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  const int64_t row_lines = (16 * NV * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   __m512 part[kMaxGroup][16];
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* k_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride;
     const int64_t in_block = std::min(block_size, len - t0);
+    // Blocks are scattered, so the hardware prefetcher cannot see the next one coming.
+    if (t0 + block_size < len) prefetch_rows(cache + static_cast<int64_t>(table[t0 / block_size + 1]) * block_stride,
+                                             block_size, token_stride, row_lines);
     for (int64_t c0 = 0; c0 < in_block; c0 += 16) {
       const int64_t n = std::min<int64_t>(16, in_block - c0);
       for (int64_t j = 0; j < 16; ++j) {
@@ -149,16 +173,33 @@ void decode_one_head_avx512(const T* q_src, const T* cache, const int32_t* table
           continue;
         }
         const T* k = k_block + (c0 + j) * token_stride;
-        __m512 kv[NV];
-        for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
-          for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[g][v], kv[v], acc);
-          part[g][j] = acc;
+        if constexpr (kDotBf16) {
+#if defined(__AVX512BF16__)
+          __m512i kr[NV / 2 > 0 ? NV / 2 : 1];
+          for (int v = 0; v < NV / 2; ++v) kr[v] = _mm512_loadu_si512(reinterpret_cast<const void*>(k + 32 * v));
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int v = 0; v < NV / 2; ++v)
+              acc = _mm512_dpbf16_ps(acc, (__m512bh)q_bf16[g][v], (__m512bh)kr[v]);
+            part[g][j] = acc;
+          }
+#endif
+        } else {
+          __m512 kv[NV];
+          for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
+            for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[g][v], kv[v], acc);
+            part[g][j] = acc;
+          }
         }
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-      for (int64_t g = 0; g < group; ++g) _mm512_mask_storeu_ps(scores + g * len + t0 + c0, mask, hsum16(part[g]));
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 sums16 = hsum16(part[g]);
+        if constexpr (kDotBf16) sums16 = _mm512_mul_ps(sums16, sv);
+        _mm512_mask_storeu_ps(scores + g * len + t0 + c0, mask, sums16);
+      }
     }
   }
   float inv[kMaxGroup];
@@ -173,6 +214,9 @@ void decode_one_head_avx512(const T* q_src, const T* cache, const int32_t* table
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const T* v_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + half_stride;
     const int64_t n = std::min(block_size, len - t0);
+    if (t0 + block_size < len)
+      prefetch_rows(cache + static_cast<int64_t>(table[t0 / block_size + 1]) * block_stride + half_stride, block_size,
+                    token_stride, row_lines);
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = v_block + j * token_stride;
       __m512 vv[NV];
