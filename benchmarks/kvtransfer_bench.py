@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.kv_cache import advise_huge_pages  # noqa: E402
 from kvtransfer import (TransferConfig, available_transports, create_receiver,  # noqa: E402
                         create_sender)
 
@@ -66,13 +67,23 @@ class BenchLayout:
         return max(1, round(size_mib * MIB / self.block_nbytes))
 
 
+def _allocate(shape, dtype=torch.float32) -> torch.Tensor:
+    """Uninitialized CPU memory in transparent huge pages where Linux offers them, as the engine
+    allocates its KV cache (`engine.kv_cache`); `PDSERVE_BENCH_SMALL_PAGES=1` measures 4 KiB pages."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if os.environ.get("PDSERVE_BENCH_SMALL_PAGES") != "1":
+        advise_huge_pages(tensor)
+    return tensor
+
+
 def make_caches(layout: BenchLayout, seed: int | None) -> list[torch.Tensor]:
     shape = (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads,
              layout.head_dim)
+    data = _allocate(shape)
     if seed is None:
-        return list(torch.zeros(shape).unbind(0))
+        return list(data.zero_().unbind(0))
     generator = torch.Generator().manual_seed(seed)
-    return list(torch.randn(shape, generator=generator).unbind(0))
+    return list(data.normal_(generator=generator).unbind(0))
 
 
 def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
@@ -149,8 +160,8 @@ class SocketCeiling:
 
 
 def measure_memcpy(nbytes: int) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    src = _allocate((nbytes,), torch.uint8).random_(0, 255)
+    dst = _allocate((nbytes,), torch.uint8)
     dst.copy_(src)  # first touch of the pages
     start = time.perf_counter()
     dst.copy_(src)

@@ -23,6 +23,8 @@ class TransferConfig:
         by the sender) when both sides enable it and the OS permits it; else the ring. Off by
         default: on caches in 4 KiB pages it measured slower end to end than the ring (see
         kvtransfer/README.md); with huge pages it is the faster one.
+    shm_copy_threads: threads a receiver splits each cross-memory copy over (the kernel's
+        page-by-page copy runs well below memory bandwidth on one thread).
     """
 
     timeout_s: float = 5.0
@@ -34,6 +36,7 @@ class TransferConfig:
     shm_slot_bytes: int = 16 << 20
     shm_num_slots: int = 4
     shm_cross_memory_attach: bool = False
+    shm_copy_threads: int = 2
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -48,6 +51,8 @@ class TransferConfig:
             raise ValueError(f"max_message_bytes must be >= 4096, got {self.max_message_bytes}")
         if self.shm_slot_bytes < 4096:
             raise ValueError(f"shm_slot_bytes must be >= 4096, got {self.shm_slot_bytes}")
+        if self.shm_copy_threads < 1:
+            raise ValueError(f"shm_copy_threads must be >= 1, got {self.shm_copy_threads}")
         if self.shm_num_slots < 1:
             raise ValueError(f"shm_num_slots must be >= 1, got {self.shm_num_slots}")
 

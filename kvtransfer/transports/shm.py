@@ -200,8 +200,10 @@ class ShmChannel(StreamChannel):
             local = np.concatenate([np.uint64(self._ctx.cache_addresses[layer]) + dst_ids * chunk
                                     for layer in layers])
             try:
-                copied = _cma.read_chunks(self._cma_peer["pid"], local, remote,
-                                          layout.chunk_nbytes, sink.is_active)
+                # On the loop thread, blocking it: a receiver cancel is handled on this loop, so
+                # it cannot release the destination blocks while the copy writes into them.
+                copied = _cma.read_chunks(self._cma_peer["pid"], local, remote, layout.chunk_nbytes,
+                                          sink.is_active, threads=self._ctx.config.shm_copy_threads)
             except OSError as exc:
                 raise ChannelClosed(f"cannot read the memory of {self.peer}: {exc}") from None
         await self.send_control({"type": _CMA_COPIED, "seq": seq})

@@ -396,8 +396,8 @@ def test_a_cross_memory_copy_racing_a_sender_cancel_is_never_counted(monkeypatch
             create_sender("shm", source, config) as sender:
         real_read = _cma.read_chunks
 
-        def read_then_sender_cancels(*args):
-            copied = real_read(*args)
+        def read_then_sender_cancels(*args, **kwargs):
+            copied = real_read(*args, **kwargs)
             sender.cancel("race")
             return copied
 
@@ -410,3 +410,32 @@ def test_a_cross_memory_copy_racing_a_sender_cancel_is_never_counted(monkeypatch
         assert status.state is TransferState.FAILED, status
         assert status.bytes_transferred == 0 and status.layers_done == 0
         assert same_bytes(caches[0][1], source[0][3]), status  # copied, never counted
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cross_memory_reads_split_over_threads_copy_every_chunk(threads):
+    """`read_chunks` over several threads (this process reading itself) copies each chunk to its
+    place, more than one IOV_MAX batch included, and copies nothing once told to stop."""
+    import os
+
+    import numpy as np
+
+    from kvtransfer.transports import _cma
+    if not _cma.available():
+        pytest.skip("no process_vm_readv here")
+    chunk, count = 64, 2500  # > 2 batches of 1024 iovecs
+    source = np.random.default_rng(threads).integers(0, 255, size=count * chunk, dtype=np.uint8)
+    dest = np.zeros_like(source)
+    order = np.random.default_rng(7).permutation(count)
+    remote = source.ctypes.data + order.astype(np.uint64) * chunk
+    local = dest.ctypes.data + np.arange(count, dtype=np.uint64) * chunk
+    assert _cma.read_chunks(os.getpid(), local, remote, chunk, lambda: True, threads=threads)
+    assert np.array_equal(dest.reshape(count, chunk), source.reshape(count, chunk)[order])
+    dest[:] = 0
+    assert not _cma.read_chunks(os.getpid(), local, remote, chunk, lambda: False, threads=threads)
+    assert not dest.any()
+
+
+def test_shm_copy_threads_is_validated():
+    with pytest.raises(ValueError, match="shm_copy_threads"):
+        TransferConfig(shm_copy_threads=0)
