@@ -31,16 +31,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engine.kv_cache import advise_huge_pages  # noqa: E402
-from kvtransfer import (TransferConfig, available_transports, create_receiver,  # noqa: E402
-                        create_sender)
+from kvtransfer import (TransferConfig, allocate_shared, available_transports,  # noqa: E402
+                        create_receiver, create_sender)
 
 MIB = 1 << 20
 CEILING_FOR = {"tcp": "socket", "ucx": "socket", "nccl": "socket", "shm": "memcpy",
-               "shm-cma": "memcpy"}
+               "shm-cma": "memcpy", "shm-mapped": "memcpy"}
 
 
 def variant(name: str, timeout_s: float) -> tuple[str, TransferConfig]:
-    """A transport and its config; "shm-cma" is shm with cross-memory reads enabled."""
+    """A transport and its config. shm variants: "shm" is the ring (cross-memory reads off, no
+    shared caches), "shm-cma" reads the sender's memory with process_vm_readv, "shm-mapped"
+    maps the sender's caches, which lie in shared memory (a memfd), as a prefill worker's do."""
     transport, _, extra = name.partition("-")
     return transport, TransferConfig(timeout_s=timeout_s,
                                      shm_cross_memory_attach=(extra == "cma"))
@@ -86,6 +88,17 @@ def make_caches(layout: BenchLayout, seed: int | None) -> list[torch.Tensor]:
     return list(data.normal_(generator=generator).unbind(0))
 
 
+def make_shared_caches(layout: BenchLayout, seed: int):
+    """`make_caches(layout, seed)`'s content in shared memory: (caches, SharedMemory, keep-alive)."""
+    plain = make_caches(layout, seed)
+    nbytes = sum(cache.numel() * cache.element_size() for cache in plain)
+    raw, shared, mapping = allocate_shared(nbytes)
+    whole = raw.view(torch.float32).view(layout.num_layers, *plain[0].shape)
+    for layer, cache in enumerate(plain):
+        whole[layer].copy_(cache)
+    return list(whole.unbind(0)), shared, (raw, mapping)
+
+
 def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
     """The sender process: answers commands from the receiver process."""
     torch.set_num_threads(threads)
@@ -102,7 +115,12 @@ def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
             transport, address, request_id, src_ids, dst_ids, timeout_s = args
             if transport not in senders:
                 name, config = variant(transport, timeout_s)
-                senders[transport] = create_sender(name, caches, config)
+                if transport == "shm-mapped":  # caches in a memfd, as a prefill worker has them
+                    shared_caches, shared, keep_alive = make_shared_caches(layout, seed=1)
+                    senders[transport] = create_sender(name, shared_caches, config, shared_memory=shared)
+                    senders[transport].keep_alive = keep_alive
+                else:
+                    senders[transport] = create_sender(name, caches, config)
             sender = senders[transport]
             start = time.perf_counter()
             handle = sender.send(request_id, address, src_ids, dst_ids)
@@ -225,7 +243,7 @@ def run(args) -> dict:
     sizes = [float(size) for size in args.sizes.split(",")]
     available = available_transports()
     if "shm" in available:
-        available.insert(available.index("shm") + 1, "shm-cma")
+        available[available.index("shm") + 1:available.index("shm") + 1] = ["shm-cma", "shm-mapped"]
     transports = available if args.transports == "all" else args.transports.split(",")
     skipped = {name: "not available" for name in transports if name not in available}
     transports = [name for name in transports if name in available]

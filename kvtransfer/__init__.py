@@ -14,12 +14,13 @@ from .factory import (TRANSPORT_NAMES, available_transports, create_receiver, cr
 from .layout import KVLayout
 from .receiver import KVReceiver
 from .sender import KVSender, TransferHandle
+from .shared_memory import SharedMemory, allocate_shared
 from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
                      TransportUnavailableError)
 
 __all__ = [
-    "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError", "TRANSPORT_NAMES",
+    "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError", "SharedMemory", "TRANSPORT_NAMES",
     "TransferConfig", "TransferError", "TransferHandle", "TransferState", "TransferStatus",
-    "TransportUnavailableError", "available_transports", "create_receiver", "create_sender",
+    "TransportUnavailableError", "allocate_shared", "available_transports", "create_receiver", "create_sender",
     "transport_unavailable_reason",
 ]

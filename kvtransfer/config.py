@@ -25,6 +25,10 @@ class TransferConfig:
         kvtransfer/README.md); with huge pages it is the faster one.
     shm_copy_threads: threads a receiver splits each cross-memory copy over (the kernel's
         page-by-page copy runs well below memory bandwidth on one thread).
+    shm_mapped: when the sender's caches lie in shared memory (`create_sender(...,
+        shared_memory=...)`), let a same-host receiver map them read-only and copy blocks
+        straight out (one memcpy per chunk; preferred over cross-memory reads and the ring).
+        Both sides must allow it.
     """
 
     timeout_s: float = 5.0
@@ -37,6 +41,7 @@ class TransferConfig:
     shm_num_slots: int = 4
     shm_cross_memory_attach: bool = False
     shm_copy_threads: int = 2
+    shm_mapped: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -17,6 +17,7 @@ import torch
 
 from .config import TransferConfig
 from .layout import KVLayout
+from .shared_memory import SharedMemory
 from .receiver import KVReceiver
 from .sender import KVSender
 from .status import TransportUnavailableError
@@ -89,9 +90,11 @@ def create_receiver(transport: str, layer_caches: Sequence[torch.Tensor],
 
 
 def create_sender(transport: str, layer_caches: Sequence[torch.Tensor],
-                  config: TransferConfig | None = None) -> KVSender:
-    """A sender over `transport` ("tcp", "shm", "ucx", "nccl" or "auto")."""
+                  config: TransferConfig | None = None,
+                  shared_memory: SharedMemory | None = None) -> KVSender:
+    """A sender over `transport` ("tcp", "shm", "ucx", "nccl" or "auto"). `shared_memory`: the
+    shared file the (host) caches lie in, which lets shm receivers copy straight out of them."""
     layout = KVLayout.from_caches(layer_caches)
     names = auto_sender_transports(layout) if transport == "auto" else [transport]
     return KVSender([_make(name) for name in names], layer_caches, config,
-                    transport_name=transport)
+                    transport_name=transport, shared_memory=shared_memory)

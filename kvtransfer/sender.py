@@ -33,6 +33,7 @@ from ._payload import BlockSource, CacheViews, DataPiece, plan_pieces
 from .addresses import Endpoint, parse_address
 from .config import TransferConfig
 from .layout import KVLayout
+from .shared_memory import SharedMemory
 from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
                      TransportUnavailableError)
 from .transports.base import Channel, ChannelClosed, Transport, TransportContext
@@ -87,9 +88,15 @@ class KVSender:
     """Sends KV blocks from `layer_caches`. Create with `kvtransfer.create_sender`."""
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
-                 config: TransferConfig | None = None, transport_name: str | None = None) -> None:
+                 config: TransferConfig | None = None, transport_name: str | None = None,
+                 shared_memory: SharedMemory | None = None) -> None:
         self.config = config or TransferConfig()
         self.layout = KVLayout.from_caches(layer_caches)
+        if shared_memory is not None and not all(
+                shared_memory.covers(cache.data_ptr(), cache.numel() * cache.element_size())
+                for cache in layer_caches):
+            raise ValueError("shared_memory must contain every layer cache")
+        self.shared_memory = None if self.layout.is_cuda else shared_memory
         if self.layout.chunk_nbytes > self.config.max_message_bytes:
             raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
                              f"max_message_bytes={self.config.max_message_bytes}")
@@ -323,7 +330,7 @@ class KVSender:
     async def _establish(self, connection: _ReceiverConnection) -> Channel:
         loop = asyncio.get_running_loop()
         ctx = TransportContext(self.config, self.layout, loop, "sender",
-                               self._views.cache_addresses())
+                               self._views.cache_addresses(), self.shared_memory)
         errors = []
         for transport, endpoint in connection.candidates:
             try:

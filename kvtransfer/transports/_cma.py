@@ -105,6 +105,29 @@ def _read_range(pid: int, local: np.ndarray, remote: np.ndarray, chunk_nbytes: i
     return True
 
 
+def copy_local(local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
+               keep_writing: Callable[[], bool], threads: int = 1) -> bool:
+    """Like `read_chunks`, but `remote[i]` are addresses in this process (a peer's memory mapped
+    here): a memmove per chunk, split over `threads` (memmove releases the GIL)."""
+    if threads <= 1 or len(local) < 2:
+        return _copy_range(local, remote, chunk_nbytes, keep_writing)
+    futures = [_pool(threads).submit(_copy_range, local[lo:hi], remote[lo:hi], chunk_nbytes, keep_writing)
+               for lo, hi in zip(*_bounds(len(local), threads)) if hi > lo]
+    return all([future.result() for future in futures])
+
+
+def _copy_range(local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
+                keep_writing: Callable[[], bool]) -> bool:
+    memmove = ctypes.memmove
+    local_list, remote_list = local.tolist(), remote.tolist()
+    for start in range(0, len(local_list), _BATCH):
+        if not keep_writing():
+            return False
+        for dst, src in zip(local_list[start:start + _BATCH], remote_list[start:start + _BATCH]):
+            memmove(dst, src, chunk_nbytes)
+    return True
+
+
 def probe(pid: int, address: int, expected: bytes) -> bool:
     """Whether this process may read `expected` at `address` in process `pid`."""
     if _PROCESS_VM_READV is None:

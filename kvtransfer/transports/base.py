@@ -16,6 +16,7 @@ from ..addresses import Endpoint
 from ..config import TransferConfig
 from ..layout import KVLayout
 from .._payload import BlockSink, BlockSource, DiscardSink
+from ..shared_memory import SharedMemory
 
 
 class ChannelClosed(ConnectionError):
@@ -31,6 +32,7 @@ class TransportContext:
     loop: asyncio.AbstractEventLoop
     role: str  # "sender" or "receiver"
     cache_addresses: tuple[int, ...] = ()  # data_ptr of each layer's cache (host memory only)
+    shared_memory: SharedMemory | None = None  # sender: the shared file its caches lie in
 
 
 class Channel(ABC):

@@ -46,6 +46,18 @@ def source_caches(spec: CacheSpec, seed: int) -> list[torch.Tensor]:
     return list(whole.to(spec.dtype).unbind(0))
 
 
+def shared_source_caches(spec: CacheSpec, seed: int):
+    """`source_caches(spec, seed)` copied into a memfd: (caches, SharedMemory, keep-alive)."""
+    from kvtransfer import allocate_shared
+    plain = source_caches(spec, seed)
+    nbytes = sum(cache.numel() * cache.element_size() for cache in plain)
+    raw, shared, mapping = allocate_shared(nbytes)
+    whole = raw.view(spec.dtype).view(spec.num_layers, *spec.layer_shape())
+    for layer, cache in enumerate(plain):
+        whole[layer].copy_(cache)
+    return list(whole.unbind(0)), shared, (raw, mapping)
+
+
 def sentinel_caches(spec: CacheSpec) -> list[torch.Tensor]:
     whole = torch.full((spec.num_layers, *spec.layer_shape()), SENTINEL, dtype=spec.dtype)
     return list(whole.unbind(0))
@@ -62,9 +74,15 @@ def is_sentinel(block: torch.Tensor) -> bool:
 def _peer_main(connection, role: str, transport: str, spec: CacheSpec, seed: int,
                config_kwargs: dict) -> None:
     from kvtransfer import TransferConfig, create_receiver, create_sender
+    config_kwargs = dict(config_kwargs)
+    shared_source = config_kwargs.pop("shared_source", False)
     config = TransferConfig(**config_kwargs)
     if role == "sender":
-        target = create_sender(transport, source_caches(spec, seed), config)
+        if shared_source:  # caches in a memfd, as a prefill worker allocates them
+            caches, shared, _keep_alive = shared_source_caches(spec, seed)
+            target = create_sender(transport, caches, config, shared_memory=shared)
+        else:
+            target = create_sender(transport, source_caches(spec, seed), config)
         connection.send(("ready", None))
     else:
         caches = sentinel_caches(spec)
@@ -99,7 +117,8 @@ class PeerError(Exception):
 
 
 class PeerProcess:
-    """A sender or receiver in a spawned process."""
+    """A sender or receiver in a spawned process. `shared_source=True` (sender): its caches lie
+    in a memfd handed to `create_sender` (shm's mapped path); other keywords go to TransferConfig."""
 
     def __init__(self, role: str, transport: str, spec: CacheSpec = CacheSpec(), seed: int = 0,
                  **config_kwargs) -> None:

@@ -27,7 +27,7 @@ def test_benchmark_smoke_reports_every_transport(tmp_path):
     report = json.loads(out.read_text())
     assert report["sizes_mib"] == [1.0, 4.0] and report["layout"]["num_layers"] == 30
     rows = {(row["transport"], row["size_mib"]): row for row in report["results"]}
-    variants = available_transports() + ["shm-cma"]  # shm with cross-memory reads
+    variants = available_transports() + ["shm-cma", "shm-mapped"]  # shm: cross-memory reads, mapped caches
     assert set(rows) == {(name, size) for name in variants for size in (1.0, 4.0)}
     for (transport, _), row in rows.items():
         assert row["verified_byte_exact"] is True

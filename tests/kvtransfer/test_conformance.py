@@ -17,8 +17,9 @@ from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
                    kvtransfer_threads, open_fd_count, same_bytes, sentinel_caches, source_caches,
                    wait_until)
 
-# "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them)
-TRANSPORTS = available_transports() + (["shm-cma"] if "shm" in available_transports() else [])
+# "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them);
+# "shm-mapped" has the sender's caches in shared memory, which the receiver maps and copies from.
+TRANSPORTS = available_transports() + (["shm-cma", "shm-mapped"] if "shm" in available_transports() else [])
 SPEC = CacheSpec()
 SEED = 1234
 TIMEOUT_S = 3.0  # dead/silent peer timeout of the long-lived pairs
@@ -45,13 +46,19 @@ def options(variant):
 
 
 @pytest.fixture(scope="module")
+def sender_options(variant, options):
+    """PeerProcess options of a sender peer: the config fields, plus shared caches for shm-mapped."""
+    return dict(options, shared_source=True) if variant == "shm-mapped" else options
+
+
+@pytest.fixture(scope="module")
 def source():
     return source_caches(SPEC, SEED)
 
 
 @pytest.fixture(scope="module")
-def sender_peer(transport, options):
-    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=TIMEOUT_S, **options)
+def sender_peer(transport, sender_options):
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=TIMEOUT_S, **sender_options)
     yield peer
     peer.close()
 
@@ -108,6 +115,22 @@ def test_random_noncontiguous_blocks_arrive_byte_exact(receiver, sender_peer, so
     assert_untouched(receiver, others, range(SPEC.num_layers))
     sender_peer.call("cancel", "exact")
     receiver.cancel("exact")
+
+
+def test_each_shm_variant_runs_on_its_own_data_path(receiver, sender_peer, variant, transport):
+    """The shm variants must not silently share one path: after a transfer, the receiver's
+    connection from the peer reports ring, cma (when the OS permits it) or mapped."""
+    if transport != "shm":
+        pytest.skip("shm only")
+    from kvtransfer.transports import _cma
+    receiver.expect("path", [5])
+    sender_peer.call("send", "path", receiver.address, [4], [5])
+    assert receiver.wait("path", GUARD_S).ok
+    modes = {connection.channel.mode for connection in receiver._connections}
+    expected = {"shm": "ring", "shm-cma": "cma" if _cma.available() else "ring", "shm-mapped": "mapped"}[variant]
+    assert expected in modes, modes
+    sender_peer.call("cancel", "path")
+    receiver.cancel("path")
 
 
 def test_layerwise_streaming_arrives_byte_exact_in_order(receiver, sender_peer, source):
@@ -308,11 +331,11 @@ def _assert_nothing_leaked(baseline) -> None:
     assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
 
 
-def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport, options):
+def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport, options, sender_options):
     baseline = _baseline(transport)
     caches = sentinel_caches(SPEC)
     receiver = create_receiver(transport, caches, TransferConfig(timeout_s=SHORT_TIMEOUT_S, **options))
-    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **options)
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **sender_options)
     try:
         receiver.expect("killed", [5, 6, 7])
         peer.call("start", "killed", receiver.address, [1, 2, 3], [5, 6, 7])
@@ -329,10 +352,10 @@ def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport, options):
     _assert_nothing_leaked(baseline)
 
 
-def test_silent_sender_fails_within_the_timeout(transport, options):
+def test_silent_sender_fails_within_the_timeout(transport, options, sender_options):
     caches = sentinel_caches(SPEC)
     receiver = create_receiver(transport, caches, TransferConfig(timeout_s=SHORT_TIMEOUT_S, **options))
-    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **options)
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **sender_options)
     try:
         receiver.expect("silent", [5, 6])
         peer.call("start", "silent", receiver.address, [1, 2], [5, 6])

@@ -439,3 +439,57 @@ def test_cross_memory_reads_split_over_threads_copy_every_chunk(threads):
 def test_shm_copy_threads_is_validated():
     with pytest.raises(ValueError, match="shm_copy_threads"):
         TransferConfig(shm_copy_threads=0)
+
+
+@pytest.mark.parametrize("sender_mapped, receiver_mapped, mode", [
+    (True, True, "mapped"), (True, False, "ring"), (False, True, "ring")])
+def test_shm_maps_the_senders_shared_caches_only_when_both_sides_allow_it(sender_mapped, receiver_mapped, mode):
+    from .peer import shared_source_caches
+    source, shared, _keep_alive = shared_source_caches(SMALL, 10)
+    caches = sentinel_caches(SMALL)
+    with create_receiver("shm", caches, TransferConfig(shm_mapped=receiver_mapped)) as receiver, \
+            create_sender("shm", source, TransferConfig(shm_mapped=sender_mapped), shared_memory=shared) as sender:
+        receiver.expect("m", [6, 1])
+        handle = sender.start("m", receiver.address, [2, 7], [6, 1])
+        handle.send_layers([3, 0])
+        assert receiver.wait_layer("m", 3, GUARD_S)
+        handle.send_layers([1, 2])
+        assert receiver.wait("m", GUARD_S).ok and handle.wait(GUARD_S).ok
+        assert _shm_modes(receiver) == [mode]
+        for layer in range(SMALL.num_layers):
+            assert same_bytes(caches[layer][6], source[layer][2])
+            assert same_bytes(caches[layer][1], source[layer][7])
+
+
+def test_shared_memory_must_contain_the_caches():
+    from kvtransfer import SharedMemory
+    source = source_caches(SMALL, 1)
+    with pytest.raises(ValueError, match="shared_memory must contain every layer cache"):
+        create_sender("shm", source, shared_memory=SharedMemory(fd=0, address=1, nbytes=16))
+
+
+def test_a_mapped_copy_racing_a_sender_cancel_is_never_counted(monkeypatch):
+    """As with cross-memory reads: a copy out of the sender's shared caches counts only if the
+    sender confirms it had not cancelled meanwhile."""
+    from kvtransfer.transports import _cma, shm
+
+    from .peer import shared_source_caches
+    source, shared, _keep_alive = shared_source_caches(SMALL, 11)
+    caches = sentinel_caches(SMALL)
+    with create_receiver("shm", caches) as receiver, \
+            create_sender("shm", source, shared_memory=shared) as sender:
+        real_copy = _cma.copy_local
+
+        def copy_then_sender_cancels(*args, **kwargs):
+            copied = real_copy(*args, **kwargs)
+            sender.cancel("race")
+            return copied
+
+        monkeypatch.setattr(shm._cma, "copy_local", copy_then_sender_cancels)
+        receiver.expect("race", [1, 2])
+        sender.send("race", receiver.address, [3, 4], [1, 2])
+        status = receiver.wait("race", GUARD_S)
+        assert _shm_modes(receiver) == ["mapped"]
+        assert status.state is TransferState.FAILED, status
+        assert status.bytes_transferred == 0 and status.layers_done == 0
+        assert same_bytes(caches[0][1], source[0][3]), status  # copied, never counted
