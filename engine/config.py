@@ -41,6 +41,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
+    # CPU: allocate the KV cache in shared memory (a memfd) that a same-host KV receiver can map;
+    # prefill workers set it so kvtransfer's shm transport copies blocks out in one memcpy.
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

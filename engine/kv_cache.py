@@ -8,6 +8,9 @@ transport registers once).
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
+import os
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +23,10 @@ from engine.model.arch import ModelArchConfig
 class KVCache:
     data: torch.Tensor
     block_size: int
+    # Shared allocation only: the memfd holding `data` (mapped at data.data_ptr()) and its
+    # mapping, kept alive with the cache. A same-host KV sender hands the fd to its receivers.
+    memory_fd: int | None = None
+    _mapping: object = None
 
     @property
     def layers(self) -> list[torch.Tensor]:
@@ -44,8 +51,22 @@ def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.d
 
 
 def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str) -> KVCache:
+                      device: torch.device | str, shared: bool = False) -> KVCache:
+    """A zeroed cache. `shared` (CPU, Linux): allocate it in a memfd, so that a same-host peer
+    given the descriptor can map it (kvtransfer's shm mapped path); such memory is in 4 KiB
+    pages (shmem), otherwise the CPU cache is advised into transparent huge pages."""
     shape = (arch.num_hidden_layers, num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+    if shared and torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)  # a fresh memfd reads as zeros
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        return KVCache(data=data, block_size=block_size, memory_fd=fd, _mapping=mapping)
     data = torch.empty(shape, dtype=dtype, device=device)
     if data.device.type == "cpu":
         advise_huge_pages(data)  # before the first touch, so the zeroing below faults in huge pages

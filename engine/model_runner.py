@@ -34,7 +34,7 @@ class ModelRunner:
         self.model = self._build_model(loaded)
         self.backend = get_attention_backend(config.backend_name)
         self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._num_blocks(), self.block_size,
-                                                   self.dtype, self.device)
+                                                   self.dtype, self.device, shared=config.cache.shared_memory)
         self.kv_layers = self.kv_cache.layers
         self.sampler = Sampler(seed=config.seed, device=self.device)
 

@@ -59,8 +59,16 @@ class PrefillWorker:
         self.config = config
         self.role = "prefill"
         self.pusher = KVPusher(lease_s=config.export_lease_s, hold_s=config.hold_kv_send_s)
-        self.engine = build_async_engine(config.model, config.engine_options, "prefill", kv_exporter=self.pusher)
-        self._caches = self.engine.engine.runner.kv_cache.layers
+        # The KV cache goes into shared memory (a no-op on GPU) so that same-host decode workers
+        # map it and copy blocks out in one memcpy (kvtransfer shm, "mapped" path).
+        options = {"shared_memory": True, **config.engine_options}
+        self.engine = build_async_engine(config.model, options, "prefill", kv_exporter=self.pusher)
+        kv_cache = self.engine.engine.runner.kv_cache
+        self._caches = kv_cache.layers
+        self._shared_memory = None
+        if kv_cache.memory_fd is not None:
+            self._shared_memory = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
+                                                          kv_cache.data.numel() * kv_cache.data.element_size())
         self._transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s)
         self._senders: dict[str, Any] = {}
         self._senders_lock = threading.Lock()
@@ -90,7 +98,8 @@ class PrefillWorker:
             sender = self._senders.get(transport)
             if sender is None:
                 try:
-                    sender = kvtransfer.create_sender(transport, self._caches, self._transfer_config)
+                    sender = kvtransfer.create_sender(transport, self._caches, self._transfer_config,
+                                                      shared_memory=self._shared_memory)
                 except kvtransfer.TransportUnavailableError as exc:
                     raise ValueError(str(exc)) from exc
                 self._senders[transport] = sender

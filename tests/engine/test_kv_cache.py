@@ -70,3 +70,25 @@ def test_a_large_cpu_cache_is_backed_by_huge_pages():
     # at fault time depends on the machine's memory fragmentation, so that is not asserted.
     mapping = _mapping_at(cache.data.data_ptr() + 32 * 2**20)
     assert "hg" in mapping["VmFlags"].split(), mapping
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux-only")
+def test_a_shared_cache_lives_in_a_memfd_that_another_mapping_sees():
+    import mmap
+    import os
+
+    import numpy as np
+    arch = _arch()
+    cache = allocate_kv_cache(arch, 4, 16, torch.float32, "cpu", shared=True)
+    assert cache.memory_fd is not None and not cache.data.any()
+    nbytes = cache.data.numel() * 4
+    assert os.fstat(cache.memory_fd).st_size == nbytes
+    cache.layers[2][3, 1, 5].fill_(7.0)  # layer 2, block 3, V, token 5
+    view = mmap.mmap(cache.memory_fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        seen = np.frombuffer(view, dtype=np.float32).reshape(cache.data.shape)
+        assert (seen[2, 3, 1, 5] == 7.0).all() and seen.sum() == 7.0 * 2 * 16
+        del seen
+    finally:
+        view.close()
+    assert allocate_kv_cache(arch, 4, 16, torch.float32, "cpu").memory_fd is None
