@@ -360,17 +360,25 @@ def _shm_modes(receiver) -> list[str]:
     return [connection.channel.mode for connection in receiver._connections]
 
 
-@pytest.mark.parametrize("sender_cma, receiver_cma, mode", [
-    (True, True, "cma"), (True, False, "ring"), (False, True, "ring")])
-def test_shm_uses_cross_memory_reads_only_when_both_sides_enable_them(sender_cma, receiver_cma,
-                                                                      mode):
+@pytest.mark.parametrize("option, sender_on, receiver_on, mode", [
+    ("shm_cross_memory_attach", True, True, "cma"), ("shm_cross_memory_attach", True, False, "ring"),
+    ("shm_cross_memory_attach", False, True, "ring"), ("shm_mapped", True, True, "mapped"),
+    ("shm_mapped", True, False, "ring"), ("shm_mapped", False, True, "ring")])
+def test_shm_takes_a_single_copy_path_only_when_both_sides_allow_it(option, sender_on, receiver_on, mode):
+    """cma: cross-memory reads; mapped: the sender's caches lie in shared memory (a memfd it
+    hands over). Either needs both sides' consent, else the ring; every path is byte-exact."""
     from kvtransfer.transports import _cma
+
+    from .peer import shared_source_caches
     if mode == "cma" and not _cma.available():
         pytest.skip("no process_vm_readv here")
-    source = source_caches(SMALL, 8)
+    if option == "shm_mapped":
+        source, shared, _keep_alive = shared_source_caches(SMALL, 8)
+    else:
+        source, shared, _keep_alive = source_caches(SMALL, 8), None, None
     caches = sentinel_caches(SMALL)
-    with create_receiver("shm", caches, TransferConfig(shm_cross_memory_attach=receiver_cma)) as receiver, \
-            create_sender("shm", source, TransferConfig(shm_cross_memory_attach=sender_cma)) as sender:
+    with create_receiver("shm", caches, TransferConfig(**{option: receiver_on})) as receiver, \
+            create_sender("shm", source, TransferConfig(**{option: sender_on}), shared_memory=shared) as sender:
         receiver.expect("m", [6, 1])
         handle = sender.start("m", receiver.address, [2, 7], [6, 1])
         handle.send_layers([3, 0])
@@ -383,30 +391,39 @@ def test_shm_uses_cross_memory_reads_only_when_both_sides_enable_them(sender_cma
             assert same_bytes(caches[layer][1], source[layer][7])
 
 
-def test_a_cross_memory_copy_racing_a_sender_cancel_is_never_counted(monkeypatch):
-    """The receiver copies out of the sender's memory; if the sender cancelled meanwhile (its
-    blocks may already hold another request's data), the copy must not count."""
+@pytest.mark.parametrize("mode", ["cma", "mapped"])
+def test_a_direct_copy_racing_a_sender_cancel_is_never_counted(monkeypatch, mode):
+    """The receiver copies out of the sender's memory (cross-memory reads, or its mapped shared
+    caches); if the sender cancelled meanwhile (its blocks may already hold another request's
+    data), the copy must not count."""
     from kvtransfer.transports import _cma, shm
-    if not _cma.available():
-        pytest.skip("no process_vm_readv here")
-    source = source_caches(SMALL, 9)
-    caches = sentinel_caches(SMALL)
-    config = TransferConfig(shm_cross_memory_attach=True)
-    with create_receiver("shm", caches, config) as receiver, \
-            create_sender("shm", source, config) as sender:
-        real_read = _cma.read_chunks
 
-        def read_then_sender_cancels(*args, **kwargs):
-            copied = real_read(*args, **kwargs)
+    from .peer import shared_source_caches
+    if mode == "cma" and not _cma.available():
+        pytest.skip("no process_vm_readv here")
+    caches = sentinel_caches(SMALL)
+    if mode == "cma":
+        source, shared, _keep_alive = source_caches(SMALL, 9), None, None
+        config = TransferConfig(shm_cross_memory_attach=True)
+    else:
+        source, shared, _keep_alive = shared_source_caches(SMALL, 9)
+        config = TransferConfig()
+    copy_name = {"cma": "read_chunks", "mapped": "copy_local"}[mode]
+    with create_receiver("shm", caches, config) as receiver, \
+            create_sender("shm", source, config, shared_memory=shared) as sender:
+        real_copy = getattr(_cma, copy_name)
+
+        def copy_then_sender_cancels(*args, **kwargs):
+            copied = real_copy(*args, **kwargs)
             sender.cancel("race")
             return copied
 
-        sender.connect(receiver.address)  # the handshake's probe reads too: patch after it
-        monkeypatch.setattr(shm._cma, "read_chunks", read_then_sender_cancels)
+        sender.connect(receiver.address)  # the cma handshake's probe reads too: patch after it
+        monkeypatch.setattr(shm._cma, copy_name, copy_then_sender_cancels)
         receiver.expect("race", [1, 2])
         sender.send("race", receiver.address, [3, 4], [1, 2])
         status = receiver.wait("race", GUARD_S)
-        assert _shm_modes(receiver) == ["cma"]
+        assert _shm_modes(receiver) == [mode]
         assert status.state is TransferState.FAILED, status
         assert status.bytes_transferred == 0 and status.layers_done == 0
         assert same_bytes(caches[0][1], source[0][3]), status  # copied, never counted
@@ -441,24 +458,6 @@ def test_shm_copy_threads_is_validated():
         TransferConfig(shm_copy_threads=0)
 
 
-@pytest.mark.parametrize("sender_mapped, receiver_mapped, mode", [
-    (True, True, "mapped"), (True, False, "ring"), (False, True, "ring")])
-def test_shm_maps_the_senders_shared_caches_only_when_both_sides_allow_it(sender_mapped, receiver_mapped, mode):
-    from .peer import shared_source_caches
-    source, shared, _keep_alive = shared_source_caches(SMALL, 10)
-    caches = sentinel_caches(SMALL)
-    with create_receiver("shm", caches, TransferConfig(shm_mapped=receiver_mapped)) as receiver, \
-            create_sender("shm", source, TransferConfig(shm_mapped=sender_mapped), shared_memory=shared) as sender:
-        receiver.expect("m", [6, 1])
-        handle = sender.start("m", receiver.address, [2, 7], [6, 1])
-        handle.send_layers([3, 0])
-        assert receiver.wait_layer("m", 3, GUARD_S)
-        handle.send_layers([1, 2])
-        assert receiver.wait("m", GUARD_S).ok and handle.wait(GUARD_S).ok
-        assert _shm_modes(receiver) == [mode]
-        for layer in range(SMALL.num_layers):
-            assert same_bytes(caches[layer][6], source[layer][2])
-            assert same_bytes(caches[layer][1], source[layer][7])
 
 
 def test_shared_memory_must_contain_the_caches():
@@ -468,28 +467,3 @@ def test_shared_memory_must_contain_the_caches():
         create_sender("shm", source, shared_memory=SharedMemory(fd=0, address=1, nbytes=16))
 
 
-def test_a_mapped_copy_racing_a_sender_cancel_is_never_counted(monkeypatch):
-    """As with cross-memory reads: a copy out of the sender's shared caches counts only if the
-    sender confirms it had not cancelled meanwhile."""
-    from kvtransfer.transports import _cma, shm
-
-    from .peer import shared_source_caches
-    source, shared, _keep_alive = shared_source_caches(SMALL, 11)
-    caches = sentinel_caches(SMALL)
-    with create_receiver("shm", caches) as receiver, \
-            create_sender("shm", source, shared_memory=shared) as sender:
-        real_copy = _cma.copy_local
-
-        def copy_then_sender_cancels(*args, **kwargs):
-            copied = real_copy(*args, **kwargs)
-            sender.cancel("race")
-            return copied
-
-        monkeypatch.setattr(shm._cma, "copy_local", copy_then_sender_cancels)
-        receiver.expect("race", [1, 2])
-        sender.send("race", receiver.address, [3, 4], [1, 2])
-        status = receiver.wait("race", GUARD_S)
-        assert _shm_modes(receiver) == ["mapped"]
-        assert status.state is TransferState.FAILED, status
-        assert status.bytes_transferred == 0 and status.layers_done == 0
-        assert same_bytes(caches[0][1], source[0][3]), status  # copied, never counted
