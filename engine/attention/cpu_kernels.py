@@ -5,7 +5,7 @@ ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gi
 results more slowly. The build takes ~30 s once; later processes load the cached library from
 torch's extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), with a
 file lock so concurrent workers build it only once. The library is compiled for this CPU
-(`-march=native`), so its cache name includes a hash of the source and of the CPU's flags.
+(`-march=native`), so its cache name includes a hash of the source, its path and the CPU's flags.
 """
 from __future__ import annotations
 
@@ -36,7 +36,10 @@ def load():
     """The compiled kernels module, or None (logged once) when they cannot be built."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    # The source's path is in the name too: ninja rebuilds when its command line changes, so two
+    # checkouts sharing one name would keep rebuilding over each other.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()
+                            + str(_SOURCE.resolve()).encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as load_extension
         return load_extension(
