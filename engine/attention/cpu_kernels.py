@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,15 @@ def load():
     # checkouts sharing one name would keep rebuilding over each other.
     digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()
                             + str(_SOURCE.resolve()).encode()).hexdigest()[:12]
+    name = f"pdserve_cpu_kernels_{digest}"
     try:
+        from torch.utils.cpp_extension import get_default_build_root
         from torch.utils.cpp_extension import load as load_extension
+        build_dir = Path(get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build_dir / "lock")
         return load_extension(
-            name=f"pdserve_cpu_kernels_{digest}", sources=[str(_SOURCE)],
+            name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy.
             extra_ldflags=["-fopenmp"], verbose=False)
@@ -51,3 +57,17 @@ def load():
         log.warning("pdserve CPU kernels unavailable (%s); decode attention uses the slower torch path",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+_STALE_LOCK_S = 600.0  # a build takes ~30 s; a lock this old belongs to a builder that died
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch waits forever on the build lock; a process killed mid-build (a worker stopped while
+    starting) would leave every later worker hanging at start-up. Drop such a lock."""
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+            log.warning("removed a stale CPU-kernel build lock %s", lock)
+    except FileNotFoundError:
+        pass

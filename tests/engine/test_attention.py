@@ -189,6 +189,21 @@ def test_cpu_backend_rejects_a_query_whose_dtype_differs_from_the_cache():
                                                 batch.meta.block_tables, batch.meta.seq_lens, SCALE)
 
 
+def test_a_stale_kernel_build_lock_is_removed_and_a_live_one_kept(tmp_path):
+    """torch waits forever on its build lock; one left by a builder that died must not hang
+    every later worker, while a lock of a build in progress must stay."""
+    from engine.attention import cpu_kernels
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels._remove_stale_lock(lock)
+    assert lock.exists()
+    old = lock.stat().st_mtime - cpu_kernels._STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_kernels._remove_stale_lock(lock)
+    assert not lock.exists()
+    cpu_kernels._remove_stale_lock(lock)  # already gone: fine
+
+
 def test_padding_tokens_are_not_stored_and_give_zeros():
     batch = make_batch([1, 4], [9, 20], seed=3)
     expected, expected_cache = reference_attention(batch)
