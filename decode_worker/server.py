@@ -290,7 +290,10 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
                                       transport_address=self.worker.transport_address)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        stats, queued = await asyncio.wrap_future(self.worker.engine.call(LLMEngine.stats))
+        try:
+            stats, queued = self.worker.engine.stats()  # the engine thread's latest snapshot
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         received = self.worker.receiver.total_bytes_received if self.worker.receiver is not None else 0
         return worker_stats_to_wire(self.worker.role, stats, queued, self.worker.block_size,
                                     kv_bytes_received=received)

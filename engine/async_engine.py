@@ -2,7 +2,8 @@
 
 Only the engine thread touches scheduler state: `generate()` and `abort()` post commands to an
 inbox that the thread drains before every step, so the event loop never waits for a forward
-pass. Each request gets an asyncio queue; a caller that stops iterating (client disconnect,
+pass. The thread also publishes a snapshot of the engine's counters after every step, which
+`stats()` returns at once: a health poll never waits behind a long prefill. Each request gets an asyncio queue; a caller that stops iterating (client disconnect,
 cancellation) aborts its request, which frees its blocks at the next step boundary.
 """
 from __future__ import annotations
@@ -37,6 +38,8 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self._died: BaseException | None = None
+        self._snapshot = engine.stats()  # (SchedulerStats, queued prompt tokens), replaced whole
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -86,6 +89,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def stats(self):
+        """`LLMEngine.stats()` as of the end of the last step (or inbox drain), without waiting
+        for the engine thread. Raises RuntimeError once the engine loop has died, so a health
+        check built on it fails instead of reporting stale numbers."""
+        if self._died is not None:
+            raise RuntimeError(f"engine loop died: {self._died}")
+        if self._stopped.is_set():
+            raise RuntimeError("engine is shut down")
+        return self._snapshot
+
     def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread; returns a concurrent Future (for stats, admin)."""
         import concurrent.futures
@@ -119,6 +132,8 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
 
     def _drain_inbox(self) -> None:
+        # The stats snapshot is refreshed after each command and before its result or output is
+        # handed out, so whoever reacts to that result sees counters at least that new.
         while True:
             try:
                 command = self._inbox.get_nowait()
@@ -130,9 +145,13 @@ class AsyncEngine:
                 try:
                     self.engine.add(request, detokenize)
                 except Exception as exc:  # validation the caller could not do (e.g. duplicate id)
+                    self._refresh_snapshot()
                     self._deliver(exc, request.request_id)
+                    continue
+                self._refresh_snapshot()
             elif kind == "abort":
                 final = self.engine.abort(command[1])
+                self._refresh_snapshot()
                 if final is not None:
                     self._deliver(final, final.request_id)
             elif kind == "call":
@@ -144,13 +163,18 @@ class AsyncEngine:
                 try:
                     result = fn(self.engine, *args)
                 except Exception as exc:
+                    self._refresh_snapshot()
                     if wanted:
                         future.set_exception(exc)
                     continue
+                self._refresh_snapshot()
                 if deliver and isinstance(result, StreamDelta):
                     self._deliver(result, result.request_id)
                 if wanted:
                     future.set_result(result)
+
+    def _refresh_snapshot(self) -> None:
+        self._snapshot = self.engine.stats()
 
     def _wait_for_work(self, timeout: float) -> None:
         self._wakeup.wait(timeout)
@@ -163,11 +187,14 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self._wait_for_work(self._idle_wait_s)
                     continue
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                self._refresh_snapshot()  # before the outputs go out (see _drain_inbox)
+                for delta in deltas:
                     self._deliver(delta, delta.request_id)
                 if self.engine.last_step_idle:  # e.g. every request waits for its KV transfer
                     self._wait_for_work(0.002)
         except BaseException as exc:  # a bug in the loop: fail every open stream rather than hang it
+            self._died = exc
             logger.exception("engine loop died")
             with self._streams_lock:
                 ids = list(self._streams)

@@ -209,6 +209,9 @@ class _PrefillServicer(_servicer_base()):
         return self.pb.HealthResponse(ok=True, role="prefill", model=self.worker.config.model, transport_address="")
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        stats, queued = await asyncio.wrap_future(self.worker.engine.call(LLMEngine.stats))
+        try:
+            stats, queued = self.worker.engine.stats()  # the engine thread's latest snapshot
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_stats_to_wire("prefill", stats, queued, self.worker.block_size,
                                     kv_bytes_sent=self.worker.kv_bytes_sent)

@@ -176,6 +176,55 @@ def test_async_engine_streams_and_aborts(llm, prompts, reference):
         engine.shutdown()
 
 
+def test_async_engine_stats_answer_at_once_while_the_engine_thread_is_busy(llm, prompts):
+    """Health polls read a snapshot the engine thread publishes, never waiting behind a step; a
+    request's counters are in it before its first token reaches the caller."""
+    import threading
+    engine = AsyncEngine(llm.engine)
+    try:
+        gate = threading.Event()
+        blocker = engine.call(lambda e: gate.wait(30))  # the engine thread is busy from here on
+        stats, queued = engine.stats()
+        assert stats.running == 0 and stats.kv_blocks_free == stats.kv_blocks_total and queued == 0
+        gate.set()
+        blocker.result(timeout=30)
+
+        async def stats_at_first_token():
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            async for delta in engine.generate(prompts[0], params):
+                if delta.new_token_ids:
+                    return engine.stats()
+
+        stats, _ = asyncio.run(stats_at_first_token())
+        assert stats.running == 1 and stats.kv_blocks_free < stats.kv_blocks_total
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.stats()
+
+
+def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeypatch):
+    def broken_step():
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(llm.engine, "step", broken_step)
+    engine = AsyncEngine(llm.engine)
+    request_id = "dies"
+
+    async def run():
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            async for _ in engine.generate(prompts[0], GREEDY, request_id=request_id):
+                pass
+
+    try:
+        asyncio.run(run())
+        with pytest.raises(RuntimeError, match="engine loop died: injected failure"):
+            engine.stats()
+    finally:
+        engine.shutdown()
+        llm.engine.abort(request_id)  # the dead loop left it in the shared engine's scheduler
+
+
 def test_async_engine_survives_a_cancelled_call(llm, prompts, reference):
     """A caller that cancels its `call` future before the engine thread runs it must not stop the
     engine loop (it once died with InvalidStateError and failed every open stream)."""
