@@ -66,8 +66,7 @@ class AsyncEngine:
         """Register the output stream of a request that the caller adds itself, e.g. through
         `call_and_deliver(LLMEngine.add_imported, ...)`. Call from the event loop that reads it;
         `close()` it when done (an unfinished request is then aborted)."""
-        if self._stopped.is_set():
-            raise RuntimeError("engine is shut down")
+        self._check_alive()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             if request_id in self._streams:
@@ -93,11 +92,14 @@ class AsyncEngine:
         """`LLMEngine.stats()` as of the end of the last step (or inbox drain), without waiting
         for the engine thread. Raises RuntimeError once the engine loop has died, so a health
         check built on it fails instead of reporting stale numbers."""
+        self._check_alive()
+        return self._snapshot
+
+    def _check_alive(self) -> None:
         if self._died is not None:
             raise RuntimeError(f"engine loop died: {self._died}")
         if self._stopped.is_set():
             raise RuntimeError("engine is shut down")
-        return self._snapshot
 
     def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread; returns a concurrent Future (for stats, admin)."""
@@ -124,6 +126,21 @@ class AsyncEngine:
     def _post(self, command: tuple) -> None:
         self._inbox.put(command)
         self._wakeup.set()
+        if self._died is not None:  # nobody will run it: fail it now (the loop may have just died)
+            self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        """After the loop died: fail every queued call and the stream of every queued request."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            error = RuntimeError(f"engine loop died: {self._died}")
+            if command[0] == "call" and command[3].set_running_or_notify_cancel():
+                command[3].set_exception(error)
+            elif command[0] == "add":
+                self._deliver(error, command[1].request_id)
 
     def _deliver(self, delta: StreamDelta | BaseException, request_id: str) -> None:
         with self._streams_lock:
@@ -193,13 +210,14 @@ class AsyncEngine:
                     self._deliver(delta, delta.request_id)
                 if self.engine.last_step_idle:  # e.g. every request waits for its KV transfer
                     self._wait_for_work(0.002)
-        except BaseException as exc:  # a bug in the loop: fail every open stream rather than hang it
+        except BaseException as exc:  # a bug in the loop: fail every open stream and call rather than hang them
             self._died = exc
             logger.exception("engine loop died")
             with self._streams_lock:
                 ids = list(self._streams)
             for request_id in ids:
                 self._deliver(RuntimeError(f"engine loop died: {exc}"), request_id)
+            self._fail_inbox()
 
 
 class RequestStream:

@@ -191,9 +191,11 @@ def test_async_engine_stats_answer_at_once_while_the_engine_thread_is_busy(llm, 
 
         async def stats_at_first_token():
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            async for delta in engine.generate(prompts[0], params):
-                if delta.new_token_ids:
-                    return engine.stats()
+            first = None
+            async for delta in engine.generate(prompts[0], params):  # to the end: nothing left behind
+                if delta.new_token_ids and first is None:
+                    first = engine.stats()
+            return first
 
         stats, _ = asyncio.run(stats_at_first_token())
         assert stats.running == 1 and stats.kv_blocks_free < stats.kv_blocks_total
@@ -216,10 +218,18 @@ def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeyp
             async for _ in engine.generate(prompts[0], GREEDY, request_id=request_id):
                 pass
 
+    async def run_again():
+        async for _ in engine.generate(prompts[0], GREEDY, request_id="after"):
+            pass
+
     try:
         asyncio.run(run())
         with pytest.raises(RuntimeError, match="engine loop died: injected failure"):
             engine.stats()
+        with pytest.raises(RuntimeError, match="engine loop died"):  # no new work is accepted
+            asyncio.run(run_again())
+        with pytest.raises(RuntimeError, match="engine loop died"):  # nor left waiting
+            engine.call(lambda e: None).result(timeout=30)
     finally:
         engine.shutdown()
         llm.engine.abort(request_id)  # the dead loop left it in the shared engine's scheduler
