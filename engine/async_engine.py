@@ -131,16 +131,20 @@ class AsyncEngine:
 
     def _fail_inbox(self) -> None:
         """After the loop died: fail every queued call and the stream of every queued request."""
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued_commands():
             error = RuntimeError(f"engine loop died: {self._died}")
             if command[0] == "call" and command[3].set_running_or_notify_cancel():
                 command[3].set_exception(error)
             elif command[0] == "add":
                 self._deliver(error, command[1].request_id)
+
+    def _queued_commands(self):
+        """Take commands off the inbox until it is empty."""
+        while True:
+            try:
+                yield self._inbox.get_nowait()
+            except queue.Empty:
+                return
 
     def _deliver(self, delta: StreamDelta | BaseException, request_id: str) -> None:
         with self._streams_lock:
@@ -151,11 +155,7 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         # The stats snapshot is refreshed after each command and before its result or output is
         # handed out, so whoever reacts to that result sees counters at least that new.
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued_commands():
             kind = command[0]
             if kind == "add":
                 _, request, detokenize = command
