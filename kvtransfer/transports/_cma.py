@@ -7,6 +7,7 @@ Yama), or CAP_SYS_PTRACE. Callers probe a known buffer first (`probe`) and fall 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -58,18 +59,19 @@ def read_chunks(pid: int, local: np.ndarray, remote: np.ndarray, chunk_nbytes: i
     `threads` > 1 splits the chunks over that many threads: the copy is the kernel's, page by
     page, and one thread runs well below memory bandwidth (measured on a 2-vCPU VM with huge
     pages: 7.0 GB/s on one thread, 11.2 GB/s on two, memcpy 12.5 GB/s)."""
+    return _split(functools.partial(_read_range, pid), local, remote, chunk_nbytes, keep_writing, threads)
+
+
+def _split(copy_range: Callable[..., bool], local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
+           keep_writing: Callable[[], bool], threads: int) -> bool:
+    """Run `copy_range(local, remote, chunk_nbytes, keep_writing)` on `threads` even slices of the
+    chunks at once; returns only after every slice has ended, True if all copied everything."""
     if threads <= 1 or len(local) < 2:
-        return _read_range(pid, local, remote, chunk_nbytes, keep_writing)
-    parts = [(lo, hi) for lo, hi in zip(*_bounds(len(local), threads)) if hi > lo]
-    futures = [_pool(threads).submit(_read_range, pid, local[lo:hi], remote[lo:hi], chunk_nbytes, keep_writing)
-               for lo, hi in parts]
-    results = [future.result() for future in futures]  # every part ends before this returns
-    return all(results)
-
-
-def _bounds(count: int, parts: int) -> tuple[list[int], list[int]]:
-    edges = [count * i // parts for i in range(parts + 1)]
-    return edges[:-1], edges[1:]
+        return copy_range(local, remote, chunk_nbytes, keep_writing)
+    edges = [len(local) * i // threads for i in range(threads + 1)]
+    futures = [_pool(threads).submit(copy_range, local[lo:hi], remote[lo:hi], chunk_nbytes, keep_writing)
+               for lo, hi in zip(edges, edges[1:]) if hi > lo]
+    return all([future.result() for future in futures])
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -109,11 +111,7 @@ def copy_local(local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
                keep_writing: Callable[[], bool], threads: int = 1) -> bool:
     """Like `read_chunks`, but `remote[i]` are addresses in this process (a peer's memory mapped
     here): a memmove per chunk, split over `threads` (memmove releases the GIL)."""
-    if threads <= 1 or len(local) < 2:
-        return _copy_range(local, remote, chunk_nbytes, keep_writing)
-    futures = [_pool(threads).submit(_copy_range, local[lo:hi], remote[lo:hi], chunk_nbytes, keep_writing)
-               for lo, hi in zip(*_bounds(len(local), threads)) if hi > lo]
-    return all([future.result() for future in futures])
+    return _split(_copy_range, local, remote, chunk_nbytes, keep_writing, threads)
 
 
 def _copy_range(local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
