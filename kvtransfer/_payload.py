@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
+from ._chunk_copy import copy_chunks
 from .layout import KVLayout
 
 
@@ -65,12 +67,12 @@ class CacheViews:
         self.caches = list(layer_caches)
         self.layout = layout
         self._layer_bytes: list[memoryview] | None = None
-        self._layer_rows = None
+        self._layer_addresses: np.ndarray | None = None
         if not layout.is_cuda:
-            # [num_blocks, chunk_nbytes] uint8 arrays: numpy's row scatter is the fastest on CPU
-            self._layer_rows = [cache.view(torch.uint8).reshape(layout.num_blocks, -1).numpy()
-                                for cache in self.caches]
-            self._layer_bytes = [memoryview(rows.reshape(-1)) for rows in self._layer_rows]
+            # [num_blocks, chunk_nbytes] uint8 arrays, one per layer (each cache is contiguous)
+            rows = [cache.view(torch.uint8).reshape(layout.num_blocks, -1).numpy() for cache in self.caches]
+            self._layer_bytes = [memoryview(layer_rows.reshape(-1)) for layer_rows in rows]
+            self._layer_addresses = np.array([cache.data_ptr() for cache in self.caches], dtype=np.uint64)
 
     @property
     def supports_chunk_views(self) -> bool:
@@ -91,24 +93,38 @@ class CacheViews:
             views.extend(layer_bytes[block * size:(block + 1) * size] for block in block_ids)
         return views
 
+    def chunk_addresses(self, layers: Sequence[int], block_ids: np.ndarray) -> np.ndarray:
+        """Where each (layer, block) chunk starts, layer-major: the order of a payload."""
+        assert self._layer_addresses is not None, "chunk addresses need caches in host memory"
+        offsets = block_ids.astype(np.uint64) * np.uint64(self.layout.chunk_nbytes)
+        return (self._layer_addresses[list(layers)][:, None] + offsets[None, :]).reshape(-1)
+
     def gather(self, layers: Sequence[int], index: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` is `[len(layers), len(index), *chunk_shape]`, contiguous, on the caches' device."""
+        if self._layer_addresses is not None:
+            copy_chunks(self._payload_addresses(out, len(layers) * len(index)),
+                        self.chunk_addresses(layers, index.numpy()), self.layout.chunk_nbytes)
+            return
         for position, layer in enumerate(layers):
             torch.index_select(self.caches[layer], 0, index, out=out[position])
 
     def scatter(self, layers: Sequence[int], index: torch.Tensor, src: torch.Tensor) -> None:
-        """`src` is `[len(layers), len(index), *chunk_shape]` on the caches' device."""
-        if self._layer_rows is not None:
-            rows = src.view(torch.uint8).reshape(len(layers), len(index), -1).numpy()
-            positions = index.numpy()
-            for position, layer in enumerate(layers):
-                self._layer_rows[layer][positions] = rows[position]
+        """`src` is `[len(layers), len(index), *chunk_shape]`, contiguous, on the caches' device."""
+        if self._layer_addresses is not None:
+            copy_chunks(self.chunk_addresses(layers, index.numpy()),
+                        self._payload_addresses(src, len(layers) * len(index)), self.layout.chunk_nbytes)
             return
         for position, layer in enumerate(layers):
             self.caches[layer].index_copy_(0, index, src[position])
 
+    def _payload_addresses(self, payload: torch.Tensor, count: int) -> np.ndarray:
+        assert payload.is_contiguous()
+        chunk = self.layout.chunk_nbytes
+        return np.arange(count, dtype=np.uint64) * np.uint64(chunk) + np.uint64(payload.data_ptr())
+
     def release(self) -> None:
         self._layer_bytes = None
-        self._layer_rows = None
+        self._layer_addresses = None
         self.caches = []
 
 

@@ -16,6 +16,8 @@ from typing import Callable
 
 import numpy as np
 
+from .._chunk_copy import copy_chunks
+
 _BATCH = 1024  # IOV_MAX: entries per call, each side
 
 
@@ -110,19 +112,16 @@ def _read_range(pid: int, local: np.ndarray, remote: np.ndarray, chunk_nbytes: i
 def copy_local(local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
                keep_writing: Callable[[], bool], threads: int = 1) -> bool:
     """Like `read_chunks`, but `remote[i]` are addresses in this process (a peer's memory mapped
-    here): a memmove per chunk, split over `threads` (memmove releases the GIL)."""
+    here): `copy_chunks` per batch, split over `threads` (it releases the GIL)."""
     return _split(_copy_range, local, remote, chunk_nbytes, keep_writing, threads)
 
 
 def _copy_range(local: np.ndarray, remote: np.ndarray, chunk_nbytes: int,
                 keep_writing: Callable[[], bool]) -> bool:
-    memmove = ctypes.memmove
-    local_list, remote_list = local.tolist(), remote.tolist()
-    for start in range(0, len(local_list), _BATCH):
+    for start in range(0, len(local), _BATCH):
         if not keep_writing():
             return False
-        for dst, src in zip(local_list[start:start + _BATCH], remote_list[start:start + _BATCH]):
-            memmove(dst, src, chunk_nbytes)
+        copy_chunks(local[start:start + _BATCH], remote[start:start + _BATCH], chunk_nbytes)
     return True
 
 

@@ -6,6 +6,7 @@ import asyncio
 import random
 import socket
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,6 +104,55 @@ def test_plan_pieces_covers_every_chunk_once(num_layers, num_blocks, max_chunks)
                for block in range(piece.block_start, piece.block_end)]
     assert sorted(covered) == sorted((layer, block) for layer in layers for block in range(num_blocks))
     assert all(piece.nbytes(layout) <= max_chunks * layout.chunk_nbytes for piece in pieces)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "memmove"])
+@pytest.mark.parametrize("nbytes", [1, 63, 1000, 1024, 24576 + 17])
+def test_copy_chunks_moves_scattered_chunks_byte_exact(monkeypatch, native, nbytes):
+    """The shared CPU copier: scattered sources to scattered, unaligned destinations (the
+    streaming path has an unaligned head and a tail), nothing outside the chunks touched."""
+    from kvtransfer import _chunk_copy
+    if not native:
+        monkeypatch.setattr(_chunk_copy, "_library", lambda: None)
+    elif not _chunk_copy.native():
+        pytest.skip("no C compiler here")
+    count, stride = 37, nbytes + 29  # odd stride: chunks start at every alignment
+    generator = torch.Generator().manual_seed(nbytes)
+    src = torch.randint(0, 256, (count * stride,), dtype=torch.uint8, generator=generator)
+    dst = torch.zeros(count * stride + 3, dtype=torch.uint8)
+    order = torch.randperm(count, generator=generator)
+    src_at = np.arange(count, dtype=np.uint64) * np.uint64(stride) + np.uint64(src.data_ptr())
+    dst_at = order.numpy().astype(np.uint64) * np.uint64(stride) + np.uint64(dst.data_ptr() + 3)
+    _chunk_copy.copy_chunks(dst_at, src_at, nbytes)
+    expected = torch.zeros_like(dst)
+    for i, j in enumerate(order.tolist()):
+        expected[3 + j * stride:3 + j * stride + nbytes] = src[i * stride:i * stride + nbytes]
+    assert torch.equal(dst, expected)
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        _chunk_copy.copy_chunks(dst_at[:2], src_at[:1], nbytes)
+
+
+def test_cache_views_gather_then_scatter_moves_chunks_layer_major():
+    """CPU staging (ring slots, ucx/nccl buffers): a payload is layer-major, block by block."""
+    spec = CacheSpec(num_layers=3, num_blocks=12)
+    layout = KVLayout.from_caches(source_caches(spec, 0))
+    source = source_caches(spec, 5)
+    destination = sentinel_caches(spec)
+    src_views, dst_views = CacheViews(source, layout), CacheViews(destination, layout)
+    layers, src_ids, dst_ids = (2, 0), [7, 1, 4], [0, 11, 3]
+    staging = torch.empty(len(layers) * len(src_ids) * layout.chunk_nbytes, dtype=torch.uint8)
+    out = staging.view(layout.dtype).view(len(layers), len(src_ids), *layout.chunk_shape)
+    src_views.gather(layers, torch.tensor(src_ids), out)
+    for position, layer in enumerate(layers):
+        for j, block in enumerate(src_ids):
+            assert same_bytes(out[position, j], source[layer][block])
+    dst_views.scatter(layers, torch.tensor(dst_ids), out)
+    for layer in range(spec.num_layers):
+        for block in range(spec.num_blocks):
+            if layer in layers and block in dst_ids:
+                assert same_bytes(destination[layer][block], source[layer][src_ids[dst_ids.index(block)]])
+            else:
+                assert is_sentinel(destination[layer][block])
 
 
 def test_plan_pieces_refuses_a_chunk_above_the_limit():
