@@ -14,10 +14,12 @@ environment to restrict transports (e.g. UCX_TLS=tcp,self on a machine without R
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import json
 import logging
 import os
+import struct
 import threading
 from typing import Callable
 
@@ -31,6 +33,9 @@ from ..status import TransferError
 from .base import Channel, ChannelClosed, Listener, Transport, TransportContext
 
 _PAYLOAD_TAG = 0x6B76  # an int: ucxx hashes tags with hash(), which is stable only for ints
+# Control messages: one tagged message of at most this many bytes, with a length header.
+_CONTROL_BYTES = 64 << 10
+_CONTROL_HEADER = struct.Struct("<Q")
 _PIPELINE_DEPTH = 2  # staging buffers per direction: copy one while the other is on the wire
 # UCX's TCP transport moves 64 KiB segments by default: with 1 MiB it gets near plain-socket
 # speed on loopback and LAN. Environment variables (UCX_TCP_TX_SEG_SIZE...) take precedence.
@@ -135,8 +140,8 @@ class UcxChannel(Channel):
         self.max_payload_bytes = ctx.config.max_message_bytes
         self._free_buffers: asyncio.Queue[torch.Tensor] | None = None
         self._payload_sends: set[asyncio.Task] = set()
-        self._recv_buffers: list[torch.Tensor] = []
-        self._next_recv: tuple[asyncio.Future, torch.Tensor] | None = None
+        self._posted: collections.deque[tuple[asyncio.Future, torch.Tensor]] = collections.deque()
+        self._spare_buffers: list[torch.Tensor] = []
 
     def _failure(self, exc: Exception) -> ChannelClosed:
         # ucxx's request future keeps this exception alive from C++; its traceback would pin
@@ -161,9 +166,15 @@ class UcxChannel(Channel):
             self.max_payload_bytes = min(self.max_payload_bytes, int(reply["max_payload_bytes"]))
 
     async def _send_control_unlocked(self, message: dict) -> None:
+        """One tagged message `[u64 length][json]` (ucxx's send_obj takes two, each a round trip
+        through its completion notifier); a message above `_CONTROL_BYTES` goes in two parts."""
         self._check_open()
+        body = json.dumps(message, separators=(",", ":")).encode()
+        frame = _CONTROL_HEADER.pack(len(body)) + body
         try:
-            await self._ep.send_obj(json.dumps(message, separators=(",", ":")).encode())
+            await self._ep.send(frame[:_CONTROL_BYTES])
+            if len(frame) > _CONTROL_BYTES:
+                await self._ep.send(frame[_CONTROL_BYTES:])
         except Exception as exc:
             raise self._failure(exc) from None
         self.mark_tx()
@@ -174,12 +185,21 @@ class UcxChannel(Channel):
 
     async def recv_control(self) -> dict:
         self._check_open()
+        first = bytearray(_CONTROL_BYTES)  # a shorter message fills only its head
         try:
-            data = await self._ep.recv_obj()
+            await self._ep.recv(first)
+            (length,) = _CONTROL_HEADER.unpack_from(first)
+            end = _CONTROL_HEADER.size + length
+            if end <= _CONTROL_BYTES:
+                body = first[_CONTROL_HEADER.size:end]
+            else:
+                rest = bytearray(end - _CONTROL_BYTES)
+                await self._ep.recv(rest)
+                body = first[_CONTROL_HEADER.size:] + rest
         except Exception as exc:
             raise self._failure(exc) from None
         self.mark_rx()
-        return json.loads(bytes(data))
+        return json.loads(bytes(body))
 
     async def send_data(self, header: dict, source: BlockSource) -> None:
         if self._free_buffers is None:
@@ -195,10 +215,15 @@ class UcxChannel(Channel):
             staged = source.gather_into(buffer)
             if staged.is_cuda:
                 torch.cuda.current_stream(staged.device).synchronize()
-            await self._send_control_unlocked(dict(header, nbytes=source.nbytes))
-            task = asyncio.get_running_loop().create_task(self._send_payload(staged, buffer))
+            # Post the payload right behind its header instead of after the header's completion
+            # comes back through ucxx's notifier; the lock stays held until the header is out,
+            # which keeps control messages in order.
+            loop = asyncio.get_running_loop()
+            control = loop.create_task(self._send_control_unlocked(dict(header, nbytes=source.nbytes)))
+            task = loop.create_task(self._send_payload(staged, buffer))
             self._payload_sends.add(task)
             task.add_done_callback(self._payload_sends.discard)
+            await control
 
     async def _send_payload(self, staged: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
@@ -211,15 +236,16 @@ class UcxChannel(Channel):
             if self._free_buffers is not None:
                 self._free_buffers.put_nowait(buffer)
 
-    def _post_recv(self) -> tuple[asyncio.Future, torch.Tensor]:
+    def _post_recvs(self) -> None:
+        """Keep `_PIPELINE_DEPTH` payload receives posted, each into its own buffer, so the next
+        payload lands (UCX's rendezvous starts) the moment the previous one completes, without
+        waiting for this loop to get round to posting it. Tag matching keeps them in order."""
         self._check_open()
-        if len(self._recv_buffers) < _PIPELINE_DEPTH:
-            self._recv_buffers.append(self._new_buffer())
-        buffer = self._recv_buffers.pop(0)
-        self._recv_buffers.append(buffer)
-        future = asyncio.ensure_future(self._ep.recv(_as_ucx_buffer(buffer), tag=_PAYLOAD_TAG))
-        future.add_done_callback(_drop_failure)
-        return future, buffer
+        while len(self._posted) < _PIPELINE_DEPTH:
+            buffer = self._spare_buffers.pop() if self._spare_buffers else self._new_buffer()
+            future = asyncio.ensure_future(self._ep.recv(_as_ucx_buffer(buffer), tag=_PAYLOAD_TAG))
+            future.add_done_callback(_drop_failure)
+            self._posted.append((future, buffer))
 
     async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
         self._check_open()
@@ -227,16 +253,18 @@ class UcxChannel(Channel):
         if nbytes > self.max_payload_bytes:
             raise ChannelClosed(f"{self.peer} sent a {nbytes}-byte payload, above the "
                                 f"{self.max_payload_bytes} bytes agreed")
-        if self._next_recv is None:
-            self._next_recv = self._post_recv()
-        future, buffer = self._next_recv
+        self._post_recvs()
+        future, buffer = self._posted.popleft()
         try:
             await future
         except Exception as exc:
             raise self._failure(exc) from None
         self.mark_rx()
-        self._next_recv = self._post_recv()  # lands while we scatter this one
-        return sink.scatter_from(buffer[:nbytes])
+        self._post_recvs()  # into a spare buffer: this one is read below
+        try:
+            return sink.scatter_from(buffer[:nbytes])
+        finally:
+            self._spare_buffers.append(buffer)
 
     def _abort_endpoint(self) -> None:
         endpoint, self._ep = self._ep, None
@@ -252,13 +280,11 @@ class UcxChannel(Channel):
             return
         self._closed = True
         self._abort_endpoint()
-        pending = list(self._payload_sends)
-        if self._next_recv is not None:
-            pending.append(self._next_recv[0])
-            self._next_recv = None
+        pending = list(self._payload_sends) + [future for future, _ in self._posted]
+        self._posted.clear()
         await cancel_and_wait(pending)
         self._free_buffers = None
-        self._recv_buffers = []
+        self._spare_buffers = []
 
 
 class _UcxListener(Listener):

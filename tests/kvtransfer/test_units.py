@@ -194,6 +194,28 @@ def tcp_pair():
     receiver.close()
 
 
+@pytest.mark.parametrize("transport", [name for name in ("ucx", "tcp", "shm") if name in available_transports()])
+def test_a_control_message_above_one_frame_arrives_whole(transport):
+    """A `begin` naming 20000 blocks is ~120 KB of JSON: ucx sends control messages as one tagged
+    message of at most 64 KiB, so this one goes in two parts and must arrive whole."""
+    num_blocks = 20000
+    caches = [torch.arange(num_blocks * 8, dtype=torch.float32).view(num_blocks, 2, 1, 1, 4)]
+    destination = [torch.zeros_like(caches[0])]
+    src_ids = list(range(num_blocks))
+    dst_ids = random.Random(0).sample(range(num_blocks), num_blocks)
+    config = TransferConfig(timeout_s=10.0)
+    receiver = create_receiver(transport, destination, config)
+    sender = create_sender(transport, caches, config)
+    try:
+        receiver.expect("big", dst_ids)
+        assert sender.send("big", receiver.address, src_ids, dst_ids).wait(60).ok
+        assert receiver.wait("big", 60).ok
+        assert torch.equal(destination[0][torch.tensor(dst_ids)], caches[0])
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_auto_prefers_shm_on_the_same_host_and_falls_back_to_tcp():
     source = source_caches(SMALL, 1)
     caches = sentinel_caches(SMALL)
