@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ._chunk_copy import copy_chunks
+from ._chunk_copy import native as chunk_copy_ready
 from .layout import KVLayout
 
 
@@ -73,6 +74,7 @@ class CacheViews:
             rows = [cache.view(torch.uint8).reshape(layout.num_blocks, -1).numpy() for cache in self.caches]
             self._layer_bytes = [memoryview(layer_rows.reshape(-1)) for layer_rows in rows]
             self._layer_addresses = np.array([cache.data_ptr() for cache in self.caches], dtype=np.uint64)
+            chunk_copy_ready()  # build or load the copier now, not inside the first transfer
 
     @property
     def supports_chunk_views(self) -> bool:
