@@ -18,7 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "flash_prefill_cpu.cpp")]
 
 
 def _cpu_flags() -> str:
@@ -39,8 +39,8 @@ def load():
         return None
     # The source's path is in the name too: ninja rebuilds when its command line changes, so two
     # checkouts sharing one name would keep rebuilding over each other.
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()
-                            + str(_SOURCE.resolve()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + _cpu_flags().encode()
+                            + str(_SOURCES[0].resolve()).encode()).hexdigest()[:12]
     name = f"pdserve_cpu_kernels_{digest}"
     try:
         from torch.utils.cpp_extension import get_default_build_root
@@ -49,7 +49,7 @@ def load():
         build_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(build_dir / "lock")
         return load_extension(
-            name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+            name=name, sources=[str(source) for source in _SOURCES], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy.
             extra_ldflags=["-fopenmp"], verbose=False)

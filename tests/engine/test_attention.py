@@ -181,6 +181,35 @@ def test_cpu_backend_equals_torch_backend_on_every_batch_kind(case):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+# Prefill-bearing batches for the bf16 flash-prefill kernel: (num_heads, num_kv_heads, head_dim,
+# block_size, query_lens, seq_lens). Chunks shorter and longer than its 16-query blocks and
+# 32-key tiles, with and without a cached prefix, next to decodes.
+CPU_PREFILL_CASES = [
+    (9, 3, 64, 16, [5, 19, 1], [5, 19, 1]),
+    (9, 3, 64, 16, [7, 16, 3], [30, 48, 35]),
+    (9, 3, 64, 32, [1, 9, 1, 20, 1], [33, 9, 16, 52, 70]),
+    (4, 4, 128, 16, [100, 33], [100, 90]),
+    (8, 1, 32, 16, [64, 17], [64, 80]),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,query_lens,seq_lens", CPU_PREFILL_CASES)
+def test_cpu_backend_bf16_prefill_matches_reference(heads, kv_heads, head_dim, block_size, query_lens, seq_lens):
+    backend = _cpu_backend()
+    if not backend._flash_prefill:
+        pytest.skip("this CPU has no AVX512-BF16: bf16 prefill stays on torch's SDPA")
+    batch = make_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=torch.bfloat16, seed=head_dim + sum(query_lens))
+    expected, expected_cache = reference_attention(batch)
+    out, cache = run_backend(backend, batch)
+    assert out.dtype == torch.bfloat16 and out.shape == batch.query.shape
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(cache, expected_cache.to(torch.bfloat16))
+    # the same as torch's SDPA path up to bf16 rounding of the output
+    torch_out, _ = run_backend(TorchAttentionBackend(), batch)
+    torch.testing.assert_close(out.double(), torch_out.double(), atol=2e-2, rtol=2e-2)
+
+
 def test_cpu_backend_rejects_a_query_whose_dtype_differs_from_the_cache():
     backend = _cpu_backend()
     batch = make_batch([1, 1], [5, 9])

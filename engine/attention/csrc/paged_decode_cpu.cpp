@@ -345,7 +345,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
 
 }  // namespace
 
+// flash_prefill_cpu.cpp
+at::Tensor flash_prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                   double scale);
+bool has_flash_prefill();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
+  m.def("flash_prefill_attention", &flash_prefill_attention,
+        "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
+  m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
 }
