@@ -23,7 +23,8 @@
 namespace {
 
 constexpr int64_t kQueryBlock = 16;
-constexpr int64_t kKeyTile = 32;  // two vectors of 16 keys
+constexpr int64_t kKeyTile = 64;  // four vectors of 16 keys
+constexpr int kKeyVecs = kKeyTile / 16;
 
 // exp(x) for 16 floats (as in paged_decode_cpu.cpp): degree-7 Taylor on the reduced argument.
 inline __m512 exp16(__m512 x) {
@@ -68,26 +69,25 @@ void flash_block(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t firs
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t k0 = 0; k0 < last_key; k0 += kKeyTile) {
-    const uint16_t* ka = kp + (k0 / 16) * pairs * 32;
-    const uint16_t* kb = ka + pairs * 32;
+    const uint16_t* ka = kp + (k0 / 16) * pairs * 32;  // kKeyVecs tiles of 16 keys follow
     // S = scale * Q K^T for this tile, four query rows at a time (each K vector is used 4 times).
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      __m512 acc[4][2];
-      for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+      __m512 acc[4][kKeyVecs];
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < kKeyVecs; ++t) acc[i][t] = _mm512_setzero_ps();
       const int64_t n = std::min<int64_t>(4, rows - r0);
       for (int64_t d2 = 0; d2 < pairs; ++d2) {
-        const __m512bh a = (__m512bh)_mm512_loadu_si512(ka + d2 * 32);
-        const __m512bh b = (__m512bh)_mm512_loadu_si512(kb + d2 * 32);
+        __m512bh kv[kKeyVecs];
+        for (int t = 0; t < kKeyVecs; ++t) kv[t] = (__m512bh)_mm512_loadu_si512(ka + (t * pairs + d2) * 32);
         for (int i = 0; i < 4; ++i) {
           if (i >= n) break;
           const __m512bh qq = (__m512bh)_mm512_set1_epi32(pair_at(q + (r0 + i) * q_stride + 2 * d2));
-          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qq, a);
-          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qq, b);
+          for (int t = 0; t < kKeyVecs; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], qq, kv[t]);
         }
       }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = first_pos + r0 + i;  // keys after pos (and past num_keys) are masked
-        for (int half = 0; half < 2; ++half) {
+        for (int half = 0; half < kKeyVecs; ++half) {
           const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(k0 + 16 * half)));
           const __mmask16 keep = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(
                                                                   std::min(pos, num_keys - 1))));
@@ -98,8 +98,13 @@ void flash_block(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t firs
     }
     // Online softmax: rescale what was accumulated to the new row maximum, P = exp(S - max).
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 s0 = _mm512_loadu_ps(s[r]), s1 = _mm512_loadu_ps(s[r] + 16);
-      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      __m512 sv[kKeyVecs];
+      __m512 tile_max_v = neg_inf;
+      for (int t = 0; t < kKeyVecs; ++t) {
+        sv[t] = _mm512_loadu_ps(s[r] + 16 * t);
+        tile_max_v = _mm512_max_ps(tile_max_v, sv[t]);
+      }
+      const float tile_max = _mm512_reduce_max_ps(tile_max_v);
       const float new_max = std::max(m[r], tile_max);
       if (new_max == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
         std::memset(p16[r], 0, sizeof(p16[r]));
@@ -107,19 +112,24 @@ void flash_block(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t firs
       }
       const float correction = std::exp(m[r] - new_max);
       const __m512 mv = _mm512_set1_ps(new_max);
-      const __m512 e0 = exp16(_mm512_sub_ps(s0, mv)), e1 = exp16(_mm512_sub_ps(s1, mv));
-      // masked lanes: exp16 clamps at -87, so zero them explicitly
-      const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, neg_inf, _CMP_NEQ_OQ), e0);
-      const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, neg_inf, _CMP_NEQ_OQ), e1);
-      l[r] = l[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      __m512 pv[kKeyVecs];
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < kKeyVecs; ++t) {
+        // masked lanes: exp16 clamps at -87, so zero them explicitly
+        pv[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv[t], neg_inf, _CMP_NEQ_OQ),
+                                    exp16(_mm512_sub_ps(sv[t], mv)));
+        sum = _mm512_add_ps(sum, pv[t]);
+      }
+      l[r] = l[r] * correction + _mm512_reduce_add_ps(sum);
       m[r] = new_max;
       if (correction != 1.f) {
         const __m512 cv = _mm512_set1_ps(correction);
         for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o[r] + 16 * c, _mm512_mul_ps(cv, _mm512_loadu_ps(o[r] + 16 * c)));
       }
-      _mm512_storeu_si512(p16[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      for (int t = 0; t < kKeyVecs; t += 2)
+        _mm512_storeu_si512(p16[r] + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(pv[t + 1], pv[t]));
     }
-    // O += P V over the tile's 16 key pairs, four query rows x four 16-dim chunks at a time.
+    // O += P V over the tile's key pairs, four query rows x four 16-dim chunks at a time.
     const uint16_t* vt = vp + (k0 / 2) * chunks * 32;
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t n = std::min<int64_t>(4, rows - r0);
