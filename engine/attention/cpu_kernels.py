@@ -19,6 +19,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "flash_prefill_cpu.cpp")]
+_HEADER = Path(__file__).parent / "csrc" / "simd_math.h"
 
 
 def _cpu_flags() -> str:
@@ -39,7 +40,7 @@ def load():
         return None
     # The source's path is in the name too: ninja rebuilds when its command line changes, so two
     # checkouts sharing one name would keep rebuilding over each other.
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + _cpu_flags().encode()
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in [*_SOURCES, _HEADER]) + _cpu_flags().encode()
                             + str(_SOURCES[0].resolve()).encode()).hexdigest()[:12]
     name = f"pdserve_cpu_kernels_{digest}"
     try:
