@@ -61,6 +61,15 @@ def staging_view(buffer: torch.Tensor, layout: KVLayout, piece: DataPiece) -> to
         len(piece.layers), piece.num_blocks, *layout.chunk_shape)
 
 
+def chunk_addresses(layer_addresses: Sequence[int] | np.ndarray, layers: Sequence[int],
+                    block_ids: Sequence[int] | np.ndarray, chunk_nbytes: int) -> np.ndarray:
+    """Start address of each (layer, block) chunk, layer-major (the order of a payload), for
+    per-layer caches starting at `layer_addresses` (in this process or, for shm, in a peer's)."""
+    bases = np.asarray(layer_addresses, dtype=np.uint64)[list(layers)]
+    offsets = np.asarray(block_ids, dtype=np.uint64) * np.uint64(chunk_nbytes)
+    return (bases[:, None] + offsets[None, :]).reshape(-1)
+
+
 class CacheViews:
     """The per-layer caches, with byte views for zero-copy socket I/O on CPU."""
 
@@ -96,15 +105,14 @@ class CacheViews:
         return views
 
     def chunk_addresses(self, layers: Sequence[int], block_ids: np.ndarray) -> np.ndarray:
-        """Where each (layer, block) chunk starts, layer-major: the order of a payload."""
+        """Where each (layer, block) chunk starts in this process, layer-major."""
         assert self._layer_addresses is not None, "chunk addresses need caches in host memory"
-        offsets = block_ids.astype(np.uint64) * np.uint64(self.layout.chunk_nbytes)
-        return (self._layer_addresses[list(layers)][:, None] + offsets[None, :]).reshape(-1)
+        return chunk_addresses(self._layer_addresses, layers, block_ids, self.layout.chunk_nbytes)
 
     def gather(self, layers: Sequence[int], index: torch.Tensor, out: torch.Tensor) -> None:
         """`out` is `[len(layers), len(index), *chunk_shape]`, contiguous, on the caches' device."""
         if self._layer_addresses is not None:
-            copy_chunks(self._payload_addresses(out, len(layers) * len(index)),
+            copy_chunks(self._payload_addresses(out),
                         self.chunk_addresses(layers, index.numpy()), self.layout.chunk_nbytes)
             return
         for position, layer in enumerate(layers):
@@ -114,14 +122,16 @@ class CacheViews:
         """`src` is `[len(layers), len(index), *chunk_shape]`, contiguous, on the caches' device."""
         if self._layer_addresses is not None:
             copy_chunks(self.chunk_addresses(layers, index.numpy()),
-                        self._payload_addresses(src, len(layers) * len(index)), self.layout.chunk_nbytes)
+                        self._payload_addresses(src), self.layout.chunk_nbytes)
             return
         for position, layer in enumerate(layers):
             self.caches[layer].index_copy_(0, index, src[position])
 
-    def _payload_addresses(self, payload: torch.Tensor, count: int) -> np.ndarray:
+    def _payload_addresses(self, payload: torch.Tensor) -> np.ndarray:
+        """The chunks of a contiguous staging payload, in order."""
         assert payload.is_contiguous()
         chunk = self.layout.chunk_nbytes
+        count = payload.numel() * payload.element_size() // chunk
         return np.arange(count, dtype=np.uint64) * np.uint64(chunk) + np.uint64(payload.data_ptr())
 
     def release(self) -> None:

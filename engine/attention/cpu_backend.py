@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import cpu_kernels
-from engine.attention.torch_backend import TorchAttentionBackend, gather_kv
+from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -44,6 +44,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return TorchAttentionBackend._prefill(query, key, value, kv_cache, block_table, seq_len, scale)
         if seq_len == query.shape[0]:  # no cached prefix: this chunk's own K/V
             return self._kernels.flash_prefill_attention(query, key, value, scale)
-        block_size = kv_cache.shape[2]
-        keys, values = gather_kv(kv_cache, block_table[: -(-seq_len // block_size)])
-        return self._kernels.flash_prefill_attention(query, keys[:seq_len], values[:seq_len], scale)
+        keys, values = sequence_kv(kv_cache, block_table, seq_len)
+        return self._kernels.flash_prefill_attention(query, keys, values, scale)

@@ -63,6 +63,13 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Te
     return keys, values
 
 
+def sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `seq_len` positions, `[seq_len, heads, dim]` each."""
+    block_size = kv_cache.shape[2]
+    keys, values = gather_kv(kv_cache, block_table[: -(-seq_len // block_size)])
+    return keys[:seq_len], values[:seq_len]
+
+
 class TorchAttentionBackend:
     """`AttentionBackend` in torch; works on any device and dtype torch supports."""
 
@@ -133,9 +140,7 @@ class TorchAttentionBackend:
                 query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
                 is_causal=True, scale=scale, enable_gqa=True)
             return out[0].transpose(0, 1)
-        block_size = kv_cache.shape[2]
-        keys, values = gather_kv(kv_cache, block_table[: -(-seq_len // block_size)])
-        keys, values = keys[:seq_len], values[:seq_len]
+        keys, values = sequence_kv(kv_cache, block_table, seq_len)
         key_positions = torch.arange(seq_len, device=query.device)
         query_positions = torch.arange(context_len, seq_len, device=query.device)
         mask = key_positions[None, :] <= query_positions[:, None]

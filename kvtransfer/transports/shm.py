@@ -29,7 +29,7 @@ import torch
 
 from . import _cma
 from .._common import cancel_and_wait, within
-from .._payload import BlockSink, BlockSource, DiscardSink
+from .._payload import BlockSink, BlockSource, DiscardSink, chunk_addresses
 from ..addresses import Endpoint
 from ..status import TransferError
 from ._stream import AsyncSocket, StreamChannel
@@ -242,12 +242,9 @@ class ShmChannel(StreamChannel):
             if len(src_ids) != len(dst_ids):
                 raise ChannelClosed(f"{self.peer} sent {len(src_ids)} source blocks for "
                                     f"{len(dst_ids)} destinations")
-            chunk = np.uint64(layout.chunk_nbytes)
             layers = sink.piece.layers
-            remote = np.concatenate([np.uint64(self._cma_peer["layer_addresses"][layer])
-                                     + src_ids * chunk for layer in layers])
-            local = np.concatenate([np.uint64(self._ctx.cache_addresses[layer]) + dst_ids * chunk
-                                    for layer in layers])
+            remote = chunk_addresses(self._cma_peer["layer_addresses"], layers, src_ids, layout.chunk_nbytes)
+            local = chunk_addresses(self._ctx.cache_addresses, layers, dst_ids, layout.chunk_nbytes)
             threads = self._ctx.config.shm_copy_threads
             try:
                 # On the loop thread, blocking it: a receiver cancel is handled on this loop, so
