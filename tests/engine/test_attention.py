@@ -146,7 +146,10 @@ def _cpu_backend():
 
 # Decode-only batches: (num_heads, num_kv_heads, head_dim, block_size, seq_lens). head_dim 64 and
 # 128 take the AVX-512 path (where the CPU has it); 48 takes the portable loop. One sequence
-# exercises the split-by-head work items, many sequences the whole-sequence items.
+# exercises the split-by-head work items, many sequences the whole-sequence items. Query groups
+# of 1, 2, 3, 4 and 8 have compiled-in sizes, 5 and 7 take the run-time one; more than 16 query
+# heads per work item are walked in several tiles (the last one short when 16 / group does not
+# divide the KV heads).
 CPU_DECODE_CASES = [
     (9, 3, 64, 16, [1, 15, 16, 17, 300, 33, 2, 64, 5]),
     (4, 4, 64, 16, [40]),
@@ -154,6 +157,10 @@ CPU_DECODE_CASES = [
     (32, 4, 128, 16, [200]),
     (6, 2, 48, 8, [7, 8, 9, 70]),
     (16, 2, 64, 16, list(range(1, 40, 3))),
+    (14, 2, 64, 16, [3, 50, 17, 100, 1]),
+    (20, 4, 64, 8, [9, 33, 8, 1, 60]),
+    (12, 12, 64, 16, [20, 5, 47, 1]),
+    (24, 12, 128, 16, [70, 2, 18, 33]),
 ]
 
 

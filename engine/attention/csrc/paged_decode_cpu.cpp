@@ -107,112 +107,182 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Prefetch `rows` rows of `lines` cache lines each, `stride` elements apart, into L1.
-template <typename T>
-inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t lines) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t l = 0; l < lines; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(first + r * stride) + 64 * l, _MM_HINT_T0);
-}
-
 constexpr int kMaxGroup = 16;
+// Query heads scored together in one walk over a sequence (their partial dot products live in
+// a [kTileHeads][16] array on the stack).
+constexpr int64_t kTileHeads = 16;
+// Blocks ahead of the one being read whose rows are software-prefetched, one row per row read:
+// a table's next block is somewhere else in memory, which the hardware prefetcher cannot guess.
+constexpr int64_t kPrefetchBlocks = 2;
 
-// One sequence, one KV head, head_dim = 16 * NV: the group's query heads stay in registers, K is
-// scored 16 tokens at a time (reduced with hsum16), V is accumulated in registers.
-template <typename T, int NV>
-void decode_one_head_avx512(const T* q_src, const T* cache, const int32_t* table, int64_t len, int64_t group,
-                            int64_t block_size, int64_t token_stride, int64_t half_stride, int64_t block_stride,
-                            float scale, float* scores, T* out) {
-  __m512 q[kMaxGroup][NV];
+// One sequence and `kv_heads` consecutive KV heads, all of whose query heads fit in one tile
+// (kv_heads * group <= kTileHeads); head_dim = 16 * NV; G query heads per KV head, or G = 0 to
+// read `group` at run time. Two passes over the sequence's blocks. Pass 1 reads whole token rows
+// (all of the tile's heads) in address order and scores 16 tokens at a time (hsum16 reduces 16
+// dot products at once) into `scores` [qheads][len]; reading in address order is what keeps
+// memory streaming (on a 2-core Zen 4 at 128 sequences x 650 tokens, the kernel went from 12 to
+// ~16 GB/s, against ~24 GB/s for a bare read of the same blocks). Softmax. Pass 2 accumulates
+// p * V into `acc` [qheads][16 * NV].
+template <typename T, int NV, int G>
+void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, int64_t len, int64_t kv_heads,
+                        int64_t group_rt, int64_t block_size, int64_t token_stride, int64_t half_stride,
+                        int64_t block_stride, float scale, float* scores, float* acc, T* out) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t group = G > 0 ? G : group_rt;
+  const int64_t qheads = kv_heads * group;
   const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < group; ++g)
-    for (int v = 0; v < NV; ++v) q[g][v] = _mm512_mul_ps(load16(q_src + g * 16 * NV + 16 * v), sv);
-  // Pass 1: scores[g * len + t]. With AVX512-BF16, bf16 q.k runs as pairwise bf16 dot products
-  // accumulated in fp32 (vdpbf16ps: exact products, like widening first) and is scaled after.
 #if defined(__AVX512BF16__)
+  // With AVX512-BF16, bf16 q.k runs as pairwise bf16 dot products accumulated in fp32 (vdpbf16ps:
+  // exact products, like widening first), scaled afterwards.
   constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16>;
-  __m512i q_bf16[kMaxGroup][NV / 2 > 0 ? NV / 2 : 1];
+  __m512i q_bf16[kTileHeads][NV / 2 > 0 ? NV / 2 : 1];
   if constexpr (kDotBf16)
-    for (int64_t g = 0; g < group; ++g)
+    for (int64_t qi = 0; qi < qheads; ++qi)
       for (int v = 0; v < NV / 2; ++v)
-        q_bf16[g][v] = _mm512_loadu_si512(reinterpret_cast<const void*>(q_src + g * 16 * NV + 32 * v));
+        q_bf16[qi][v] = _mm512_loadu_si512(reinterpret_cast<const void*>(q_src + qi * D + 32 * v));
 #else
   constexpr bool kDotBf16 = false;
 #endif
-  const int64_t row_lines = (16 * NV * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  __m512 part[kMaxGroup][16];
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* k_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride;
-    const int64_t in_block = std::min(block_size, len - t0);
-    // Blocks are scattered, so the hardware prefetcher cannot see the next one coming.
-    if (t0 + block_size < len) prefetch_rows(cache + static_cast<int64_t>(table[t0 / block_size + 1]) * block_stride,
-                                             block_size, token_stride, row_lines);
+  __m512 q[kTileHeads][NV];
+  if constexpr (!kDotBf16)
+    for (int64_t qi = 0; qi < qheads; ++qi)
+      for (int v = 0; v < NV; ++v) q[qi][v] = _mm512_mul_ps(load16(q_src + qi * D + 16 * v), sv);
+  const int64_t row_lines = (kv_heads * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  auto rows_in = [&](int64_t b) { return std::min(block_size, len - b * block_size); };
+  auto prefetch_row = [&](const T* row) {
+    for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * l, _MM_HINT_T0);
+  };
+  // Where the rows `kPrefetchBlocks` ahead of block b start (K or V half), or null past the end.
+  auto ahead = [&](int64_t b, int64_t half) -> const T* {
+    const int64_t a = b + kPrefetchBlocks;
+    return a < num_blocks ? cache + static_cast<int64_t>(table[a]) * block_stride + half : nullptr;
+  };
+  auto prefetch_first_blocks = [&](int64_t half) {
+    for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b)
+      for (int64_t r = 0; r < rows_in(b); ++r)
+        prefetch_row(cache + static_cast<int64_t>(table[b]) * block_stride + half + r * token_stride);
+  };
+
+  // Pass 1: scores[qi * len + t] = q_qi . k_t.
+  prefetch_first_blocks(0);
+  __m512 part[kTileHeads][16];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t t0 = b * block_size, in_block = rows_in(b);
+    const T* k_block = cache + static_cast<int64_t>(table[b]) * block_stride;
+    const T* pf = ahead(b, 0);
+    const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
     for (int64_t c0 = 0; c0 < in_block; c0 += 16) {
       const int64_t n = std::min<int64_t>(16, in_block - c0);
       for (int64_t j = 0; j < 16; ++j) {
         if (j >= n) {
-          for (int64_t g = 0; g < group; ++g) part[g][j] = _mm512_setzero_ps();
+          for (int64_t qi = 0; qi < qheads; ++qi) part[qi][j] = _mm512_setzero_ps();
           continue;
         }
-        const T* k = k_block + (c0 + j) * token_stride;
-        if constexpr (kDotBf16) {
+        if (c0 + j < pf_rows) prefetch_row(pf + (c0 + j) * token_stride);
+        const T* row = k_block + (c0 + j) * token_stride;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* k = row + h * D;
+          if constexpr (kDotBf16) {
 #if defined(__AVX512BF16__)
-          __m512i kr[NV / 2 > 0 ? NV / 2 : 1];
-          for (int v = 0; v < NV / 2; ++v) kr[v] = _mm512_loadu_si512(reinterpret_cast<const void*>(k + 32 * v));
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int v = 0; v < NV / 2; ++v)
-              acc = _mm512_dpbf16_ps(acc, (__m512bh)q_bf16[g][v], (__m512bh)kr[v]);
-            part[g][j] = acc;
-          }
+            __m512i kr[NV / 2 > 0 ? NV / 2 : 1];
+            for (int v = 0; v < NV / 2; ++v) kr[v] = _mm512_loadu_si512(reinterpret_cast<const void*>(k + 32 * v));
+            for (int64_t g = 0; g < group; ++g) {
+              __m512 a = _mm512_setzero_ps();
+              for (int v = 0; v < NV / 2; ++v)
+                a = _mm512_dpbf16_ps(a, (__m512bh)q_bf16[h * group + g][v], (__m512bh)kr[v]);
+              part[h * group + g][j] = a;
+            }
 #endif
-        } else {
-          __m512 kv[NV];
-          for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
-            for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[g][v], kv[v], acc);
-            part[g][j] = acc;
+          } else {
+            __m512 kv[NV];
+            for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t qi = h * group + g;
+              __m512 a = _mm512_mul_ps(q[qi][0], kv[0]);
+              for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[qi][v], kv[v], a);
+              part[qi][j] = a;
+            }
           }
         }
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 sums16 = hsum16(part[g]);
+      for (int64_t qi = 0; qi < qheads; ++qi) {
+        __m512 sums16 = hsum16(part[qi]);
         if constexpr (kDotBf16) sums16 = _mm512_mul_ps(sums16, sv);
-        _mm512_mask_storeu_ps(scores + g * len + t0 + c0, mask, sums16);
+        _mm512_mask_storeu_ps(scores + qi * len + t0 + c0, mask, sums16);
       }
     }
   }
-  float inv[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    const float sum = exp_shifted(scores + g * len, len);
-    inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+  // Softmax per query head, normalized at the end; pass 2's first blocks load meanwhile.
+  prefetch_first_blocks(half_stride);
+  float inv[kTileHeads];
+  for (int64_t qi = 0; qi < qheads; ++qi) {
+    const float sum = exp_shifted(scores + qi * len, len);
+    inv[qi] = sum > 0.f ? 1.f / sum : 0.f;
   }
-  // Pass 2: out_g = sum_t p_gt v_t / sum_t p_gt
-  __m512 acc[kMaxGroup][NV];
-  for (int64_t g = 0; g < group; ++g)
-    for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* v_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + half_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    if (t0 + block_size < len)
-      prefetch_rows(cache + static_cast<int64_t>(table[t0 / block_size + 1]) * block_stride + half_stride, block_size,
-                    token_stride, row_lines);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vr = v_block + j * token_stride;
-      __m512 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
-      for (int64_t g = 0; g < group; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * len + t0 + j]);
-        for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+  // Pass 2: acc_qi = sum_t p_qi,t v_t. Head by head within a block, so that a KV head's group
+  // accumulates in registers (G * NV vectors) for the block's rows; the block's V rows are read
+  // from memory by the first head (and the prefetches), from L1 by the others.
+  std::fill(acc, acc + qheads * D, 0.f);
+  constexpr int kGroupCap = G > 0 ? G : kMaxGroup;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t t0 = b * block_size, n = rows_in(b);
+    const T* v_block = cache + static_cast<int64_t>(table[b]) * block_stride + half_stride;
+    const T* pf = ahead(b, half_stride);
+    const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 a[kGroupCap][NV];
+      for (int64_t g = 0; g < group; ++g)
+        for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + (h * group + g) * D + 16 * v);
+      const float* p_rows = scores + h * group * len + t0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (h == 0 && j < pf_rows) prefetch_row(pf + j * token_stride);
+        const T* vr = v_block + j * token_stride + h * D;
+        __m512 vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(p_rows[g * len + j]);
+          for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(p, vv[v], a[g][v]);
+        }
       }
+      for (int64_t g = 0; g < group; ++g)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (h * group + g) * D + 16 * v, a[g][v]);
     }
   }
-  alignas(64) float row[16 * NV];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(row + 16 * v, _mm512_mul_ps(acc[g][v], _mm512_set1_ps(inv[g])));
-    for (int64_t d = 0; d < 16 * NV; ++d) out[g * 16 * NV + d] = static_cast<T>(row[d]);
+  for (int64_t qi = 0; qi < qheads; ++qi)
+    for (int64_t d = 0; d < D; ++d) out[qi * D + d] = static_cast<T>(acc[qi * D + d] * inv[qi]);
+}
+
+// One sequence and `kv_heads` consecutive KV heads, in tiles of at most kTileHeads query heads,
+// with the query-group size fixed at compile time where it is a common one.
+template <typename T, int NV>
+void decode_heads_avx512(int64_t group, const T* q_src, const T* cache, const int32_t* table, int64_t len,
+                         int64_t kv_heads, int64_t block_size, int64_t token_stride, int64_t half_stride,
+                         int64_t block_stride, float scale, float* scores, float* acc, T* out) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t tile = std::max<int64_t>(1, kTileHeads / group);  // KV heads per tile
+  for (int64_t h0 = 0; h0 < kv_heads; h0 += tile) {
+    const int64_t kt = std::min(tile, kv_heads - h0);
+    const T* q = q_src + h0 * group * D;
+    const T* c = cache + h0 * D;
+    T* o = out + h0 * group * D;
+#define PDSERVE_DECODE_GROUP(G_)                                                                              \
+  case G_:                                                                                                    \
+    decode_tile_avx512<T, NV, G_>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride, \
+                                  scale, scores, acc, o);                                                     \
+    break;
+    switch (group) {
+      PDSERVE_DECODE_GROUP(1)
+      PDSERVE_DECODE_GROUP(2)
+      PDSERVE_DECODE_GROUP(3)
+      PDSERVE_DECODE_GROUP(4)
+      PDSERVE_DECODE_GROUP(8)
+      default:
+        decode_tile_avx512<T, NV, 0>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride,
+                                     scale, scores, acc, o);
+    }
+#undef PDSERVE_DECODE_GROUP
   }
 }
 #endif
@@ -251,17 +321,17 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const T* q_src = q_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
 #if defined(__AVX512F__)
       if ((head_dim == 64 || head_dim == 128) && group <= kMaxGroup) {
-        scores.resize(std::max<int64_t>(len, 1) * group);
-        for (int64_t kh = first_kv_head; kh < first_kv_head + heads_per_item; ++kh) {
-          const int64_t q_off = (seq * num_heads + kh * group) * head_dim;
-          const T* head_cache = cache + kh * head_dim;
-          if (head_dim == 64)
-            decode_one_head_avx512<T, 4>(q_ptr + q_off, head_cache, table, len, group, block_size, token_stride,
-                                         half_stride, block_stride, fscale, scores.data(), out_ptr + q_off);
-          else
-            decode_one_head_avx512<T, 8>(q_ptr + q_off, head_cache, table, len, group, block_size, token_stride,
-                                         half_stride, block_stride, fscale, scores.data(), out_ptr + q_off);
-        }
+        const int64_t tile_q = std::min(qheads, std::max<int64_t>(group, kTileHeads / group * group));
+        scores.resize(std::max<int64_t>(len, 1) * tile_q);
+        acc.resize(tile_q * head_dim);
+        const T* head_cache = cache + first_kv_head * head_dim;
+        T* o = out_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
+        if (head_dim == 64)
+          decode_heads_avx512<T, 4>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
+                                    half_stride, block_stride, fscale, scores.data(), acc.data(), o);
+        else
+          decode_heads_avx512<T, 8>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
+                                    half_stride, block_stride, fscale, scores.data(), acc.data(), o);
         continue;
       }
 #endif
