@@ -14,7 +14,7 @@ install:
 	$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx is not installable here: the ucx transport's tests will skip"
 	@# Build the native CPU attention kernel now (~30 s, once per machine) rather than inside the
 	@# first worker a test starts; without a compiler the engine falls back to torch attention.
-	$(PYTHON) -c "from engine.attention import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load() else 'unavailable, using torch attention')"
+	$(PYTHON) -c "from engine import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load() else 'unavailable, using torch attention')"
 
 test: install
 	$(PYTHON) -m pytest tests

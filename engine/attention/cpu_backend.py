@@ -2,9 +2,9 @@
 
 Decode (one query token per sequence) is memory-bound and dominates a serving step; the torch
 path has to gather every sequence's K/V out of the paged cache into a padded copy before
-`scaled_dot_product_attention`. The kernel in `csrc/paged_decode_cpu.cpp` reads K/V in place
+`scaled_dot_product_attention`. The kernel in `engine/csrc/paged_decode_cpu.cpp` reads K/V in place
 through the block tables instead (about 5-7x faster per layer on a 2-core AVX-512 machine).
-Prefill chunks in bf16 on CPUs with AVX512-BF16 go to `csrc/flash_prefill_cpu.cpp`, a flash-attention
+Prefill chunks in bf16 on CPUs with AVX512-BF16 go to `engine/csrc/flash_prefill_cpu.cpp`, a flash-attention
 forward whose matmuls are bf16 dot-product instructions (about 2x torch's CPU flash kernel at
 256-1024 tokens); other dtypes and CPUs keep torch's flash attention. When the kernels cannot be
 built, this backend behaves exactly like `TorchAttentionBackend` (`native` says which is in use).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.attention.metadata import AttentionMetadata
+from engine.model import fused_ops
 from engine.model.arch import ModelArchConfig
 from engine.model.rope import RotaryEmbedding
 
@@ -26,10 +27,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as transformers computes them, then back to the activation dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual += x` in place, then the norm of the sum (one pass in the fused kernel)."""
+        return fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -66,8 +68,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,13 +97,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None)."""
-        hidden = self.embed_tokens(input_ids)
+        # `residual` is the block's residual stream, updated in place by each add + norm; `hidden`
+        # is the output of the last attention or MLP, not yet added to it.
+        residual = self.embed_tokens(input_ids)
+        hidden = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            residual = hidden
-            hidden = layer.self_attn(positions, layer.input_layernorm(hidden), self.rotary, kv_cache, meta, backend)
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            if hidden is None:
+                normed = layer.input_layernorm(residual)
+            else:
+                normed = layer.input_layernorm.add_forward(hidden, residual)
+            hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend)
+            hidden = layer.mlp(layer.post_attention_layernorm.add_forward(hidden, residual))
+        hidden = residual + hidden if hidden is not None else residual
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.norm(hidden)

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from engine.model import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -51,12 +53,5 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, Hq, D], key [T, Hkv, D] -> rotated copies."""
-        cos = self.cos_cache.index_select(0, positions).to(query.dtype)[:, None, :]
-        sin = self.sin_cache.index_select(0, positions).to(query.dtype)[:, None, :]
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        """query [T, Hq, D], key [T, Hk, D] -> rotated copies."""
+        return fused_ops.rotary(positions, query, key, self.cos_cache, self.sin_cache)

@@ -1,4 +1,8 @@
-"""Native CPU kernels (C++ in `csrc/`), compiled on first use and cached per machine.
+"""Native CPU kernels (C++ in `engine/csrc/`), compiled on first use and cached per machine.
+
+One library: paged decode attention and bf16 flash prefill (used by the "cpu" attention backend)
+and the Llama block's fused bf16 elementwise ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
+RoPE; used by `engine.model.fused_ops`).
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
@@ -18,7 +22,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "flash_prefill_cpu.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp")]
 _HEADER = Path(__file__).parent / "csrc" / "simd_math.h"
 
 
@@ -55,7 +60,7 @@ def load():
             # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy.
             extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        log.warning("pdserve CPU kernels unavailable (%s); decode attention uses the slower torch path",
+        log.warning("pdserve CPU kernels unavailable (%s); attention and elementwise ops use the slower torch path",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
 

@@ -370,6 +370,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   });
 }
 
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
@@ -393,19 +395,4 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float32/bfloat16/float16");
   }
   return out;
-}
-
-}  // namespace
-
-// flash_prefill_cpu.cpp
-at::Tensor flash_prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                   double scale);
-bool has_flash_prefill();
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU)");
-  m.def("flash_prefill_attention", &flash_prefill_attention,
-        "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
-  m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
 }

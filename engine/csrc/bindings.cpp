@@ -1,0 +1,28 @@
+// The Python module of pdserve's native CPU kernels (built by engine/cpu_kernels.py).
+#include <torch/extension.h>
+
+// paged_decode_cpu.cpp
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+// flash_prefill_cpu.cpp
+at::Tensor flash_prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                   double scale);
+bool has_flash_prefill();
+// fused_ops_cpu.cpp
+bool has_fused_ops();
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                         const at::Tensor& cos_cache, const at::Tensor& sin_cache);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("flash_prefill_attention", &flash_prefill_attention, "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
+  m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
+  m.def("has_fused_ops", &has_fused_ops, "Whether the fused bf16 elementwise ops were compiled in (AVX-512)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, rounded as transformers rounds");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x (in place), then RMSNorm of the sum");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up matmul output");
+  m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key (new contiguous tensors)");
+}

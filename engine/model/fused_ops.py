@@ -1,0 +1,82 @@
+"""The Llama block's elementwise ops, fused into native kernels for bf16 activations on CPU.
+
+Each function here is the torch expression the model has always used (the same ones transformers
+uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
+when the activation is a bf16 CPU tensor and the kernels are built for an AVX-512 CPU. Other
+dtypes and devices, and `PDSERVE_FUSED_OPS=0`, keep the torch expressions, so float32 stays
+bit-comparable with transformers. In bf16, RoPE and the SiLU-and-mul product are bit-identical to
+the torch path; RMSNorm's sum of squares and SiLU's exp are evaluated differently and can move a
+value by one bf16 ulp (tests/engine/test_fused_ops.py).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.nn import functional as F
+
+from engine import cpu_kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    if os.environ.get("PDSERVE_FUSED_OPS", "1") == "0":
+        return None
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and kernels.has_fused_ops() else None
+
+
+def native_for(x: torch.Tensor):
+    """The kernels module when `x` is an activation they handle, else None."""
+    if x.dtype is not torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return _kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * normalize(x), with fp32 statistics (as transformers computes them)."""
+    native = native_for(x)
+    if native is not None and weight.dtype is torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+        return native.rms_norm(x, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`residual += x` in place (the block's residual stream), then rms_norm of the sum."""
+    native = native_for(x)
+    if (native is not None and weight.dtype is torch.bfloat16 and residual.dtype is torch.bfloat16
+            and x.dim() == 2 and x.stride(1) == 1 and residual.stride(1) == 1):
+        return native.add_rms_norm_(x, residual, weight, eps)
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused gate|up projection's output [T, 2 * intermediate]."""
+    native = native_for(gate_up)
+    if native is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return native.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+           sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE: query [T, Hq, D], key [T, Hk, D] -> rotated copies (cos/sin: fp32 tables)."""
+    native = native_for(query)
+    if (native is not None and key.dtype is torch.bfloat16 and cos_cache.dtype is torch.float32
+            and query.shape[-1] % 32 == 0 and query.stride(-1) == 1 and key.stride(-1) == 1
+            and positions.dtype is torch.int64):
+        q, k = native.rotary_embedding(positions, query, key, cos_cache, sin_cache)
+        return q, k
+    cos = cos_cache.index_select(0, positions).to(query.dtype)[:, None, :]
+    sin = sin_cache.index_select(0, positions).to(query.dtype)[:, None, :]
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

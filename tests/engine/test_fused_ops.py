@@ -1,0 +1,143 @@
+"""The fused bf16 elementwise kernels (engine/csrc/fused_ops_cpu.cpp) against the torch expressions
+they replace, op by op and through a whole model; and the float32 path left untouched."""
+import importlib.util
+import shutil
+
+import pytest
+import torch
+import transformers
+from torch.nn import functional as F
+
+from engine.attention.backend import get_attention_backend
+from engine.model import fused_ops
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import resolve_model
+from engine.model.rope import RotaryEmbedding
+from tests.engine.paged_harness import greedy_generate_paged
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def native():
+    """The kernels module; it must have built wherever a C++ compiler exists (as in CI)."""
+    module = fused_ops._kernels()
+    if module is None:
+        if shutil.which("c++") and importlib.util.find_spec("ninja") and _avx512():
+            pytest.fail("the fused CPU ops did not build although a compiler and AVX-512 are present")
+        pytest.skip("no compiler or no AVX-512: the model keeps the torch expressions")
+    return module
+
+
+def _avx512() -> bool:
+    try:
+        return " avx512f" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def _torch_rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 values equal, or one bf16 step apart (a sum or exp evaluated in another order)."""
+    got_bits = got.view(torch.int16).to(torch.int32)
+    want_bits = want.view(torch.int16).to(torch.int32)
+    assert int((got_bits - want_bits).abs().max()) <= 1, "more than one bf16 ulp apart"
+
+
+@pytest.mark.parametrize("hidden", [576, 72, 5])  # a multiple of 16, a 16-lane tail, shorter than a vector
+def test_rms_norm_and_add_rms_norm_match_torch(native, hidden):
+    torch.manual_seed(hidden)
+    x = (torch.randn(37, hidden) * 3).to(BF16)
+    weight = (torch.rand(hidden) + 0.5).to(BF16)
+    _within_one_ulp(native.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5))
+    # rows that are a strided view (e.g. a slice of a wider buffer) are read in place
+    wide = torch.randn(37, hidden + 9).to(BF16)
+    view = wide[:, 3:3 + hidden]
+    _within_one_ulp(native.rms_norm(view, weight, 1e-6), _torch_rms_norm(view, weight, 1e-6))
+
+    residual = torch.randn(37, hidden).to(BF16)
+    expected_sum = residual + x
+    normed = native.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_sum), "the residual add must round exactly like torch's bf16 add"
+    _within_one_ulp(normed, _torch_rms_norm(expected_sum, weight, 1e-5))
+
+
+@pytest.mark.parametrize("inter", [1536, 40, 7])
+def test_silu_and_mul_matches_torch(native, inter):
+    torch.manual_seed(inter)
+    gate_up = (torch.randn(19, 2 * inter) * 4).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = native.silu_and_mul(gate_up)
+    assert got.shape == (19, inter)
+    _within_one_ulp(got, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 1), (32, 2, 2)])
+def test_rotary_embedding_is_bit_identical_to_torch(native, head_dim, heads, kv_heads):
+    torch.manual_seed(head_dim)
+    tokens = 29
+    rope = RotaryEmbedding(head_dim, 2048, 10000.0, None)
+    # query and key as strided views of one fused qkv output, as the model passes them
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(BF16)
+    query = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    key = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 2048, (tokens,))
+    got_q, got_k = native.rotary_embedding(positions, query, key, rope.cos_cache, rope.sin_cache)
+    cos = rope.cos_cache.index_select(0, positions).to(BF16)[:, None, :]
+    sin = rope.sin_cache.index_select(0, positions).to(BF16)[:, None, :]
+    assert torch.equal(got_q, query * cos + fused_ops._rotate_half(query) * sin)
+    assert torch.equal(got_k, key * cos + fused_ops._rotate_half(key) * sin)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.rotary_embedding(torch.tensor([2048] * tokens), query, key, rope.cos_cache, rope.sin_cache)
+
+
+def test_float32_keeps_the_torch_expressions(native):
+    """float32 must stay bit-comparable with transformers: no native op is taken for it."""
+    x = torch.randn(4, 64)
+    assert fused_ops.native_for(x) is None and fused_ops.native_for(x.to(BF16)) is native
+    weight = torch.rand(64) + 0.5
+    assert torch.equal(fused_ops.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5))
+    residual = torch.randn(4, 64)
+    expected = residual + x
+    normed = fused_ops.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected) and torch.equal(normed, _torch_rms_norm(expected, weight, 1e-5))
+
+
+def test_a_bf16_model_gives_the_same_tokens_with_and_without_the_fused_ops(native, tmp_path, monkeypatch):
+    """Whole model, bf16, paged cache, prefill then decode: logits within bf16 noise of the torch
+    expressions and the same greedy tokens."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=136, intermediate_size=200, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    loaded = resolve_model(str(tmp_path))
+    model = LlamaForCausalLM(loaded.arch)
+    model.load_weights(loaded.iter_weights())
+    model = model.to(BF16).eval()
+    model.rotary = RotaryEmbedding(32, 256, loaded.arch.rope_theta, loaded.arch.rope_scaling)  # fp32 tables
+    prompts = [[5, 17, 99, 3, 200, 11], [42] * 23, list(range(1, 40))]
+    backend = get_attention_backend("torch")
+
+    calls = {"rms_norm": 0, "add_rms_norm_": 0, "silu_and_mul": 0, "rotary_embedding": 0}
+
+    class Counting:
+        def __getattr__(self, name):
+            if name in calls:
+                calls[name] += 1
+            return getattr(native, name)
+
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: Counting())
+    fused_tokens, fused_logits = greedy_generate_paged(model, backend, prompts, 8, block_size=4, dtype=BF16,
+                                                       return_first_logits=True)
+    assert all(count > 0 for count in calls.values()), calls
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: None)
+    torch_tokens, torch_logits = greedy_generate_paged(model, backend, prompts, 8, block_size=4, dtype=BF16,
+                                                       return_first_logits=True)
+    torch.testing.assert_close(fused_logits, torch_logits, atol=0.05, rtol=0.02)
+    assert fused_tokens == torch_tokens
