@@ -23,7 +23,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp")]
+            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp",
+                         "small_linear_cpu.cpp")]
 _HEADER = Path(__file__).parent / "csrc" / "simd_math.h"
 
 

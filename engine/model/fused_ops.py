@@ -1,4 +1,5 @@
-"""The Llama block's elementwise ops, fused into native kernels for bf16 activations on CPU.
+"""The Llama block's elementwise ops, fused into native kernels for bf16 activations on CPU, and
+its linear layers at one to four tokens.
 
 Each function here is the torch expression the model has always used (the same ones transformers
 uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
@@ -32,6 +33,27 @@ def native_for(x: torch.Tensor):
     if x.dtype is not torch.bfloat16 or x.device.type != "cpu":
         return None
     return _kernels()
+
+
+# Up to this many tokens a bf16 linear layer runs as the native matrix-vector kernel.
+SMALL_LINEAR_MAX_ROWS = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; for 1-4 bf16 rows (a small decode step) the native kernel, which streams the
+    weights at 2-4x oneDNN's rate there (engine/csrc/small_linear_cpu.cpp)."""
+    native = native_for(x)
+    if (native is not None and x.dim() == 2 and 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+            and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.dtype is torch.bfloat16
+            and weight.is_contiguous() and (bias is None or bias.dtype is torch.bfloat16) and _small_linear()):
+        return native.small_batch_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=1)
+def _small_linear() -> bool:
+    kernels = _kernels()
+    return kernels is not None and kernels.has_small_linear()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,7 +12,6 @@ from typing import Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.model import fused_ops
@@ -50,14 +49,14 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = fused_ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return fused_ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -68,7 +67,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = fused_ops.linear(x, self.gate_up_proj.weight)
+        return fused_ops.linear(fused_ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return fused_ops.linear(hidden, weight).float()
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -96,6 +96,35 @@ def test_rotary_embedding_is_bit_identical_to_torch(native, head_dim, heads, kv_
         native.rotary_embedding(torch.tensor([2048] * tokens), query, key, rope.cos_cache, rope.sin_cache)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (37, 64, True), (16, 1536, False)])
+def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_features, bias):
+    if not native.has_small_linear():
+        pytest.skip("no AVX512-BF16: linear layers stay on F.linear")
+    torch.manual_seed(rows + out_features)
+    wide = torch.randn(rows, in_features + 32).to(BF16)
+    x = wide[:, 16:16 + in_features]  # rows read in place from a strided view
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(BF16)
+    b = torch.randn(out_features).to(BF16) if bias else None
+    got = native.small_batch_linear(x, weight, b)
+    assert got.shape == (rows, out_features) and got.dtype == BF16
+    # fp32 sums in another order than oneDNN's: equal up to bf16 rounding of the result
+    torch.testing.assert_close(got.float(), F.linear(x, weight, b).float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(fused_ops.linear(x, weight, b), got)
+
+
+def test_linear_takes_f_linear_outside_the_small_bf16_case(native):
+    weight = torch.randn(48, 64).to(BF16)
+    for x in (torch.randn(5, 64).to(BF16),           # more rows than a small decode step
+              torch.randn(2, 64),                     # float32
+              torch.randn(2, 48).to(BF16)):           # K not a multiple of 32
+        w = weight if x.shape[1] == 64 else torch.randn(48, 48).to(BF16)
+        w = w.float() if x.dtype == torch.float32 else w
+        assert torch.equal(fused_ops.linear(x, w), F.linear(x, w))
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        native.small_batch_linear(torch.randn(5, 64).to(BF16), weight)
+
+
 def test_float32_keeps_the_torch_expressions(native):
     """float32 must stay bit-comparable with transformers: no native op is taken for it."""
     x = torch.randn(4, 64)
@@ -110,9 +139,9 @@ def test_float32_keeps_the_torch_expressions(native):
 
 def test_a_bf16_model_gives_the_same_tokens_with_and_without_the_fused_ops(native, tmp_path, monkeypatch):
     """Whole model, bf16, paged cache, prefill then decode: logits within bf16 noise of the torch
-    expressions and the same greedy tokens."""
+    expressions and F.linear, and the same greedy tokens."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=136, intermediate_size=200, num_hidden_layers=3,
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=160, intermediate_size=200, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                       max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -124,7 +153,8 @@ def test_a_bf16_model_gives_the_same_tokens_with_and_without_the_fused_ops(nativ
     prompts = [[5, 17, 99, 3, 200, 11], [42] * 23, list(range(1, 40))]
     backend = get_attention_backend("torch")
 
-    calls = {"rms_norm": 0, "add_rms_norm_": 0, "silu_and_mul": 0, "rotary_embedding": 0}
+    calls = {"rms_norm": 0, "add_rms_norm_": 0, "silu_and_mul": 0, "rotary_embedding": 0,
+             "small_batch_linear": 0}  # decode steps of 3 tokens
 
     class Counting:
         def __getattr__(self, name):

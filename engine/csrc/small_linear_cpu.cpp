@@ -1,0 +1,120 @@
+// y = x W^T (+ bias) for a few bf16 rows of x on CPUs with AVX512-BF16: the linear layers of a
+// small decode step. At one to four tokens a linear layer is a matrix-vector product bound by
+// reading W once; oneDNN's GEMM reaches ~14 GB/s of weights there on a 2-core Zen 4, this kernel
+// streams W row by row in address order with `vdpbf16ps` dot products (fp32 accumulation) and
+// splits W's rows over the threads.
+//
+// x [M, K] (rows contiguous in K), W [N, K] contiguous, bias [N] or none, all bf16; K a multiple
+// of 32, M <= kMaxRows. The sum is taken in a different order than oneDNN's, so an output can
+// differ from F.linear's by one bf16 rounding step.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "simd_math.h"
+
+#include <cstring>
+
+namespace {
+constexpr int64_t kMaxRows = 4;
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+
+inline __m256i to_bf16_rne(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+// 16 output features for one row of x: 16 accumulators (one per W row), reduced with hsum16.
+void rows16_m1(const uint16_t* x, const uint16_t* w, int64_t k, int64_t n_rows, float* out) {
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k0);
+    for (int r = 0; r < 16; ++r)
+      if (r < n_rows) acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + r * k + k0));
+  }
+  _mm512_storeu_ps(out, hsum16(acc));
+}
+
+// 4 output features for up to kMaxRows rows of x.
+void rows4_mn(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* w, int64_t k, int64_t n_rows,
+              float out[kMaxRows][4]) {
+  __m512 acc[kMaxRows][4];
+  for (int i = 0; i < kMaxRows; ++i)
+    for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    __m512bh wv[4];
+    for (int r = 0; r < 4; ++r)
+      wv[r] = (__m512bh)(r < n_rows ? _mm512_loadu_si512(w + r * k + k0) : _mm512_setzero_si512());
+    for (int i = 0; i < kMaxRows; ++i) {
+      if (i >= m) break;
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + k0);
+      for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, wv[r]);
+    }
+  }
+  for (int i = 0; i < m; ++i)
+    for (int r = 0; r < 4; ++r) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+}  // namespace
+
+bool has_small_linear() { return true; }
+
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "small_batch_linear: bf16 x and weight only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
+                  x.size(1) == weight.size(1),
+              "small_batch_linear: expected x [M, K] with contiguous rows and a contiguous W [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(m >= 1 && m <= kMaxRows && k % 32 == 0, "small_batch_linear: needs 1 to ", kMaxRows,
+              " rows and K a multiple of 32");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n, "small_batch_linear: bias must be bf16 [N]");
+  }
+  auto out = at::empty({m, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const auto* bp = b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr;
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t x_stride = x.stride(0);
+  // Tasks of 16 output features; at least ~64 KiB of W per task so small layers stay on one thread.
+  const int64_t tiles = (n + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (16 * k * 2));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows][16];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * 16, rows = std::min<int64_t>(16, n - n0);
+      if (m == 1) {
+        rows16_m1(xp, wp + n0 * k, k, rows, acc[0]);
+      } else {
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+          float part[kMaxRows][4];
+          rows4_mn(xp, x_stride, m, wp + (n0 + r0) * k, k, std::min<int64_t>(4, rows - r0), part);
+          for (int64_t i = 0; i < m; ++i) std::memcpy(acc[i] + r0, part[i], sizeof(part[i]));
+        }
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        __m512 v = _mm512_load_ps(acc[i]);
+        if (bp) {
+          const __m256i raw = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << rows) - 1u), bp + n0);
+          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+        }
+        _mm256_mask_storeu_epi16(op + i * n + n0, static_cast<__mmask16>((1u << rows) - 1u), to_bf16_rne(v));
+      }
+    }
+  });
+  return out;
+}
+
+#else
+
+bool has_small_linear() { return false; }
+
+at::Tensor small_batch_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "small_batch_linear needs AVX512-BF16; use F.linear");
+  return {};
+}
+
+#endif
