@@ -50,6 +50,18 @@ inline void store_bf16_masked(c10::BFloat16* p, __m512 x, __mmask16 m) { _mm256_
 
 inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
+// out[i] = f(a[i], b[i]) over n bf16 elements (f on fp32 vectors), the tail under a mask.
+// `out` may be `a` or `b`.
+template <typename F>
+inline void map2_row(const c10::BFloat16* a, const c10::BFloat16* b, c10::BFloat16* out, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store_bf16(out + i, f(load_bf16(a + i), load_bf16(b + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    store_bf16_masked(out + i, f(load_bf16_masked(a + i, m), load_bf16_masked(b + i, m)), m);
+  }
+}
+
 // out = bf16(w * bf16(x * 1/sqrt(mean(x^2) + eps))) for one row of `hidden` elements.
 void rms_norm_row(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* out, int64_t hidden, float eps) {
   __m512 acc = _mm512_setzero_ps();
@@ -64,12 +76,7 @@ void rms_norm_row(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16*
   }
   const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(hidden) + eps);
   const __m512 iv = _mm512_set1_ps(inv);
-  for (i = 0; i + 16 <= hidden; i += 16)
-    store_bf16(out + i, _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(load_bf16(x + i), iv))));
-  if (i < hidden) {
-    const __mmask16 m = tail_mask(hidden - i);
-    store_bf16_masked(out + i, _mm512_mul_ps(load_bf16_masked(w + i, m), round_bf16(_mm512_mul_ps(load_bf16_masked(x + i, m), iv))), m);
-  }
+  map2_row(w, x, out, hidden, [&](__m512 wv, __m512 xv) { return _mm512_mul_ps(wv, round_bf16(_mm512_mul_ps(xv, iv))); });
 }
 
 void check_rows(const at::Tensor& x, const char* op) {
@@ -115,14 +122,8 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
   const int64_t xs = x.stride(0), rs = residual.stride(0);
   at::parallel_for(0, tokens, grain_rows(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const c10::BFloat16* xr = xp + t * xs;
       c10::BFloat16* rr = rp + t * rs;
-      int64_t i = 0;
-      for (; i + 16 <= hidden; i += 16) store_bf16(rr + i, _mm512_add_ps(load_bf16(rr + i), load_bf16(xr + i)));
-      if (i < hidden) {
-        const __mmask16 m = tail_mask(hidden - i);
-        store_bf16_masked(rr + i, _mm512_add_ps(load_bf16_masked(rr + i, m), load_bf16_masked(xr + i, m)), m);
-      }
+      map2_row(rr, xp + t * xs, rr, hidden, [](__m512 r, __m512 v) { return _mm512_add_ps(r, v); });
       rms_norm_row(rr, wp, op + t * hidden, hidden, static_cast<float>(eps));
     }
   });
@@ -146,14 +147,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::parallel_for(0, tokens, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const c10::BFloat16* g = gp + t * stride;
-      const c10::BFloat16* u = g + inter;
-      c10::BFloat16* o = op + t * inter;
-      int64_t i = 0;
-      for (; i + 16 <= inter; i += 16) store_bf16(o + i, silu_mul(load_bf16(g + i), load_bf16(u + i)));
-      if (i < inter) {
-        const __mmask16 m = tail_mask(inter - i);
-        store_bf16_masked(o + i, silu_mul(load_bf16_masked(g + i, m), load_bf16_masked(u + i, m)), m);
-      }
+      map2_row(g, g + inter, op + t * inter, inter, silu_mul);
     }
   });
   return out;
