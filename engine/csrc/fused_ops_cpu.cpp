@@ -18,16 +18,6 @@
 #if defined(__AVX512F__)
 namespace {
 
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's own conversion, 16 lanes.
 inline __m256i to_bf16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
@@ -39,7 +29,7 @@ inline __m256i to_bf16(__m512 x) {
 }
 
 inline __m512 round_bf16(__m512 x) {  // x rounded to bf16 and widened back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+  return widen_bf16(to_bf16(x));
 }
 
 inline void store_bf16(c10::BFloat16* p, __m512 x) {
@@ -47,8 +37,6 @@ inline void store_bf16(c10::BFloat16* p, __m512 x) {
 }
 
 inline void store_bf16_masked(c10::BFloat16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(x)); }
-
-inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
 // out[i] = f(a[i], b[i]) over n bf16 elements (f on fp32 vectors), the tail under a mask.
 // `out` may be `a` or `b`.

@@ -22,10 +22,7 @@ namespace {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -189,7 +186,7 @@ void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, in
           }
         }
       }
-      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+      const __mmask16 mask = tail_mask(n);
       for (int64_t qi = 0; qi < qheads; ++qi) {
         __m512 sums16 = hsum16(part[qi]);
         if constexpr (kDotBf16) sums16 = _mm512_mul_ps(sums16, sv);

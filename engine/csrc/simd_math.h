@@ -1,8 +1,23 @@
-// SIMD math shared by the native CPU attention kernels.
+// SIMD helpers shared by the native CPU kernels.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+// The low n lanes (0 <= n <= 16).
+inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+
+// 16 bf16 -> 16 fp32 (bf16 is the top half of an fp32, so a widen and a shift).
+inline __m512 widen_bf16(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+
 // exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
 // (relative error ~2e-9 there), times 2^n. Inputs below -87 give ~0 rather than denormals.
 inline __m512 exp16(__m512 x) {

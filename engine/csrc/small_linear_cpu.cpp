@@ -95,13 +95,11 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
           for (int64_t i = 0; i < m; ++i) std::memcpy(acc[i] + r0, part[i], sizeof(part[i]));
         }
       }
+      const __mmask16 mask = tail_mask(rows);
       for (int64_t i = 0; i < m; ++i) {
         __m512 v = _mm512_load_ps(acc[i]);
-        if (bp) {
-          const __m256i raw = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << rows) - 1u), bp + n0);
-          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-        }
-        _mm256_mask_storeu_epi16(op + i * n + n0, static_cast<__mmask16>((1u << rows) - 1u), to_bf16_rne(v));
+        if (bp) v = _mm512_add_ps(v, load_bf16_masked(bp + n0, mask));
+        _mm256_mask_storeu_epi16(op + i * n + n0, mask, to_bf16_rne(v));
       }
     }
   });
