@@ -1,31 +1,51 @@
 #!/usr/bin/env bash
-# GPU check for the attention kernels: tests/gpu at real sizes, then the decode/prefill kernel
-# micro-benchmark (achieved GB/s against the measured copy bandwidth). Under 5 minutes on one H200.
-# Results go to $OUT when it is set, else to benchmarks/results/gpu_check/.
+# GPU check, in one pass sized for a short lease on one GPU (~5 minutes on an H200):
+#   1. tests: the Triton attention kernels at real sizes (tests/gpu, and test_attention's triton
+#      cases), the whole engine on the GPU token-exact with transformers (tests/gpu/test_engine_gpu.py),
+#      the CUDA sampler, and kvtransfer with CUDA caches;
+#   2. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
+#      random weights (the default model's GGUF does not travel; speed depends only on the shape);
+#   3. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth).
+# Results go to $OUT when it is set, else to benchmarks/results/gpu_check/ (at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-benchmarks/results/gpu_check}"
 mkdir -p "$RESULTS"
 PYTHON="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: torch sees no CUDA device; nothing to check" | tee "$RESULTS/gpu_check.txt"
   exit 1
 fi
-"$PYTHON" - <<'PY' | tee "$RESULTS/environment.txt"
-import torch, triton
-print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  "$PYTHON" - <<'PY'
+import os, platform, torch, triton
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "triton", triton.__version__, "cpus", os.cpu_count())
 print("device", torch.cuda.get_device_name(0), "SMs", torch.cuda.get_device_properties(0).multi_processor_count)
 PY
+} 2>&1 | tee "$RESULTS/environment.txt"
 
-timeout 200 "$PYTHON" -m pytest tests/gpu -q -m gpu -p no:cacheprovider --junitxml="$RESULTS/gpu_tests.xml" \
-  2>&1 | tee "$RESULTS/gpu_tests.txt"
+timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra --timeout=240" \
+  tests/gpu tests/kvtransfer/test_gpu.py "tests/engine/test_attention.py" "tests/engine/test_sampler.py" \
+  -k "gpu or cuda or triton or Gpu" 2>&1 | tee "$RESULTS/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
-timeout 80 "$PYTHON" benchmarks/kernel_bench.py --compare-torch --json "$RESULTS/kernel_bench.json" \
+MODEL_DIR="${TMPDIR:-/tmp}/pdserve-smollm2-random"
+{
+  "$PYTHON" benchmarks/random_model.py "$MODEL_DIR" --layers 30 &&
+  timeout 200 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --json "$RESULTS/offline_gpu.json" &&
+  echo "--- the engine again with decode steps run eagerly (no CUDA graphs) ---" &&
+  timeout 90 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --no-transformers --no-cuda-graphs
+} 2>&1 | grep -v "Writing model shards" | tee "$RESULTS/offline_gpu.txt"
+offline_rc=${PIPESTATUS[0]}
+
+timeout 100 "$PYTHON" benchmarks/kernel_bench.py --compare-torch --json "$RESULTS/kernel_bench.json" \
   2>&1 | tee "$RESULTS/kernel_bench.txt"
 bench_rc=${PIPESTATUS[0]}
 
-echo "gpu_check: tests rc=$tests_rc, benchmark rc=$bench_rc; results in $RESULTS" | tee -a "$RESULTS/gpu_check.txt"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "gpu_check: tests rc=$tests_rc, offline rc=$offline_rc, kernel benchmark rc=$bench_rc; results in $RESULTS" \
+  | tee -a "$RESULTS/gpu_check.txt"
+[ "$tests_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

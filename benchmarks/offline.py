@@ -10,12 +10,13 @@ costs), and their ratio. Also the decode step time at batch 1 against the memory
 (weights + KV bytes read per step over a copy bandwidth measured here) and prefill FLOP/s against
 a matmul peak measured here. Prints each result as it is measured, then a table; writes JSON.
 
-Both sides run in the same dtype (`--dtype`): bfloat16 by default where the CPU computes it
-natively (AVX512-BF16 or AMX, as vLLM's CPU backend does), float32 elsewhere. The engine gets
-`--kv-cache-memory-gb` of KV cache (default 4, vLLM's CPU default), so `mixed` fits without
-preemption; preemptions are reported.
+Both sides run on the same device (`--device`, CUDA when torch sees one) and in the same dtype
+(`--dtype`): bfloat16 by default on a GPU and where the CPU computes it natively (AVX512-BF16 or
+AMX, as vLLM's CPU backend does), float32 elsewhere. The engine gets `--kv-cache-memory-gb` of KV
+cache (default 4, vLLM's CPU default), so `mixed` fits without preemption; preemptions are reported.
 
     python benchmarks/offline.py [--workloads fixed,mixed] [--dtype bfloat16] [--json out.json] [--smoke]
+    python benchmarks/offline.py --device cuda --model /tmp/smollm2-random   # see random_model.py
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import resolve_device  # noqa: E402
+from engine.kv_cache import num_blocks_for_memory  # noqa: E402
+from engine.model.loader import resolve_model  # noqa: E402
 
 
 @dataclass
@@ -78,6 +82,8 @@ def run_engine(llm: LLM, workload: Workload) -> tuple[float, int]:
 
 
 def run_transformers(hf, workload: Workload, batch_size: int = 64) -> float:
+    device = hf.device
+    _sync(device)
     start = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[first:first + batch_size]
@@ -90,33 +96,41 @@ def run_transformers(hf, workload: Workload, batch_size: int = 64) -> float:
             mask[row, width - len(prompt):] = 1
         longest = max(outs)
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                        do_sample=False, pad_token_id=0, eos_token_id=None)
+            hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                        min_new_tokens=longest, do_sample=False, pad_token_id=0, eos_token_id=None)
+    _sync(device)
     return time.perf_counter() - start
 
 
-def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn, device, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth_gbs(device: str = "cpu", repeats: int = 5) -> float:
     """Read+write bytes per second of a large tensor copy: the memory-bandwidth ceiling here."""
-    src = torch.ones(nbytes // 4)
+    nbytes = (2 if torch.device(device).type == "cuda" else 0.25) * 2**30
+    src = torch.ones(int(nbytes) // 4, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best / 1e9
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, repeats) / 1e9
 
 
-def matmul_peak_gflops(n: int = 1536, repeats: int = 5, dtype=torch.float32) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+def matmul_peak_gflops(dtype=torch.float32, device: str = "cpu", repeats: int = 5) -> float:
+    n = 8192 if torch.device(device).type == "cuda" else 1536
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return 2 * n**3 / _best_seconds(lambda: a @ b, device, repeats) / 1e9
 
 
 def decode_step_vs_bandwidth(llm: LLM, context: int, steps: int) -> dict:
@@ -136,7 +150,7 @@ def decode_step_vs_bandwidth(llm: LLM, context: int, steps: int) -> dict:
     itemsize = engine.runner.dtype.itemsize
     weight_bytes = sum(p.numel() for p in engine.runner.model.parameters()) * itemsize
     kv_bytes = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * itemsize * (context + steps // 2)
-    bandwidth = copy_bandwidth_gbs()
+    bandwidth = copy_bandwidth_gbs(str(engine.runner.device))
     bound_s = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
     return {"context": context, "median_step_ms": step_s * 1e3, "bytes_read_per_step": weight_bytes + kv_bytes,
             "copy_bandwidth_gbs": bandwidth, "bandwidth_bound_ms": bound_s * 1e3,
@@ -149,6 +163,7 @@ def prefill_vs_peak(llm: LLM, tokens: int, dtype: torch.dtype = torch.float32) -
     prompt = [2000 + (i % 7000) for i in range(tokens)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt[:64]], params, use_tqdm=False)  # warm up
+    _sync(engine.runner.device)
     start = time.perf_counter()
     llm.generate([[t + 1 for t in prompt]], params, use_tqdm=False)  # shifted: no prefix-cache hit
     elapsed = time.perf_counter() - start
@@ -159,7 +174,7 @@ def prefill_vs_peak(llm: LLM, tokens: int, dtype: torch.dtype = torch.float32) -
     flops = 2 * matmul_params * tokens + attention_flops
     if arch.tie_word_embeddings:
         flops += 2 * arch.vocab_size * arch.hidden_size  # lm_head on the last token only
-    peak = matmul_peak_gflops(dtype=dtype)
+    peak = matmul_peak_gflops(dtype=dtype, device=str(engine.runner.device))
     return {"tokens": tokens, "seconds": elapsed, "gflops": flops / elapsed / 1e9, "matmul_peak_gflops": peak,
             "fraction_of_peak": flops / elapsed / 1e9 / peak}
 
@@ -181,28 +196,37 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--smoke", action="store_true", help="tiny CI-sized run")
     parser.add_argument("--no-transformers", action="store_true", help="engine only")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when torch sees one)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
-                        help="for both engine and transformers (default: bfloat16 where the CPU has native bf16)")
+                        help="for both engine and transformers (default: bfloat16 on a GPU or where the CPU "
+                             "has native bf16)")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly")
     args = parser.parse_args(argv)
-    dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") or native_bf16() else "float32")
 
-    llm = LLM(args.model, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              enable_prefix_caching=False)
+    loaded = resolve_model(args.model)
+    # The KV pool is sized in bytes on both devices (on a GPU the engine would otherwise take a
+    # share of all free memory, leaving none for the transformers side).
+    num_blocks = num_blocks_for_memory(loaded.arch, 16, getattr(torch, dtype), int(args.kv_cache_memory_gb * 2**30))
+    llm = LLM(args.model, device=device, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, block_size=16, num_blocks=num_blocks, enable_prefix_caching=False,
+              cuda_graphs=not args.no_cuda_graphs)
     hf = None
     if not args.no_transformers:
         import transformers
-        hf = transformers.AutoModelForCausalLM.from_pretrained(_model_dir(args.model),
-                                                               dtype=getattr(torch, dtype)).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir,
+                                                               dtype=getattr(torch, dtype)).to(device).eval()
     vocab = llm.engine.runner.arch.vocab_size
-    results: dict = {"model": args.model, "dtype": dtype, "threads": torch.get_num_threads(),
+    results: dict = {"model": args.model, "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
+                     "cuda_graphs": llm.engine.runner.decode_graphs is not None,
                      "attention_backend": llm.engine.runner.backend.name,
                      "native_decode_kernel": bool(getattr(llm.engine.runner.backend, "native", False)),
                      "workloads": {}, "load_average_before": os.getloadavg()}
-    print(f"model={args.model} dtype={dtype} threads={results['threads']} "
+    print(f"model={args.model} device={device} dtype={dtype} threads={results['threads']} "
           f"backend={results['attention_backend']} native decode kernel={results['native_decode_kernel']}", flush=True)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
     for name in args.workloads.split(","):
@@ -232,13 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def _model_dir(model: str) -> str:
-    from engine.model.loader import resolve_model
-    return resolve_model(model).model_dir
-
-
 def print_table(results: dict) -> None:
-    print(f"\nmodel={results['model']} dtype={results['dtype']} threads={results['threads']} load average before/after "
+    print(f"\nmodel={results['model']} device={results.get('device', 'cpu')} dtype={results['dtype']} threads={results['threads']} load average before/after "
           f"{results['load_average_before'][0]:.1f}/{results['load_average_after'][0]:.1f}")
     print(f"{'workload':<8} {'reqs':>5} {'engine out/s':>13} {'engine tot/s':>13} {'hf out/s':>9} {'hf tot/s':>9} {'speedup':>8}")
     for name, row in results["workloads"].items():

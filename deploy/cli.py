@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    engine.add_argument("--no-cuda-graphs", action="store_true",
+                        help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
     placement = serve.add_argument_group("Ray and placement")
@@ -118,6 +120,8 @@ def serve_options(args: argparse.Namespace):
                        "max_model_len", "dtype") if getattr(args, name) is not None}
     if args.no_prefix_caching:
         engine_options["enable_prefix_caching"] = False
+    if args.no_cuda_graphs:
+        engine_options["cuda_graphs"] = False
     ray_settings = RaySettings(address=args.ray_address, namespace=args.namespace, num_cpus=args.num_cpus,
                                object_store_memory_mb=args.object_store_mb, include_dashboard=args.include_dashboard,
                                temp_dir=args.ray_temp_dir)

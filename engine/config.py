@@ -76,6 +76,8 @@ class EngineConfig:
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     role: Role = "both"
     max_model_len: int | None = None  # None: the model's own context length
+    # On CUDA (Triton backend), replay decode-only steps as CUDA graphs (engine/cuda_graphs.py).
+    cuda_graphs: bool = True
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -11,6 +11,7 @@ import torch
 from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, allocate_kv_cache, num_blocks_for_memory
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import LoadedModel
@@ -37,6 +38,13 @@ class ModelRunner:
                                                    self.dtype, self.device, shared=config.cache.shared_memory)
         self.kv_layers = self.kv_cache.layers
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py); the Triton backend is the
+        # one whose plan can be shared by every batch of a size.
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton":
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_layers, self.backend, self.block_size,
+                                              self.max_model_len, config.scheduler.max_num_seqs, self.device)
+            self.decode_graphs.capture_all()
 
     def _build_model(self, loaded: LoadedModel) -> LlamaForCausalLM:
         # Built on the meta device so no memory is spent on a random init that the weights overwrite.
@@ -84,14 +92,12 @@ class ModelRunner:
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens, seq_lens):
+            logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)
+        else:
+            logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, logits_indices)
         if not sampled_seqs:
-            self.model(ids, pos, self.kv_layers, meta, self.backend, torch.empty(0, dtype=torch.int64, device=self.device))
             return {}
-        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        logits = self.model(ids, pos, self.kv_layers, meta, self.backend, indices)
         requests = [seq.request for seq in sampled_seqs]
         sampling = SamplingMetadata.build(
             [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
@@ -104,3 +110,19 @@ class ModelRunner:
                 logprob=out.logprobs[i] if out.logprobs is not None else None,
                 top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
         return result
+
+    def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices) -> torch.Tensor:
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices)
+
+    def _decode_with_graph(self, input_ids, positions, seq_lens, block_tables, logits_indices) -> torch.Tensor:
+        # One token per sequence, so token i is sequence i and its slot follows from its position.
+        slots = [table[p // self.block_size] * self.block_size + p % self.block_size
+                 for table, p in zip(block_tables, positions)]
+        logits = self.decode_graphs.run(input_ids, positions, slots, seq_lens, block_tables)
+        if len(logits_indices) == len(input_ids):
+            return logits
+        return logits.index_select(0, torch.tensor(logits_indices, dtype=torch.int64, device=self.device))

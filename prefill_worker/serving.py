@@ -33,6 +33,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
+    group.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly, not as CUDA graphs")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if getattr(args, "no_cuda_graphs", False):
+        options["cuda_graphs"] = False
     return options
 
 
