@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check, in one pass sized for a short lease on one GPU (~5 minutes on an H200):
 #   1. tests: the Triton attention kernels at real sizes (tests/gpu, and test_attention's triton
-#      cases), the whole engine on the GPU token-exact with transformers (tests/gpu/test_engine_gpu.py),
-#      the CUDA sampler, and kvtransfer with CUDA caches;
+#      cases), the Triton elementwise kernels (test_triton_ops.py), the whole engine on the GPU
+#      token-exact with transformers (tests/gpu/test_engine_gpu.py), the CUDA sampler, and
+#      kvtransfer with CUDA caches;
 #   2. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
 #      random weights (the default model's GGUF does not travel; speed depends only on the shape);
 #   3. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth).
@@ -29,7 +30,8 @@ PY
 } 2>&1 | tee "$RESULTS/environment.txt"
 
 timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra --timeout=240" \
-  tests/gpu tests/kvtransfer/test_gpu.py "tests/engine/test_attention.py" "tests/engine/test_sampler.py" \
+  tests/gpu tests/kvtransfer/test_gpu.py tests/engine/test_attention.py tests/engine/test_sampler.py \
+  tests/engine/test_triton_ops.py \
   -k "gpu or cuda or triton or Gpu" 2>&1 | tee "$RESULTS/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 

@@ -1,11 +1,12 @@
-"""The Llama block's elementwise ops, fused into native kernels for bf16 activations on CPU, and
-its linear layers at one to four tokens.
+"""The Llama block's elementwise ops, fused into one-pass kernels for 16-bit activations, and
+its linear layers at one to four tokens on CPU.
 
 Each function here is the torch expression the model has always used (the same ones transformers
 uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
-when the activation is a bf16 CPU tensor and the kernels are built for an AVX-512 CPU. Other
-dtypes and devices, and `PDSERVE_FUSED_OPS=0`, keep the torch expressions, so float32 stays
-bit-comparable with transformers. In bf16, RoPE and the SiLU-and-mul product are bit-identical to
+when the activation is a bf16 CPU tensor and the kernels are built for an AVX-512 CPU, or from
+`engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. float32, and
+`PDSERVE_FUSED_OPS=0`, keep the torch expressions, so float32 stays bit-comparable with
+transformers. In bf16, RoPE and the SiLU-and-mul product are bit-identical to
 the torch path; RMSNorm's sum of squares and SiLU's exp are evaluated differently and can move a
 value by one bf16 ulp (tests/engine/test_fused_ops.py).
 """
@@ -28,11 +29,22 @@ def _kernels():
     return kernels if kernels is not None and kernels.has_fused_ops() else None
 
 
-def native_for(x: torch.Tensor):
-    """The kernels module when `x` is an activation they handle, else None."""
-    if x.dtype is not torch.bfloat16 or x.device.type != "cpu":
+@functools.lru_cache(maxsize=1)
+def _triton_kernels():
+    if os.environ.get("PDSERVE_FUSED_OPS", "1") == "0":
         return None
-    return _kernels()
+    from engine.model import triton_ops
+    return triton_ops
+
+
+def native_for(x: torch.Tensor):
+    """The kernels for activation `x` (native CPU ones for bf16 on CPU, Triton ones for bf16/fp16
+    on CUDA), or None: use the torch expression."""
+    if x.device.type == "cpu":
+        return _kernels() if x.dtype is torch.bfloat16 else None
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        return _triton_kernels()
+    return None
 
 
 # Up to this many tokens a bf16 linear layer runs as the native matrix-vector kernel.
@@ -42,7 +54,7 @@ SMALL_LINEAR_MAX_ROWS = 4
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; for 1-4 bf16 rows (a small decode step) the native kernel, which streams the
     weights at 2-4x oneDNN's rate there (engine/csrc/small_linear_cpu.cpp)."""
-    native = native_for(x)
+    native = native_for(x) if x.device.type == "cpu" else None
     if (native is not None and x.dim() == 2 and 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS
             and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.dtype is torch.bfloat16
             and weight.is_contiguous() and (bias is None or bias.dtype is torch.bfloat16) and _small_linear()):
@@ -59,7 +71,7 @@ def _small_linear() -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * normalize(x), with fp32 statistics (as transformers computes them)."""
     native = native_for(x)
-    if native is not None and weight.dtype is torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+    if native is not None and weight.dtype is x.dtype and x.dim() == 2 and x.stride(1) == 1:
         return native.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -69,7 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`residual += x` in place (the block's residual stream), then rms_norm of the sum."""
     native = native_for(x)
-    if (native is not None and weight.dtype is torch.bfloat16 and residual.dtype is torch.bfloat16
+    if (native is not None and weight.dtype is x.dtype and residual.dtype is x.dtype
             and x.dim() == 2 and x.stride(1) == 1 and residual.stride(1) == 1):
         return native.add_rms_norm_(x, residual, weight, eps)
     residual.add_(x)
@@ -89,9 +101,10 @@ def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_
            sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE: query [T, Hq, D], key [T, Hk, D] -> rotated copies (cos/sin: fp32 tables)."""
     native = native_for(query)
-    if (native is not None and key.dtype is torch.bfloat16 and cos_cache.dtype is torch.float32
-            and query.shape[-1] % 32 == 0 and query.stride(-1) == 1 and key.stride(-1) == 1
-            and positions.dtype is torch.int64):
+    if (native is not None and key.dtype is query.dtype and cos_cache.dtype is torch.float32
+            and query.shape[-1] % (32 if query.device.type == "cpu" else 2) == 0
+            and query.stride(-1) == 1 and key.stride(-1) == 1
+            and positions.dtype is torch.int64 and cos_cache.stride(-1) == 1):
         q, k = native.rotary_embedding(positions, query, key, cos_cache, sin_cache)
         return q, k
     cos = cos_cache.index_select(0, positions).to(query.dtype)[:, None, :]

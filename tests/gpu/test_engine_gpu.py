@@ -113,22 +113,42 @@ def test_prefix_cache_hit_gives_the_same_output(model_dir, hf, prompts):
     _assert_clean(llm)
 
 
-def test_bf16_triton_agrees_with_torch_attention(model_dir, prompts):
-    """The same bf16 model with the Triton kernels and with the torch reference backend: the
-    first token's logprobs agree closely and greedy outputs agree at their start."""
+def _bf16_outputs(model_dir, prompts, **options):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
-    results = {}
-    for backend in ("triton", "torch"):
-        llm = LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend=backend,
-                  max_num_batched_tokens=64)
-        results[backend] = llm.generate(prompts, params, use_tqdm=False)
-        _assert_clean(llm)
-    for ours, ref in zip(results["triton"], results["torch"]):
-        assert ours.token_ids[0] == ref.token_ids[0]
-        assert ours.logprobs[0].logprob == pytest.approx(ref.logprobs[0].logprob, abs=0.1)
-        top_ours = {t for t, _ in ours.logprobs[0].top_logprobs}
-        top_ref = {t for t, _ in ref.logprobs[0].top_logprobs}
-        assert len(top_ours & top_ref) >= 3
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_num_batched_tokens=64, **options)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _assert_clean(llm)
+    return outputs
+
+
+def _assert_close_starts(ours, reference):
+    """bf16 runs of one model by different kernels: the first token and its logprob agree closely
+    and most of the top 5 are shared."""
+    for a, b in zip(ours, reference):
+        assert a.token_ids[0] == b.token_ids[0]
+        assert a.logprobs[0].logprob == pytest.approx(b.logprobs[0].logprob, abs=0.1)
+        assert len({t for t, _ in a.logprobs[0].top_logprobs} & {t for t, _ in b.logprobs[0].top_logprobs}) >= 3
+
+
+def test_bf16_triton_agrees_with_torch_attention(model_dir, prompts):
+    _assert_close_starts(_bf16_outputs(model_dir, prompts, attention_backend="triton"),
+                         _bf16_outputs(model_dir, prompts, attention_backend="torch"))
+
+
+def test_bf16_fused_triton_ops_agree_with_the_torch_expressions(model_dir, prompts, monkeypatch):
+    from engine.model import fused_ops, triton_ops
+    calls = {"n": 0}
+    original = triton_ops.rms_norm
+
+    def counting(*args):
+        calls["n"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(triton_ops, "rms_norm", counting)
+    fused = _bf16_outputs(model_dir, prompts)
+    assert calls["n"] > 0  # the fused kernels ran
+    monkeypatch.setattr(fused_ops, "native_for", lambda x: None)
+    _assert_close_starts(fused, _bf16_outputs(model_dir, prompts))
 
 
 def test_async_engine_streams_on_the_gpu(model_dir, prompts, reference):
