@@ -41,6 +41,8 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
+    # Host memory for swap preemption (`preemption_mode="swap"`), in GiB; unused otherwise.
+    swap_space_gb: float = 4.0
     # CPU: allocate the KV cache in shared memory (a memfd) that a same-host KV receiver can map;
     # prefill workers set it so kvtransfer's shm transport copies blocks out in one memcpy.
     shared_memory: bool = False
@@ -52,6 +54,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
 
 
 @dataclass
@@ -66,6 +70,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
 
 @dataclass

@@ -42,7 +42,8 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.eos_token_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
         self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
-                                   role=config.role, kv_exporter=kv_exporter)
+                                   role=config.role, kv_exporter=kv_exporter,
+                                   num_swap_slots=getattr(runner, "num_swap_slots", 0))
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step_idle = True  # the last step scheduled nothing (e.g. all requests wait for KV)
@@ -143,8 +144,9 @@ class LLMEngine:
             sampled = self.runner.execute(batch)
         except Exception as exc:  # an internal failure ends this batch's requests, never the engine
             logger.exception("model step failed")
-            finals = (self.scheduler.finish_with_error(seq.request.request_id, f"internal error: {exc}")
-                      for seq in batch.seqs)
+            # Requests swapped out in this step may have lost their KV with it: they end too.
+            failed = [seq.request.request_id for seq in batch.seqs] + (batch.preempted_ids if batch.swap_out else [])
+            finals = (self.scheduler.finish_with_error(request_id, f"internal error: {exc}") for request_id in failed)
             return [self._to_delta(final) for final in finals if final is not None]
         return [self._to_delta(out) for out in self.scheduler.update(batch, sampled)]
 

@@ -12,7 +12,7 @@ from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import KVCache, allocate_kv_cache, num_blocks_for_memory
+from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import LoadedModel
 from engine.model.rope import RotaryEmbedding
@@ -37,6 +37,7 @@ class ModelRunner:
         self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._num_blocks(), self.block_size,
                                                    self.dtype, self.device, shared=config.cache.shared_memory)
         self.kv_layers = self.kv_cache.layers
+        self.swap_space = self._allocate_swap_space()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py); the Triton backend is the
         # one whose plan can be shared by every batch of a size.
@@ -71,9 +72,38 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    @property
+    def num_swap_slots(self) -> int:
+        return 0 if self.swap_space is None else int(self.swap_space.shape[1])
+
+    def _allocate_swap_space(self) -> torch.Tensor | None:
+        """Host slots for swap preemption, each one KV block of every layer: pinned on CUDA (so
+        copies run at full speed), on CPU plain memory whose pages are touched when first written."""
+        if self.config.scheduler.preemption_mode != "swap":
+            return None
+        slots = int(self.config.cache.swap_space_gb * 2**30) // bytes_per_block(self.arch, self.block_size, self.dtype)
+        if slots < 1:
+            raise ValueError(f"swap_space_gb={self.config.cache.swap_space_gb} holds no KV block "
+                             f"({bytes_per_block(self.arch, self.block_size, self.dtype)} bytes each)")
+        shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
+        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy blocks to host slots (block id, slot) and back (slot, block id), every layer.
+        Done before a step's forward; the scheduler never puts both kinds in one step."""
+        cache = self.kv_cache.data
+        if swap_out:
+            blocks, slots = (torch.tensor(column) for column in zip(*swap_out))
+            self.swap_space[:, slots] = cache[:, blocks.to(self.device)].to("cpu")
+        if swap_in:
+            slots, blocks = (torch.tensor(column) for column in zip(*swap_in))
+            cache[:, blocks.to(self.device)] = self.swap_space[:, slots].to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
-        if batch.is_empty:
+        if batch.swap_out or batch.swap_in:
+            self.swap(batch.swap_out, batch.swap_in)
+        if not batch.seqs:
             return {}
         input_ids: list[int] = []
         positions: list[int] = []

@@ -78,6 +78,7 @@ class Request:
         self.num_preemptions = 0
         self.block_ids: list[int] = []  # owned by the block manager
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
+        self.swap_slots: list[int] = []  # swap preemption: host slots holding its computed KV
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._all_token_ids = list(self.prompt_token_ids)

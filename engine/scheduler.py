@@ -13,8 +13,15 @@ request has `num_computed_tokens` catching up with `num_tokens`. Per step:
        blocks (a KV import deferred or falling back), which may pass it.
 
 When a running request needs a block and none is free, the least important running request is
-preempted (recompute: its blocks are freed, `num_computed_tokens = 0`, its outputs are kept, and
-it is requeued by priority/arrival); after a preemption no waiting request is admitted that step.
+preempted: its blocks are freed, its outputs are kept, and it is requeued by priority/arrival;
+after a preemption no waiting request is admitted that step. `recompute` (the default) sets
+`num_computed_tokens = 0`; readmitted, it recomputes what the prefix cache no longer holds.
+`swap` first copies the blocks holding its computed tokens to host swap slots
+(`Batch.swap_out`, done by the runner before that step's forward, so the freed blocks can be
+reused at once) and keeps `num_computed_tokens`; readmitted, it takes the blocks still in the
+prefix cache and gets the rest copied back (`Batch.swap_in`). Without enough free swap slots a
+victim is recomputed instead. A step never has both swap-outs and swap-ins, so a slot freed by a
+swap-in is never refilled before it is read.
 
 Conventions and choices beyond the shared contract:
 - priority: a LOWER value is MORE important; equal priorities are first-come-first-served.
@@ -30,7 +37,6 @@ Conventions and choices beyond the shared contract:
   reached, the request waits (status WAITING, blocks kept) instead of joining `running` at once.
   `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks are short.
 - `get_request(id)` also finds requests finished since the last `schedule()` call.
-- `swap` preemption is not implemented (ValueError at construction).
 - `abort` of a WAITING_FOR_KV request frees its blocks at once: the caller must stop the transfer
   writing into them first.
 Not thread-safe: one thread drives schedule/update/abort/imports.
@@ -75,10 +81,13 @@ class Batch:
     seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
     num_tokens: int
     preempted_ids: list[str] = field(default_factory=list)  # preempted during this schedule() call
+    # Swap preemption, for the runner to do before this step's forward:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block id, swap slot): device -> host
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, block id): host -> device
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not self.swap_out and not self.swap_in
 
 
 @dataclass
@@ -108,21 +117,28 @@ class SchedulerStats:
     kv_blocks_cached: int  # blocks registered in the prefix cache, in use or evictable
     prefix_cache_queries: int  # tokens looked up at admission (cumulative)
     prefix_cache_hits: int  # of which found cached (cumulative)
-    num_preemptions: int
+    num_preemptions: int  # recompute and swap (cumulative)
     prompt_tokens_computed: int  # positions < prompt length run through the model (cumulative)
     decode_tokens: int  # positions >= prompt length run through the model (cumulative)
     waiting_for_kv: int = 0
     exported: int = 0  # prefill role: finished requests whose blocks are pinned for a transfer
     imported_tokens: int = 0  # decode role: prompt tokens received by KV transfer (cumulative)
+    swapped: int = 0  # swap preemption: requests whose KV waits in host swap slots
+    swap_slots_free: int = 0
+    swapped_out_blocks: int = 0  # cumulative
+    swapped_in_blocks: int = 0  # cumulative
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, role: str = "both", kv_exporter: KVExporter | None = None) -> None:
+                 max_model_len: int, role: str = "both", kv_exporter: KVExporter | None = None,
+                 num_swap_slots: int = 0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        if scheduler_config.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode {scheduler_config.preemption_mode!r} is not supported; use 'recompute'")
+        if scheduler_config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {scheduler_config.preemption_mode!r}")
+        if scheduler_config.preemption_mode == "swap" and num_swap_slots < 1:
+            raise ValueError("swap preemption needs host swap space: set swap_space_gb > 0")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
@@ -146,6 +162,12 @@ class Scheduler:
         self._counter = itertools.count()
 
         self._num_preemptions = 0
+        self.num_swap_slots = num_swap_slots if scheduler_config.preemption_mode == "swap" else 0
+        self._free_swap_slots = list(range(self.num_swap_slots - 1, -1, -1))  # a stack: low slots first
+        self._swap_out: list[tuple[int, int]] = []  # this schedule() call's copies, for its Batch
+        self._swap_in: list[tuple[int, int]] = []
+        self._swapped_out_blocks = 0
+        self._swapped_in_blocks = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._prompt_tokens_computed = 0
@@ -227,6 +249,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
 
         for decodes in (True, False):
             for request in list(self.running):
@@ -254,7 +278,8 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
 
         seqs = sorted(scheduled.values(), key=lambda s: not (s.sample and s.num_new_tokens == 1))
-        return Batch(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs), preempted_ids=preempted)
+        return Batch(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs), preempted_ids=preempted,
+                     swap_out=self._swap_out, swap_in=self._swap_in)
 
     def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -274,6 +299,9 @@ class Scheduler:
                 continue
             prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request) if fresh else ([], 0)
             computed = num_hit if fresh else request.num_computed_tokens
+            if request.swap_slots:  # swapped out: its computed tokens come back, the cache first
+                prefix_blocks = prefix_blocks[:request.num_computed_tokens // self.block_manager.block_size]
+                num_hit, computed = 0, request.num_computed_tokens
             remaining = request.num_tokens - computed
             num_new = min(remaining, budget)
             if ((num_new < remaining and not self.config.enable_chunked_prefill)
@@ -282,7 +310,9 @@ class Scheduler:
                 index += 1
                 continue
             self.waiting.pop(index)
-            if fresh:
+            if request.swap_slots:
+                self._swap_back(request, len(prefix_blocks))
+            elif fresh:
                 request.num_computed_tokens = num_hit
                 self._prefix_queries += request.num_tokens
                 self._prefix_hits += num_hit
@@ -294,16 +324,35 @@ class Scheduler:
         return budget
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSeq]) -> int:
-        """Recompute preemption. Returns the budget given back if the victim was already scheduled."""
+        """Swap or recompute preemption. Returns the budget given back if the victim was already
+        scheduled."""
         self.running.remove(victim)
+        held = self.block_manager.blocks_needed(victim.num_computed_tokens)
+        if self.num_swap_slots and victim.num_computed_tokens and held <= len(self._free_swap_slots):
+            victim.swap_slots = [self._free_swap_slots.pop() for _ in range(held)]
+            self._swap_out.extend(zip(victim.block_ids[:held], victim.swap_slots))
+            self._swapped_out_blocks += held
+        else:
+            victim.num_computed_tokens = 0
         self.block_manager.free(victim)
-        victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self._num_preemptions += 1
         self._enqueue_waiting(victim)
         unscheduled = scheduled.pop(victim.request_id, None)
         return unscheduled.num_new_tokens if unscheduled is not None else 0
+
+    def _swap_back(self, request: Request, num_cached: int) -> None:
+        """The request holds blocks again, the first `num_cached` from the prefix cache: copy the
+        others back from its swap slots and free every slot."""
+        pairs = list(zip(request.swap_slots[num_cached:], request.block_ids[num_cached:len(request.swap_slots)]))
+        self._swap_in.extend(pairs)
+        self._swapped_in_blocks += len(pairs)
+        self._release_swap(request)
+
+    def _release_swap(self, request: Request) -> None:
+        self._free_swap_slots.extend(reversed(request.swap_slots))
+        request.swap_slots = []
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -361,6 +410,7 @@ class Scheduler:
             del self._importing[request.request_id]
         del self._requests[request.request_id]
         del self._order[request.request_id]
+        self._release_swap(request)
         self._recently_finished[request.request_id] = request
         request.set_finished(reason, error)
         if reason != "prefill_done":
@@ -483,7 +533,9 @@ class Scheduler:
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions, prompt_tokens_computed=self._prompt_tokens_computed,
             decode_tokens=self._decode_tokens, waiting_for_kv=len(self._importing), exported=len(self._exported),
-            imported_tokens=self._imported_tokens)
+            imported_tokens=self._imported_tokens,
+            swapped=sum(1 for r in self.waiting if r.swap_slots), swap_slots_free=len(self._free_swap_slots),
+            swapped_out_blocks=self._swapped_out_blocks, swapped_in_blocks=self._swapped_in_blocks)
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status
@@ -502,6 +554,13 @@ class Scheduler:
             covered = len(request.block_ids) * self.block_manager.block_size
             if request.status is not RequestStatus.PREEMPTED and covered < request.num_computed_tokens:
                 raise AssertionError(f"{request} has computed tokens outside its blocks")
+            if request.status is RequestStatus.PREEMPTED and request.num_computed_tokens and (
+                    len(request.swap_slots) != self.block_manager.blocks_needed(request.num_computed_tokens)):
+                raise AssertionError(f"preempted {request} keeps computed tokens without swap slots for them")
+        held = sorted(s for r in self._requests.values() for s in r.swap_slots)
+        if len(held) != len(set(held)) or sorted(held + self._free_swap_slots) != list(range(self.num_swap_slots)):
+            raise AssertionError(f"swap slots are not free xor held by exactly one request: held {held}, "
+                                 f"free {sorted(self._free_swap_slots)}")
         for request_id in self.block_manager.holder_ids():
             if request_id not in self._requests and request_id not in self._exported:
                 raise AssertionError(f"request {request_id} holds blocks but is finished")

@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     group.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly, not as CUDA graphs")
+    group.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
+                       help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
+    group.add_argument("--swap-space-gb", type=float, default=None, help="host memory for swap preemption (default 4)")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +51,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as `engine.llm.build_engine_config` keyword options (unset ones left out)."""
     names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
              "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
-             "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed"}
+             "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed",
+             "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb"}
     options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False

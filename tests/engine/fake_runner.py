@@ -5,7 +5,8 @@ slots its block table names, and every seq then reads its whole context back thr
 table, as attention would. A wrong block table, a prefix-cache hit on wrong content or a block
 reused while still needed is an AssertionError naming the request. The next token is a
 deterministic function of the context read from the cache, so `reference_generate` gives what an
-unconstrained run must produce.
+unconstrained run must produce. Swap preemption's copies move slot contents to and from host
+swap slots before the step runs, as the real runner does.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class FakeModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.slots: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.swap_slots: dict[int, list[tuple[int, int] | None]] = {}
         self.batches: list[Batch] = []
 
     def _slot(self, block_table: list[int], position: int) -> tuple[int, int]:
@@ -68,6 +70,11 @@ class FakeModelRunner:
 
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
         self.batches.append(batch)
+        assert not (batch.swap_out and batch.swap_in), "swap-outs and swap-ins in one step"
+        for block, slot in batch.swap_out:
+            self.swap_slots[slot] = list(self.slots[block])  # the block keeps its content until reused
+        for slot, block in batch.swap_in:
+            self.slots[block] = self.swap_slots.pop(slot)
         ids = [seq.request.request_id for seq in batch.seqs]
         assert len(ids) == len(set(ids)), f"a request is scheduled twice: {ids}"
         assert batch.num_tokens == sum(seq.num_new_tokens for seq in batch.seqs)

@@ -72,13 +72,20 @@ def test_chunked_prefill_small_budget_matches(prompts, reference):
     _assert_clean(small.engine)
 
 
-def test_preemption_with_tiny_pool_matches(prompts, reference):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_tiny_pool_matches(prompts, reference, mode):
     longest = max(len(p) for p in prompts) + NEW
     blocks = (longest + 15) // 16 + 2  # one request always fits, all of them never do
-    tiny = LLM("default", num_blocks=blocks, block_size=16, enable_prefix_caching=False)
+    tiny = LLM("default", num_blocks=blocks, block_size=16, enable_prefix_caching=False, preemption_mode=mode,
+               swap_space_gb=0.1)
     outs = tiny.generate(prompts, GREEDY, use_tqdm=False)
-    assert tiny.engine.scheduler.stats().num_preemptions > 0
+    stats = tiny.engine.scheduler.stats()
+    assert stats.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference
+    if mode == "swap":  # KV went to host memory and came back instead of being recomputed
+        assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
+        assert stats.prompt_tokens_computed == sum(len(p) for p in prompts)
+        assert stats.swap_slots_free == tiny.engine.runner.num_swap_slots > 0
     _assert_clean(tiny.engine)
 
 

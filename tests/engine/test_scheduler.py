@@ -16,16 +16,18 @@ BS = 4
 
 @pytest.fixture
 def make():
-    """Builds (scheduler, runner) pairs; after the test, checks integrity, aborts what is left and
-    checks that every block is free again."""
+    """Builds (scheduler, runner) pairs (`swap_slots` > 0: swap preemption with that many host
+    slots); after the test, checks integrity, aborts what is left and checks that every block and
+    swap slot is free again."""
     created = []
 
     def factory(num_blocks=64, budget=64, max_seqs=8, max_model_len=256, role="both", exporter=None,
-                prefix_caching=True, chunked=True):
+                prefix_caching=True, chunked=True, swap_slots=0):
         scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                              enable_chunked_prefill=chunked),
+                                              enable_chunked_prefill=chunked,
+                                              preemption_mode="swap" if swap_slots else "recompute"),
                               CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
-                              num_blocks, max_model_len, role=role, kv_exporter=exporter)
+                              num_blocks, max_model_len, role=role, kv_exporter=exporter, num_swap_slots=swap_slots)
         created.append(scheduler)
         return scheduler, FakeModelRunner(num_blocks, BS)
 
@@ -37,6 +39,7 @@ def make():
         scheduler.check_integrity()
         assert scheduler.request_ids() == [] and not scheduler.has_unfinished()
         assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+        assert scheduler.stats().swap_slots_free == scheduler.num_swap_slots
 
 
 def req(request_id, prompt, max_tokens=8, priority=0, arrival=None, eos=(), **params):
@@ -106,7 +109,7 @@ def test_invalid_requests_and_configs_raise_clear_errors(make):
     assert scheduler.num_waiting == 1
     with pytest.raises(ValueError, match="role must be"):
         Scheduler(SchedulerConfig(), CacheConfig(), 8, 32, role="mixed")
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match="needs host swap space"):
         Scheduler(SchedulerConfig(preemption_mode="swap"), CacheConfig(), 8, 32)
     with pytest.raises(ValueError, match="without chunked prefill"):
         Scheduler(SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False), CacheConfig(), 8, 32)
@@ -642,3 +645,73 @@ def test_random_arrivals_aborts_and_preemptions_keep_outputs_exact(make, seed):
         limit = min(request.sampling_params.max_tokens, max_model_len - request.num_prompt_tokens)
         assert request.output_token_ids == reference_generate(request.prompt_token_ids, limit)
         assert request.finish_reason == "length" and request.block_ids == []
+
+
+# ---- swap preemption -------------------------------------------------------------------------
+
+SWAP_PROMPTS = {f"r{i}": prompt_of(30 + i, 9 + 3 * i) for i in range(5)}
+
+
+def _run_swapping(scheduler, runner):
+    for request_id, prompt in SWAP_PROMPTS.items():
+        scheduler.add_request(req(request_id, prompt, max_tokens=20))
+    return run_until_done(scheduler, runner)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_swap_preemption_resumes_without_recomputing(make, prefix_caching):
+    scheduler, runner = make(num_blocks=16, budget=32, max_seqs=5, swap_slots=64, prefix_caching=prefix_caching)
+    finals = _run_swapping(scheduler, runner)
+    stats = scheduler.stats()
+    assert stats.num_preemptions > 0
+    for request_id, prompt in SWAP_PROMPTS.items():
+        assert finals[request_id].new_token_ids == reference_generate(prompt, 20)
+    # Nothing was recomputed: every prompt and output position ran through the model once.
+    assert stats.prompt_tokens_computed == sum(len(p) for p in SWAP_PROMPTS.values())
+    assert stats.decode_tokens == len(SWAP_PROMPTS) * 19
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0
+    if not prefix_caching:  # every swapped block comes back by copy
+        assert stats.swapped_in_blocks == stats.swapped_out_blocks
+    else:  # blocks still in the prefix cache come back without a copy
+        assert stats.swapped_in_blocks <= stats.swapped_out_blocks
+    swapped = [b for b in runner.batches if b.swap_out]
+    assert swapped and all(set(b.preempted_ids) for b in swapped)
+
+
+def test_swap_falls_back_to_recompute_when_slots_run_out(make):
+    scheduler, runner = make(num_blocks=16, budget=32, max_seqs=5, swap_slots=2)
+    finals = _run_swapping(scheduler, runner)
+    for request_id, prompt in SWAP_PROMPTS.items():
+        assert finals[request_id].new_token_ids == reference_generate(prompt, 20)
+    stats = scheduler.stats()
+    recomputed = stats.prompt_tokens_computed + stats.decode_tokens - sum(len(p) for p in SWAP_PROMPTS.values()) \
+        - len(SWAP_PROMPTS) * 19
+    assert recomputed > 0  # some victims needed more than the free slots and were recomputed
+    assert all(len(slot_ids) <= 2 for b in runner.batches for slot_ids in [[s for _, s in b.swap_out]])
+
+
+def test_aborting_a_swapped_request_frees_its_slots(make):
+    scheduler, runner = make(num_blocks=12, budget=32, max_seqs=5, swap_slots=64)
+    for request_id, prompt in SWAP_PROMPTS.items():
+        scheduler.add_request(req(request_id, prompt, max_tokens=20))
+    victim = None
+    for _ in range(200):
+        batch, _ = step(scheduler, runner)
+        swapped = [scheduler.get_request(r) for r in batch.preempted_ids if scheduler.get_request(r).swap_slots]
+        if swapped:
+            victim = swapped[0]
+            break
+    assert victim is not None and victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens > 0
+    free_before = scheduler.stats().swap_slots_free
+    held = len(victim.swap_slots)
+    final = scheduler.abort(victim.request_id)
+    assert final.finish_reason == "abort" and victim.swap_slots == []
+    assert scheduler.stats().swap_slots_free == free_before + held
+    scheduler.check_integrity()
+
+
+def test_swap_needs_swap_space():
+    with pytest.raises(ValueError, match="swap_space_gb"):
+        Scheduler(SchedulerConfig(preemption_mode="swap"), CacheConfig(block_size=BS), 16, 256, num_swap_slots=0)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="spill")
