@@ -137,7 +137,7 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
             engine_request = worker.engine.engine.make_request(
                 list(request.prompt_token_ids), sampling_from_wire(request.sampling),
                 request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority,
-                cache_salt=request.cache_salt or None)
+                cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = engine_request.request_id
@@ -187,7 +187,7 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
         except KVCacheFullError:  # no room to receive now: queue for local prefill (waits for blocks)
             await asyncio.wrap_future(engine.call(LLMEngine.add, engine_request, False))
             return None
-        tail = engine_request.num_prompt_tokens - plan.num_cached_tokens
+        tail = engine_request.num_tokens - plan.num_cached_tokens
         if live.abort_requested:
             await asyncio.wrap_future(engine.call_and_deliver(LLMEngine.abort, request_id))
             return None
@@ -221,9 +221,9 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
             layout=layout_to_wire(worker.layout), block_ids=dst_block_ids,
             first_block_index=plan.blocks_to_fill[0][0])
         prefill_request = self.pb.PrefillRequest(
-            request_id=request_id, prompt_token_ids=engine_request.prompt_token_ids,
+            request_id=request_id, prompt_token_ids=engine_request.all_token_ids,
             sampling=sampling_to_wire(engine_request.sampling_params), destination=destination,
-            cache_salt=engine_request.cache_salt or "")
+            cache_salt=engine_request.cache_salt or "", num_resumed_tokens=engine_request.num_resumed_tokens)
         started = time.monotonic()
         deadline = started + self.config.transfer_timeout_s
         receiver.expect(request_id, dst_block_ids)

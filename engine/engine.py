@@ -65,13 +65,17 @@ class LLMEngine:
         return prompt
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: int = 0, cache_salt: str | None = None) -> Request:
+                     priority: int = 0, cache_salt: str | None = None, num_resumed_tokens: int = 0) -> Request:
         """Tokenize and validate (raises ValueError for a client's mistake); no engine state changes,
-        so any thread may call it."""
+        so any thread may call it. `num_resumed_tokens`: the prompt's last N token ids are output
+        tokens a failed worker already delivered (a migrated generation; see `Request`)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if not 0 <= num_resumed_tokens < len(token_ids):
+            raise ValueError(f"num_resumed_tokens ({num_resumed_tokens}) must leave at least one prompt token "
+                             f"of the {len(token_ids)} given")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, leaving no room to generate")
@@ -79,14 +83,16 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < self.tokenizer.vocab_size]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.tokenizer.vocab_size})")
-        return Request(request_id or f"req-{next(self._ids)}", token_ids, params,
-                       eos_token_ids=self.eos_token_ids, priority=priority, cache_salt=cache_salt)
+        split = len(token_ids) - num_resumed_tokens
+        return Request(request_id or f"req-{next(self._ids)}", token_ids[:split], params,
+                       eos_token_ids=self.eos_token_ids, priority=priority, cache_salt=cache_salt,
+                       resumed_output_token_ids=token_ids[split:])
 
     def add(self, request: Request, detokenize: bool = True) -> None:
         self.scheduler.add_request(request)
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params)
+                self.tokenizer, request.all_token_ids, request.sampling_params)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, detokenize: bool = True) -> Request:
@@ -109,7 +115,7 @@ class LLMEngine:
         plan = self.scheduler.add_imported_request(request)
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params)
+                self.tokenizer, request.all_token_ids, request.sampling_params)
         return plan
 
     def finish_import(self, request_id: str, first_token: SampledToken) -> StreamDelta:

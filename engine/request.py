@@ -12,6 +12,11 @@ Lifecycle (status per line; the scheduler owns every transition):
 A request's tokens are `prompt_token_ids + output_token_ids`; the KV cache holds the first
 `num_computed_tokens` of them. When `num_computed_tokens == num_tokens - 1` the next step is a
 decode (one token, whose logits give the next token).
+
+A resumed request (a generation migrated from a failed worker) starts with the output tokens
+its client already has (`resumed_output_token_ids`): they are computed like the prompt, and count
+as outputs for max_tokens, penalties, seeded draws (position = output index) and stop checks, so
+the continuation is what the first worker would have produced.
 """
 from __future__ import annotations
 
@@ -60,7 +65,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), priority: int = 0,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 resumed_output_token_ids: list[int] = ()) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -82,6 +88,9 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._all_token_ids = list(self.prompt_token_ids)
+        self.num_resumed_tokens = len(resumed_output_token_ids)
+        for token_id in resumed_output_token_ids:
+            self.append_output(int(token_id))
 
     @property
     def all_token_ids(self) -> list[int]:

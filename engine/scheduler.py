@@ -219,10 +219,11 @@ class Scheduler:
     def _validate(self, request: Request) -> None:
         if request.request_id in self._requests or request.request_id in self._exported:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids or request.block_ids:
+        if (request.status is not RequestStatus.WAITING or request.block_ids
+                or len(request.output_token_ids) != request.num_resumed_tokens):
             raise ValueError(f"request {request.request_id!r} is not a new request")
-        prompt = request.prompt_token_ids
-        if not prompt:
+        prompt = request.all_token_ids  # a resumed request's outputs so far are computed like its prompt
+        if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             raise ValueError("prompt token ids must be non-negative integers")
@@ -231,6 +232,10 @@ class Scheduler:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if len(prompt) > capacity:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than the whole KV cache holds ({capacity})")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_resumed_tokens >= max_tokens:
+            raise ValueError(f"the request resumes with {request.num_resumed_tokens} output tokens, "
+                             f"max_tokens ({max_tokens}) leaves none to generate")
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -467,8 +472,9 @@ class Scheduler:
             raise ValueError("a prefill-role scheduler does not import KV")
         self._validate(request)
         prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
-        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens, prefix_blocks):
-            needed = self.block_manager.blocks_needed(request.num_prompt_tokens) - len(prefix_blocks)
+        # The imported KV covers every token so far: the prompt, and a resumed request's outputs.
+        if not self.block_manager.allocate_slots(request, request.num_tokens, prefix_blocks):
+            needed = self.block_manager.blocks_needed(request.num_tokens) - len(prefix_blocks)
             raise KVCacheFullError(f"request {request.request_id} needs {needed} free KV blocks, "
                                    f"{self.block_manager.num_free_blocks} are free")
         self._register(request)
@@ -493,8 +499,8 @@ class Scheduler:
         join the prefix cache, and the first token (sampled by the prefill worker) is appended.
         Returns that token's output (finished if the token already ends the request)."""
         request = self._importing_request(request_id)
-        self._imported_tokens += request.num_prompt_tokens - request.num_computed_tokens
-        request.num_computed_tokens = request.num_prompt_tokens
+        self._imported_tokens += request.num_tokens - request.num_computed_tokens
+        request.num_computed_tokens = request.num_tokens
         self.block_manager.cache_computed_blocks(request)
         request.append_output(first_token.token_id, first_token)
         reason, error = self._stop_reason(request, first_token.token_id), None

@@ -135,8 +135,8 @@ class _PrefillServicer(_servicer_base()):
         try:
             engine_request = worker.engine.engine.make_request(
                 list(request.prompt_token_ids), sampling_from_wire(request.sampling), request.request_id or None,
-                cache_salt=request.cache_salt or None)
-            self._check_destination(request.destination, len(engine_request.prompt_token_ids))
+                cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens)
+            self._check_destination(request.destination, engine_request.num_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = engine_request.request_id

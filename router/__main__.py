@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=RouterConfig.decode_policy)
     p.add_argument("--stats-interval", type=float, default=RouterConfig.stats_interval_s,
                    help="seconds between worker health/stats polls (default: %(default)s)")
+    p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
+                   help="resume a generation on another worker when its decode worker fails mid-stream, at most "
+                        "this many times per request; 0: never (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -49,7 +52,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode=_addresses(args.decode), colocated=_addresses(args.colocated), host=args.host, port=args.port,
         api_key=args.api_key or None, max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
-        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval)
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,
+        max_migrations=args.max_migrations)
     if not (config.decode or config.colocated):
         raise ValueError("no worker to send requests to: pass --decode HOST:PORT (with --prefill HOST:PORT) "
                          "or --colocated HOST:PORT")

@@ -66,6 +66,9 @@ class RouterConfig:
     unhealthy_after_failures: int = 4
     # When a decode worker does not answer a Generate call, retry on another one this many times.
     max_dispatch_retries: int = 1
+    # When a decode worker fails mid-stream (dies, or its stream breaks off), resume the generation
+    # on another worker from the tokens already delivered, at most this many times (0: never).
+    max_migrations: int = 2
     seed: int = 0  # for the power-of-two sampler, so routing is reproducible in tests
 
     def __post_init__(self) -> None:
@@ -103,7 +106,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        for name in ("affinity_max_imbalance_tokens", "affinity_max_imbalance_requests", "max_dispatch_retries"):
+        for name in ("affinity_max_imbalance_tokens", "affinity_max_imbalance_requests", "max_dispatch_retries",
+                     "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("affinity_min_match_ratio", "kv_free_low_watermark"):

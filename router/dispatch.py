@@ -6,7 +6,13 @@ A `Generation` is one request's life on the cluster, as the router sees it:
     STARTING   decode (+ prefill) worker chosen, Generate opened, waiting for the first chunk;
                a decode worker that does not answer (UNAVAILABLE) is marked unhealthy and the
                request goes to another one (max_dispatch_retries times)
-    STREAMING  chunks flow; `cancel()` (client gone) or `abort()` (stop string) end it early
+    STREAMING  chunks flow; `cancel()` (client gone) or `abort()` (stop string) end it early.
+               If the decode worker fails mid-stream (UNAVAILABLE, or the stream ends before a
+               finish reason), it is marked unhealthy and the generation MIGRATES: back to
+               STARTING on another worker with the prompt plus the tokens already delivered as
+               `num_resumed_tokens`, which the engine counts as outputs (max_tokens, penalties,
+               seeded draws by output position), so the client's stream simply goes on with the
+               tokens the first worker would have produced (max_migrations times)
     CLOSED     `close()`: load counts released, affinity recorded, metrics observed, the stream
                cancelled if it was still open (the decode worker then aborts and frees blocks)
 
@@ -33,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 class ClientGone(Exception):
     """The HTTP client went away; its request was cancelled on the workers."""
+
+
+# Stream failures that mean "the worker is gone", not "the worker refused or failed the request".
+MIGRATABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
 def rpc_error_to_api(exc: grpc.aio.AioRpcError, retry_after_s: int) -> APIError:
@@ -76,7 +86,7 @@ class Dispatcher:
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
 
-    def wire_request(self, generation: "Generation", prefill_address: str) -> Any:
+    def wire_request(self, generation: "Generation", prefill_address: str, resumed: Sequence[int] = ()) -> Any:
         from engine import wire
         pb = wire.messages()
         params = generation.params
@@ -89,9 +99,11 @@ class Dispatcher:
             sampling.seed = params.seed
         if params.logprobs is not None:
             sampling.logprobs = params.logprobs
-        return pb.GenerateRequest(request_id=generation.request_id, prompt_token_ids=generation.prompt_token_ids,
+        return pb.GenerateRequest(request_id=generation.request_id,
+                                  prompt_token_ids=list(generation.prompt_token_ids) + list(resumed),
                                   sampling=sampling, prefill_address=prefill_address,
-                                  priority=generation.priority, cache_salt=generation.cache_salt or "")
+                                  priority=generation.priority, cache_salt=generation.cache_salt or "",
+                                  num_resumed_tokens=len(resumed))
 
     def send_abort(self, address: str, request_id: str) -> None:
         """Fire-and-forget Abort on a worker (idempotent on the worker's side)."""
@@ -126,6 +138,8 @@ class Generation:
         self._cancelled = False
         self._closed = False
         self._stream_ended = False
+        self.delivered: list[int] = []  # output token ids received so far (what a migration resumes from)
+        self.migrations = 0
 
     @property
     def decode_address(self) -> str | None:
@@ -137,8 +151,14 @@ class Generation:
 
     async def start(self) -> Any:
         """Choose workers, open Generate and return the first TokenChunk (see the module docstring)."""
+        return await self._dispatch(set())
+
+    async def _dispatch(self, tried: set[str]) -> Any:
+        """Open Generate on a worker not in `tried` (resuming after `self.delivered`); returns the
+        first TokenChunk."""
         d = self.dispatcher
-        tried: set[str] = set()
+        resumed = list(self.delivered)
+        hashes = d.block_hashes(self.prompt_token_ids + resumed, self.cache_salt) if resumed else self.hashes
         last_error = ""
         for attempt in range(d.config.max_dispatch_retries + 1):
             if self._cancelled:
@@ -146,21 +166,22 @@ class Generation:
             candidates = [w for w in d.pool.routable("decode", "both") if w.address not in tried]
             if not candidates:
                 break
-            decode = d.decode_policy.choose(candidates, self.hashes)
+            decode = d.decode_policy.choose(candidates, hashes)
             prefill = None
             if decode.worker.role == "decode":
                 prefill_candidates = d.pool.routable("prefill")
                 if prefill_candidates:
-                    prefill = d.prefill_policy.choose(prefill_candidates, self.hashes)
+                    prefill = d.prefill_policy.choose(prefill_candidates, hashes)
                     d.metrics.routing.labels("prefill", prefill.reason).inc()
-                    d.prefill_policy.record(prefill.worker, self.hashes)
+                    d.prefill_policy.record(prefill.worker, hashes)
             d.metrics.routing.labels("decode", decode.reason).inc()
-            d.decode_policy.record(decode.worker, self.hashes)
+            d.decode_policy.record(decode.worker, hashes)
             self.assignment = d.pool.assign(decode.worker, prefill.worker if prefill else None,
-                                             len(self.prompt_token_ids))
-            request = d.wire_request(self, self.assignment.prefill_address)
+                                             len(self.prompt_token_ids) + len(resumed))
+            request = d.wire_request(self, self.assignment.prefill_address, resumed)
             self._call = d.pool.client(decode.worker.address).generate(request)
-            if attempt == 0:
+            self._stream_ended = False
+            if attempt == 0 and not resumed:
                 self.timer.dispatched()
             try:
                 chunk = await self._read()
@@ -180,11 +201,37 @@ class Generation:
         raise unavailable(f"no decode worker could take the request{detail}", d.config.retry_after_s)
 
     async def next_chunk(self) -> Any | None:
-        """The next TokenChunk; None when the stream has ended."""
+        """The next TokenChunk; None when the stream has ended. A worker failing mid-stream is
+        replaced (see MIGRATES in the module docstring) before the error would reach the client."""
         try:
-            return await self._read()
+            chunk = await self._read()
         except grpc.aio.AioRpcError as exc:
-            raise rpc_error_to_api(exc, self.dispatcher.config.retry_after_s) from None
+            if not self._may_migrate(exc.code()):
+                raise rpc_error_to_api(exc, self.dispatcher.config.retry_after_s) from None
+            return await self._migrate(f"{exc.code().name}: {exc.details()}")
+        if chunk is None and self._may_migrate(grpc.StatusCode.UNAVAILABLE):
+            return await self._migrate("the stream ended before the request finished")
+        return chunk
+
+    def _may_migrate(self, code: grpc.StatusCode) -> bool:
+        return (code in MIGRATABLE_CODES and not self._cancelled and self.assignment is not None
+                and self.migrations < self.dispatcher.config.max_migrations)
+
+    async def _migrate(self, reason: str) -> Any:
+        d = self.dispatcher
+        failed = self.assignment.decode.address
+        logger.warning("request %s: decode worker %s failed after %d tokens (%s); resuming on another worker",
+                       self.request_id, failed, len(self.delivered), reason)
+        d.pool.mark_unhealthy(failed, f"Generate stream broke: {reason}")
+        d.send_abort(failed, self.request_id)  # if it still runs there, free its blocks
+        self.assignment.release()
+        self.migrations += 1
+        d.metrics.migrations.inc()
+        if len(self.delivered) >= self.params.max_tokens:  # it broke right after the last token
+            self._stream_ended = True
+            from engine import wire
+            return wire.messages().TokenChunk(finish_reason="length")
+        return await self._dispatch({failed})
 
     async def _read(self) -> Any | None:
         try:
@@ -196,7 +243,10 @@ class Generation:
         if chunk is grpc.aio.EOF:
             self._stream_ended = True
             return None
+        if self.migrations:
+            chunk.num_cached_tokens = 0  # usage reports the first worker's prefix-cache hit
         if chunk.token_ids:
+            self.delivered.extend(chunk.token_ids)
             self.assignment.prefill_done()
             if self.timer.first_token is None:
                 self.timer.kv_transfer(chunk.kv_bytes_received, chunk.kv_transfer_seconds)

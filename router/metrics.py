@@ -52,6 +52,9 @@ class RouterMetrics:
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes moved into decode workers.", registry=r)
         self.routing = Counter("pdserve:routing_decisions", "Worker choices, by role and reason.",
                                ["role", "reason"], registry=r)
+        self.migrations = Counter("pdserve:request_migrations",
+                                  "Generations resumed on another decode worker after theirs failed mid-stream.",
+                                  registry=r)
         self.registry.register(_PoolCollector(pool))
 
     def exposition(self) -> bytes:

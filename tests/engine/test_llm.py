@@ -132,6 +132,32 @@ def test_seeded_sampling_is_reproducible_across_batches(llm, prompts):
     assert other != alone
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.95, seed=7,
+                                                            frequency_penalty=0.5, ignore_eos=True)],
+                         ids=["greedy", "seeded-with-penalty"])
+def test_a_resumed_request_continues_exactly(llm, prompts, params):
+    """A migrated generation: the tokens already delivered come back as the prompt's tail
+    (`num_resumed_tokens`) and count as outputs, so the continuation is the uninterrupted one."""
+    engine = llm.engine
+    full = llm.generate([prompts[2]], params, use_tqdm=False)[0].token_ids
+    delivered = full[:11]
+    request = engine.make_request(prompts[2] + delivered, params, num_resumed_tokens=len(delivered))
+    assert request.num_prompt_tokens == len(prompts[2]) and request.output_token_ids == delivered
+    engine.add(request)
+    streamed = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            streamed.extend(delta.new_token_ids)
+            if delta.finished:
+                assert delta.num_prompt_tokens == len(prompts[2])
+    assert streamed == full[11:]  # only what comes after the delivered tokens, max_tokens counted
+    with pytest.raises(ValueError, match="leaves none to generate"):
+        engine.add(engine.make_request(prompts[2] + full, params, num_resumed_tokens=len(full)))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        engine.make_request(delivered, params, num_resumed_tokens=len(delivered))
+    _assert_clean(engine)
+
+
 def test_stop_string_and_logprobs(llm, prompts, reference):
     full = llm.tokenizer.decode(reference[3])
     stop = full[10:14]

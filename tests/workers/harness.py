@@ -143,10 +143,11 @@ class Generation:
 
 
 def generate(decode: WorkerProcess, request_id: str, prompt: list[int], prefill: WorkerProcess | None = None,
-             params=None, timeout: float = 300.0) -> Generation:
+             params=None, timeout: float = 300.0, num_resumed_tokens: int = 0) -> Generation:
     request = wire.messages().GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                                               sampling=params or sampling(),
-                                              prefill_address=prefill.grpc_address if prefill else "")
+                                              prefill_address=prefill.grpc_address if prefill else "",
+                                              num_resumed_tokens=num_resumed_tokens)
     chunks = list(decode.stub().Generate(request, timeout=timeout))
     tokens = [t for chunk in chunks for t in chunk.token_ids]
     return Generation(tokens, chunks, chunks[-1].finish_reason, chunks[-1].error)

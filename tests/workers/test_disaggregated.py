@@ -116,6 +116,25 @@ def test_seeded_sampling_and_logprobs_match_colocated(cluster):
         assert [t.token_id for t in mine.top] == [t.token_id for t in theirs.top]
 
 
+def test_a_resumed_generation_continues_exactly(cluster, llm):
+    """What the router sends after a decode worker died mid-stream: the prompt plus the tokens
+    already delivered, marked as resumed. Colocated and through a prefill worker (which then
+    samples output position 5), greedy and seeded, the stream goes on with the uninterrupted
+    run's tokens, max_tokens counting the resumed ones."""
+    decode = cluster["decode"][TRANSPORTS[0]]
+    for index, params in enumerate((sampling(20), sampling(20, temperature=0.9, seed=99, frequency_penalty=0.3))):
+        prompt = random_prompt(21 + index, 50)  # new to the decode worker: its KV comes from the prefill worker
+        full = generate(cluster["colocated"], f"resume-full-{params.seed}", prompt, params=params).token_ids
+        colocated = generate(cluster["colocated"], f"resume-colo-{params.seed}", prompt + full[:5], params=params,
+                             num_resumed_tokens=5)
+        disaggregated = generate(decode, f"resume-pd-{params.seed}", prompt + full[:5], cluster["prefill"],
+                                 params=params, num_resumed_tokens=5)
+        assert colocated.token_ids == full[5:] and disaggregated.token_ids == full[5:]
+        assert disaggregated.first.prefilled_remotely
+        assert colocated.first.num_prompt_tokens == disaggregated.first.num_prompt_tokens == len(prompt)
+    assert full != generate(cluster["colocated"], "resume-greedy", prompt, params=sampling(20)).token_ids  # seeded differs
+
+
 def test_shared_prefix_hits_the_prefill_workers_cache(cluster, llm):
     first = random_prompt(11, 100)
     second = first[:96] + random_prompt(12, 20)
