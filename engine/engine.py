@@ -146,15 +146,26 @@ class LLMEngine:
         self.last_step_idle = batch.is_empty
         if batch.is_empty:
             return []
+        # An internal failure ends the requests it touched, never the engine.
+        if batch.swap_out or batch.swap_in:
+            try:
+                self.runner.swap(batch.swap_out, batch.swap_in)
+            except Exception as exc:
+                logger.exception("KV swap failed")
+                # Victims whose KV was being saved, and this step's requests (some were getting
+                # theirs back), have no trustworthy KV any more.
+                swapped = [r for r in batch.preempted_ids if getattr(self.scheduler.get_request(r), "swap_slots", None)]
+                return self._fail([seq.request.request_id for seq in batch.seqs] + swapped, f"KV swap failed: {exc}")
         try:
             sampled = self.runner.execute(batch)
-        except Exception as exc:  # an internal failure ends this batch's requests, never the engine
+        except Exception as exc:
             logger.exception("model step failed")
-            # Requests swapped out in this step may have lost their KV with it: they end too.
-            failed = [seq.request.request_id for seq in batch.seqs] + (batch.preempted_ids if batch.swap_out else [])
-            finals = (self.scheduler.finish_with_error(request_id, f"internal error: {exc}") for request_id in failed)
-            return [self._to_delta(final) for final in finals if final is not None]
+            return self._fail([seq.request.request_id for seq in batch.seqs], f"internal error: {exc}")
         return [self._to_delta(out) for out in self.scheduler.update(batch, sampled)]
+
+    def _fail(self, request_ids: list[str], message: str) -> list[StreamDelta]:
+        finals = (self.scheduler.finish_with_error(request_id, message) for request_id in request_ids)
+        return [self._to_delta(final) for final in finals if final is not None]
 
     def _to_delta(self, out: StepOutput) -> StreamDelta:
         request = self.scheduler.get_request(out.request_id)

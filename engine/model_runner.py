@@ -40,11 +40,13 @@ class ModelRunner:
         self.swap_space = self._allocate_swap_space()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py); the Triton backend is the
-        # one whose plan can be shared by every batch of a size.
+        # one whose plan can be shared by every batch of a bucket. A prefill worker never decodes.
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton":
+        if (self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton"
+                and config.role != "prefill"):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_layers, self.backend, self.block_size,
-                                              self.max_model_len, config.scheduler.max_num_seqs, self.device)
+                                              self.max_model_len, config.scheduler.max_num_seqs,
+                                              self.arch.vocab_size, self.device)
             self.decode_graphs.capture_all()
 
     def _build_model(self, loaded: LoadedModel) -> LlamaForCausalLM:
@@ -77,8 +79,9 @@ class ModelRunner:
         return 0 if self.swap_space is None else int(self.swap_space.shape[1])
 
     def _allocate_swap_space(self) -> torch.Tensor | None:
-        """Host slots for swap preemption, each one KV block of every layer: pinned on CUDA (so
-        copies run at full speed), on CPU plain memory whose pages are touched when first written."""
+        """Host slots for swap preemption, each one KV block of every layer. Plain host memory
+        (its pages are touched when first written); the copies gather/scatter through temporaries
+        and synchronize, which is fine for the rare preemption."""
         if self.config.scheduler.preemption_mode != "swap":
             return None
         slots = int(self.config.cache.swap_space_gb * 2**30) // bytes_per_block(self.arch, self.block_size, self.dtype)
@@ -86,7 +89,7 @@ class ModelRunner:
             raise ValueError(f"swap_space_gb={self.config.cache.swap_space_gb} holds no KV block "
                              f"({bytes_per_block(self.arch, self.block_size, self.dtype)} bytes each)")
         shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
-        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        return torch.empty(shape, dtype=self.dtype)
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy blocks to host slots (block id, slot) and back (slot, block id), every layer.
@@ -97,12 +100,11 @@ class ModelRunner:
             self.swap_space[:, slots] = cache[:, blocks.to(self.device)].to("cpu")
         if swap_in:
             slots, blocks = (torch.tensor(column) for column in zip(*swap_in))
-            cache[:, blocks.to(self.device)] = self.swap_space[:, slots].to(self.device, non_blocking=True)
+            cache[:, blocks.to(self.device)] = self.swap_space[:, slots].to(self.device)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
-        if batch.swap_out or batch.swap_in:
-            self.swap(batch.swap_out, batch.swap_in)
+        """Run the batch's forward and sampling (its swaps, `swap()`, are the caller's, first)."""
         if not batch.seqs:
             return {}
         input_ids: list[int] = []

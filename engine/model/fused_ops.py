@@ -33,7 +33,10 @@ def _kernels():
 def _triton_kernels():
     if os.environ.get("PDSERVE_FUSED_OPS", "1") == "0":
         return None
-    from engine.model import triton_ops
+    try:
+        from engine.model import triton_ops
+    except ImportError:  # a CUDA build of torch without Triton: the torch expressions
+        return None
     return triton_ops
 
 
@@ -71,7 +74,7 @@ def _small_linear() -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * normalize(x), with fp32 statistics (as transformers computes them)."""
     native = native_for(x)
-    if native is not None and weight.dtype is x.dtype and x.dim() == 2 and x.stride(1) == 1:
+    if native is not None and weight.dtype is x.dtype and weight.is_contiguous() and x.dim() == 2 and x.stride(1) == 1:
         return native.rms_norm(x, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -81,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`residual += x` in place (the block's residual stream), then rms_norm of the sum."""
     native = native_for(x)
-    if (native is not None and weight.dtype is x.dtype and residual.dtype is x.dtype
+    if (native is not None and weight.dtype is x.dtype and residual.dtype is x.dtype and weight.is_contiguous()
             and x.dim() == 2 and x.stride(1) == 1 and residual.stride(1) == 1):
         return native.add_rms_norm_(x, residual, weight, eps)
     residual.add_(x)
@@ -104,7 +107,8 @@ def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_
     if (native is not None and key.dtype is query.dtype and cos_cache.dtype is torch.float32
             and query.shape[-1] % (32 if query.device.type == "cpu" else 2) == 0
             and query.stride(-1) == 1 and key.stride(-1) == 1
-            and positions.dtype is torch.int64 and cos_cache.stride(-1) == 1):
+            and positions.dtype is torch.int64 and positions.is_contiguous() and cos_cache.is_contiguous()
+            and sin_cache.is_contiguous() and sin_cache.shape == cos_cache.shape):
         q, k = native.rotary_embedding(positions, query, key, cos_cache, sin_cache)
         return q, k
     cos = cos_cache.index_select(0, positions).to(query.dtype)[:, None, :]

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from engine.cuda_graphs import DecodeGraphs, capture_sizes, context_buckets  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from random_model import write_random_model  # noqa: E402
@@ -39,14 +39,18 @@ def _llm(model_dir, graphs: bool) -> LLM:
     runner = llm.engine.runner
     if graphs:
         runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_layers, runner.backend, runner.block_size,
-                                            runner.max_model_len, 20, runner.device, capture=False)
+                                            runner.max_model_len, 20, runner.arch.vocab_size, runner.device,
+                                            capture=False)
     return llm
 
 
-def test_capture_sizes():
+def test_capture_sizes_and_context_buckets():
     assert capture_sizes(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(1) == [1]
+    assert context_buckets(8192) == [2048, 4096, 8192]
+    assert context_buckets(3000) == [2048, 3000]
+    assert context_buckets(256) == [256]
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3, 5, 17])  # buckets 1, 4, 8 and 20: padded but for 1
@@ -59,7 +63,8 @@ def test_static_buffer_decode_is_token_exact(model_dir, num_prompts):
     before = [layer.clone() for layer in runner.kv_layers]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected
-    assert runner.decode_graphs.num_replays >= GREEDY.max_tokens - 1
+    # One prefill step (every prompt fits the budget), run eagerly; then every decode step by graph.
+    assert runner.decode_graphs.num_replays == GREEDY.max_tokens - 1
     # Padding rows have slot -1: no more blocks were written than the requests own.
     scheduler = llm.engine.scheduler
     scheduler.check_integrity()

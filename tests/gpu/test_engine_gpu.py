@@ -78,8 +78,8 @@ def test_runs_on_the_gpu_with_triton_and_decode_graphs(model_dir):
     assert runner.kv_layers[0].is_cuda
     assert all(p.is_cuda for p in runner.model.parameters())
     graphs = runner.decode_graphs
-    assert graphs is not None and sorted(graphs._graphs) == [1, 2, 4, 8, 16, 32]
-    assert all(graph is not None for graph, _ in graphs._graphs.values())
+    assert graphs is not None and sorted(graphs._graphs) == [(size, 2048) for size in (1, 2, 4, 8, 16, 32)]
+    assert all(graph is not None for graph in graphs._graphs.values())
     assert LLM(model_dir, device="cuda", dtype="float32", num_blocks=64, cuda_graphs=False).engine.runner.decode_graphs is None
 
 
@@ -88,7 +88,8 @@ def test_runs_on_the_gpu_with_triton_and_decode_graphs(model_dir):
     ({"cuda_graphs": False}, False),
     ({"max_num_batched_tokens": 32}, False),  # every prompt but the first two is chunked
     ({"max_num_batched_tokens": 64, "num_blocks": 30}, True),  # 45 blocks needed, 30 there
-], ids=["default", "eager", "chunked-32", "tiny-pool"])
+    ({"max_num_batched_tokens": 64, "num_blocks": 30, "preemption_mode": "swap", "swap_space_gb": 0.5}, True),
+], ids=["default", "eager", "chunked-32", "tiny-pool", "tiny-pool-swap"])
 def test_fp32_greedy_is_token_exact_with_transformers(model_dir, prompts, reference, options, preempts):
     llm = LLM(model_dir, device="cuda", dtype="float32", **options)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -99,6 +100,20 @@ def test_fp32_greedy_is_token_exact_with_transformers(model_dir, prompts, refere
         assert graphs.num_replays >= NEW - 1  # the decode steps ran as graphs
     else:
         assert graphs is None
+    if options.get("preemption_mode") == "swap":
+        stats = llm.engine.scheduler.stats()
+        assert stats.swapped_out_blocks > 0 and stats.swap_slots_free == llm.engine.runner.num_swap_slots
+    _assert_clean(llm)
+
+
+def test_a_long_context_decodes_in_a_larger_context_bucket(model_dir, hf):
+    """Decode graphs are planned per context bucket: a 2,100-token context runs in the 4,096
+    bucket's graph (captured on first use) and stays token-exact."""
+    prompt = [100 + (i * 37) % 48000 for i in range(2100)]
+    llm = LLM(model_dir, device="cuda", dtype="float32")
+    output = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert output.token_ids == generate_reference(hf, prompt, 8)
+    assert (1, 4096) in llm.engine.runner.decode_graphs._graphs
     _assert_clean(llm)
 
 
