@@ -12,6 +12,7 @@ import transformers
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.model.loader import resolve_model
+from tests.engine.streams import collect_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -184,19 +185,14 @@ def test_bad_requests_are_refused(llm):
 def test_async_engine_streams_and_aborts(llm, prompts, reference):
     engine = AsyncEngine(llm.engine)
 
-    async def collect(prompt):
-        tokens = []
-        async for delta in engine.generate(prompt, GREEDY):
-            tokens.extend(delta.new_token_ids)
-        return tokens
-
     async def abort_early(prompt):
         async for delta in engine.generate(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)):
             if delta.new_token_ids:
                 break  # the caller goes away: the request must be aborted and its blocks freed
 
     async def main():
-        results = await asyncio.gather(collect(prompts[0]), collect(prompts[4]), abort_early(prompts[1]))
+        results = await asyncio.gather(collect_tokens(engine, prompts[0], GREEDY),
+                                       collect_tokens(engine, prompts[4], GREEDY), abort_early(prompts[1]))
         await asyncio.sleep(0.2)
         return results
 

@@ -20,6 +20,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
+from tests.engine.streams import collect_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from random_model import write_random_model  # noqa: E402
@@ -170,14 +171,8 @@ def test_async_engine_streams_on_the_gpu(model_dir, prompts, reference):
     llm = LLM(model_dir, device="cuda", dtype="float32")
     engine = AsyncEngine(llm.engine)
 
-    async def collect(prompt):
-        tokens = []
-        async for delta in engine.generate(prompt, GREEDY):
-            tokens.extend(delta.new_token_ids)
-        return tokens
-
     async def main():
-        return await asyncio.gather(*(collect(p) for p in prompts))
+        return await asyncio.gather(*(collect_tokens(engine, p, GREEDY) for p in prompts))
 
     try:
         assert asyncio.run(main()) == reference
