@@ -123,7 +123,7 @@ def test_a_resumed_generation_continues_exactly(cluster, llm):
     run's tokens, max_tokens counting the resumed ones."""
     decode = cluster["decode"][TRANSPORTS[0]]
     for index, params in enumerate((sampling(20), sampling(20, temperature=0.9, seed=99, frequency_penalty=0.3))):
-        prompt = random_prompt(21 + index, 50)  # new to the decode worker: its KV comes from the prefill worker
+        prompt = random_prompt(61 + index, 50)  # new to every worker (seeds no other test uses)
         full = generate(cluster["colocated"], f"resume-full-{params.seed}", prompt, params=params).token_ids
         colocated = generate(cluster["colocated"], f"resume-colo-{params.seed}", prompt + full[:5], params=params,
                              num_resumed_tokens=5)
