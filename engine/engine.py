@@ -135,7 +135,8 @@ class LLMEngine:
     def stats(self) -> tuple[SchedulerStats, int]:
         """Scheduler counters and the prompt tokens not yet computed (queued prefill work)."""
         scheduler = self.scheduler
-        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        # A resumed request's delivered outputs are prefill work too.
+        queued = sum(max(0, r.num_prompt_tokens + r.num_resumed_tokens - r.num_computed_tokens)
                      for r in scheduler.waiting + scheduler.running)
         return scheduler.stats(), queued
 

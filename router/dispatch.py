@@ -7,8 +7,9 @@ A `Generation` is one request's life on the cluster, as the router sees it:
                a decode worker that does not answer (UNAVAILABLE) is marked unhealthy and the
                request goes to another one (max_dispatch_retries times)
     STREAMING  chunks flow; `cancel()` (client gone) or `abort()` (stop string) end it early.
-               If the decode worker fails mid-stream (UNAVAILABLE, or the stream ends before a
-               finish reason), it is marked unhealthy and the generation MIGRATES: back to
+               If the decode worker fails mid-stream (UNAVAILABLE, the stream ends before a
+               finish reason, or the worker stops answering health polls while the stream is
+               silent: a hung process), it is marked unhealthy and the generation MIGRATES: back to
                STARTING on another worker with the prompt plus the tokens already delivered as
                `num_resumed_tokens`, which the engine counts as outputs (max_tokens, penalties,
                seeded draws by output position), so the client's stream simply goes on with the
@@ -41,6 +42,10 @@ class ClientGone(Exception):
     """The HTTP client went away; its request was cancelled on the workers."""
 
 
+class WorkerLost(Exception):
+    """The decode worker stopped answering health polls; its stream was cancelled."""
+
+
 # Stream failures that mean "the worker is gone", not "the worker refused or failed the request".
 MIGRATABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
@@ -70,7 +75,15 @@ class Dispatcher:
         self.metrics = metrics
         self.inflight = 0
         self._background: set[asyncio.Task] = set()
+        self._live: set[Generation] = set()
         pool.removal_listeners.extend([prefill_policy.forget, decode_policy.forget])
+        pool.unreachable_listeners.append(self._worker_unreachable)
+
+    def _worker_unreachable(self, address: str) -> None:
+        """A hung worker: its streams are cut, so their generations migrate (see Generation)."""
+        for generation in list(self._live):
+            if generation.decode_address == address:
+                generation.worker_lost()
 
     def generation(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                    timer: RequestTimer, cache_salt: str | None = None, priority: int = 0) -> "Generation":
@@ -81,7 +94,9 @@ class Dispatcher:
             raise overloaded(f"the router already has {self.inflight} requests in flight "
                              f"(max_inflight_requests={self.config.max_inflight_requests})", self.config.retry_after_s)
         self.inflight += 1
-        return Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
+        generation = Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
+        self._live.add(generation)
+        return generation
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
@@ -140,6 +155,7 @@ class Generation:
         self._stream_ended = False
         self.delivered: list[int] = []  # output token ids received so far (what a migration resumes from)
         self.migrations = 0
+        self._worker_lost = False
 
     @property
     def decode_address(self) -> str | None:
@@ -181,12 +197,17 @@ class Generation:
             request = d.wire_request(self, self.assignment.prefill_address, resumed)
             self._call = d.pool.client(decode.worker.address).generate(request)
             self._stream_ended = False
+            self._worker_lost = False
             if attempt == 0 and not resumed:
                 self.timer.dispatched()
             try:
                 chunk = await self._read()
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, WorkerLost) as exc:
                 self.assignment.release()
+                if isinstance(exc, WorkerLost):
+                    last_error = f"{decode.worker.address}: stopped answering health polls"
+                    tried.add(decode.worker.address)
+                    continue
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise rpc_error_to_api(exc, d.config.retry_after_s) from None
                 last_error = f"{decode.worker.address}: {exc.details()}"
@@ -209,6 +230,11 @@ class Generation:
             if not self._may_migrate(exc.code()):
                 raise rpc_error_to_api(exc, self.dispatcher.config.retry_after_s) from None
             return await self._migrate(f"{exc.code().name}: {exc.details()}")
+        except WorkerLost:
+            if not self._may_migrate(grpc.StatusCode.UNAVAILABLE):
+                raise unavailable("the decode worker stopped answering mid-stream",
+                                  self.dispatcher.config.retry_after_s) from None
+            return await self._migrate("it stopped answering health polls")
         if chunk is None and self._may_migrate(grpc.StatusCode.UNAVAILABLE):
             return await self._migrate("the stream ended before the request finished")
         return chunk
@@ -239,6 +265,8 @@ class Generation:
         except asyncio.CancelledError:
             if self._cancelled:
                 raise ClientGone() from None
+            if self._worker_lost:
+                raise WorkerLost() from None
             raise
         if chunk is grpc.aio.EOF:
             self._stream_ended = True
@@ -254,6 +282,13 @@ class Generation:
         if chunk.finish_reason:
             self._stream_ended = True
         return chunk
+
+    def worker_lost(self) -> None:
+        """The decode worker stopped answering polls: cut the stream; the reader migrates."""
+        if self._closed or self._cancelled or self._stream_ended or self._call is None:
+            return
+        self._worker_lost = True
+        self._call.cancel()
 
     def cancel(self) -> None:
         """The client is gone: cancel the stream (the decode worker aborts the request)."""
@@ -276,6 +311,7 @@ class Generation:
         self._closed = True
         d = self.dispatcher
         d.inflight -= 1
+        d._live.discard(self)
         if self._call is not None and not self._stream_ended:
             self._call.cancel()
         if self.assignment is not None:

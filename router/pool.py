@@ -125,6 +125,9 @@ class WorkerPool:
     _background: set[asyncio.Task] = field(default_factory=set)
     # Called with a worker's address once it has left the pool (policies forget it).
     removal_listeners: list[Callable[[str], None]] = field(default_factory=list)
+    # Called with a worker's address when it stops answering polls (not when it reports "not ok":
+    # a draining worker still finishes what it runs).
+    unreachable_listeners: list[Callable[[str], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for role, addresses in (("prefill", self.config.prefill), ("decode", self.config.decode),
@@ -250,7 +253,11 @@ class WorkerPool:
         try:
             health, stats = await asyncio.gather(client.health(timeout), client.stats(timeout))
         except (grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
+            was_healthy = worker.healthy
             self._poll_failed(worker, _describe_rpc_error(exc))
+            if was_healthy and not worker.healthy:
+                for listener in self.unreachable_listeners:
+                    listener(worker.address)
             return
         worker.last_poll_time = time.time()
         worker.model, worker.transport_address = health.model, health.transport_address

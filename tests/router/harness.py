@@ -117,6 +117,7 @@ class FakeDecodeWorker:
         self.role = role
         self.num_blocks = num_blocks
         self.ok = True
+        self.silent = False  # Health and Stats never answer (a hung worker)
         self.script: Callable[[Any], list] | None = None
         self.requests: list[Any] = []  # every GenerateRequest received
         self.cancelled: list[str] = []  # request ids whose stream the caller cancelled
@@ -148,9 +149,11 @@ class FakeDecodeWorker:
                 return await outer._abort(request)
 
             async def Health(self, request, context):
+                await outer._hang_if_silent()
                 return outer._health()
 
             async def Stats(self, request, context):
+                await outer._hang_if_silent()
                 return outer._stats()
 
         self._server = grpc.aio.server()
@@ -205,6 +208,10 @@ class FakeDecodeWorker:
         if state is not None:
             state.aborted.set()
         return wire.messages().AbortResponse(found=state is not None)
+
+    async def _hang_if_silent(self) -> None:
+        while self.silent:
+            await asyncio.sleep(0.05)
 
     def _health(self):
         return wire.messages().HealthResponse(ok=self.ok, role=self.role, model="tiny", transport_address="fake://")

@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.router.harness import Fail, FakeDecodeWorker, token_chunks
+from tests.router.harness import Fail, FakeDecodeWorker, Hang, token_chunks
 
 REPLY = "the quick brown fox jumps over the lazy dog"
 
@@ -105,6 +105,31 @@ def test_a_stream_that_ends_without_its_finish_reason_is_resumed(make_router, pa
     router2 = make_router(colocated=[w.address for w in pair])
     text, usage, finish = stream_completion(router2, max_tokens=reply_tokens, stream_options=None)
     assert finish == ["length"] and usage == {}
+
+
+def test_a_hung_worker_is_detected_by_its_health_polls_and_left(make_router, pair, tokenizer):
+    """A worker that stops answering (polls time out) while its stream is silent: the stream is
+    cut and the generation goes on elsewhere, instead of waiting forever."""
+    reply = tokenizer.encode(REPLY, add_special_tokens=False) + [min(tokenizer.eos_token_ids)]
+
+    def script(request):
+        done = request.num_resumed_tokens
+        chunks = token_chunks(reply[done:], "stop")
+        if done:
+            return chunks
+        for worker in pair:  # whichever got the request hangs after 3 tokens
+            if request in worker.requests:
+                worker.silent = True
+        return [*chunks[:3], Hang()]
+
+    for worker in pair:
+        worker.script = script
+    router = make_router(colocated=[w.address for w in pair], rpc_timeout_s=0.2, unhealthy_after_failures=2)
+    text, _, finish = stream_completion(router)
+    assert text == REPLY and finish == ["stop"] and migrations(router) == 1
+    hung = next(w for w in pair if w.silent)
+    assert [r.num_resumed_tokens for r in hung.requests] == [0]
+    hung.silent = False
 
 
 def test_without_migrations_the_client_gets_an_error_event(make_router, pair, tokenizer):
