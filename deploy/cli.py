@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--swap-space-gb", type=float, default=None, help="host memory per worker for swap preemption")
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
+    serve.add_argument("--max-migrations", type=int, default=2,
+                       help="resume a generation on another worker when its decode worker fails mid-stream, at most "
+                            "this many times per request; 0: never (default: %(default)s)")
     placement = serve.add_argument_group("Ray and placement")
     placement.add_argument("--ray-address", default=None,
                            help="join this Ray cluster ('auto': the local `ray start` head); default: start a "
@@ -134,7 +137,8 @@ def serve_options(args: argparse.Namespace):
                         engine_options=engine_options, worker_cpus=args.worker_cpus,
                         worker_gpus=args.worker_gpus,
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
-                        local_prefill_threshold=args.local_prefill_threshold, ray=ray_settings,
+                        local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
+                        ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, start_timeout_s=args.worker_start_timeout,
                         log_level=args.log_level.upper())

@@ -54,6 +54,7 @@ class ServeOptions:
     omp_num_threads: int | None = None  # default: this machine's cores / initial workers (>= 1)
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining
     local_prefill_threshold: int | None = None
+    max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
     state_file: Path | None = None  # None: default_state_file()
@@ -81,6 +82,8 @@ class ServeOptions:
             raise ValueError(f"--omp-num-threads must be >= 1, got {self.omp_num_threads}")
         if not self.sync_interval_s > 0:
             raise ValueError(f"sync_interval_s must be > 0, got {self.sync_interval_s}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.model != "default" and not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
                              "a .gguf file, or 'default')")
@@ -171,7 +174,8 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
         router_config = RouterConfig(model=options.model, served_model_name=options.served_model_name,
                                      host=options.host, port=port, api_key=options.api_key,
                                      max_model_len=options.engine_options.get("max_model_len"),
-                                     block_size=options.engine_options.get("block_size", 16))
+                                     block_size=options.engine_options.get("block_size", 16),
+                                     max_migrations=options.max_migrations)
         pool = WorkerPool(router_config)
         app = create_app(router_config, tokenizer=tokenizer, pool=pool)
         app.include_router(admin_routes(client, options.api_key))
