@@ -84,10 +84,11 @@ class ModelRunner:
         and synchronize, which is fine for the rare preemption."""
         if self.config.scheduler.preemption_mode != "swap":
             return None
-        slots = int(self.config.cache.swap_space_gb * 2**30) // bytes_per_block(self.arch, self.block_size, self.dtype)
+        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype)
+        slots = int(self.config.cache.swap_space_gb * 2**30) // block_bytes
         if slots < 1:
             raise ValueError(f"swap_space_gb={self.config.cache.swap_space_gb} holds no KV block "
-                             f"({bytes_per_block(self.arch, self.block_size, self.dtype)} bytes each)")
+                             f"({block_bytes} bytes each)")
         shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
         return torch.empty(shape, dtype=self.dtype)
 

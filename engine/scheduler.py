@@ -233,7 +233,7 @@ class Scheduler:
         if len(prompt) > capacity:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than the whole KV cache holds ({capacity})")
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and request.num_resumed_tokens >= max_tokens:
+        if request.num_resumed_tokens >= max_tokens:
             raise ValueError(f"the request resumes with {request.num_resumed_tokens} output tokens, "
                              f"max_tokens ({max_tokens}) leaves none to generate")
 

@@ -204,14 +204,11 @@ class Generation:
                 chunk = await self._read()
             except (grpc.aio.AioRpcError, WorkerLost) as exc:
                 self.assignment.release()
-                if isinstance(exc, WorkerLost):
-                    last_error = f"{decode.worker.address}: stopped answering health polls"
-                    tried.add(decode.worker.address)
-                    continue
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise rpc_error_to_api(exc, d.config.retry_after_s) from None
-                last_error = f"{decode.worker.address}: {exc.details()}"
-                d.pool.mark_unhealthy(decode.worker.address, f"Generate failed: {exc.details()}")
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "stopped answering health polls"
+                last_error = f"{decode.worker.address}: {detail}"
+                d.pool.mark_unhealthy(decode.worker.address, f"Generate failed: {detail}")
                 tried.add(decode.worker.address)
                 continue
             if chunk is None:
@@ -227,20 +224,20 @@ class Generation:
         try:
             chunk = await self._read()
         except grpc.aio.AioRpcError as exc:
-            if not self._may_migrate(exc.code()):
+            if exc.code() not in MIGRATABLE_CODES or not self._may_migrate():
                 raise rpc_error_to_api(exc, self.dispatcher.config.retry_after_s) from None
             return await self._migrate(f"{exc.code().name}: {exc.details()}")
         except WorkerLost:
-            if not self._may_migrate(grpc.StatusCode.UNAVAILABLE):
+            if not self._may_migrate():
                 raise unavailable("the decode worker stopped answering mid-stream",
                                   self.dispatcher.config.retry_after_s) from None
             return await self._migrate("it stopped answering health polls")
-        if chunk is None and self._may_migrate(grpc.StatusCode.UNAVAILABLE):
+        if chunk is None and self._may_migrate():
             return await self._migrate("the stream ended before the request finished")
         return chunk
 
-    def _may_migrate(self, code: grpc.StatusCode) -> bool:
-        return (code in MIGRATABLE_CODES and not self._cancelled and self.assignment is not None
+    def _may_migrate(self) -> bool:
+        return (not self._cancelled and self.assignment is not None
                 and self.migrations < self.dispatcher.config.max_migrations)
 
     async def _migrate(self, reason: str) -> Any:
