@@ -4,8 +4,9 @@
 `engine.block_hash`, `engine.sampling_params` and the tokenizer without pulling in the model.
 """
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "AsyncEngine", "LLMEngine"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "EngineConfig", "RequestOutput", "AsyncEngine", "LLMEngine"]
 
 
 def __getattr__(name: str):

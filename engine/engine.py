@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Sequence, Union
 
 from engine.config import EngineConfig
@@ -20,6 +21,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.kv_hooks import ImportPlan
 from engine.scheduler import SampledToken, Scheduler, SchedulerStats, StepOutput
+from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class LLMEngine:
                                    num_swap_slots=getattr(runner, "num_swap_slots", 0))
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.last_step_idle = True  # the last step scheduled nothing (e.g. all requests wait for KV)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -84,9 +88,23 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.tokenizer.vocab_size})")
         split = len(token_ids) - num_resumed_tokens
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self._grammar_compiler().state(params.structured_output)
         return Request(request_id or f"req-{next(self._ids)}", token_ids[:split], params,
                        eos_token_ids=self.eos_token_ids, priority=priority, cache_salt=cache_salt,
-                       resumed_output_token_ids=token_ids[split:])
+                       resumed_output_token_ids=token_ids[split:], grammar=grammar)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first structured-output request (it indexes the whole vocabulary)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                hf_tokenizer = getattr(self.tokenizer, "hf_tokenizer", None)
+                if hf_tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this engine has none")
+                vocab_size = getattr(self.runner, "vocab_size", None) or self.tokenizer.vocab_size
+                self._grammars = GrammarCompiler(hf_tokenizer, vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def add(self, request: Request, detokenize: bool = True) -> None:
         self.scheduler.add_request(request)

@@ -75,6 +75,11 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     @property
+    def vocab_size(self) -> int:
+        """Width of the logits (may exceed the tokenizer's vocabulary when the embedding is padded)."""
+        return self.arch.vocab_size
+
+    @property
     def num_swap_slots(self) -> int:
         return 0 if self.swap_space is None else int(self.swap_space.shape[1])
 
@@ -134,7 +139,8 @@ class ModelRunner:
         requests = [seq.request for seq in sampled_seqs]
         sampling = SamplingMetadata.build(
             [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests], self.arch.vocab_size, self.device)
+            [r.output_token_ids for r in requests], self.arch.vocab_size, self.device,
+            grammars=[r.grammar for r in requests])
         out = self.sampler(logits, sampling)
         result = {}
         for i, request in enumerate(requests):

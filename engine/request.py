@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -66,7 +67,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 resumed_output_token_ids: list[int] = ()) -> None:
+                 resumed_output_token_ids: list[int] = (), grammar: GrammarState | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -88,9 +89,14 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._all_token_ids = list(self.prompt_token_ids)
+        # Structured output: follows every output token (engine/structured_output.py).
+        self.grammar = grammar
         self.num_resumed_tokens = len(resumed_output_token_ids)
         for token_id in resumed_output_token_ids:
             self.append_output(int(token_id))
+        if grammar is not None and grammar.rejected_token is not None:
+            raise ValueError(f"resumed output token {grammar.rejected_token} does not match the request's "
+                             f"{sampling_params.structured_output.kind} constraint")
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -114,6 +120,8 @@ class Request:
         return self.status.is_finished
 
     def append_output(self, token_id: int, logprob: Any = None) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # a refusal is kept in grammar.rejected_token
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self._all_token_ids.append(token_id)

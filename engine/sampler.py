@@ -14,7 +14,10 @@ Contract:
   seeded at construction.
 - Top-k / top-p / min-p keep ties at the cut-off (thresholds on values), so the kept set never
   depends on sort order.
-- Logprobs are of the model's raw distribution (log_softmax of the unprocessed logits).
+- Structured output: a row with a grammar first has the tokens its grammar does not allow set to
+  -inf (engine/structured_output.py); everything after sees only the allowed tokens.
+- Logprobs are of the model's raw distribution (log_softmax of the unprocessed logits, before
+  penalties and grammar masks).
 """
 from __future__ import annotations
 
@@ -77,10 +80,14 @@ class SamplingMetadata:
     num_logprobs: list[int | None]
     max_num_logprobs: int | None  # None when no row asked for logprobs
     vocab_size: int
+    token_bitmask: torch.Tensor | None = None  # int32 [n, ceil(vocab / 32)] allowed tokens; None: no grammar
+    bitmask_rows: list[int] | None = None  # the rows that have a grammar
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], vocab_size: int, device) -> "SamplingMetadata":
+              output_token_ids: list[list[int]], vocab_size: int, device,
+              grammars: list | None = None) -> "SamplingMetadata":
+        """`grammars`: per row, its `GrammarState` or None (structured output)."""
         num_seqs = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == num_seqs):
             raise ValueError(f"got {num_seqs} sampling params, {len(prompt_token_ids)} prompts and "
@@ -104,6 +111,13 @@ class SamplingMetadata:
                    top_k=None, max_top_k=0, top_p=None, min_p=None, seeded_uniforms=None,
                    penalties=penalties, num_logprobs=num_logprobs, max_num_logprobs=max_num_logprobs,
                    vocab_size=vocab_size)
+        grammar_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if grammar_rows:
+            from engine.structured_output import allocate_bitmask
+            meta.token_bitmask = allocate_bitmask(num_seqs, vocab_size)
+            meta.bitmask_rows = grammar_rows
+            for row in grammar_rows:
+                grammars[row].fill_bitmask(meta.token_bitmask, row)
         if all_greedy:
             return meta
         random_params = [p for p, g in zip(params, greedy) if not g]
@@ -189,12 +203,16 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
             raise ValueError(f"logits must be [num_seqs={meta.num_seqs}, vocab], got {tuple(logits.shape)}")
         logits = logits.float()
+        if (meta.penalties is not None or meta.token_bitmask is not None) and meta.vocab_size != logits.shape[1]:
+            raise ValueError(f"sampling metadata was built for a vocabulary of "
+                             f"{meta.vocab_size}, the logits have {logits.shape[1]}")
         penalized = logits
+        if meta.token_bitmask is not None:
+            from engine.structured_output import apply_bitmask
+            penalized = logits.clone()  # the raw logits stay for logprobs
+            apply_bitmask(penalized, meta.token_bitmask, meta.bitmask_rows)
         if meta.penalties is not None:
-            if meta.vocab_size != logits.shape[1]:
-                raise ValueError(f"sampling metadata was built for a vocabulary of "
-                                 f"{meta.vocab_size}, the logits have {logits.shape[1]}")
-            penalized = apply_penalties(logits, meta.penalties)
+            penalized = apply_penalties(penalized, meta.penalties)
         if meta.all_greedy:
             tokens = penalized.argmax(dim=-1)
         else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (JSON, JSON Schema, regex, choice, EBNF): engine/structured_output.py
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+             "structured_output must be an engine.StructuredOutput"),
         ]
         for ok, message in checks:
             if not ok:

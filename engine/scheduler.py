@@ -386,16 +386,29 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"the runner returned no sampled token for request {request.request_id}")
             request.append_output(token.token_id, token)
-            reason = "prefill_done" if self.role == "prefill" else self._stop_reason(request, token.token_id)
-            error = None
+            reason, error = self._after_token(request, token.token_id)
             if reason is not None:
-                reason, error = self._finish(request, reason)
+                reason, error = self._finish(request, reason, error)
             outputs.append(StepOutput(request.request_id, [token.token_id], [token], reason is not None, reason,
                                       request.num_cached_tokens, error))
         return outputs
 
+    def _after_token(self, request: Request, token_id: int) -> tuple[str | None, str | None]:
+        """(finish reason, error) once `token_id` was appended; (None, None) to go on."""
+        grammar = request.grammar
+        if grammar is not None and grammar.rejected_token is not None:
+            # Sampling is masked by the grammar, so this means an inconsistent state (e.g. a first
+            # token from a prefill worker that did not apply the constraint).
+            return "error", (f"token {grammar.rejected_token} does not match the request's "
+                             f"{request.sampling_params.structured_output.kind} constraint")
+        if self.role == "prefill":
+            return "prefill_done", None
+        return self._stop_reason(request, token_id), None
+
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.is_terminated:
+            return "stop"  # the output is complete (its end-of-sequence token was accepted)
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return "stop"
         if token_id in params.stop_token_ids:
@@ -503,9 +516,9 @@ class Scheduler:
         request.num_computed_tokens = request.num_tokens
         self.block_manager.cache_computed_blocks(request)
         request.append_output(first_token.token_id, first_token)
-        reason, error = self._stop_reason(request, first_token.token_id), None
+        reason, error = self._after_token(request, first_token.token_id)
         if reason is not None:
-            reason, error = self._finish(request, reason)
+            reason, error = self._finish(request, reason, error)
         else:
             del self._importing[request_id]
             if len(self.running) < self.config.max_num_seqs:

@@ -1,0 +1,198 @@
+"""Structured output (constrained decoding): a grammar decides which tokens may come next.
+
+A request asks for one of five constraints (`StructuredOutput`): any JSON object, JSON matching a
+JSON Schema, a regular expression, one of a list of strings, or an EBNF grammar. The grammar
+engine is xgrammar (the one vLLM and SGLang use).
+
+Contract:
+- `StructuredOutput` is validated at construction (the grammar is parsed, no tokenizer needed),
+  so a bad schema, regex or grammar is a client's `ValueError` (HTTP 400 at the router) and never
+  reaches a worker's step loop.
+- `GrammarCompiler` (one per engine, built on first use from the engine's tokenizer) compiles a
+  constraint against the vocabulary, with a cache, and hands each request its own `GrammarState`.
+- A `GrammarState` follows the request's output tokens: every token appended to the request is
+  accepted into it (`Request.append_output`), including a migrated request's resumed tokens and
+  the first token a prefill worker sampled. Before each sampling step the runner asks it for the
+  bitmask of allowed next tokens; the sampler masks the other logits to -inf.
+- When the grammar is complete the mask allows only the end-of-sequence tokens; once one is
+  accepted the state is terminated and the request stops (even with `ignore_eos`).
+- Preemption needs nothing: recomputing KV does not change the output tokens, so the state stays.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+_MAX_CHOICES = 1024
+# xgrammar prefixes its errors with a timestamp and a C++ source location.
+_NATIVE_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def _xgrammar():
+    import xgrammar
+    return xgrammar
+
+
+def _native_message(exc: Exception) -> str:
+    return _NATIVE_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the generated text must match. Build it with the class methods:
+    `json_object()`, `json_schema(schema)`, `regex(pattern)`, `choice(options)`, `grammar(ebnf)`.
+
+    `spec` holds the schema (as JSON text), the regex or the EBNF grammar; `choices` the options
+    of `choice`. Raises ValueError, naming what is wrong, when the constraint cannot be parsed."""
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind == "choice":
+            if not self.choices or len(self.choices) > _MAX_CHOICES:
+                raise ValueError(f"a choice constraint needs 1 to {_MAX_CHOICES} options, got {len(self.choices)}")
+            if not all(isinstance(c, str) and c for c in self.choices):
+                raise ValueError("choice options must be non-empty strings")
+        elif self.choices:
+            raise ValueError(f"choices are only for the 'choice' kind, not {self.kind!r}")
+        if self.kind in ("json_schema", "regex", "grammar") and not (isinstance(self.spec, str) and self.spec.strip()):
+            raise ValueError(f"a {self.kind} constraint needs a non-empty {self._spec_name}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"a JSON schema must be an object (or true/false), got {type(schema).__name__}")
+        self.grammar_object()  # parse it now: a bad constraint is the client's error, reported here
+
+    @property
+    def _spec_name(self) -> str:
+        return {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(
+            self.kind, "spec")
+
+    @classmethod
+    def json_object(cls) -> "StructuredOutput":
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> "StructuredOutput":
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> "StructuredOutput":
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> "StructuredOutput":
+        if isinstance(options, str):
+            raise ValueError("choice options must be a list of strings, not one string")
+        return cls("choice", "", tuple(options))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> "StructuredOutput":
+        return cls("grammar", ebnf)
+
+    def ebnf(self) -> str | None:
+        """The EBNF this constraint compiles from, for the kinds that are written as one."""
+        if self.kind == "grammar":
+            return self.spec
+        if self.kind == "choice":
+            # JSON string escapes are also xgrammar EBNF string-literal escapes.
+            return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in self.choices)
+        return None
+
+    def grammar_object(self) -> Any:
+        """The parsed xgrammar `Grammar` (vocabulary-independent)."""
+        xgr = _xgrammar()
+        try:
+            if self.kind == "json_object":
+                return xgr.Grammar.builtin_json_grammar()
+            if self.kind == "json_schema":
+                return xgr.Grammar.from_json_schema(self.spec, any_whitespace=False)
+            if self.kind == "regex":
+                return xgr.Grammar.from_regex(self.spec)
+            return xgr.Grammar.from_ebnf(self.ebnf())
+        except RuntimeError as exc:
+            raise ValueError(f"invalid {self._spec_name if self.kind != 'choice' else 'choice'}: "
+                             f"{_native_message(exc)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices)}
+
+
+class GrammarState:
+    """One request's position in its grammar (an xgrammar `GrammarMatcher`)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self.rejected_token: int | None = None  # the first token the grammar refused, if any
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one generated token; False (and remembered) if the grammar refuses it."""
+        if self.rejected_token is not None:
+            return False
+        if self._matcher.is_terminated() or not self._matcher.accept_token(int(token_id)):
+            self.rejected_token = int(token_id)
+            return False
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and an end-of-sequence token was accepted."""
+        return self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 bitmask (`allocate_bitmask`)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> Any:
+    """An int32 [num_rows, ceil(vocab / 32)] bitmask on the CPU, every token allowed."""
+    return _xgrammar().allocate_token_bitmask(num_rows, vocab_size)
+
+
+def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """Set the disallowed logits of `rows` to -inf, in place (float32 logits, any device)."""
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer's vocabulary, caching compiled grammars.
+    Thread-safe: workers build requests off the engine thread."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_limit_bytes: int = 256 << 20) -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        self._info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=sorted(stop_token_ids) or None)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=True,
+                                             cache_limit_bytes=cache_limit_bytes)
+        self._lock = threading.Lock()
+
+    def state(self, constraint: StructuredOutput) -> GrammarState:
+        """A fresh state for `constraint` (at the start of the output)."""
+        xgr = _xgrammar()
+        with self._lock:
+            try:
+                if constraint.kind == "json_object":
+                    compiled = self._compiler.compile_builtin_json_grammar()
+                elif constraint.kind == "json_schema":
+                    compiled = self._compiler.compile_json_schema(constraint.spec, any_whitespace=False)
+                elif constraint.kind == "regex":
+                    compiled = self._compiler.compile_regex(constraint.spec)
+                else:
+                    compiled = self._compiler.compile_grammar(constraint.ebnf())
+            except RuntimeError as exc:
+                raise ValueError(f"cannot compile the {constraint.kind} constraint: {_native_message(exc)}") from None
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
