@@ -31,7 +31,7 @@ from engine import wire
 from engine.engine import LLMEngine
 from engine.kv_hooks import ImportPlan, KVCacheFullError
 from prefill_worker.wire_convert import (chunk_from_delta, layout_to_wire, sampled_token_from_wire,
-                                         sampling_from_wire, sampling_to_wire, worker_stats_to_wire)
+                                         worker_stats_to_wire)
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
         worker = self.worker
         try:
             engine_request = worker.engine.engine.make_request(
-                list(request.prompt_token_ids), sampling_from_wire(request.sampling),
+                list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling),
                 request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority,
                 cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens)
         except ValueError as exc:
@@ -222,7 +222,7 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
             first_block_index=plan.blocks_to_fill[0][0])
         prefill_request = self.pb.PrefillRequest(
             request_id=request_id, prompt_token_ids=engine_request.all_token_ids,
-            sampling=sampling_to_wire(engine_request.sampling_params), destination=destination,
+            sampling=wire.sampling_to_wire(engine_request.sampling_params), destination=destination,
             cache_salt=engine_request.cache_salt or "", num_resumed_tokens=engine_request.num_resumed_tokens)
         started = time.monotonic()
         deadline = started + self.config.transfer_timeout_s

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 PROTO_FILE = "pdserve.proto"
@@ -33,3 +37,41 @@ def messages():
 
 def services():
     return load()[1]
+
+
+def sampling_to_wire(params: SamplingParams) -> Any:
+    """The schema's SamplingParams (stop strings stay with the router, which detokenizes)."""
+    pb = messages()
+    message = pb.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    constraint = params.structured_output
+    if constraint is not None:
+        message.structured_output.CopyFrom(pb.StructuredOutput(kind=constraint.kind, spec=constraint.spec,
+                                                               choices=list(constraint.choices)))
+    return message
+
+
+def sampling_from_wire(message: Any) -> SamplingParams:
+    """Every field is taken as sent (the router fills them all); out-of-range values and
+    constraints that do not parse raise the engine's ValueError, which the servers return as
+    INVALID_ARGUMENT."""
+    constraint = None
+    if message.HasField("structured_output"):
+        wired = message.structured_output
+        constraint = StructuredOutput(wired.kind, wired.spec, tuple(wired.choices))
+    return SamplingParams(
+        max_tokens=int(message.max_tokens), temperature=float(message.temperature), top_p=float(message.top_p),
+        top_k=int(message.top_k), min_p=float(message.min_p), presence_penalty=float(message.presence_penalty),
+        frequency_penalty=float(message.frequency_penalty),
+        repetition_penalty=float(message.repetition_penalty),
+        seed=int(message.seed) if message.HasField("seed") else None,
+        stop_token_ids=[int(t) for t in message.stop_token_ids], ignore_eos=bool(message.ignore_eos),
+        logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
+        structured_output=constraint)

@@ -24,8 +24,8 @@ import grpc
 from engine import wire
 from engine.engine import LLMEngine
 from prefill_worker.exporter import KVPusher
-from prefill_worker.wire_convert import (describe_wire_layout, layout_to_wire, sampling_from_wire,
-                                         token_logprob_to_wire, worker_stats_to_wire)
+from prefill_worker.wire_convert import (describe_wire_layout, layout_to_wire, token_logprob_to_wire,
+                                         worker_stats_to_wire)
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class _PrefillServicer(_servicer_base()):
         worker = self.worker
         try:
             engine_request = worker.engine.engine.make_request(
-                list(request.prompt_token_ids), sampling_from_wire(request.sampling), request.request_id or None,
+                list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling), request.request_id or None,
                 cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens)
             self._check_destination(request.destination, engine_request.num_tokens)
         except ValueError as exc:

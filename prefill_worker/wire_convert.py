@@ -6,35 +6,7 @@ from typing import Any
 
 from engine import wire
 from engine.outputs import StreamDelta
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
-
-
-def sampling_from_wire(message: Any) -> SamplingParams:
-    """Every field is taken as sent (the router fills them all); out-of-range values raise the
-    engine's ValueError, which the servers return as INVALID_ARGUMENT."""
-    return SamplingParams(
-        max_tokens=int(message.max_tokens), temperature=float(message.temperature), top_p=float(message.top_p),
-        top_k=int(message.top_k), min_p=float(message.min_p), presence_penalty=float(message.presence_penalty),
-        frequency_penalty=float(message.frequency_penalty),
-        repetition_penalty=float(message.repetition_penalty),
-        seed=int(message.seed) if message.HasField("seed") else None,
-        stop_token_ids=[int(t) for t in message.stop_token_ids], ignore_eos=bool(message.ignore_eos),
-        logprobs=int(message.logprobs) if message.HasField("logprobs") else None)
-
-
-def sampling_to_wire(params: SamplingParams) -> Any:
-    pb = wire.messages()
-    message = pb.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        min_p=params.min_p, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos)
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.logprobs is not None:
-        message.logprobs = params.logprobs
-    return message
 
 
 def token_logprob_to_wire(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> Any:

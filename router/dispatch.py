@@ -104,19 +104,9 @@ class Dispatcher:
     def wire_request(self, generation: "Generation", prefill_address: str, resumed: Sequence[int] = ()) -> Any:
         from engine import wire
         pb = wire.messages()
-        params = generation.params
-        sampling = pb.SamplingParams(
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            min_p=params.min_p, presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-            stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
-        if params.seed is not None:
-            sampling.seed = params.seed
-        if params.logprobs is not None:
-            sampling.logprobs = params.logprobs
         return pb.GenerateRequest(request_id=generation.request_id,
                                   prompt_token_ids=list(generation.prompt_token_ids) + list(resumed),
-                                  sampling=sampling, prefill_address=prefill_address,
+                                  sampling=wire.sampling_to_wire(generation.params), prefill_address=prefill_address,
                                   priority=generation.priority, cache_salt=generation.cache_salt or "",
                                   num_resumed_tokens=len(resumed))
 

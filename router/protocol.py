@@ -2,10 +2,13 @@
 
 Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `cache_salt`, `priority`). Unknown fields are ignored, as OpenAI
-clients send ones that a server may not know. Values outside what this server supports (n > 1,
-echo, suffix, logit_bias, tools, structured output) are refused with a 400 that says so.
-Sampling ranges are the engine's (`engine.sampling_params.SamplingParams`).
+`include_stop_str_in_output`, `cache_salt`, `priority`, and `structured_outputs` for regex,
+choice and grammar constraints next to OpenAI's `response_format`). Unknown fields are ignored,
+as OpenAI clients send ones that a server may not know. Values outside what this server supports
+(n > 1, echo, suffix, logit_bias, tools) are refused with a 400 that says so. Sampling ranges are
+the engine's (`engine.sampling_params.SamplingParams`), and so is the check of a constraint
+(`engine.structured_output.StructuredOutput`: a schema, regex or grammar that does not parse is a
+400 naming the problem).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from router.errors import APIError, invalid_request
 
 Int = Annotated[int, Strict()]
@@ -56,6 +60,8 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: Bool = False
     cache_salt: str | None = None
     priority: Int32 = 0
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice or grammar
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
@@ -77,11 +83,13 @@ class _GenerationRequest(BaseModel):
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "seed") if getattr(self, name) is not None}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        constraint = self.structured_output()
         try:
             return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
                                   ignore_eos=self.ignore_eos, logprobs=logprobs,
                                   skip_special_tokens=self.skip_special_tokens,
-                                  include_stop_str_in_output=self.include_stop_str_in_output, **values)
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  structured_output=constraint, **values)
         except ValueError as exc:
             message = str(exc)
             first_word = message.split(" ", 1)[0]
@@ -89,6 +97,67 @@ class _GenerationRequest(BaseModel):
             if message.startswith("stop strings") or message.startswith("at most 16 stop"):
                 param = "stop"
             raise invalid_request(message, param) from exc
+
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint asked for by `response_format` (OpenAI) or `structured_outputs` (vLLM), or
+        None for free text; a 400 naming the field when its shape or content is wrong."""
+        from_format = _from_response_format(self.response_format)
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise invalid_request("give either response_format or structured_outputs, not both", "structured_outputs")
+        return _from_structured_outputs(self.structured_outputs)
+
+
+def _from_response_format(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("response_format of type json_schema needs a 'json_schema' object "
+                                 "({'name': ..., 'schema': {...}})")
+            schema = spec.get("schema")
+            # OpenAI makes the schema optional; without one, any JSON object will do.
+            return StructuredOutput.json_object() if schema is None else StructuredOutput.json_schema(schema)
+    except ValueError as exc:
+        raise invalid_request(str(exc), "response_format") from None
+    raise invalid_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
+
+
+_STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutput:
+    given = [key for key in _STRUCTURED_OUTPUT_KEYS if options.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise invalid_request(f"structured_outputs takes exactly one of {', '.join(_STRUCTURED_OUTPUT_KEYS)}, "
+                              f"got {given or 'none'}", "structured_outputs")
+    key, value = given[0], options[given[0]]
+    try:
+        if key == "json":
+            if not isinstance(value, (dict, str, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+            return StructuredOutput.json_schema(value)
+        if key == "json_object":
+            return StructuredOutput.json_object()
+        if key == "choice":
+            if not isinstance(value, list):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            return StructuredOutput.choice(value)
+        if not isinstance(value, str):
+            raise ValueError(f"structured_outputs.{key} must be a string")
+        return StructuredOutput.regex(value) if key == "regex" else StructuredOutput.grammar(value)
+    except ValueError as exc:
+        raise invalid_request(str(exc), "structured_outputs") from None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -127,7 +196,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Int32 | None = None
     logprobs: Bool = False
     top_logprobs: Int32 | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     add_generation_prompt: Bool = True
@@ -136,9 +204,6 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.tools:
             raise invalid_request("tools (function calling) are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid_request("only response_format {'type': 'text'} is supported by this server",
-                                  "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
 

@@ -3,10 +3,14 @@
 
 Greedy outputs must be identical to the offline engine (`engine.LLM`), including non-ASCII
 text; a repeated prefix reports cached tokens; a client that disconnects frees its blocks on
-the decode worker (seen through the router's /status).
+the decode worker (seen through the router's /status); structured output (JSON Schema through
+`response_format` and the client's `parse`, regex and choice through `structured_outputs`)
+obeys its constraint across the prefill/decode split and matches the offline engine.
 """
+import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -280,3 +284,71 @@ def test_different_prefixes_spread_over_the_prefill_workers(client, cluster):
         assert before[target] == min(before.values())
     totals = list(after.values())
     assert abs(totals[0] - totals[1]) <= max(abs(start[0] - start[1]) - len(topics), 1)
+
+
+# ---- structured output: the prefill worker samples the first token, the decode worker the rest,
+# both under the same grammar ---------------------------------------------------------------------
+
+PERSON_SCHEMA = {"type": "object",
+                 "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                "city": {"type": "string"}},
+                 "required": ["name", "age", "city"], "additionalProperties": False}
+PERSON_ASK = [{"role": "user", "content": "Describe Ana, who is 31 and lives in Lisbon, as JSON."}]
+
+
+def offline_constrained(offline, prompt, constraint, max_tokens=96) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_output=constraint)
+    return offline.generate(prompt, params, use_tqdm=False)[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_response_format_matches_the_offline_engine(client, offline, stream):
+    from engine import StructuredOutput
+    expected = offline_constrained(offline, PERSON_ASK, StructuredOutput.json_schema(PERSON_SCHEMA))
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA,
+                                                              "strict": True}}
+    kwargs = dict(model="default", messages=PERSON_ASK, max_tokens=96, temperature=0, response_format=response_format)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        text, finish = choice.message.content, [choice.finish_reason]
+    assert text == expected and finish == ["stop"]
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "city"} and isinstance(value["age"], int)
+
+
+def test_openai_parse_with_a_pydantic_model(client):
+    """The openai client's `parse` sends the model's strict JSON schema and validates the reply."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+        city: str
+
+    completion = client.chat.completions.parse(model="default", messages=PERSON_ASK, max_tokens=96, temperature=0,
+                                               response_format=Person)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name
+
+
+def test_regex_and_choice_through_structured_outputs(client, offline):
+    from engine import StructuredOutput
+    pattern = r"\+351 \d{3} \d{3} \d{3}"
+    out = client.completions.create(model="default", prompt="Ana's phone number is", max_tokens=32, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": pattern}})
+    text = out.choices[0].text
+    assert re.fullmatch(pattern, text) and out.choices[0].finish_reason == "stop"
+    assert text == offline_constrained(offline, "Ana's phone number is", StructuredOutput.regex(pattern), 32)
+    out = client.chat.completions.create(model="default", messages=CHAT, max_tokens=8, temperature=0.7, seed=5,
+                                         extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert out.choices[0].message.content in ("Paris", "Lyon")
+
+
+def test_an_invalid_schema_is_a_400_before_any_worker(client):
+    with pytest.raises(openai.BadRequestError, match='Unsupported type'):
+        client.chat.completions.create(model="default", messages=CHAT, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
