@@ -2,7 +2,8 @@
 
 One library: paged decode attention and bf16 flash prefill (used by the "cpu" attention backend)
 and the Llama block's fused bf16 elementwise ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
-RoPE; used by `engine.model.fused_ops`).
+RoPE; used by `engine.model.fused_ops`), and the structured-output logits mask
+(`engine.structured_output.apply_bitmask`).
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode_cpu.cpp", "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp",
-                         "small_linear_cpu.cpp")]
+                         "small_linear_cpu.cpp", "token_mask_cpu.cpp")]
 _HEADER = Path(__file__).parent / "csrc" / "simd_math.h"
 
 

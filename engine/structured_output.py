@@ -162,8 +162,25 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> Any:
 
 
 def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
-    """Set the disallowed logits of `rows` to -inf, in place (float32 logits, any device)."""
-    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    """Set the disallowed logits of `rows` to -inf, in place (float32 [n, vocab] logits, any
+    device). On CPU: the native kernel (engine/csrc/token_mask_cpu.cpp), else unpacked bits and
+    a masked fill; on CUDA: xgrammar's kernel."""
+    import torch
+
+    if logits.is_cuda:
+        _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        return
+    from engine import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    index = torch.tensor(rows, dtype=torch.int64)
+    if kernels is not None:
+        kernels.apply_token_bitmask_(logits, bitmask, index)
+        return
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask[index].unsqueeze(-1) >> shifts).bitwise_and_(1).view(len(rows), -1)[:, :vocab].bool()
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
 
 
 class GrammarCompiler:

@@ -15,6 +15,8 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& cos_cache, const at::Tensor& sin_cache);
+// token_mask_cpu.cpp
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 // small_linear_cpu.cpp
 bool has_small_linear();
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
@@ -30,5 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_small_linear", &has_small_linear, "Whether small_batch_linear was compiled in (AVX512-BF16)");
   m.def("small_batch_linear", &small_batch_linear, "x W^T (+ bias) for 1-4 bf16 rows (a decode step's linear)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "Set logits refused by a grammar's bitmask to -inf (in place)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key (new contiguous tensors)");
 }

@@ -75,6 +75,34 @@ def test_the_sampler_masks_only_rows_with_a_grammar_and_keeps_raw_logprobs():
     assert [t for t, _ in out.top_logprobs[0]] == raw[0].topk(2).indices.tolist()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
+def test_bitmask_application_matches_xgrammar_on_every_word_pattern(native, monkeypatch):
+    """All-allowed, all-refused and mixed words, a vocabulary that is not a multiple of 32, and
+    only some rows masked: the result equals xgrammar's reference kernel bit for bit."""
+    import xgrammar
+
+    from engine import cpu_kernels
+    from engine.structured_output import apply_bitmask
+
+    if native and cpu_kernels.load() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    generator = torch.Generator().manual_seed(1)
+    vocab, num_rows = 1000, 5
+    bitmask = torch.randint(-2**31, 2**31, (num_rows, (vocab + 31) // 32), dtype=torch.int64,
+                            generator=generator).to(torch.int32)
+    bitmask[:, :4] = -1  # every token allowed
+    bitmask[:, 4:8] = 0  # every token refused
+    bitmask[1] = 0
+    logits = torch.randn(num_rows, vocab, generator=generator)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 1, 3], backend="torch_native")
+    apply_bitmask(logits, bitmask, [0, 1, 3])
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[1]).all() and not torch.isinf(logits[2]).any()
+
+
 # ---- on the default model -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
