@@ -12,12 +12,19 @@ chained content hash (`engine.block_hash`). A lookup walks a request's full bloc
 first one and stops at the first miss; a hash hit counts only if the stored (parent hash, extra
 key, token ids) equal the request's, so a hash collision is a miss, never wrong KV. A lookup
 never covers the request's last token, whose logits are needed, and is block-aligned.
+
+Host tier (optional, `engine/host_cache.py`): evicting a cached block saves its KV to host memory
+first, and a lookup that misses on the device goes on in the host tier; the blocks found there
+are allocated like new ones and filled by a copy from host memory (`allocate_slots(...,
+host_hits=...)`), then registered in the device cache at once. The copies are queued in the host
+cache and taken by the scheduler (`take_host_copies`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from engine.block_hash import DEFAULT_HASH_ALGORITHM, BlockHash, hash_block
+from engine.host_cache import HostCache
 from engine.request import Request
 
 BlockContent = tuple  # (parent hash | None, extra key | None, token ids tuple)
@@ -25,7 +32,7 @@ BlockContent = tuple  # (parent hash | None, extra key | None, token ids tuple)
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_algorithm: str = DEFAULT_HASH_ALGORITHM) -> None:
+                 hash_algorithm: str = DEFAULT_HASH_ALGORITHM, num_host_slots: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -43,6 +50,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._holders: dict[str, Request] = {}
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already in the cache
+        self.host_cache = HostCache(num_host_slots) if num_host_slots > 0 and enable_prefix_caching else None
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -91,7 +99,7 @@ class BlockManager:
         return (parent, request.cache_salt, self._block_tokens(request, index))
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """Longest run of cached blocks matching the request's leading full blocks.
+        """Longest run of device-cached blocks matching the request's leading full blocks.
 
         Returns (block ids, number of tokens they cover). Touches nothing: pass the blocks to
         `allocate_slots(..., prefix_blocks=...)` to take them.
@@ -107,6 +115,23 @@ class BlockManager:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
+
+    def find_host_prefix(self, request: Request, num_device_blocks: int) -> int:
+        """How many blocks after the first `num_device_blocks` (a device hit) the host tier holds,
+        in one run. Touches nothing: pass the count to `allocate_slots(..., host_hits=...)`."""
+        if self.host_cache is None:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        count = 0
+        for index in range(num_device_blocks, max_blocks):
+            if self.host_cache.lookup(request.block_hashes[index], self._content(request, index)) is None:
+                break
+            count += 1
+        return count
+
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(offloads: (block, slot), reloads: (slot, block)) queued since the last call."""
+        return self.host_cache.take_copies() if self.host_cache is not None else ([], [])
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are all computed (prompt or decoded)."""
@@ -135,16 +160,26 @@ class BlockManager:
         reclaimed = sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)
         return new_blocks + reclaimed <= len(self._free)
 
-    def allocate_slots(self, request: Request, num_tokens: int, prefix_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_tokens: int, prefix_blocks: list[int] = (),
+                       host_hits: int = 0) -> bool:
         """Make `request.block_ids` cover token positions `< num_tokens`, all or nothing.
 
-        `prefix_blocks` (from `find_cached_prefix`) are taken first; only for a request that holds
-        no blocks yet. Returns False, changing nothing, if the free list is too short.
+        `prefix_blocks` (from `find_cached_prefix`) are taken first, then `host_hits` new blocks
+        (from `find_host_prefix`) are queued to be filled from the host tier and join the device
+        cache; only for a request that holds no blocks yet. Returns False, changing nothing, if
+        the free list is too short.
         """
-        if prefix_blocks and request.block_ids:
+        if (prefix_blocks or host_hits) and request.block_ids:
             raise ValueError(f"request {request.request_id} already holds blocks; prefix blocks are for admission")
+        if host_hits and num_tokens < (len(prefix_blocks) + host_hits) * self.block_size:
+            raise ValueError(f"{host_hits} host-cache blocks reach past the {num_tokens} tokens to allocate")
         if not self.can_allocate(request, num_tokens, prefix_blocks):
             return False
+        # Pin the host hits first: the evictions below save blocks to the host tier, which must
+        # not make room by dropping them.
+        first_host = len(prefix_blocks)
+        host_slots = [self.host_cache.pin(request.block_hashes[index])
+                      for index in range(first_host, first_host + host_hits)]
         for block_id in prefix_blocks:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
@@ -159,13 +194,29 @@ class BlockManager:
             request.block_ids.append(block_id)
         if request.block_ids:
             self._holders[request.request_id] = request
+        if host_slots:
+            self._reload_from_host(request, first_host, host_slots)
         return True
 
-    def _evict(self, block_id: int) -> None:
+    def _reload_from_host(self, request: Request, first: int, slots: list[int]) -> None:
+        """Blocks `first ..` of the request come back from these host slots: queue the copies and
+        register the blocks in the device cache (their KV is there before any forward)."""
+        for index, slot in enumerate(slots, start=first):
+            block_id, block_hash = request.block_ids[index], request.block_hashes[index]
+            self.host_cache.reload(slot, block_id)
+            if block_hash not in self._cached:
+                self._cached[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_content[block_id] = self._content(request, index)
+        self._num_registered[request.request_id] = first + len(slots)
+
+    def _evict(self, block_id: int, keep_on_host: bool = True) -> None:
         block_hash = self._block_hash[block_id]
         if block_hash is not None:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
+                if keep_on_host and self.host_cache is not None:
+                    self.host_cache.save(block_hash, self._block_content[block_id], block_id)
             self._block_hash[block_id] = None
             self._block_content[block_id] = None
 
@@ -183,11 +234,14 @@ class BlockManager:
         self._num_registered.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every evictable cached block (referenced ones stay). Returns how many."""
+        """Forget every evictable cached block (referenced ones stay), and the host tier.
+        Returns how many device blocks."""
         dropped = 0
+        if self.host_cache is not None:
+            self.host_cache.clear()
         for block_id in list(self._free):
             if self._block_hash[block_id] is not None:
-                self._evict(block_id)
+                self._evict(block_id, keep_on_host=False)
                 self._free.move_to_end(block_id, last=False)
                 dropped += 1
         return dropped
@@ -220,3 +274,5 @@ class BlockManager:
                 raise AssertionError(f"cache maps a hash to block {block_id}, which holds another hash")
         if len(self._free) + sum(1 for c in self._ref_counts if c > 0) != self.num_blocks:
             raise AssertionError("free + referenced blocks != total")
+        if self.host_cache is not None:
+            self.host_cache.check_integrity()

@@ -43,6 +43,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host memory for swap preemption (`preemption_mode="swap"`), in GiB; unused otherwise.
     swap_space_gb: float = 4.0
+    # Host-memory tier of the prefix cache (engine/host_cache.py), in GiB; 0: off. Evicted cached
+    # blocks are kept there and copied back on a later prefix hit (idle agent sessions).
+    host_cache_gb: float = 0.0
     # CPU: allocate the KV cache in shared memory (a memfd) that a same-host KV receiver can map;
     # prefill workers set it so kvtransfer's shm transport copies blocks out in one memcpy.
     shared_memory: bool = False
@@ -56,6 +59,8 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if self.host_cache_gb < 0:
+            raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
 
 
 @dataclass

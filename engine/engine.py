@@ -45,7 +45,8 @@ class LLMEngine:
         self.eos_token_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
         self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                    role=config.role, kv_exporter=kv_exporter,
-                                   num_swap_slots=getattr(runner, "num_swap_slots", 0))
+                                   num_swap_slots=getattr(runner, "num_swap_slots", 0),
+                                   num_host_slots=getattr(runner, "num_host_cache_slots", 0))
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
@@ -131,6 +132,18 @@ class LLMEngine:
         """Decode role: allocate the prompt's blocks after this worker's prefix-cache match; the
         request waits for its KV (raises ValueError / KVCacheFullError, nothing changed)."""
         plan = self.scheduler.add_imported_request(request)
+        # Blocks evicted for this request are saved to the host tier before the transfer writes
+        # into them, and its host-tier hits are copied back now.
+        offloads, reloads = self.scheduler.take_host_copies()
+        if offloads or reloads:
+            try:
+                self.runner.offload(offloads)
+                self.runner.reload(reloads)
+            except Exception as exc:
+                logger.exception("KV host cache copy failed")
+                self.scheduler.finish_with_error(request.request_id, f"KV host cache copy failed: {exc}")
+                self._host_tier_failed()
+                raise RuntimeError(f"KV host cache copy failed: {exc}") from exc
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.all_token_ids, request.sampling_params)
@@ -166,21 +179,33 @@ class LLMEngine:
         if batch.is_empty:
             return []
         # An internal failure ends the requests it touched, never the engine.
-        if batch.swap_out or batch.swap_in:
-            try:
-                self.runner.swap(batch.swap_out, batch.swap_in)
+        if batch.kv_offload or batch.kv_reload or batch.swap_out or batch.swap_in:
+            try:  # reads of blocks first (offloads, swap-outs), then writes (swap-ins, reloads)
+                if batch.kv_offload:
+                    self.runner.offload(batch.kv_offload)
+                if batch.swap_out or batch.swap_in:
+                    self.runner.swap(batch.swap_out, batch.swap_in)
+                if batch.kv_reload:
+                    self.runner.reload(batch.kv_reload)
             except Exception as exc:
-                logger.exception("KV swap failed")
+                logger.exception("KV swap or host cache copy failed")
                 # Victims whose KV was being saved, and this step's requests (some were getting
-                # theirs back), have no trustworthy KV any more.
+                # theirs back), have no trustworthy KV any more; nor has any cached block.
                 swapped = [r for r in batch.preempted_ids if getattr(self.scheduler.get_request(r), "swap_slots", None)]
-                return self._fail([seq.request.request_id for seq in batch.seqs] + swapped, f"KV swap failed: {exc}")
+                finals = self._fail([seq.request.request_id for seq in batch.seqs] + swapped, f"KV copy failed: {exc}")
+                if batch.kv_offload or batch.kv_reload:
+                    self._host_tier_failed()
+                return finals
         try:
             sampled = self.runner.execute(batch)
         except Exception as exc:
             logger.exception("model step failed")
             return self._fail([seq.request.request_id for seq in batch.seqs], f"internal error: {exc}")
         return [self._to_delta(out) for out in self.scheduler.update(batch, sampled)]
+
+    def _host_tier_failed(self) -> None:
+        """A host-tier copy failed: no cached block (device or host) can be trusted any more."""
+        self.scheduler.block_manager.reset_prefix_cache()
 
     def _fail(self, request_ids: list[str], message: str) -> list[StreamDelta]:
         finals = (self.scheduler.finish_with_error(request_id, message) for request_id in request_ids)

@@ -38,6 +38,7 @@ class ModelRunner:
                                                    self.dtype, self.device, shared=config.cache.shared_memory)
         self.kv_layers = self.kv_cache.layers
         self.swap_space = self._allocate_swap_space()
+        self.host_cache = self._allocate_host_cache()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py); the Triton backend is the
         # one whose plan can be shared by every batch of a bucket. A prefill worker never decodes.
@@ -83,6 +84,10 @@ class ModelRunner:
     def num_swap_slots(self) -> int:
         return 0 if self.swap_space is None else int(self.swap_space.shape[1])
 
+    @property
+    def num_host_cache_slots(self) -> int:
+        return 0 if self.host_cache is None else int(self.host_cache.shape[1])
+
     def _allocate_swap_space(self) -> torch.Tensor | None:
         """Host slots for swap preemption, each one KV block of every layer. Plain host memory
         (its pages are touched when first written); the copies gather/scatter through temporaries
@@ -96,6 +101,31 @@ class ModelRunner:
                              f"({block_bytes} bytes each)")
         shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
         return torch.empty(shape, dtype=self.dtype)
+
+    def _allocate_host_cache(self) -> torch.Tensor | None:
+        """The host tier of the prefix cache (engine/host_cache.py): one slot per KV block of
+        every layer, pinned on CUDA so the copies run at full PCIe speed."""
+        if self.config.cache.host_cache_gb <= 0 or not self.config.cache.enable_prefix_caching:
+            return None
+        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype)
+        slots = int(self.config.cache.host_cache_gb * 2**30) // block_bytes
+        if slots < 1:
+            raise ValueError(f"host_cache_gb={self.config.cache.host_cache_gb} holds no KV block "
+                             f"({block_bytes} bytes each)")
+        shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
+        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host-cache slots: (block id, slot), every layer."""
+        if pairs:
+            blocks, slots = (torch.tensor(column) for column in zip(*pairs))
+            self.host_cache[:, slots] = self.kv_cache.data[:, blocks.to(self.device)].to("cpu")
+
+    def reload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host-cache slots back into device blocks: (slot, block id), every layer, in order."""
+        if pairs:
+            slots, blocks = (torch.tensor(column) for column in zip(*pairs))
+            self.kv_cache.data[:, blocks.to(self.device)] = self.host_cache[:, slots].to(self.device)
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy blocks to host slots (block id, slot) and back (slot, block id), every layer.

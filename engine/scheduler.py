@@ -23,6 +23,11 @@ prefix cache and gets the rest copied back (`Batch.swap_in`). Without enough fre
 victim is recomputed instead. A step never has both swap-outs and swap-ins, so a slot freed by a
 swap-in is never refilled before it is read.
 
+With a host cache tier (`num_host_slots`, engine/host_cache.py), admission looks a fresh
+request's prefix up on the device, then in the host tier; host hits count as cached tokens and
+come back by copy (`Batch.kv_reload`), and cached blocks evicted on the way are saved
+(`Batch.kv_offload`). The runner does, before the forward: offloads, swap-outs, swap-ins, reloads.
+
 Conventions and choices beyond the shared contract:
 - priority: a LOWER value is MORE important; equal priorities are first-come-first-served.
 - a generation stops with "length" at `min(max_model_len, num_blocks * block_size)` tokens, so a
@@ -84,10 +89,13 @@ class Batch:
     # Swap preemption, for the runner to do before this step's forward:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (block id, swap slot): device -> host
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, block id): host -> device
+    # Host cache tier: evicted cached blocks saved (block id, host slot), host hits restored (slot, block id).
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)
+    kv_reload: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
+        return not (self.seqs or self.swap_out or self.swap_in or self.kv_offload or self.kv_reload)
 
 
 @dataclass
@@ -127,12 +135,17 @@ class SchedulerStats:
     swap_slots_free: int = 0
     swapped_out_blocks: int = 0  # cumulative
     swapped_in_blocks: int = 0  # cumulative
+    host_cache_slots: int = 0  # host tier of the prefix cache: blocks it can hold
+    host_cache_used: int = 0
+    host_cache_hits: int = 0  # prompt tokens restored from the host tier (cumulative; in prefix_cache_hits too)
+    offloaded_blocks: int = 0  # cached blocks saved to the host tier on eviction (cumulative)
+    reloaded_blocks: int = 0  # blocks copied back from the host tier (cumulative)
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, role: str = "both", kv_exporter: KVExporter | None = None,
-                 num_swap_slots: int = 0) -> None:
+                 num_swap_slots: int = 0, num_host_slots: int = 0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if scheduler_config.preemption_mode not in ("recompute", "swap"):
@@ -149,7 +162,8 @@ class Scheduler:
         self.role = role
         self.kv_exporter = kv_exporter
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                          num_host_slots=num_host_slots)
         self.max_sequence_tokens = min(max_model_len, num_blocks * cache_config.block_size)
 
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time, admission order)
@@ -173,6 +187,7 @@ class Scheduler:
         self._prompt_tokens_computed = 0
         self._decode_tokens = 0
         self._imported_tokens = 0
+        self._host_hit_tokens = 0
 
     # ---- queues ----------------------------------------------------------------------------
 
@@ -283,8 +298,14 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
 
         seqs = sorted(scheduled.values(), key=lambda s: not (s.sample and s.num_new_tokens == 1))
+        offloads, reloads = self.block_manager.take_host_copies()
         return Batch(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs), preempted_ids=preempted,
-                     swap_out=self._swap_out, swap_in=self._swap_in)
+                     swap_out=self._swap_out, swap_in=self._swap_in, kv_offload=offloads, kv_reload=reloads)
+
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Host-tier copies queued outside `schedule()` (a decode-role import's allocation): the
+        caller must do them (offloads, then reloads) before anything writes into those blocks."""
+        return self.block_manager.take_host_copies()
 
     def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -303,14 +324,19 @@ class Scheduler:
                 index += 1
                 continue
             prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request) if fresh else ([], 0)
-            computed = num_hit if fresh else request.num_computed_tokens
+            host_hits = 0
             if request.swap_slots:  # swapped out: its computed tokens come back, the cache first
                 prefix_blocks = prefix_blocks[:request.num_computed_tokens // self.block_manager.block_size]
-                num_hit, computed = 0, request.num_computed_tokens
+                num_hit = 0
+            elif fresh:
+                host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
+                num_hit += host_hits * self.block_manager.block_size
+            computed = num_hit if fresh and not request.swap_slots else request.num_computed_tokens
             remaining = request.num_tokens - computed
             num_new = min(remaining, budget)
             if ((num_new < remaining and not self.config.enable_chunked_prefill)
-                    or not self.block_manager.allocate_slots(request, computed + num_new, prefix_blocks)):
+                    or not self.block_manager.allocate_slots(request, computed + num_new, prefix_blocks,
+                                                             host_hits)):
                 blocked = True
                 index += 1
                 continue
@@ -321,6 +347,7 @@ class Scheduler:
                 request.num_computed_tokens = num_hit
                 self._prefix_queries += request.num_tokens
                 self._prefix_hits += num_hit
+                self._host_hit_tokens += host_hits * self.block_manager.block_size
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_hit
             self._enqueue_running(request)
@@ -485,12 +512,15 @@ class Scheduler:
             raise ValueError("a prefill-role scheduler does not import KV")
         self._validate(request)
         prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
+        host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
         # The imported KV covers every token so far: the prompt, and a resumed request's outputs.
-        if not self.block_manager.allocate_slots(request, request.num_tokens, prefix_blocks):
+        if not self.block_manager.allocate_slots(request, request.num_tokens, prefix_blocks, host_hits):
             needed = self.block_manager.blocks_needed(request.num_tokens) - len(prefix_blocks)
             raise KVCacheFullError(f"request {request.request_id} needs {needed} free KV blocks, "
                                    f"{self.block_manager.num_free_blocks} are free")
         self._register(request)
+        num_hit += host_hits * self.block_manager.block_size
+        self._host_hit_tokens += host_hits * self.block_manager.block_size
         request.num_computed_tokens = num_hit
         request.num_cached_tokens = num_hit
         self._prefix_queries += request.num_tokens
@@ -554,7 +584,11 @@ class Scheduler:
             decode_tokens=self._decode_tokens, waiting_for_kv=len(self._importing), exported=len(self._exported),
             imported_tokens=self._imported_tokens,
             swapped=sum(1 for r in self.waiting if r.swap_slots), swap_slots_free=len(self._free_swap_slots),
-            swapped_out_blocks=self._swapped_out_blocks, swapped_in_blocks=self._swapped_in_blocks)
+            swapped_out_blocks=self._swapped_out_blocks, swapped_in_blocks=self._swapped_in_blocks,
+            host_cache_slots=bm.host_cache.num_slots if bm.host_cache else 0,
+            host_cache_used=bm.host_cache.num_used if bm.host_cache else 0, host_cache_hits=self._host_hit_tokens,
+            offloaded_blocks=bm.host_cache.offloaded_blocks if bm.host_cache else 0,
+            reloaded_blocks=bm.host_cache.reloaded_blocks if bm.host_cache else 0)
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status

@@ -6,7 +6,8 @@ table, as attention would. A wrong block table, a prefix-cache hit on wrong cont
 reused while still needed is an AssertionError naming the request. The next token is a
 deterministic function of the context read from the cache, so `reference_generate` gives what an
 unconstrained run must produce. Swap preemption's copies move slot contents to and from host
-swap slots before the step runs, as the real runner does.
+swap slots before the step runs, as the real runner does, and so do the host cache tier's
+offloads (first) and reloads (last).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class FakeModelRunner:
         self.vocab_size = vocab_size
         self.slots: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.swap_slots: dict[int, list[tuple[int, int] | None]] = {}
+        self.host_slots: dict[int, list[tuple[int, int] | None]] = {}
         self.batches: list[Batch] = []
 
     def _slot(self, block_table: list[int], position: int) -> tuple[int, int]:
@@ -60,6 +62,14 @@ class FakeModelRunner:
             context.append(entry[0])
         return context
 
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        for block, slot in pairs:
+            self.host_slots[slot] = list(self.slots[block])
+
+    def reload(self, pairs: list[tuple[int, int]]) -> None:
+        for slot, block in pairs:
+            self.slots[block] = list(self.host_slots[slot])
+
     def import_kv(self, request: Request, blocks_to_fill: list[tuple[int, int]]) -> None:
         """What a successful KV transfer does: write the prompt's tokens into the given blocks."""
         for index, block_id in blocks_to_fill:
@@ -71,10 +81,12 @@ class FakeModelRunner:
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
         self.batches.append(batch)
         assert not (batch.swap_out and batch.swap_in), "swap-outs and swap-ins in one step"
+        self.offload(batch.kv_offload)
         for block, slot in batch.swap_out:
             self.swap_slots[slot] = list(self.slots[block])  # the block keeps its content until reused
         for slot, block in batch.swap_in:
             self.slots[block] = self.swap_slots.pop(slot)
+        self.reload(batch.kv_reload)
         ids = [seq.request.request_id for seq in batch.seqs]
         assert len(ids) == len(set(ids)), f"a request is scheduled twice: {ids}"
         assert batch.num_tokens == sum(seq.num_new_tokens for seq in batch.seqs)

@@ -122,6 +122,37 @@ def test_agent_conversation_prefills_only_new_tokens(llm):
     _assert_clean(engine)
 
 
+def test_idle_agent_session_comes_back_from_the_host_cache_tier(llm, prompts):
+    """A device pool that holds one conversation at a time and a host tier: between turns other
+    traffic evicts the session's blocks, which are saved to host memory and copied back on the
+    next turn, so turns 2.. compute only their new tokens, with the big pool's exact outputs."""
+    tok = llm.tokenizer
+    tiered = LLM("default", num_blocks=24, host_cache_gb=0.1)
+    engine = tiered.engine
+    messages = [{"role": "system", "content": "You are a tool-using agent. Tools: search(q), calc(expr). " * 3}]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Tool result {turn}: value={turn * 17}. Next step?"})
+        prompt = tok.apply_chat_template(messages)
+        before = engine.scheduler.stats()
+        out = tiered.generate([prompt], params, use_tqdm=False)[0]
+        after = engine.scheduler.stats()
+        assert out.token_ids == llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(prompt) - out.num_cached_tokens
+        if turn > 0:
+            assert after.host_cache_hits > before.host_cache_hits  # it came back from host memory
+            assert out.num_cached_tokens >= (previous_len // 16) * 16 - 16
+        previous_len = len(prompt) + len(out.token_ids)
+        messages.append({"role": "assistant", "content": out.text})
+        # other traffic fills the device pool (no prefix in common with the session)
+        filler = tok.encode(f"Report {turn}. " + "The river rose and the fields flooded again. " * 40)[:360]
+        tiered.generate([filler], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    stats = engine.scheduler.stats()
+    assert stats.offloaded_blocks > 0 and stats.reloaded_blocks > 0
+    assert stats.host_cache_slots == engine.runner.num_host_cache_slots > 0
+    _assert_clean(engine)
+
+
 def test_seeded_sampling_is_reproducible_across_batches(llm, prompts):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
     alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].token_ids

@@ -17,17 +17,18 @@ BS = 4
 @pytest.fixture
 def make():
     """Builds (scheduler, runner) pairs (`swap_slots` > 0: swap preemption with that many host
-    slots); after the test, checks integrity, aborts what is left and checks that every block and
-    swap slot is free again."""
+    slots; `host_slots` > 0: a host cache tier that size); after the test, checks integrity,
+    aborts what is left and checks that every block and swap slot is free again."""
     created = []
 
     def factory(num_blocks=64, budget=64, max_seqs=8, max_model_len=256, role="both", exporter=None,
-                prefix_caching=True, chunked=True, swap_slots=0):
+                prefix_caching=True, chunked=True, swap_slots=0, host_slots=0):
         scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                               enable_chunked_prefill=chunked,
                                               preemption_mode="swap" if swap_slots else "recompute"),
                               CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
-                              num_blocks, max_model_len, role=role, kv_exporter=exporter, num_swap_slots=swap_slots)
+                              num_blocks, max_model_len, role=role, kv_exporter=exporter, num_swap_slots=swap_slots,
+                              num_host_slots=host_slots)
         created.append(scheduler)
         return scheduler, FakeModelRunner(num_blocks, BS)
 
@@ -714,3 +715,133 @@ def test_swap_needs_swap_space():
         Scheduler(SchedulerConfig(preemption_mode="swap"), CacheConfig(block_size=BS), 16, 256, num_swap_slots=0)
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="spill")
+
+
+# ---- host cache tier (KV offload) ------------------------------------------------------------
+
+def _session_turns(scheduler, runner, turns=4, others_per_turn=3):
+    """An agent session: each turn resends its history plus a short new tail; between turns,
+    other requests fill the small pool and evict the session's cached blocks. Returns the
+    session's per-turn (num_cached_tokens, prompt tokens computed)."""
+    history = prompt_of(200, 20)
+    seen = []
+    for turn in range(turns):
+        before = scheduler.stats().prompt_tokens_computed
+        request = req(f"s{turn}", history, max_tokens=4)
+        scheduler.add_request(request)
+        finals = run_until_done(scheduler, runner)
+        assert finals[f"s{turn}"].new_token_ids == reference_generate(history, 4)
+        seen.append((request.num_cached_tokens, scheduler.stats().prompt_tokens_computed - before))
+        for other in range(others_per_turn):
+            scheduler.add_request(req(f"o{turn}.{other}", prompt_of(300 + 10 * turn + other, 22), max_tokens=2))
+        run_until_done(scheduler, runner)
+        history = history + finals[f"s{turn}"].new_token_ids + prompt_of(400 + turn, 3)
+    return seen
+
+
+def test_host_cache_brings_an_evicted_session_back_without_recomputing(make):
+    """Without the host tier the session's blocks are gone after the other traffic and every
+    turn recomputes its whole history; with it, turns 2.. prefill only the uncached tail, and
+    the KV that came back is right (the fake runner checks every position it reads)."""
+    plain, plain_runner = make(num_blocks=12, budget=16, max_seqs=4)
+    without = _session_turns(plain, plain_runner)
+    assert [cached for cached, _ in without[1:]] == [0, 0, 0]
+    tiered, tiered_runner = make(num_blocks=12, budget=16, max_seqs=4, host_slots=64)
+    with_tier = _session_turns(tiered, tiered_runner)
+    for (cached, computed), (_, computed_without) in zip(with_tier[1:], without[1:]):
+        assert cached > 0 and computed == computed_without - cached  # only the tail is computed
+        assert computed <= 2 * BS
+    stats = tiered.stats()
+    assert stats.host_cache_hits == sum(cached for cached, _ in with_tier[1:]) > 0
+    assert stats.offloaded_blocks > 0 and stats.reloaded_blocks * BS == stats.host_cache_hits
+    assert stats.host_cache_slots == 64 and 0 < stats.host_cache_used <= 64
+    assert any(b.kv_offload for b in tiered_runner.batches) and any(b.kv_reload for b in tiered_runner.batches)
+
+
+def test_host_cache_evicts_least_recently_used_and_a_lost_first_block_is_a_miss(make):
+    """Three host slots: the oldest saved blocks make room for newer ones, and a prefix whose
+    first block left the tier is not found (lookups are prefix runs)."""
+    scheduler, runner = make(num_blocks=6, budget=32, max_seqs=2, host_slots=3)
+    first = prompt_of(210, 13)  # 3 full blocks + 1 token
+    scheduler.add_request(req("a", first, max_tokens=1))
+    run_until_done(scheduler, runner)
+    for index in range(3):  # each evicts older cached blocks into the 3 slots
+        scheduler.add_request(req(f"x{index}", prompt_of(220 + index, 21), max_tokens=1))
+        run_until_done(scheduler, runner)
+    assert scheduler.stats().offloaded_blocks > 3 and scheduler.stats().host_cache_used == 3
+    again = req("a2", first, max_tokens=1)
+    scheduler.add_request(again)
+    run_until_done(scheduler, runner)
+    assert again.num_cached_tokens == 0
+
+
+def test_host_cache_offloads_a_block_once_and_keeps_it_after_a_reload(make):
+    scheduler, runner = make(num_blocks=8, budget=32, max_seqs=2, host_slots=16)
+    prompt = prompt_of(230, 17)
+    for turn in range(3):
+        request = req(f"p{turn}", prompt, max_tokens=1)
+        scheduler.add_request(request)
+        run_until_done(scheduler, runner)
+        if turn:
+            assert request.num_cached_tokens == 16
+        scheduler.add_request(req(f"fill{turn}", prompt_of(240 + turn, 29), max_tokens=1))
+        run_until_done(scheduler, runner)
+    stats = scheduler.stats()
+    # The prompt's 4 full blocks went to the host once; evicting their reloaded copies again
+    # found them there (the tier is inclusive) and copied nothing.
+    prompt_blocks = 4
+    fill_blocks = 7 * 3
+    assert stats.offloaded_blocks <= prompt_blocks + fill_blocks
+    assert stats.reloaded_blocks == 2 * prompt_blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_host_cache_under_random_traffic_keeps_outputs_exact(make, seed, mode):
+    """Shared prefixes, a pool so small that requests are preempted, a host tier smaller than
+    the traffic, aborts: every output equals the reference (so every reloaded block held the
+    right KV) and nothing leaks."""
+    rng = random.Random(seed)
+    scheduler, runner = make(num_blocks=14, budget=rng.choice([8, 16, 32]), max_seqs=4,
+                             swap_slots=32 if mode == "swap" else 0, host_slots=rng.choice([4, 12, 40]))
+    stems = [prompt_of(500 + seed * 10 + i, 12) for i in range(3)]
+    requests = {}
+    for wave in range(4):
+        for index in range(4):
+            prompt = rng.choice(stems) + prompt_of(rng.randrange(10**6), rng.randrange(1, 9))
+            request_id = f"w{wave}.{index}"
+            requests[request_id] = req(request_id, prompt, max_tokens=rng.randrange(2, 8))
+            scheduler.add_request(requests[request_id])
+        if wave == 2:
+            step(scheduler, runner)
+            scheduler.abort(f"w{wave}.1")
+        run_until_done(scheduler, runner)
+    for request_id, request in requests.items():
+        if request.finish_reason == "abort":
+            continue
+        assert request.output_token_ids == reference_generate(request.prompt_token_ids,
+                                                              request.sampling_params.max_tokens)
+    assert scheduler.stats().offloaded_blocks > 0  # (hits: the deterministic tests above)
+
+
+def test_decode_role_import_takes_host_cache_hits_and_transfers_only_the_rest(make):
+    scheduler, runner = make(num_blocks=10, role="decode", host_slots=32)
+    shared = prompt_of(600, 16)
+    scheduler.add_request(req("local", shared + [7], max_tokens=1))
+    run_until_done(scheduler, runner)
+    scheduler.add_request(req("filler", prompt_of(601, 37), max_tokens=1))  # evicts the shared blocks
+    run_until_done(scheduler, runner)
+    assert scheduler.block_manager.find_cached_prefix(req("probe", shared + [1]))[1] == 0
+    prompt = shared + prompt_of(602, 6)
+    request = req("d", prompt, max_tokens=3)
+    plan = scheduler.add_imported_request(request)
+    assert plan.num_cached_tokens == 16 and [index for index, _ in plan.blocks_to_fill] == [4, 5]
+    offloads, reloads = scheduler.take_host_copies()  # what the engine does at once
+    assert len(reloads) == 4
+    runner.offload(offloads)
+    runner.reload(reloads)
+    runner.import_kv(request, plan.blocks_to_fill)
+    expected = reference_generate(prompt, 3)
+    scheduler.finish_import("d", SampledToken(expected[0]))
+    assert [expected[0]] + run_until_done(scheduler, runner)["d"].new_token_ids == expected
+    assert scheduler.stats().host_cache_hits == 16
