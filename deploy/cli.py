@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
                         help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
     engine.add_argument("--swap-space-gb", type=float, default=None, help="host memory per worker for swap preemption")
+    engine.add_argument("--host-cache-gb", type=float, default=None,
+                        help="host memory per worker for the prefix cache's second tier (KV offload of idle "
+                             "sessions); default 0, off")
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
     serve.add_argument("--max-migrations", type=int, default=2,
@@ -123,7 +126,8 @@ def serve_options(args: argparse.Namespace):
     from deploy.serve import ServeOptions
     engine_options = {name: getattr(args, name) for name in
                       ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "kv_cache_memory_gb",
-                       "max_model_len", "dtype", "preemption_mode", "swap_space_gb") if getattr(args, name) is not None}
+                       "max_model_len", "dtype", "preemption_mode", "swap_space_gb", "host_cache_gb")
+                      if getattr(args, name) is not None}
     if args.no_prefix_caching:
         engine_options["enable_prefix_caching"] = False
     if args.no_cuda_graphs:

@@ -37,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
                        help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
     group.add_argument("--swap-space-gb", type=float, default=None, help="host memory for swap preemption (default 4)")
+    group.add_argument("--host-cache-gb", type=float, default=None,
+                       help="host memory for the prefix cache's second tier: evicted KV blocks are kept there and "
+                            "copied back on a later hit (idle agent sessions); default 0, off")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +55,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
              "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
              "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len", "seed": "seed",
-             "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb"}
+             "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "host_cache_gb": "host_cache_gb"}
     options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False

@@ -56,4 +56,5 @@ def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, bloc
         prefix_cache_hits=stats.prefix_cache_hits, prefill_tokens_queued=prefill_tokens_queued,
         num_preemptions=stats.num_preemptions, kv_bytes_sent=kv_bytes_sent, kv_bytes_received=kv_bytes_received,
         prompt_tokens_computed=stats.prompt_tokens_computed, decode_tokens=stats.decode_tokens,
-        block_size=block_size)
+        block_size=block_size, host_cache_blocks_total=stats.host_cache_slots,
+        host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits)

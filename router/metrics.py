@@ -121,6 +121,10 @@ _WORKER_GAUGES = (
      lambda w: w.prefix_cache_hit_rate or 0.0),
     ("prefill_tokens_queued", "Prompt tokens the worker has not computed yet.",
      lambda w: w.stat("prefill_tokens_queued")),
+    ("host_cache_blocks_used", "KV blocks kept in the worker's host-memory prefix cache tier.",
+     lambda w: w.stat("host_cache_blocks_used")),
+    ("host_cache_hit_tokens", "Prompt tokens copied back from the host tier instead of recomputed (cumulative).",
+     lambda w: w.stat("host_cache_hits")),
     ("router_inflight_requests", "This router's requests on the worker.", lambda w: w.inflight_requests),
 )
 

@@ -30,10 +30,11 @@ def test_serve_defaults_are_the_embedded_default():
 def test_engine_flags_reach_every_worker():
     opts = options("--block-size", "32", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
                    "--kv-cache-blocks", "300", "--max-model-len", "1024", "--no-prefix-caching", "--no-cuda-graphs",
-                   "--preemption-mode", "swap", "--swap-space-gb", "2")
+                   "--preemption-mode", "swap", "--swap-space-gb", "2", "--host-cache-gb", "8")
     assert opts.engine_options == {"block_size": 32, "max_num_batched_tokens": 512, "max_num_seqs": 8,
                                    "num_blocks": 300, "max_model_len": 1024, "enable_prefix_caching": False,
-                                   "cuda_graphs": False, "preemption_mode": "swap", "swap_space_gb": 2.0}
+                                   "cuda_graphs": False, "preemption_mode": "swap", "swap_space_gb": 2.0,
+                                   "host_cache_gb": 8.0}
     spec = opts.worker_spec({"CPU": 2.0}, started_ray=True)
     assert spec.engine_options == opts.engine_options and spec.model == "default"
 

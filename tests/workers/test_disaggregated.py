@@ -1,6 +1,7 @@
 """Prefill + decode workers as separate processes: token-exact against the colocated worker and
 the offline engine over every kvtransfer transport, prefix-cache hits on the prefill worker,
-follow-up turns that move only the missing blocks, conditional disaggregation, bad requests."""
+follow-up turns that move only the missing blocks (also when the decode worker's copy of the
+history waited in its host cache tier), conditional disaggregation, bad requests."""
 import random
 
 import grpc
@@ -17,15 +18,19 @@ BLOCK = 16
 NEW = 12
 THRESHOLD = 8
 ENGINE = ["--num-blocks", "256"]
+TIERED_BLOCKS = 16
 
 
 @pytest.fixture(scope="module")
 def cluster():
     specs = [("prefill", ENGINE), ("decode", ENGINE + ["--role", "both"])]
     specs += [("decode", ENGINE + ["--transport", t, "--local-prefill-threshold", str(THRESHOLD)]) for t in TRANSPORTS]
+    # a decode worker whose pool holds one conversation, with a host cache tier behind it
+    specs.append(("decode", ["--num-blocks", str(TIERED_BLOCKS), "--host-cache-gb", "0.2", "--transport", "tcp",
+                             "--local-prefill-threshold", "0"]))
     workers = start_workers(specs)
-    prefill, colocated, *decodes = workers
-    yield {"prefill": prefill, "colocated": colocated, "decode": dict(zip(TRANSPORTS, decodes))}
+    prefill, colocated, *decodes, tiered = workers
+    yield {"prefill": prefill, "colocated": colocated, "decode": dict(zip(TRANSPORTS, decodes)), "tiered": tiered}
     stop_workers(workers)
 
 
@@ -43,7 +48,7 @@ def bytes_per_block(llm):
 @pytest.fixture(autouse=True)
 def no_blocks_held_after(cluster):
     yield
-    for worker in [cluster["prefill"], cluster["colocated"], *cluster["decode"].values()]:
+    for worker in [cluster["prefill"], cluster["colocated"], *cluster["decode"].values(), cluster["tiered"]]:
         wait_until(lambda: all_blocks_free(worker), what=f"{worker.grpc_address} to free every block")
 
 
@@ -171,6 +176,26 @@ def test_follow_up_turn_transfers_only_missing_blocks(cluster, llm, bytes_per_bl
     assert after.prompt_tokens_computed == before.prompt_tokens_computed
     assert after.decode_tokens - before.decode_tokens == NEW - 1
     assert expected < blocks(len(turn2)) * bytes_per_block
+    assert result.token_ids == offline(llm, turn2)
+
+
+def test_follow_up_turn_after_eviction_reloads_the_history_from_the_host_tier(cluster, llm, bytes_per_block):
+    """The decode worker's small pool is filled by other traffic between two turns; its host
+    tier kept the first turn's blocks, so turn 2 copies them back and receives only the rest."""
+    decode, prefill = cluster["tiered"], cluster["prefill"]
+    assert decode.stats().host_cache_blocks_total > 0
+    turn1 = random_prompt(71, 50)
+    answer = generate(decode, "tier-1", turn1, prefill)
+    for index in range(2):  # each fills the 16-block pool
+        generate(decode, f"tier-filler-{index}", random_prompt(72 + index, 14 * BLOCK), prefill, params=sampling(2))
+    turn2 = turn1 + answer.token_ids + random_prompt(74, 30)
+    before = decode.stats()
+    result = generate(decode, "tier-2", turn2, prefill)
+    after = decode.stats()
+    restored = (len(turn1) + len(answer.token_ids) - 1) // BLOCK * BLOCK
+    assert after.host_cache_hits - before.host_cache_hits == restored
+    assert result.first.num_cached_tokens == restored
+    assert result.first.kv_bytes_received == (blocks(len(turn2)) - restored // BLOCK) * bytes_per_block
     assert result.token_ids == offline(llm, turn2)
 
 
