@@ -134,10 +134,11 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext):
         worker = self.worker
         try:
-            engine_request = worker.engine.engine.make_request(
-                list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling),
-                request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority,
-                cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens)
+            engine_request = await wire.off_loop_if_constrained(
+                request.sampling, lambda: worker.engine.engine.make_request(
+                    list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling),
+                    request.request_id or f"decode-{uuid.uuid4().hex}", priority=request.priority,
+                    cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = engine_request.request_id
@@ -155,6 +156,8 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
                 remote = await self._start(engine_request, request.prefill_address, live)
             except ValueError as exc:  # refused on the engine thread (e.g. larger than the cache)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RuntimeError as exc:  # a host-cache copy failed; the engine already ended the request
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             live.phase = "RUNNING"
             if live.abort_requested:  # arrived while the request was being added
                 worker.engine.abort(request_id)

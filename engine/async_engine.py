@@ -49,7 +49,11 @@ class AsyncEngine:
                        priority: int = 0, cache_salt: str | None = None, detokenize: bool = True
                        ) -> AsyncIterator[StreamDelta]:
         """Yields deltas until one has `finished`. Raises ValueError for an invalid request."""
-        request = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
+        if params is not None and params.structured_output is not None:  # compiles a grammar: off the loop
+            request = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id, priority,
+                                              cache_salt)
+        else:
+            request = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
         async for delta in self.submit(request, detokenize):
             yield delta
 

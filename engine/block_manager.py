@@ -143,14 +143,17 @@ class BlockManager:
             return
         self._ensure_hashes(request, num_full)
         for index in range(start, num_full):
-            block_id = request.block_ids[index]
-            block_hash = request.block_hashes[index]
-            if self._block_hash[block_id] is None and block_hash not in self._cached:
-                self._cached[block_hash] = block_id
-                self._block_hash[block_id] = block_hash
-                self._block_content[block_id] = self._content(request, index)
-            # else: the same content is already cached in another block; this one stays private.
+            self._register(request, index)
         self._num_registered[request.request_id] = num_full
+
+    def _register(self, request: Request, index: int) -> None:
+        """Put the request's block `index` (whose KV is, or is about to be, computed) in the cache,
+        unless the same content is already cached in another block (this one then stays private)."""
+        block_id, block_hash = request.block_ids[index], request.block_hashes[index]
+        if self._block_hash[block_id] is None and block_hash not in self._cached:
+            self._cached[block_hash] = block_id
+            self._block_hash[block_id] = block_hash
+            self._block_content[block_id] = self._content(request, index)
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -202,12 +205,8 @@ class BlockManager:
         """Blocks `first ..` of the request come back from these host slots: queue the copies and
         register the blocks in the device cache (their KV is there before any forward)."""
         for index, slot in enumerate(slots, start=first):
-            block_id, block_hash = request.block_ids[index], request.block_hashes[index]
-            self.host_cache.reload(slot, block_id)
-            if block_hash not in self._cached:
-                self._cached[block_hash] = block_id
-                self._block_hash[block_id] = block_hash
-                self._block_content[block_id] = self._content(request, index)
+            self.host_cache.reload(slot, request.block_ids[index])
+            self._register(request, index)
         self._num_registered[request.request_id] = first + len(slots)
 
     def _evict(self, block_id: int, keep_on_host: bool = True) -> None:

@@ -130,20 +130,18 @@ class LLMEngine:
 
     def add_imported(self, request: Request, detokenize: bool = False) -> ImportPlan:
         """Decode role: allocate the prompt's blocks after this worker's prefix-cache match; the
-        request waits for its KV (raises ValueError / KVCacheFullError, nothing changed)."""
+        request waits for its KV (raises ValueError / KVCacheFullError, nothing changed). If its
+        host-cache copies fail, the request ends with an error and RuntimeError is raised."""
         plan = self.scheduler.add_imported_request(request)
         # Blocks evicted for this request are saved to the host tier before the transfer writes
         # into them, and its host-tier hits are copied back now.
         offloads, reloads = self.scheduler.take_host_copies()
-        if offloads or reloads:
-            try:
-                self.runner.offload(offloads)
-                self.runner.reload(reloads)
-            except Exception as exc:
-                logger.exception("KV host cache copy failed")
-                self.scheduler.finish_with_error(request.request_id, f"KV host cache copy failed: {exc}")
-                self._host_tier_failed()
-                raise RuntimeError(f"KV host cache copy failed: {exc}") from exc
+        try:
+            self._copy_kv(offloads=offloads, reloads=reloads)
+        except Exception as exc:
+            self.scheduler.finish_with_error(request.request_id, f"KV host cache copy failed: {exc}")
+            self._host_tier_failed()
+            raise RuntimeError(f"KV host cache copy failed: {exc}") from exc
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.all_token_ids, request.sampling_params)
@@ -179,23 +177,16 @@ class LLMEngine:
         if batch.is_empty:
             return []
         # An internal failure ends the requests it touched, never the engine.
-        if batch.kv_offload or batch.kv_reload or batch.swap_out or batch.swap_in:
-            try:  # reads of blocks first (offloads, swap-outs), then writes (swap-ins, reloads)
-                if batch.kv_offload:
-                    self.runner.offload(batch.kv_offload)
-                if batch.swap_out or batch.swap_in:
-                    self.runner.swap(batch.swap_out, batch.swap_in)
-                if batch.kv_reload:
-                    self.runner.reload(batch.kv_reload)
-            except Exception as exc:
-                logger.exception("KV swap or host cache copy failed")
-                # Victims whose KV was being saved, and this step's requests (some were getting
-                # theirs back), have no trustworthy KV any more; nor has any cached block.
-                swapped = [r for r in batch.preempted_ids if getattr(self.scheduler.get_request(r), "swap_slots", None)]
-                finals = self._fail([seq.request.request_id for seq in batch.seqs] + swapped, f"KV copy failed: {exc}")
-                if batch.kv_offload or batch.kv_reload:
-                    self._host_tier_failed()
-                return finals
+        try:
+            self._copy_kv(batch.kv_offload, batch.swap_out, batch.swap_in, batch.kv_reload)
+        except Exception as exc:
+            # Victims whose KV was being saved, and this step's requests (some were getting
+            # theirs back), have no trustworthy KV any more; nor has any cached block.
+            swapped = [r for r in batch.preempted_ids if getattr(self.scheduler.get_request(r), "swap_slots", None)]
+            finals = self._fail([seq.request.request_id for seq in batch.seqs] + swapped, f"KV copy failed: {exc}")
+            if batch.kv_offload or batch.kv_reload:
+                self._host_tier_failed()
+            return finals
         try:
             sampled = self.runner.execute(batch)
         except Exception as exc:
@@ -203,8 +194,24 @@ class LLMEngine:
             return self._fail([seq.request.request_id for seq in batch.seqs], f"internal error: {exc}")
         return [self._to_delta(out) for out in self.scheduler.update(batch, sampled)]
 
+    def _copy_kv(self, offloads=(), swap_out=(), swap_in=(), reloads=()) -> None:
+        """The KV copies a scheduling decision queued, before anything else touches the cache:
+        reads of blocks first (host-tier offloads, swap-outs), then writes (swap-ins, reloads)."""
+        try:
+            if offloads:
+                self.runner.offload(offloads)
+            if swap_out or swap_in:
+                self.runner.swap(swap_out, swap_in)
+            if reloads:
+                self.runner.reload(reloads)
+        except Exception:
+            logger.exception("KV swap or host cache copy failed")
+            raise
+
     def _host_tier_failed(self) -> None:
-        """A host-tier copy failed: no cached block (device or host) can be trusted any more."""
+        """A host-tier copy failed (its requests already ended): drop the whole host tier and every
+        device block in the prefix cache that no request holds, since a failed reload may have
+        left one of them with wrong KV."""
         self.scheduler.block_manager.reset_prefix_cache()
 
     def _fail(self, request_ids: list[str], message: str) -> list[StreamDelta]:

@@ -16,8 +16,11 @@ engine right after a decode-role import allocates blocks):
   writes into those blocks (swap-ins, reloads, the forward, a KV import);
 - `reloads` (slot -> device block) run after the offloads of the same batch (a reload target may
   be a block evicted, and offloaded, in the same pass);
-- a slot named by a pending reload is pinned until the copies are taken, so no offload reuses it
-  before it was read.
+- a slot named by a queued copy (a reload reading it, or an offload writing it) is pinned until
+  the copies are taken, so no offload reuses it first and no slot is written twice in one batch.
+  Whoever takes the copies does them at once, on the same thread, before anything else touches
+  the cache (the scheduler's caller, in `LLMEngine.step` and `LLMEngine.add_imported`); when
+  every slot is pinned, an evicted block is simply not saved.
 The tier is inclusive: a reloaded block keeps its host copy, so evicting it again costs no copy.
 """
 from __future__ import annotations
@@ -60,6 +63,7 @@ class HostCache:
             return
         self._lru[block_hash] = slot
         self._content[slot] = content
+        self._pinned.add(slot)
         self._offloads.append((block_id, slot))
         self.offloaded_blocks += 1
 

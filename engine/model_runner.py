@@ -19,6 +19,8 @@ from engine.model.rope import RotaryEmbedding
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import Batch, SampledToken
 
+_COPY_CHUNK_BLOCKS = 256  # blocks per copy between the device cache and host slots
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
@@ -89,54 +91,50 @@ class ModelRunner:
         return 0 if self.host_cache is None else int(self.host_cache.shape[1])
 
     def _allocate_swap_space(self) -> torch.Tensor | None:
-        """Host slots for swap preemption, each one KV block of every layer. Plain host memory
-        (its pages are touched when first written); the copies gather/scatter through temporaries
-        and synchronize, which is fine for the rare preemption."""
+        """Host slots for swap preemption (see `_host_slots`)."""
         if self.config.scheduler.preemption_mode != "swap":
             return None
+        return self._host_slots(self.config.cache.swap_space_gb, "swap_space_gb")
+
+    def _allocate_host_cache(self) -> torch.Tensor | None:
+        """Host slots for the prefix cache's host tier (engine/host_cache.py)."""
+        if self.config.cache.host_cache_gb <= 0 or not self.config.cache.enable_prefix_caching:
+            return None
+        return self._host_slots(self.config.cache.host_cache_gb, "host_cache_gb")
+
+    def _host_slots(self, gib: float, option: str) -> torch.Tensor:
+        """`[layers, slots, ...]`: each slot one KV block of every layer. Plain host memory, whose
+        pages are touched only when first written (torch's pinned allocator would round the size
+        up to a power of two); the copies go through bounded temporaries (`_copy_blocks`)."""
         block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype)
-        slots = int(self.config.cache.swap_space_gb * 2**30) // block_bytes
+        slots = int(gib * 2**30) // block_bytes
         if slots < 1:
-            raise ValueError(f"swap_space_gb={self.config.cache.swap_space_gb} holds no KV block "
-                             f"({block_bytes} bytes each)")
+            raise ValueError(f"{option}={gib} holds no KV block ({block_bytes} bytes each)")
         shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
         return torch.empty(shape, dtype=self.dtype)
 
-    def _allocate_host_cache(self) -> torch.Tensor | None:
-        """The host tier of the prefix cache (engine/host_cache.py): one slot per KV block of
-        every layer, pinned on CUDA so the copies run at full PCIe speed."""
-        if self.config.cache.host_cache_gb <= 0 or not self.config.cache.enable_prefix_caching:
-            return None
-        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype)
-        slots = int(self.config.cache.host_cache_gb * 2**30) // block_bytes
-        if slots < 1:
-            raise ValueError(f"host_cache_gb={self.config.cache.host_cache_gb} holds no KV block "
-                             f"({block_bytes} bytes each)")
-        shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
-        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-
-    def offload(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host-cache slots: (block id, slot), every layer."""
-        if pairs:
-            blocks, slots = (torch.tensor(column) for column in zip(*pairs))
-            self.host_cache[:, slots] = self.kv_cache.data[:, blocks.to(self.device)].to("cpu")
-
-    def reload(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host-cache slots back into device blocks: (slot, block id), every layer, in order."""
-        if pairs:
-            slots, blocks = (torch.tensor(column) for column in zip(*pairs))
-            self.kv_cache.data[:, blocks.to(self.device)] = self.host_cache[:, slots].to(self.device)
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """dst[:, j] = src[:, i] for every (i, j), in order, every layer; between the device cache
+        and host slots either way. In chunks, so a copy of thousands of blocks never needs a
+        temporary of them all on the device."""
+        for start in range(0, len(pairs), _COPY_CHUNK_BLOCKS):
+            chunk = pairs[start:start + _COPY_CHUNK_BLOCKS]
+            source, target = (torch.tensor(column) for column in zip(*chunk))
+            dst[:, target.to(dst.device)] = src[:, source.to(src.device)].to(dst.device)
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy blocks to host slots (block id, slot) and back (slot, block id), every layer.
+        """Copy blocks to swap slots (block id, slot) and back (slot, block id), every layer.
         Done before a step's forward; the scheduler never puts both kinds in one step."""
-        cache = self.kv_cache.data
-        if swap_out:
-            blocks, slots = (torch.tensor(column) for column in zip(*swap_out))
-            self.swap_space[:, slots] = cache[:, blocks.to(self.device)].to("cpu")
-        if swap_in:
-            slots, blocks = (torch.tensor(column) for column in zip(*swap_in))
-            cache[:, blocks.to(self.device)] = self.swap_space[:, slots].to(self.device)
+        self._copy_blocks(self.kv_cache.data, self.swap_space, swap_out)
+        self._copy_blocks(self.swap_space, self.kv_cache.data, swap_in)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host-cache slots: (block id, slot)."""
+        self._copy_blocks(self.kv_cache.data, self.host_cache, pairs)
+
+    def reload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host-cache slots back into device blocks: (slot, block id)."""
+        self._copy_blocks(self.host_cache, self.kv_cache.data, pairs)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampledToken]:

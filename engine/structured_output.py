@@ -5,9 +5,11 @@ JSON Schema, a regular expression, one of a list of strings, or an EBNF grammar.
 engine is xgrammar (the one vLLM and SGLang use).
 
 Contract:
-- `StructuredOutput` is validated at construction (the grammar is parsed, no tokenizer needed),
-  so a bad schema, regex or grammar is a client's `ValueError` (HTTP 400 at the router) and never
-  reaches a worker's step loop.
+- `StructuredOutput` is validated at construction (the grammar is parsed once, no tokenizer
+  needed; at most `MAX_SPEC_CHARS` characters and, for a schema, `MAX_JSON_DEPTH` levels of
+  nesting), so a bad schema, regex or grammar is a client's `ValueError` (HTTP 400 at the
+  router) and never reaches a worker's step loop. Parsing and compiling take milliseconds, but
+  servers run them off their event loops (the router and workers use a thread).
 - `GrammarCompiler` (one per engine, built on first use from the engine's tokenizer) compiles a
   constraint against the vocabulary, with a cache, and hands each request its own `GrammarState`.
 - A `GrammarState` follows the request's output tokens: every token appended to the request is
@@ -28,6 +30,10 @@ from typing import Any, Sequence
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 _MAX_CHOICES = 1024
+# Parsing cost grows steeply with nesting (xgrammar: a schema 100 objects deep takes ~0.1 s, 600
+# deep several seconds), so a client cannot stall a worker with one request.
+MAX_SPEC_CHARS = 64 << 10
+MAX_JSON_DEPTH = 64
 # xgrammar prefixes its errors with a timestamp and a C++ source location.
 _NATIVE_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 
@@ -65,14 +71,21 @@ class StructuredOutput:
             raise ValueError(f"choices are only for the 'choice' kind, not {self.kind!r}")
         if self.kind in ("json_schema", "regex", "grammar") and not (isinstance(self.spec, str) and self.spec.strip()):
             raise ValueError(f"a {self.kind} constraint needs a non-empty {self._spec_name}")
+        size = len(self.spec) + sum(len(c) for c in self.choices)
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"the {self.kind} constraint has {size} characters, more than the "
+                             f"{MAX_SPEC_CHARS} this server accepts")
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object (or true/false), got {type(schema).__name__}")
-        self.grammar_object()  # parse it now: a bad constraint is the client's error, reported here
+            if _depth(schema) > MAX_JSON_DEPTH:
+                raise ValueError(f"the JSON schema nests deeper than {MAX_JSON_DEPTH} levels")
+        # Parse it now (a bad constraint is the client's error, reported here) and keep the result.
+        object.__setattr__(self, "_grammar", self._parse())
 
     @property
     def _spec_name(self) -> str:
@@ -112,6 +125,9 @@ class StructuredOutput:
 
     def grammar_object(self) -> Any:
         """The parsed xgrammar `Grammar` (vocabulary-independent)."""
+        return self._grammar
+
+    def _parse(self) -> Any:
         xgr = _xgrammar()
         try:
             if self.kind == "json_object":
@@ -127,6 +143,18 @@ class StructuredOutput:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices)}
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 class GrammarState:
@@ -202,14 +230,7 @@ class GrammarCompiler:
         xgr = _xgrammar()
         with self._lock:
             try:
-                if constraint.kind == "json_object":
-                    compiled = self._compiler.compile_builtin_json_grammar()
-                elif constraint.kind == "json_schema":
-                    compiled = self._compiler.compile_json_schema(constraint.spec, any_whitespace=False)
-                elif constraint.kind == "regex":
-                    compiled = self._compiler.compile_regex(constraint.spec)
-                else:
-                    compiled = self._compiler.compile_grammar(constraint.ebnf())
+                compiled = self._compiler.compile_grammar(constraint.grammar_object())
             except RuntimeError as exc:
                 raise ValueError(f"cannot compile the {constraint.kind} constraint: {_native_message(exc)}") from None
         return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)

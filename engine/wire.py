@@ -6,9 +6,10 @@ this module, so they always agree with the schema file.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
@@ -56,6 +57,18 @@ def sampling_to_wire(params: SamplingParams) -> Any:
         message.structured_output.CopyFrom(pb.StructuredOutput(kind=constraint.kind, spec=constraint.spec,
                                                                choices=list(constraint.choices)))
     return message
+
+
+T = TypeVar("T")
+
+
+async def off_loop_if_constrained(sampling: Any, build: Callable[[], T]) -> T:
+    """Run `build` (which parses the wire's SamplingParams and makes the engine request) in a
+    thread when the request carries a structured-output constraint, whose parsing and compiling
+    must not stall the server's event loop; inline otherwise (the common, cheap case)."""
+    if sampling.HasField("structured_output"):
+        return await asyncio.to_thread(build)
+    return build()
 
 
 def sampling_from_wire(message: Any) -> SamplingParams:

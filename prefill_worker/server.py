@@ -133,9 +133,11 @@ class _PrefillServicer(_servicer_base()):
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         worker = self.worker
         try:
-            engine_request = worker.engine.engine.make_request(
-                list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling), request.request_id or None,
-                cache_salt=request.cache_salt or None, num_resumed_tokens=request.num_resumed_tokens)
+            engine_request = await wire.off_loop_if_constrained(
+                request.sampling, lambda: worker.engine.engine.make_request(
+                    list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling),
+                    request.request_id or None, cache_salt=request.cache_salt or None,
+                    num_resumed_tokens=request.num_resumed_tokens))
             self._check_destination(request.destination, engine_request.num_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -128,7 +128,11 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     if request.model != state.config.served_model_name:
         raise model_not_found(request.model, state.config.served_model_name)
     prompt_token_ids = await _prompt_token_ids(state, request)
-    params = request.sampling_params(_max_tokens(state, request, len(prompt_token_ids)), _logprobs(request))
+    max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
+    if request.response_format or request.structured_outputs:  # parses a grammar: off the event loop
+        params = await asyncio.to_thread(request.sampling_params, max_tokens, logprobs)
+    else:
+        params = request.sampling_params(max_tokens, logprobs)
 
     request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
     generation = state.dispatcher.generation(request_id, prompt_token_ids, params, timer,

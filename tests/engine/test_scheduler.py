@@ -495,11 +495,16 @@ def test_decode_role_import_uses_own_prefix_cache(make):
     plan = scheduler.add_imported_request(request)
     assert plan.num_cached_tokens == 12 == request.num_cached_tokens
     assert [index for index, _ in plan.blocks_to_fill] == [3, 4]
-    runner.import_kv(request, plan.blocks_to_fill)
-    expected = reference_generate(prompt, 3)
-    scheduler.finish_import("d", SampledToken(expected[0]))
-    assert [expected[0]] + run_until_done(scheduler, runner)["d"].new_token_ids == expected
+    _import_and_decode(scheduler, runner, request, plan)
     assert scheduler.stats().imported_tokens == 6
+
+
+def _import_and_decode(scheduler, runner, request, plan):
+    """What a successful transfer and the rest of the generation do; the output must be exact."""
+    runner.import_kv(request, plan.blocks_to_fill)
+    expected = reference_generate(request.prompt_token_ids, request.sampling_params.max_tokens)
+    scheduler.finish_import(request.request_id, SampledToken(expected[0]))
+    assert [expected[0]] + run_until_done(scheduler, runner)[request.request_id].new_token_ids == expected
 
 
 def test_decode_role_import_failure_with_fallback_prefills_locally(make):
@@ -840,8 +845,22 @@ def test_decode_role_import_takes_host_cache_hits_and_transfers_only_the_rest(ma
     assert len(reloads) == 4
     runner.offload(offloads)
     runner.reload(reloads)
-    runner.import_kv(request, plan.blocks_to_fill)
-    expected = reference_generate(prompt, 3)
-    scheduler.finish_import("d", SampledToken(expected[0]))
-    assert [expected[0]] + run_until_done(scheduler, runner)["d"].new_token_ids == expected
+    _import_and_decode(scheduler, runner, request, plan)
     assert scheduler.stats().host_cache_hits == 16
+
+
+def test_one_batch_never_writes_a_host_slot_twice(make):
+    """An eviction burst larger than the tier: slots saved in this pass are not recycled for later
+    blocks of the same pass (that would copy twice into one slot); the surplus is not saved."""
+    scheduler, runner = make(num_blocks=12, budget=64, max_seqs=2, host_slots=3)
+    scheduler.add_request(req("a", prompt_of(700, 33), max_tokens=1))
+    run_until_done(scheduler, runner)
+    scheduler.add_request(req("b", prompt_of(701, 41), max_tokens=1))
+    batch, _ = step(scheduler, runner)
+    slots = [slot for _, slot in batch.kv_offload]
+    assert len(slots) == 3 and len(set(slots)) == 3
+    run_until_done(scheduler, runner)
+    again = req("a2", prompt_of(700, 33), max_tokens=1)
+    scheduler.add_request(again)
+    run_until_done(scheduler, runner)
+    assert again.output_token_ids == reference_generate(prompt_of(700, 33), 1)

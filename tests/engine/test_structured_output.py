@@ -17,6 +17,13 @@ PERSON = {"type": "object",
 ASK = [{"role": "user", "content": "Describe Ana, who is 31 and speaks Portuguese and English, as JSON."}]
 
 
+def _nested(levels):
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"inner": schema}}
+    return schema
+
+
 # ---- constraints, no model ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("make, message", [
@@ -31,10 +38,17 @@ ASK = [{"role": "user", "content": "Describe Ana, who is 31 and speaks Portugues
     (lambda: StructuredOutput.choice(["a", ""]), "non-empty strings"),
     (lambda: StructuredOutput.choice("yes"), "a list of strings"),
     (lambda: StructuredOutput("regex", "a+", ("a",)), "only for the 'choice' kind"),
+    (lambda: StructuredOutput.regex("a" * (64 << 10) + "b"), "more than the 65536 this server accepts"),
+    (lambda: StructuredOutput.choice(["x" * 1000] * 70), "more than the 65536"),
+    (lambda: StructuredOutput.json_schema(_nested(40)), "nests deeper than 64 levels"),
 ])
 def test_a_bad_constraint_is_a_value_error_naming_the_problem(make, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make()
+
+
+def test_a_schema_at_the_depth_limit_is_accepted():
+    assert StructuredOutput.json_schema(_nested(31)).kind == "json_schema"
 
 
 def test_sampling_params_take_only_a_structured_output():
