@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router import protocol
+from router import protocol, tools
 from router.config import RouterConfig
 from router.dispatch import ClientGone, Dispatcher
 from router.errors import (context_length_exceeded, install_error_handlers, invalid_request,
@@ -129,7 +129,8 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
         raise model_not_found(request.model, state.config.served_model_name)
     prompt_token_ids = await _prompt_token_ids(state, request)
     max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
-    if request.response_format or request.structured_outputs:  # parses a grammar: off the event loop
+    if request.response_format or request.structured_outputs or getattr(request, "tools", None):
+        # parses a grammar: off the event loop
         params = await asyncio.to_thread(request.sampling_params, max_tokens, logprobs)
     else:
         params = request.sampling_params(max_tokens, logprobs)
@@ -150,7 +151,8 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     assembler = OutputAssembler(state.tokenizer, prompt_token_ids, params)
     context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
                               want_logprobs=params.logprobs is not None,
-                              include_usage=request.include_usage_in_stream)
+                              include_usage=request.include_usage_in_stream,
+                              tool_plan=getattr(request, "tool_plan", None))
     if request.stream:
         async def body():
             try:
@@ -189,7 +191,8 @@ async def _prompt_token_ids(state: RouterState, request: Any) -> list[int]:
     if isinstance(request, protocol.ChatCompletionRequest):
         param = "messages"
         try:
-            token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, request.messages,
+            messages = tools.render_messages(request.messages, request.tool_plan)
+            token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
                                                 request.add_generation_prompt)
         except ValueError as exc:
             raise invalid_request(str(exc), param) from None

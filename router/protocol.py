@@ -5,7 +5,7 @@ Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, 
 `include_stop_str_in_output`, `cache_salt`, `priority`, and `structured_outputs` for regex,
 choice and grammar constraints next to OpenAI's `response_format`). Unknown fields are ignored,
 as OpenAI clients send ones that a server may not know. Values outside what this server supports
-(n > 1, echo, suffix, logit_bias, tools) are refused with a 400 that says so. Sampling ranges are
+(n > 1, echo, suffix, logit_bias) are refused with a 400 that says so. Tools: router/tools.py. Sampling ranges are
 the engine's (`engine.sampling_params.SamplingParams`), and so is the check of a constraint
 (`engine.structured_output.StructuredOutput`: a schema, regex or grammar that does not parse is a
 400 naming the problem).
@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
+from router import tools as tool_calling
 from router.errors import APIError, invalid_request
 
 Int = Annotated[int, Strict()]
@@ -198,14 +199,25 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Bool | None = None  # accepted; one call per turn is produced
     add_generation_prompt: Bool = True
+    _tool_plan: Any = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise invalid_request("tools (function calling) are not supported by this server", "tools")
+        self._tool_plan = tool_calling.plan(self.tools, self.tool_choice)
+        if self._tool_plan is not None and super().structured_output() is not None:
+            raise invalid_request("tools cannot be combined with response_format or structured_outputs", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def tool_plan(self) -> "tool_calling.ToolPlan | None":
+        """How this request uses its tools (set by `check_supported`); None without tools."""
+        return self._tool_plan
+
+    def structured_output(self) -> StructuredOutput | None:
+        return self.tool_plan.constraint if self.tool_plan is not None else super().structured_output()
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -260,21 +272,25 @@ Endpoint = Literal["completions", "chat"]
 
 
 def completion_body(endpoint: Endpoint, request_id: str, model: str, created: int, text: str,
-                    finish_reason: str | None, logprobs: Any, usage: dict[str, Any]) -> dict[str, Any]:
-    """The whole (non-streaming) response."""
+                    finish_reason: str | None, logprobs: Any, usage: dict[str, Any],
+                    tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole (non-streaming) response; a chat reply that calls a tool has no content."""
     if endpoint == "completions":
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": None if tool_call else text}
+        if tool_call:
+            message["tool_calls"] = [tool_call]
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
             "usage": usage}
 
 
 def stream_chunk(endpoint: Endpoint, request_id: str, model: str, created: int, text: str | None,
-                 finish_reason: str | None, logprobs: Any = None, first: bool = False) -> dict[str, Any]:
+                 finish_reason: str | None, logprobs: Any = None, first: bool = False,
+                 tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk with a choice (`text` None: the chunk only carries the finish reason)."""
     if endpoint == "completions":
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -283,6 +299,8 @@ def stream_chunk(endpoint: Endpoint, request_id: str, model: str, created: int, 
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        if tool_call is not None:
+            delta["tool_calls"] = [{"index": 0, **tool_call}]
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}

@@ -6,7 +6,10 @@ tokens. When a stop string matches, the request is over for the client even thou
 would go on: the caller aborts the worker (`Generation.abort`).
 
 `sse_events` and `collect` drive a started `Generation` to its end and render it as SSE lines
-or as one response body.
+or as one response body. With tools (router/tools.py), an output that is a tool call is never
+streamed as content: its text is held until it can be told apart from a plain answer, and a
+complete call is sent as `tool_calls` at the end (finish_reason "tool_calls", or "stop" when
+`tool_choice` named the function, as OpenAI does); a call cut by max_tokens is sent as text.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from router import protocol
 from router.dispatch import ClientGone, Generation
 from router.errors import APIError, upstream_failed
 from router.logprobs import TokenText, chat_logprobs, completion_logprobs
+from router.tools import ToolPlan
 
 FINISH_REASONS = ("stop", "length")
 
@@ -91,6 +95,17 @@ class ResponseContext:
     token_text: TokenText
     want_logprobs: bool = False
     include_usage: bool = False
+    tool_plan: ToolPlan | None = None
+
+    def tool_result(self, assembler: "OutputAssembler") -> tuple[dict[str, Any] | None, str | None]:
+        """(the tool call, the finish reason to report) for a finished output."""
+        plan = self.tool_plan
+        if plan is None or assembler.finish_reason == "length" or not plan.is_call(assembler.text):
+            return None, assembler.finish_reason
+        call = plan.parse(assembler.text)
+        if call is None:
+            return None, assembler.finish_reason
+        return call, "stop" if plan.mode == "named" else "tool_calls"
 
     def logprobs(self, entries: list[Any], text_offset: int) -> Any:
         if not self.want_logprobs:
@@ -130,12 +145,16 @@ async def sse_events(ctx: ResponseContext, generation: Generation, assembler: Ou
         if ctx.endpoint == "chat":
             yield sse(protocol.stream_chunk(*args, "", None, first=True))
         try:
-            async for event in drive(generation, assembler, first_chunk):
-                if event.text or event.logprob_entries or event.finish_reason:
-                    offset = len(assembler.text) - len(event.text)
-                    text = event.text if event.text or ctx.endpoint == "completions" else None
-                    yield sse(protocol.stream_chunk(*args, text, event.finish_reason,
-                                                    ctx.logprobs(event.logprob_entries, offset)))
+            if ctx.tool_plan is None:
+                async for event in drive(generation, assembler, first_chunk):
+                    if event.text or event.logprob_entries or event.finish_reason:
+                        offset = len(assembler.text) - len(event.text)
+                        text = event.text if event.text or ctx.endpoint == "completions" else None
+                        yield sse(protocol.stream_chunk(*args, text, event.finish_reason,
+                                                        ctx.logprobs(event.logprob_entries, offset)))
+            else:
+                async for piece in _tool_events(ctx, generation, assembler, first_chunk):
+                    yield piece
         except APIError as exc:
             finish_reason = "error"
             yield sse(exc.body())
@@ -149,6 +168,24 @@ async def sse_events(ctx: ResponseContext, generation: Generation, assembler: Ou
         return
     finally:
         generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
+
+
+async def _tool_events(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
+                       first_chunk: Any) -> AsyncIterator[str]:
+    """Chat SSE chunks when the request has tools: plain text streams as soon as it is known not
+    to be a tool call; a call is held and sent whole at the end."""
+    args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
+    sent, held = 0, []
+    async for event in drive(generation, assembler, first_chunk):
+        held.extend(event.logprob_entries)
+        if ctx.tool_plan.is_call(assembler.text) is False and (assembler.text[sent:] or held):
+            yield sse(protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, 0)))
+            sent, held = len(assembler.text), []
+        if event.finish_reason:
+            call, finish_reason = ctx.tool_result(assembler)
+            rest = None if call is not None or sent == len(assembler.text) else assembler.text[sent:]
+            logprobs = ctx.logprobs(held, 0) if held else None
+            yield sse(protocol.stream_chunk(*args, rest, finish_reason, logprobs, tool_call=call))
 
 
 async def collect(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
@@ -166,5 +203,6 @@ async def collect(ctx: ResponseContext, generation: Generation, assembler: Outpu
         finish_reason = assembler.finish_reason or "error"
     finally:
         generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
+    call, reported_finish = ctx.tool_result(assembler)
     return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, assembler.text,
-                                    assembler.finish_reason, ctx.logprobs(entries, 0), assembler.usage)
+                                    reported_finish, ctx.logprobs(entries, 0), assembler.usage, call)

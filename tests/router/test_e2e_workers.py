@@ -352,3 +352,77 @@ def test_an_invalid_schema_is_a_400_before_any_worker(client):
     with pytest.raises(openai.BadRequestError, match='Unsupported type'):
         client.chat.completions.create(model="default", messages=CHAT, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+
+
+# ---- tool calling (router/tools.py over structured output) --------------------------------------
+
+TOOLS = [{"type": "function", "function": {
+              "name": "get_weather", "description": "Current weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {
+              "name": "add", "description": "Add two integers",
+              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                             "required": ["a", "b"]}}}]
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call, names=("get_weather", "add")):
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    arguments = json.loads(call.function.arguments)
+    required = {"get_weather": {"city"}, "add": {"a", "b"}}[call.function.name]
+    assert set(arguments) == required
+    return arguments
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_returns_its_call(client, stream):
+    kwargs = dict(model="default", messages=WEATHER_ASK, max_tokens=48, temperature=0, tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert all(not d.content for d in deltas)  # a call is never streamed as text
+        calls = [call for d in deltas for call in (d.tool_calls or [])]
+        assert len(calls) == 1 and calls[0].index == 0
+        call, finish = calls[0], chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content is None and len(choice.message.tool_calls) == 1
+        call, finish = choice.message.tool_calls[0], choice.finish_reason
+    assert finish == "stop"  # OpenAI's finish reason when tool_choice names the function
+    assert isinstance(_check_call(call, ("get_weather",))["city"], str)
+
+
+def test_required_tool_choice_then_the_tool_result_turn(client):
+    first = client.chat.completions.create(model="default", messages=WEATHER_ASK, max_tokens=48, temperature=0,
+                                           tools=TOOLS, tool_choice="required").choices[0]
+    assert first.finish_reason == "tool_calls"
+    call = first.message.tool_calls[0]
+    _check_call(call)
+    follow_up = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]
+    second = client.chat.completions.create(model="default", messages=follow_up, max_tokens=24, temperature=0,
+                                            tools=TOOLS, tool_choice="none").choices[0]
+    assert second.message.tool_calls is None and second.message.content and second.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_gives_a_call_or_plain_text(client, stream):
+    """With `auto` the model decides; whichever it is, the reply is well formed and the same
+    streamed or not."""
+    kwargs = dict(model="default", messages=WEATHER_ASK, max_tokens=48, temperature=0, tools=TOOLS)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        text = "".join(d.content or "" for d in deltas)
+        calls = [call for d in deltas for call in (d.tool_calls or [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        text, calls, finish = choice.message.content or "", choice.message.tool_calls or [], choice.finish_reason
+    if calls:
+        assert finish == "tool_calls" and not text and len(calls) == 1
+        _check_call(calls[0])
+    else:
+        assert text and not text.lstrip().startswith("<") and finish in ("stop", "length")

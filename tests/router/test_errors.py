@@ -24,6 +24,10 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
 @pytest.mark.parametrize("path, body, param, fragment", [
     (COMPLETIONS, {"prompt": "x"}, "model", "missing required field 'model'"),
     (COMPLETIONS, {"model": "tiny"}, "prompt", "missing required field 'prompt'"),
@@ -65,7 +69,17 @@ def error_of(response: httpx.Response, status: int) -> dict:
     (COMPLETIONS, {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options", "only allowed when stream"),
     (CHAT, {"model": "tiny", "messages": USER, "top_logprobs": 2}, "top_logprobs", "requires logprobs"),
-    (CHAT, {"model": "tiny", "messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [{"type": "function"}]}, "tools", "invalid tools"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "unique"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [WEATHER_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not one of the tools"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice",
+     "must be 'none', 'auto', 'required'"),
+    (CHAT, {"model": "tiny", "messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}},
+     "tools", "cannot be combined"),
+    (CHAT, {"model": "tiny", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "bad", "parameters": {"type": "nonsense"}}}]}, "tools", "parameters schema is not usable"),
     (CHAT, {"model": "tiny", "messages": USER, "response_format": {"type": "xml"}}, "response_format",
      "must be 'text', 'json_object' or 'json_schema'"),
     (CHAT, {"model": "tiny", "messages": USER, "response_format": {"type": "json_schema"}}, "response_format",

@@ -1,0 +1,69 @@
+"""router/tools.py without a model: tool plans, their grammars, output parsing, message rendering."""
+import json
+
+import pytest
+import xgrammar
+
+from router import tools
+from router.errors import APIError
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def accepts(plan, text):
+    return xgrammar.testing._is_grammar_accept_string(plan.constraint.grammar_object(), text)
+
+
+def test_no_tools_or_none_means_no_plan():
+    assert tools.plan(None, None) is None and tools.plan([], "auto") is None
+    assert tools.plan([WEATHER], "none") is None
+    with pytest.raises(APIError, match="needs tools"):
+        tools.plan(None, "required")
+
+
+def test_auto_grammar_takes_a_tagged_call_or_text_that_does_not_start_with_a_bracket():
+    plan = tools.plan([WEATHER, ADD], None)
+    assert plan.mode == "auto"
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert accepts(plan, call) and accepts(plan, "It is sunny.")
+    assert not accepts(plan, '<tool_call>{"name": "add", "arguments": {"a": "x", "b": 2}}</tool_call>')
+    assert not accepts(plan, '<tool_call>{"name": "other", "arguments": {}}</tool_call>')
+    assert not accepts(plan, "<b>bold</b>")
+    assert plan.is_call("") is None and plan.is_call("  ") is None
+    assert plan.is_call("It") is False and plan.is_call("<tool") is True
+    parsed = plan.parse(call)
+    assert parsed["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'} and parsed["type"] == "function"
+    assert plan.parse("It is sunny.") is None and plan.parse('<tool_call>{"name": "add"') is None
+
+
+def test_required_and_named_plans():
+    required = tools.plan([WEATHER, ADD], "required")
+    assert accepts(required, '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert not accepts(required, "Oslo")
+    assert required.parse('{"name": "get_weather", "arguments": {"city": "Oslo"}}')["function"]["name"] == "get_weather"
+    named = tools.plan([WEATHER, ADD], {"type": "function", "function": {"name": "add"}})
+    assert accepts(named, '{"a": 3, "b": 4}') and not accepts(named, '{"city": "Oslo"}')
+    assert json.loads(named.parse('{"a": 3, "b": 4}')["function"]["arguments"]) == {"a": 3, "b": 4}
+    assert "Call the tool add now" in named.instructions()
+
+
+def test_earlier_calls_are_rendered_as_tagged_text_and_instructions_join_the_system_message():
+    plan = tools.plan([WEATHER], "auto")
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Rain"}]
+    rendered = tools.render_messages(messages, plan)
+    assert rendered[0]["role"] == "system" and rendered[0]["content"].startswith("Be brief.\n\n")
+    assert '"name": "get_weather"' in rendered[0]["content"]
+    assert rendered[2] == {"role": "assistant",
+                           "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'}
+    assert rendered[3]["role"] == "tool" and rendered[3]["content"] == "Rain"
+    assert tools.render_messages(messages[1:2], plan)[0]["role"] == "system"  # added when there is none
+    assert tools.render_messages(messages[1:2], None) == messages[1:2]
