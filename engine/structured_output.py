@@ -6,8 +6,8 @@ engine is xgrammar (the one vLLM and SGLang use).
 
 Contract:
 - `StructuredOutput` is validated at construction (the grammar is parsed once, no tokenizer
-  needed; at most `MAX_SPEC_CHARS` characters and, for a schema, `MAX_JSON_DEPTH` levels of
-  nesting), so a bad schema, regex or grammar is a client's `ValueError` (HTTP 400 at the
+  needed; at most `MAX_SPEC_CHARS` characters, `MAX_GRAMMAR_CHARS` for EBNF, and for a schema
+  `MAX_JSON_DEPTH` levels of nesting), so a bad schema, regex or grammar is a client's `ValueError` (HTTP 400 at the
   router) and never reaches a worker's step loop. Parsing and compiling take milliseconds, but
   servers run them off their event loops (the router and workers use a thread).
 - `GrammarCompiler` (one per engine, built on first use from the engine's tokenizer) compiles a
@@ -33,6 +33,7 @@ _MAX_CHOICES = 1024
 # Parsing cost grows steeply with nesting (xgrammar: a schema 100 objects deep takes ~0.1 s, 600
 # deep several seconds), so a client cannot stall a worker with one request.
 MAX_SPEC_CHARS = 64 << 10
+MAX_GRAMMAR_CHARS = 256 << 10  # EBNF is longer than the schema it may come from (the router's tool grammars)
 MAX_JSON_DEPTH = 64
 # xgrammar prefixes its errors with a timestamp and a C++ source location.
 _NATIVE_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -71,10 +72,12 @@ class StructuredOutput:
             raise ValueError(f"choices are only for the 'choice' kind, not {self.kind!r}")
         if self.kind in ("json_schema", "regex", "grammar") and not (isinstance(self.spec, str) and self.spec.strip()):
             raise ValueError(f"a {self.kind} constraint needs a non-empty {self._spec_name}")
-        size = len(self.spec) + sum(len(c) for c in self.choices)
-        if size > MAX_SPEC_CHARS:
+        size, limit = len(self.spec) + sum(len(c) for c in self.choices), MAX_SPEC_CHARS
+        if self.kind == "grammar":
+            limit = MAX_GRAMMAR_CHARS
+        if size > limit:
             raise ValueError(f"the {self.kind} constraint has {size} characters, more than the "
-                             f"{MAX_SPEC_CHARS} this server accepts")
+                             f"{limit} this server accepts")
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)

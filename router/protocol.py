@@ -83,7 +83,7 @@ class _GenerationRequest(BaseModel):
         values: dict[str, Any] = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "seed") if getattr(self, name) is not None}
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = self._stop_strings()
         constraint = self.structured_output()
         try:
             return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
@@ -99,6 +99,14 @@ class _GenerationRequest(BaseModel):
                 param = "stop"
             raise invalid_request(message, param) from exc
 
+
+    def _stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def _asks_for_structure(self) -> bool:
+        """Whether `response_format` or `structured_outputs` asks for a constraint (cheap: no parsing)."""
+        kind = self.response_format.get("type", "text") if isinstance(self.response_format, dict) else "text"
+        return kind != "text" or self.structured_outputs is not None
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint asked for by `response_format` (OpenAI) or `structured_outputs` (vLLM), or
@@ -206,7 +214,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         self._tool_plan = tool_calling.plan(self.tools, self.tool_choice)
-        if self._tool_plan is not None and super().structured_output() is not None:
+        if self._tool_plan is not None and self._asks_for_structure():
             raise invalid_request("tools cannot be combined with response_format or structured_outputs", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -217,7 +225,16 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._tool_plan
 
     def structured_output(self) -> StructuredOutput | None:
-        return self.tool_plan.constraint if self.tool_plan is not None else super().structured_output()
+        """With tools, their grammar (built here, which the app runs off the event loop)."""
+        if self.tool_plan is not None:
+            return tool_calling.constraint_of(self.tool_plan)
+        return super().structured_output()
+
+    def _stop_strings(self) -> list[str]:
+        # A forced call is all JSON: a stop string could only cut it, so it does not apply.
+        if self.tool_plan is not None and self.tool_plan.mode != "auto":
+            return []
+        return super()._stop_strings()
 
     @property
     def requested_max_tokens(self) -> int | None:

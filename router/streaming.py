@@ -98,14 +98,17 @@ class ResponseContext:
     tool_plan: ToolPlan | None = None
 
     def tool_result(self, assembler: "OutputAssembler") -> tuple[dict[str, Any] | None, str | None]:
-        """(the tool call, the finish reason to report) for a finished output."""
+        """(the tool call, the finish reason to report) for a finished output; no call when the
+        output is not a whole one (plain text, or cut short: then it is returned as text)."""
         plan = self.tool_plan
-        if plan is None or assembler.finish_reason == "length" or not plan.is_call(assembler.text):
-            return None, assembler.finish_reason
-        call = plan.parse(assembler.text)
+        call = plan.parse(assembler.text) if plan is not None and plan.is_call(assembler.text) else None
         if call is None:
             return None, assembler.finish_reason
         return call, "stop" if plan.mode == "named" else "tool_calls"
+
+    def streams_text(self, text: str) -> bool:
+        """Whether the output so far may be sent as content (not a tool call, or not yet known)."""
+        return self.tool_plan is None or self.tool_plan.is_call(text) is False
 
     def logprobs(self, entries: list[Any], text_offset: int) -> Any:
         if not self.want_logprobs:
@@ -143,18 +146,22 @@ async def sse_events(ctx: ResponseContext, generation: Generation, assembler: Ou
     args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
     try:
         if ctx.endpoint == "chat":
-            yield sse(protocol.stream_chunk(*args, "", None, first=True))
+            yield sse(protocol.stream_chunk(*args, "" if ctx.tool_plan is None else None, None, first=True))
         try:
-            if ctx.tool_plan is None:
-                async for event in drive(generation, assembler, first_chunk):
-                    if event.text or event.logprob_entries or event.finish_reason:
-                        offset = len(assembler.text) - len(event.text)
-                        text = event.text if event.text or ctx.endpoint == "completions" else None
-                        yield sse(protocol.stream_chunk(*args, text, event.finish_reason,
-                                                        ctx.logprobs(event.logprob_entries, offset)))
-            else:
-                async for piece in _tool_events(ctx, generation, assembler, first_chunk):
-                    yield piece
+            # Text is sent as it becomes final, except what may still turn out to be a tool call,
+            # which is held (with its logprobs) until that is known.
+            sent, held = 0, []
+            async for event in drive(generation, assembler, first_chunk):
+                held.extend(event.logprob_entries)
+                if event.finish_reason:
+                    call, reason = ctx.tool_result(assembler)
+                    rest = "" if call is not None else assembler.text[sent:]
+                    text = rest if rest or ctx.endpoint == "completions" else None
+                    logprobs = ctx.logprobs(held, sent) if held and call is None else None
+                    yield sse(protocol.stream_chunk(*args, text, reason, logprobs, tool_call=call))
+                elif ctx.streams_text(assembler.text) and (len(assembler.text) > sent or held):
+                    yield sse(protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, sent)))
+                    sent, held = len(assembler.text), []
         except APIError as exc:
             finish_reason = "error"
             yield sse(exc.body())
@@ -168,24 +175,6 @@ async def sse_events(ctx: ResponseContext, generation: Generation, assembler: Ou
         return
     finally:
         generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
-
-
-async def _tool_events(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
-                       first_chunk: Any) -> AsyncIterator[str]:
-    """Chat SSE chunks when the request has tools: plain text streams as soon as it is known not
-    to be a tool call; a call is held and sent whole at the end."""
-    args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
-    sent, held = 0, []
-    async for event in drive(generation, assembler, first_chunk):
-        held.extend(event.logprob_entries)
-        if ctx.tool_plan.is_call(assembler.text) is False and (assembler.text[sent:] or held):
-            yield sse(protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, 0)))
-            sent, held = len(assembler.text), []
-        if event.finish_reason:
-            call, finish_reason = ctx.tool_result(assembler)
-            rest = None if call is not None or sent == len(assembler.text) else assembler.text[sent:]
-            logprobs = ctx.logprobs(held, 0) if held else None
-            yield sse(protocol.stream_chunk(*args, rest, finish_reason, logprobs, tool_call=call))
 
 
 async def collect(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
@@ -204,5 +193,6 @@ async def collect(ctx: ResponseContext, generation: Generation, assembler: Outpu
     finally:
         generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
     call, reported_finish = ctx.tool_result(assembler)
+    logprobs = ctx.logprobs(entries, 0) if call is None else None
     return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, assembler.text,
-                                    reported_finish, ctx.logprobs(entries, 0), assembler.usage, call)
+                                    reported_finish, logprobs, assembler.usage, call)

@@ -6,13 +6,18 @@ open models use). The router makes that reliable with a grammar (engine/structur
 - `tool_choice` a named function: the output is that function's `arguments` object, constrained
   to its `parameters` schema;
 - `"required"`: the output is one `{"name", "arguments"}` object, one schema alternative per tool;
-- `"auto"` (the default with tools): either a tool call in the tags above or plain text that does
-  not start with `<`, so the first character tells which it is (streaming relies on that);
+- `"auto"` (the default with tools): either a tool call in the tags above or plain text whose
+  first non-blank character is not `<`, so that character tells which it is (streaming relies
+  on that);
 - `"none"`: no instructions, free text.
 
+Each tool's call grammar is compiled from its own schema (so its `$defs` resolve) and the tools
+are joined with xgrammar's union; the result travels to the workers as EBNF text.
+
 Earlier turns come back as OpenAI messages: an assistant message's `tool_calls` are rendered in
-the same tagged form and `tool` messages keep their role, so any chat template can show them.
-Only one call per turn is produced (`parallel_tool_calls` is accepted, not used).
+the same tagged form and a `tool` message becomes a user turn in `<tool_response>` tags, which
+every chat template accepts (many allow only user/assistant turns). Only one call per turn is
+produced (`parallel_tool_calls` is accepted, not used).
 """
 from __future__ import annotations
 
@@ -24,10 +29,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.structured_output import StructuredOutput
+from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from router.errors import invalid_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+_BLANK = "[ \\t\\r\\n]*"  # EBNF: optional leading whitespace
 
 
 class FunctionSpec(BaseModel):
@@ -43,6 +50,11 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+def tagged(call: dict[str, Any]) -> str:
+    """A call as the model writes it (and as earlier calls are shown to it)."""
+    return OPEN + json.dumps(call, ensure_ascii=False) + CLOSE
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     """How one request uses its tools: the constraint, the instructions and how to read the output."""
@@ -52,16 +64,21 @@ class ToolPlan:
 
     @functools.cached_property
     def constraint(self) -> StructuredOutput:
-        """The grammar the output must follow (built once)."""
+        """The grammar the output must follow (built once, on first use: off the event loop).
+        Raises ValueError when a tool's schema cannot be compiled."""
         if self.mode == "named":
             return StructuredOutput.json_schema(_parameters(self._tool(self.forced_name)))
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                            "arguments": _parameters(t)},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for t in self.tools]}
+        import xgrammar
+
+        calls = [xgrammar.Grammar.from_json_schema(json.dumps(_call_schema(t)), any_whitespace=False)
+                 for t in self.tools]
+        call = calls[0] if len(calls) == 1 else xgrammar.Grammar.union(*calls)
         if self.mode == "required":
-            return StructuredOutput.json_schema(call)
-        return StructuredOutput.grammar(_auto_grammar(StructuredOutput.json_schema(call).grammar_object()))
+            return StructuredOutput.grammar(str(call))
+        ebnf = xgrammar.Grammar.from_ebnf
+        tagged_call = xgrammar.Grammar.concat(ebnf(f'root ::= {_BLANK} "{OPEN}"'), call, ebnf(f'root ::= "{CLOSE}"'))
+        plain = ebnf(f"root ::= {_BLANK} [^< \\t\\r\\n] [^\\x00]*")
+        return StructuredOutput.grammar(str(xgrammar.Grammar.union(tagged_call, plain)))
 
     def _tool(self, name: str | None) -> ToolSpec:
         return next(t for t in self.tools if t.function.name == name)
@@ -77,8 +94,8 @@ class ToolPlan:
         elif self.mode == "required":
             lines.append('Call one tool now: answer with {"name": <tool name>, "arguments": <JSON object>}.')
         else:
-            lines.append(f'To call a tool, answer with {OPEN}{{"name": <tool name>, "arguments": <JSON object>}}'
-                         f"{CLOSE} and nothing else; otherwise answer in plain text.")
+            lines.append("To call a tool, answer with " + tagged({"name": "<tool name>", "arguments": {}})
+                         + " (the arguments as a JSON object) and nothing else; otherwise answer in plain text.")
         return "\n".join(lines)
 
     def is_call(self, text: str) -> bool | None:
@@ -90,7 +107,7 @@ class ToolPlan:
 
     def parse(self, text: str) -> dict[str, Any] | None:
         """The OpenAI `tool_calls` entry for a complete output, or None if it is not a whole call
-        (cut by max_tokens, or plain text in auto mode)."""
+        to one of the tools (cut short, or plain text in auto mode)."""
         body = text.strip()
         if self.mode == "auto":
             if not (body.startswith(OPEN) and body.endswith(CLOSE)):
@@ -98,13 +115,15 @@ class ToolPlan:
             body = body[len(OPEN):-len(CLOSE)]
         try:
             value = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
         if self.mode == "named":
             name, arguments = self.forced_name, value
         elif isinstance(value, dict) and "name" in value and "arguments" in value:
             name, arguments = value["name"], value["arguments"]
         else:
+            return None
+        if not any(t.function.name == name for t in self.tools) or not isinstance(arguments, dict):
             return None
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
@@ -114,20 +133,18 @@ def _parameters(tool: ToolSpec) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def _auto_grammar(call: Any) -> str:
-    """EBNF text: `<tool_call>` + a call (xgrammar `Grammar` of its JSON) + `</tool_call>`, or text
-    whose first character is not `<`. Built with xgrammar's grammar combinators, which keep the
-    rule names apart, and sent on as EBNF (the wire carries constraints as text)."""
-    import xgrammar
-
-    tag = xgrammar.Grammar.from_ebnf
-    tagged = xgrammar.Grammar.concat(tag(f'root ::= "{OPEN}"'), call, tag(f'root ::= "{CLOSE}"'))
-    return str(xgrammar.Grammar.union(tagged, tag("root ::= [^<] [^\\x00]*")))
+def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+    """`{"name": <this tool>, "arguments": <its parameters>}`, with the parameters' `$defs` /
+    `definitions` moved to this schema's root, where their `#/$defs/...` references point."""
+    parameters = dict(_parameters(tool))
+    hoisted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False, **hoisted}
 
 
 def plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
     """Validate `tools` and `tool_choice` (400 naming the field) and decide what to do; None when
-    the request uses no tools."""
+    the request uses no tools. Cheap: the grammar is built later (`ToolPlan.constraint`)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise invalid_request("tool_choice needs tools", "tool_choice")
@@ -140,6 +157,10 @@ def plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
     names = [t.function.name for t in specs]
     if len(set(names)) != len(names):
         raise invalid_request("tool names must be unique", "tools")
+    size = sum(len(json.dumps(_parameters(t))) for t in specs)
+    if size > MAX_SPEC_CHARS:
+        raise invalid_request(f"the tools' parameters schemas have {size} characters, more than the "
+                              f"{MAX_SPEC_CHARS} this server accepts", "tools")
     if tool_choice in (None, "auto"):
         mode, forced = "auto", None
     elif tool_choice == "none":
@@ -156,41 +177,67 @@ def plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
     else:
         raise invalid_request("tool_choice must be 'none', 'auto', 'required' or "
                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    result = ToolPlan(mode, specs, forced)
+    return ToolPlan(mode, specs, forced)
+
+
+def constraint_of(tool_plan: ToolPlan) -> StructuredOutput:
+    """The plan's grammar; a schema that does not compile is the client's error (400)."""
     try:
-        result.constraint  # noqa: B018 - a parameters schema that does not compile is the client's error
-    except ValueError as exc:
-        raise invalid_request(f"a tool's parameters schema is not usable: {exc}", "tools") from None
-    return result
+        return tool_plan.constraint
+    except (ValueError, RuntimeError) as exc:
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise invalid_request(f"a tool's parameters schema is not usable: {message}", "tools") from None
 
 
 def render_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None) -> list[dict[str, Any]]:
     """The conversation for the chat template: earlier tool calls as tagged text, tool results
-    as `tool` messages, and (with tools) the instructions in the system message."""
+    as user turns in `<tool_response>` tags, and (with tools) the instructions in the system
+    message. Raises ValueError (a 400 on `messages`) for a malformed tool call."""
     rendered = []
-    for message in messages:
+    for index, message in enumerate(messages):
         if not isinstance(message, dict):
             rendered.append(message)  # the tokenizer reports it
             continue
-        calls = message.get("tool_calls")
-        if message.get("role") == "assistant" and calls:
-            text = message.get("content") or ""
-            for call in calls if isinstance(calls, list) else []:
-                function = call.get("function", {}) if isinstance(call, dict) else {}
-                try:
-                    arguments = json.loads(function.get("arguments") or "{}")
-                except (TypeError, json.JSONDecodeError):
-                    arguments = function.get("arguments")
-                text += OPEN + json.dumps({"name": function.get("name"), "arguments": arguments},
-                                          ensure_ascii=False) + CLOSE
+        role, calls = message.get("role"), message.get("tool_calls")
+        if role == "assistant" and calls:
+            text = _text(message.get("content"), index)
+            if not isinstance(calls, list):
+                raise ValueError(f"chat message {index}: tool_calls must be a list")
+            text += "".join(tagged(_call_of(call, index)) for call in calls)
             message = {"role": "assistant", "content": text}
+        elif role == "tool":
+            message = {"role": "user",
+                       "content": RESPONSE_OPEN + _text(message.get("content"), index) + RESPONSE_CLOSE}
         rendered.append(message)
     if tool_plan is None:
         return rendered
     instructions = tool_plan.instructions()
     if rendered and isinstance(rendered[0], dict) and rendered[0].get("role") == "system":
         first = rendered[0]
-        content = first.get("content")
-        content = content if isinstance(content, str) else ""
+        content = _text(first.get("content"), 0)
         return [{**first, "content": f"{content}\n\n{instructions}" if content else instructions}] + rendered[1:]
     return [{"role": "system", "content": instructions}] + rendered
+
+
+def _text(content: Any, index: int) -> str:
+    """A message's content as text: a string, text parts, or nothing."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise ValueError(f"chat message {index}: 'content' must be a string or a list of text parts")
+
+
+def _call_of(call: Any, index: int) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise ValueError(f"chat message {index}: each tool call needs a 'function' with a 'name'")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            pass  # shown as the string it is
+    return {"name": function["name"], "arguments": arguments}

@@ -33,11 +33,15 @@ def test_auto_grammar_takes_a_tagged_call_or_text_that_does_not_start_with_a_bra
     assert not accepts(plan, '<tool_call>{"name": "add", "arguments": {"a": "x", "b": 2}}</tool_call>')
     assert not accepts(plan, '<tool_call>{"name": "other", "arguments": {}}</tool_call>')
     assert not accepts(plan, "<b>bold</b>")
+    # blanks first: still a call (checked against the schema), never plain text starting with `<`
+    assert accepts(plan, "\n " + call) and not accepts(plan, ' <tool_call>{"name": "evil", "arguments": {}}</tool_call>')
+    assert accepts(plan, "  It is sunny.")
     assert plan.is_call("") is None and plan.is_call("  ") is None
     assert plan.is_call("It") is False and plan.is_call("<tool") is True
     parsed = plan.parse(call)
     assert parsed["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'} and parsed["type"] == "function"
     assert plan.parse("It is sunny.") is None and plan.parse('<tool_call>{"name": "add"') is None
+    assert plan.parse('<tool_call>{"name": "evil", "arguments": {}}</tool_call>') is None  # not one of the tools
 
 
 def test_required_and_named_plans():
@@ -64,6 +68,50 @@ def test_earlier_calls_are_rendered_as_tagged_text_and_instructions_join_the_sys
     assert '"name": "get_weather"' in rendered[0]["content"]
     assert rendered[2] == {"role": "assistant",
                            "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'}
-    assert rendered[3]["role"] == "tool" and rendered[3]["content"] == "Rain"
+    assert rendered[3] == {"role": "user", "content": "<tool_response>Rain</tool_response>"}
     assert tools.render_messages(messages[1:2], plan)[0]["role"] == "system"  # added when there is none
     assert tools.render_messages(messages[1:2], None) == messages[1:2]
+
+
+def test_tools_with_defs_compile_in_every_mode():
+    """Pydantic-generated parameters keep their models in `$defs`; each call schema carries them
+    at its own root, so references resolve with several tools too."""
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"}}, "required": ["to"]}}}
+    for choice in (None, "required", {"type": "function", "function": {"name": "ship"}}):
+        plan = tools.plan([ship, WEATHER], choice)
+        body = '{"to": {"city": "Porto"}}'
+        text = {"auto": f'<tool_call>{{"name": "ship", "arguments": {body}}}</tool_call>',
+                "required": f'{{"name": "ship", "arguments": {body}}}', "named": body}[plan.mode]
+        assert accepts(plan, text)
+        assert json.loads(plan.parse(text)["function"]["arguments"]) == {"to": {"city": "Porto"}}
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": "assistant", "tool_calls": "x"}, "must be a list"),
+    ({"role": "assistant", "tool_calls": [{"function": "x"}]}, "needs a 'function' with a 'name'"),
+    ({"role": "assistant", "tool_calls": [None]}, "needs a 'function' with a 'name'"),
+    ({"role": "assistant", "content": 5, "tool_calls": [{"function": {"name": "f"}}]}, "must be a string"),
+])
+def test_malformed_tool_calls_in_messages_are_value_errors(message, error):
+    with pytest.raises(ValueError, match=error):
+        tools.render_messages([{"role": "user", "content": "hi"}, message], None)
+
+
+def test_odd_but_valid_history_renders():
+    deep = "[" * 5000
+    rendered = tools.render_messages([
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}],
+         "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}], None)
+    assert rendered[0]["content"].startswith("Let me check.<tool_call>")  # the unparsable arguments kept as text
+
+
+def test_stop_strings_do_not_apply_to_a_forced_call():
+    from router.protocol import ChatCompletionRequest, parse_request
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "stop": ["}"]}
+    forced = parse_request(ChatCompletionRequest, {**body, "tool_choice": "required"})
+    assert forced.sampling_params(16, None).stop == []
+    auto = parse_request(ChatCompletionRequest, body)
+    assert auto.sampling_params(16, None).stop == ["}"]
+    assert auto.sampling_params(16, None).structured_output.kind == "grammar"
