@@ -4,8 +4,9 @@ The default model's GGUF cannot travel to the GPU machine, so this runs a 4-laye
 SmolLM2-135M's layer shape and vocabulary and seeded random weights (benchmarks/random_model.py).
 Greedy outputs in float32 must be token-identical to transformers on the same GPU, whatever the
 scheduling (chunked prefill at a small budget, a pool so small that requests are preempted,
-prefix-cache hits) and with decode steps replayed as CUDA graphs or run eagerly. bfloat16 must
-agree with the torch attention backend on the same GPU.
+prefix-cache hits, prefixes restored from the host cache tier) and with decode steps replayed as
+CUDA graphs or run eagerly. bfloat16 must agree with the torch attention backend on the same GPU;
+the structured-output mask on CUDA logits equals the CPU kernel's.
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -127,6 +128,35 @@ def test_prefix_cache_hit_gives_the_same_output(model_dir, hf, prompts):
     assert out.num_cached_tokens == 192  # 12 whole blocks of 16
     assert out.token_ids == generate_reference(hf, second)
     _assert_clean(llm)
+
+
+def test_host_cache_tier_restores_evicted_prefixes_on_the_gpu(model_dir, hf, prompts):
+    """A 24-block device pool and a host tier: other prompts evict the first one's blocks
+    (copied to host memory), and its second run gets them back by copy, token-exact."""
+    llm = LLM(model_dir, device="cuda", dtype="float32", num_blocks=24, host_cache_gb=0.05)
+    target = prompts[4][:200] + [101]
+    llm.generate([target], GREEDY, use_tqdm=False)
+    for index in range(2):
+        llm.generate([[100 + index] * 330], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    out = llm.generate([target], GREEDY, use_tqdm=False)[0]
+    stats = llm.engine.scheduler.stats()
+    assert stats.host_cache_hits > 0 and out.num_cached_tokens > 0
+    assert out.token_ids == generate_reference(hf, target)
+    _assert_clean(llm)
+
+
+def test_grammar_mask_on_cuda_logits_matches_the_cpu_kernel():
+    pytest.importorskip("xgrammar")  # a GPU machine without it skips (its installs are not carried)
+    from engine.structured_output import apply_bitmask
+
+    generator = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2**31, 2**31, (6, 1536), dtype=torch.int64, generator=generator).to(torch.int32)
+    bitmask[:, :100] = 0
+    logits = torch.randn(6, 49152, generator=generator)
+    on_cpu, on_gpu = logits.clone(), logits.cuda()
+    apply_bitmask(on_cpu, bitmask, [0, 2, 5])
+    apply_bitmask(on_gpu, bitmask, [0, 2, 5])
+    assert torch.equal(on_gpu.cpu(), on_cpu)
 
 
 def _bf16_outputs(model_dir, prompts, **options):
