@@ -303,7 +303,7 @@ class Generation:
             self._call.cancel()
         if self.assignment is not None:
             self.assignment.release()
-            if finish_reason in ("stop", "length") and output_token_ids:
+            if finish_reason in ("stop", "length", "tool_calls") and output_token_ids:
                 sequence = self.prompt_token_ids + list(output_token_ids)
                 d.decode_policy.record(self.assignment.decode, d.block_hashes(sequence, self.cache_salt))
         self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)

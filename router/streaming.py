@@ -167,7 +167,7 @@ async def sse_events(ctx: ResponseContext, generation: Generation, assembler: Ou
             yield sse(exc.body())
             yield sse("[DONE]")
             return
-        finish_reason = assembler.finish_reason or "error"
+        finish_reason = ctx.tool_result(assembler)[1] or "error"
         if ctx.include_usage:
             yield sse(protocol.usage_chunk(*args, assembler.usage))
         yield sse("[DONE]")
@@ -189,7 +189,7 @@ async def collect(ctx: ResponseContext, generation: Generation, assembler: Outpu
         except APIError:
             finish_reason = "error"
             raise
-        finish_reason = assembler.finish_reason or "error"
+        finish_reason = ctx.tool_result(assembler)[1] or "error"
     finally:
         generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
     call, reported_finish = ctx.tool_result(assembler)

@@ -76,7 +76,9 @@ class ToolPlan:
         if self.mode == "required":
             return StructuredOutput.grammar(str(call))
         ebnf = xgrammar.Grammar.from_ebnf
-        tagged_call = xgrammar.Grammar.concat(ebnf(f'root ::= {_BLANK} "{OPEN}"'), call, ebnf(f'root ::= "{CLOSE}"'))
+        # Blanks are allowed around the JSON inside the tags too (Qwen's own form has newlines there).
+        tagged_call = xgrammar.Grammar.concat(ebnf(f'root ::= {_BLANK} "{OPEN}" {_BLANK}'), call,
+                                              ebnf(f'root ::= {_BLANK} "{CLOSE}"'))
         plain = ebnf(f"root ::= {_BLANK} [^< \\t\\r\\n] [^\\x00]*")
         return StructuredOutput.grammar(str(xgrammar.Grammar.union(tagged_call, plain)))
 

@@ -393,10 +393,11 @@ def test_a_named_tool_choice_returns_its_call(client, stream):
     assert isinstance(_check_call(call, ("get_weather",))["city"], str)
 
 
-def test_required_tool_choice_then_the_tool_result_turn(client):
+def test_required_tool_choice_then_the_tool_result_turn(client, cluster):
     first = client.chat.completions.create(model="default", messages=WEATHER_ASK, max_tokens=48, temperature=0,
                                            tools=TOOLS, tool_choice="required").choices[0]
     assert first.finish_reason == "tool_calls"
+    assert 'pdserve:request_finished_total{finish_reason="tool_calls"}' in httpx.get(cluster["url"] + "/metrics").text
     call = first.message.tool_calls[0]
     _check_call(call)
     follow_up = WEATHER_ASK + [

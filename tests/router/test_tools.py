@@ -36,6 +36,8 @@ def test_auto_grammar_takes_a_tagged_call_or_text_that_does_not_start_with_a_bra
     # blanks first: still a call (checked against the schema), never plain text starting with `<`
     assert accepts(plan, "\n " + call) and not accepts(plan, ' <tool_call>{"name": "evil", "arguments": {}}</tool_call>')
     assert accepts(plan, "  It is sunny.")
+    newlines = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert accepts(plan, newlines) and plan.parse(newlines)["function"]["name"] == "add"
     assert plan.is_call("") is None and plan.is_call("  ") is None
     assert plan.is_call("It") is False and plan.is_call("<tool") is True
     parsed = plan.parse(call)
