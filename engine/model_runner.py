@@ -167,7 +167,7 @@ class ModelRunner:
         requests = [seq.request for seq in sampled_seqs]
         sampling = SamplingMetadata.build(
             [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests], self.arch.vocab_size, self.device,
+            [r.output_token_ids for r in requests], self.vocab_size, self.device,
             grammars=[r.grammar for r in requests])
         out = self.sampler(logits, sampling)
         result = {}

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import allocate_bitmask, apply_bitmask
 
 GREEDY_TEMPERATURE = 1e-5
 # On CPU a full sort of the vocabulary is slow; top-p first looks for the nucleus among this many
@@ -113,7 +114,6 @@ class SamplingMetadata:
                    vocab_size=vocab_size)
         grammar_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
         if grammar_rows:
-            from engine.structured_output import allocate_bitmask
             meta.token_bitmask = allocate_bitmask(num_seqs, vocab_size)
             meta.bitmask_rows = grammar_rows
             for row in grammar_rows:
@@ -208,7 +208,6 @@ class Sampler:
                              f"{meta.vocab_size}, the logits have {logits.shape[1]}")
         penalized = logits
         if meta.token_bitmask is not None:
-            from engine.structured_output import apply_bitmask
             penalized = logits.clone()  # the raw logits stay for logprobs
             apply_bitmask(penalized, meta.token_bitmask, meta.bitmask_rows)
         if meta.penalties is not None:

@@ -187,7 +187,6 @@ class Scheduler:
         self._prompt_tokens_computed = 0
         self._decode_tokens = 0
         self._imported_tokens = 0
-        self._host_hit_tokens = 0
 
     # ---- queues ----------------------------------------------------------------------------
 
@@ -327,11 +326,13 @@ class Scheduler:
             host_hits = 0
             if request.swap_slots:  # swapped out: its computed tokens come back, the cache first
                 prefix_blocks = prefix_blocks[:request.num_computed_tokens // self.block_manager.block_size]
-                num_hit = 0
+                computed = request.num_computed_tokens
             elif fresh:
                 host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
                 num_hit += host_hits * self.block_manager.block_size
-            computed = num_hit if fresh and not request.swap_slots else request.num_computed_tokens
+                computed = num_hit
+            else:
+                computed = request.num_computed_tokens
             remaining = request.num_tokens - computed
             num_new = min(remaining, budget)
             if ((num_new < remaining and not self.config.enable_chunked_prefill)
@@ -347,7 +348,6 @@ class Scheduler:
                 request.num_computed_tokens = num_hit
                 self._prefix_queries += request.num_tokens
                 self._prefix_hits += num_hit
-                self._host_hit_tokens += host_hits * self.block_manager.block_size
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_hit
             self._enqueue_running(request)
@@ -520,7 +520,6 @@ class Scheduler:
                                    f"{self.block_manager.num_free_blocks} are free")
         self._register(request)
         num_hit += host_hits * self.block_manager.block_size
-        self._host_hit_tokens += host_hits * self.block_manager.block_size
         request.num_computed_tokens = num_hit
         request.num_cached_tokens = num_hit
         self._prefix_queries += request.num_tokens
@@ -576,6 +575,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
+        host = bm.host_cache
         return SchedulerStats(
             running=len(self.running), waiting=len(self.waiting), kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
@@ -585,10 +585,10 @@ class Scheduler:
             imported_tokens=self._imported_tokens,
             swapped=sum(1 for r in self.waiting if r.swap_slots), swap_slots_free=len(self._free_swap_slots),
             swapped_out_blocks=self._swapped_out_blocks, swapped_in_blocks=self._swapped_in_blocks,
-            host_cache_slots=bm.host_cache.num_slots if bm.host_cache else 0,
-            host_cache_used=bm.host_cache.num_used if bm.host_cache else 0, host_cache_hits=self._host_hit_tokens,
-            offloaded_blocks=bm.host_cache.offloaded_blocks if bm.host_cache else 0,
-            reloaded_blocks=bm.host_cache.reloaded_blocks if bm.host_cache else 0)
+            host_cache_slots=host.num_slots if host else 0, host_cache_used=host.num_used if host else 0,
+            # every host-hit block is copied back exactly once
+            host_cache_hits=host.reloaded_blocks * bm.block_size if host else 0,
+            offloaded_blocks=host.offloaded_blocks if host else 0, reloaded_blocks=host.reloaded_blocks if host else 0)
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status

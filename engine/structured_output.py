@@ -144,9 +144,6 @@ class StructuredOutput:
             raise ValueError(f"invalid {self._spec_name if self.kind != 'choice' else 'choice'}: "
                              f"{_native_message(exc)}") from None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices)}
-
 
 def _depth(value: Any) -> int:
     """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
@@ -163,9 +160,8 @@ def _depth(value: Any) -> int:
 class GrammarState:
     """One request's position in its grammar (an xgrammar `GrammarMatcher`)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
-        self.vocab_size = vocab_size
         self.rejected_token: int | None = None  # the first token the grammar refused, if any
 
     def accept(self, token_id: int) -> bool:
@@ -236,4 +232,4 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_grammar(constraint.grammar_object())
             except RuntimeError as exc:
                 raise ValueError(f"cannot compile the {constraint.kind} constraint: {_native_message(exc)}") from None
-        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled))

@@ -129,8 +129,7 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
         raise model_not_found(request.model, state.config.served_model_name)
     prompt_token_ids = await _prompt_token_ids(state, request)
     max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
-    if request.response_format or request.structured_outputs or getattr(request, "tools", None):
-        # parses a grammar: off the event loop
+    if request.has_constraint():
         params = await asyncio.to_thread(request.sampling_params, max_tokens, logprobs)
     else:
         params = request.sampling_params(max_tokens, logprobs)

@@ -103,6 +103,11 @@ class _GenerationRequest(BaseModel):
     def _stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def has_constraint(self) -> bool:
+        """Whether the output is constrained (cheap: nothing is parsed). Building the constraint
+        (`sampling_params`) parses a grammar, which servers do off their event loop."""
+        return self._asks_for_structure()
+
     def _asks_for_structure(self) -> bool:
         """Whether `response_format` or `structured_outputs` asks for a constraint (cheap: no parsing)."""
         kind = self.response_format.get("type", "text") if isinstance(self.response_format, dict) else "text"
@@ -229,6 +234,9 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tool_plan is not None:
             return tool_calling.constraint_of(self.tool_plan)
         return super().structured_output()
+
+    def has_constraint(self) -> bool:
+        return self.tool_plan is not None or super().has_constraint()
 
     def _stop_strings(self) -> list[str]:
         # A forced call is all JSON: a stop string could only cut it, so it does not apply.
