@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode_cpu.cpp", "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp",
                          "small_linear_cpu.cpp", "token_mask_cpu.cpp")]
-_HEADER = Path(__file__).parent / "csrc" / "simd_math.h"
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd_math.h", "parallel.h")]
 
 
 def _cpu_flags() -> str:
@@ -47,7 +47,7 @@ def load():
         return None
     # The source's path is in the name too: ninja rebuilds when its command line changes, so two
     # checkouts sharing one name would keep rebuilding over each other.
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in [*_SOURCES, _HEADER]) + _cpu_flags().encode()
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in [*_SOURCES, *_HEADERS]) + _cpu_flags().encode()
                             + str(_SOURCES[0].resolve()).encode()).hexdigest()[:12]
     name = f"pdserve_cpu_kernels_{digest}"
     try:

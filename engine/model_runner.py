@@ -60,6 +60,7 @@ class ModelRunner:
         model.rotary = RotaryEmbedding(self.arch.head_dim, self.max_model_len, self.arch.rope_theta,
                                        self.arch.rope_scaling).to(self.device)
         model.load_weights(loaded.iter_weights())
+        model.prepack_linear_weights()
         return model.eval()
 
     def _num_blocks(self) -> int:

@@ -33,6 +33,16 @@ class RMSNorm(nn.Module):
         return fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that may carry a pre-blocked copy of its weight for CPU bf16 matmuls
+    (`fused_ops.prepack_linear_weight`; set by `LlamaForCausalLM.prepack_linear_weights`)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ops.linear(x, self.weight, self.bias, self.packed)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
         super().__init__()
@@ -43,31 +53,30 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = fused_ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        return fused_ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = fused_ops.linear(x, self.gate_up_proj.weight)
-        return fused_ops.linear(fused_ops.silu_and_mul(gate_up), self.down_proj.weight)
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,7 +97,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None  # tied: the embedding's pre-blocked copy
         self.rotary = RotaryEmbedding(arch.head_dim, max_model_len or arch.max_position_embeddings,
                                       arch.rope_theta, arch.rope_scaling)
 
@@ -111,8 +121,20 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return fused_ops.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return fused_ops.linear(hidden, self.embed_tokens.weight, packed=self.lm_head_packed).float()
+
+    def prepack_linear_weights(self) -> bool:
+        """Give every linear layer (and a tied LM head) a pre-blocked copy of its weight where
+        `fused_ops.prepack_linear_weight` applies (bf16 on CPU); call after the weights are loaded.
+        Returns whether it applied."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.packed = fused_ops.prepack_linear_weight(module.weight)
+        if self.lm_head is None:
+            self.lm_head_packed = fused_ops.prepack_linear_weight(self.embed_tokens.weight)
+        return all(m.packed is not None for m in linears)
 
     # ---- weights ---------------------------------------------------------------------------
 
