@@ -1,9 +1,9 @@
 """Native CPU kernels (C++ in `engine/csrc/`), compiled on first use and cached per machine.
 
-One library: paged decode attention and bf16 flash prefill (used by the "cpu" attention backend)
-and the Llama block's fused bf16 elementwise ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
-RoPE; used by `engine.model.fused_ops`), and the structured-output logits mask
-(`engine.structured_output.apply_bitmask`).
+One library: paged decode attention, bf16 flash prefill and the KV store (used by the "cpu"
+attention backend), the Llama block's fused bf16 elementwise ops and small-batch linear (RMSNorm,
+residual add + RMSNorm, SiLU-and-mul, RoPE; used by `engine.model.fused_ops`), and the
+structured-output logits mask (`engine.structured_output.apply_bitmask`).
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
@@ -24,8 +24,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp",
-                         "small_linear_cpu.cpp", "token_mask_cpu.cpp")]
+            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "kv_store_cpu.cpp", "flash_prefill_cpu.cpp",
+                         "fused_ops_cpu.cpp", "small_linear_cpu.cpp", "token_mask_cpu.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd_math.h", "parallel.h")]
 
 

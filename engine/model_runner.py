@@ -149,7 +149,8 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampled_seqs = []
-        for seq in batch.seqs:
+        sampled_rows: list[int] = []  # their indices in batch.seqs
+        for row, seq in enumerate(batch.seqs):
             end = seq.start + seq.num_new_tokens
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, end))
@@ -159,10 +160,12 @@ class ModelRunner:
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
+                sampled_rows.append(row)
         if self.decode_graphs is not None and self.decode_graphs.fits(query_lens, seq_lens):
             logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)
         else:
-            logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, logits_indices)
+            logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
+                                         sampled_rows)
         if not sampled_seqs:
             return {}
         requests = [seq.request for seq in sampled_seqs]
@@ -179,12 +182,19 @@ class ModelRunner:
                 top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
         return result
 
-    def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices) -> torch.Tensor:
+    def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
+                       sampled_rows) -> torch.Tensor:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices)
+        logits_meta = None
+        if 0 < len(logits_indices) < len(input_ids):
+            # Each sampled token is its sequence's last: the last layer computes only those rows.
+            logits_meta = AttentionMetadata.build([1] * len(sampled_rows), [seq_lens[r] for r in sampled_rows],
+                                                  [block_tables[r] for r in sampled_rows], self.block_size,
+                                                  self.device)
+        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices, logits_meta)
 
     def _decode_with_graph(self, input_ids, positions, seq_lens, block_tables, logits_indices) -> torch.Tensor:
         # One token per sequence, so token i is sequence i and its slot follows from its position.

@@ -37,6 +37,11 @@ class AttentionBackend(Protocol):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ...
 
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Only the store half of `forward`: `key[t]`/`value[t]` into slot `slot_mapping[t]`."""
+        ...
+
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """Return a fresh backend: "cpu" (CPU default: torch plus a native decode kernel), "torch"

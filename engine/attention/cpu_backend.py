@@ -1,4 +1,5 @@
-"""The CPU default backend: the torch backend with decode attention in a native kernel.
+"""The CPU default backend: the torch backend with decode attention, prefill attention and the KV
+store in native kernels.
 
 Decode (one query token per sequence) is memory-bound and dominates a serving step; the torch
 path has to gather every sequence's K/V out of the paged cache into a padded copy before
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine import cpu_kernels
-from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv
+from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv, store_kv
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -27,6 +28,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @property
     def native(self) -> bool:
         return self._kernels is not None
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if (self._kernels is None or kv_cache.device.type != "cpu" or key.dtype != kv_cache.dtype
+                or value.dtype != kv_cache.dtype or not kv_cache.is_contiguous()
+                or key.shape[0] != slot_mapping.shape[0] or slot_mapping.dtype != torch.int64
+                or any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value))):
+            return store_kv(key, value, kv_cache, slot_mapping)
+        self._kernels.store_kv_cache_(key, value, kv_cache, slot_mapping)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float) -> torch.Tensor:

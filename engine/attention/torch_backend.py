@@ -74,11 +74,12 @@ class TorchAttentionBackend:
     """`AttentionBackend` in torch; works on any device and dtype torch supports."""
 
     name = "torch"
+    store_kv = staticmethod(store_kv)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         check_shapes(query, key, value, kv_cache, meta)
-        store_kv(key, value, kv_cache, meta.slot_mapping)
+        self.store_kv(key, value, kv_cache, meta.slot_mapping)
         query_lens, seq_lens = host_lengths(meta)
         num_tokens = query.shape[0]
         num_seqs = len(query_lens)

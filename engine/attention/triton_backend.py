@@ -66,7 +66,7 @@ class TritonAttentionBackend:
             raise ValueError(f"the triton backend needs a power-of-two block_size, got {block_size}")
         if kv_cache.dtype != query.dtype:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from query dtype {query.dtype}")
-        triton_kernels.store_kv_triton(key, value, kv_cache, meta.slot_mapping)
+        self.store_kv(key, value, kv_cache, meta.slot_mapping)
 
         query_lens, seq_lens = host_lengths(meta)
         num_tokens = query.shape[0]
@@ -93,6 +93,10 @@ class TritonAttentionBackend:
                 max_query_len=max_query_len, block_m=cfg.prefill_block_m, tile_n=cfg.prefill_tile_n,
                 skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps)
         return out
+
+    @staticmethod
+    def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        triton_kernels.store_kv_triton(key, value, kv_cache, slot_mapping)
 
     def _decode_splits(self, query: torch.Tensor, num_decodes: int, num_kv_heads: int,
                        max_seq_len: int) -> int:

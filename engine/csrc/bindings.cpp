@@ -4,6 +4,9 @@
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+// kv_store_cpu.cpp
+void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                     const at::Tensor& slot_mapping);
 // flash_prefill_cpu.cpp
 at::Tensor flash_prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                    double scale);
@@ -23,6 +26,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("store_kv_cache_", &store_kv_cache_, "Write new K/V rows into the paged cache at their slots (CPU)");
   m.def("flash_prefill_attention", &flash_prefill_attention, "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
   m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
   m.def("has_fused_ops", &has_fused_ops, "Whether the fused bf16 elementwise ops were compiled in (AVX-512)");

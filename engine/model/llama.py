@@ -57,7 +57,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, backend, rows: torch.Tensor | None = None,
+                rows_meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Attention output of every token, or with `rows` only of those tokens (each the last of
+        its sequence, described by `rows_meta`); every token's K/V is stored either way."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -65,8 +68,14 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        if rows is None:
+            out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        backend.store_kv(k, v, kv_cache, meta.slot_mapping)
+        # The backend stores the rows' K/V again (the same values) and attends one query each.
+        q, k, v = (x.index_select(0, rows) for x in (q, k, v))
+        out = backend.forward(q, k, v, kv_cache, rows_meta, self.scale)
+        return self.o_proj(out.reshape(rows.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -104,18 +113,32 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None)."""
+                meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None,
+                logits_meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None).
+
+        With `logits_meta` (one query token per sequence that samples: the last token of each, as
+        `logits_indices` lists them), the last layer stores every token's K/V but computes its
+        attention output and MLP only for those rows: nothing else reads them (llama.cpp does
+        the same). A prefill step of N tokens that samples one saves ~1/num_layers of its work.
+        """
         # `residual` is the block's residual stream, updated in place by each add + norm; `hidden`
         # is the output of the last attention or MLP, not yet added to it.
         residual = self.embed_tokens(input_ids)
         hidden = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if hidden is None:
                 normed = layer.input_layernorm(residual)
             else:
                 normed = layer.input_layernorm.add_forward(hidden, residual)
-            hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend)
+            if index == last and logits_meta is not None and logits_indices is not None:
+                hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend,
+                                         rows=logits_indices, rows_meta=logits_meta)
+                residual = residual.index_select(0, logits_indices)
+                logits_indices = None  # the rows are selected already
+            else:
+                hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend)
             hidden = layer.mlp(layer.post_attention_layernorm.add_forward(hidden, residual))
         hidden = residual + hidden if hidden is not None else residual
         if logits_indices is not None:

@@ -275,6 +275,28 @@ def test_store_kv_skips_negative_slots(contiguous):
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_store_matches_torch_store_for_strided_rows(dtype):
+    """The CPU backend's native store writes exactly what the torch store writes, from K/V that
+    are views of a fused QKV output (rows strided), skipping slot -1."""
+    backend = _cpu_backend()
+    generator = torch.Generator().manual_seed(3)
+    num_blocks, block_size, num_kv_heads, head_dim, tokens = 6, 16, 3, 64, 40
+    qkv = torch.randn(tokens, (9 + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
+    key = qkv[:, 9 * head_dim:(9 + num_kv_heads) * head_dim].view(tokens, num_kv_heads, head_dim)
+    value = qkv[:, (9 + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
+    slots[::7] = -1
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    expected = cache.clone()
+    store_kv(key, value, expected, slots)
+    backend.store_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        backend.store_kv(key[:1], value[:1], cache, torch.tensor([num_blocks * block_size]))
+
+
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="choose one of cpu, torch, triton"):
         get_attention_backend("flash")
