@@ -99,3 +99,36 @@ def _hf_named(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         else:
             out["model." + name] = tensor
     return out
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_last_layer_on_sampled_rows_only_gives_the_same_logits_and_cache(tiny_pair, backend_name):
+    """With `logits_meta` the last layer runs attention and the MLP only for the sampled rows; the
+    logits and every stored K/V must be what the full forward gives. The batch has a middle prefill
+    chunk (not sampled), a whole prompt and a decode token, through shuffled blocks."""
+    from engine.attention.metadata import AttentionMetadata
+    from engine.kv_cache import allocate_kv_cache
+
+    _, ours = tiny_pair
+    backend = get_attention_backend(backend_name)
+    block_size = 4
+    # seq 0: first 9 of a 20-token prompt (no sample); seq 1: a 7-token prompt; seq 2: a decode
+    # at position 12 whose first 12 tokens' K/V are already in the cache.
+    query_lens, seq_lens = [9, 7, 1], [9, 7, 13]
+    tables = [[5, 2, 9, 0, 11], [7, 1], [3, 10, 6, 4]]
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, 128, (sum(query_lens),), generator=generator)
+    positions = torch.tensor(list(range(9)) + list(range(7)) + [12])
+    logits_indices = torch.tensor([15, 16])  # the last tokens of seqs 1 and 2
+    base = allocate_kv_cache(ours.arch, 12, block_size, torch.float32, "cpu").data
+    base[:, 3].normal_(generator=generator)  # seq 2's context (blocks 3, 10, 6)
+    base[:, 10].normal_(generator=generator)
+    base[:, 6].normal_(generator=generator)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
+    rows_meta = AttentionMetadata.build([1, 1], [7, 13], [tables[1], tables[2]], block_size, "cpu")
+    full_cache, rows_cache = base.clone(), base.clone()
+    full = ours(input_ids, positions, list(full_cache.unbind(0)), meta, backend, logits_indices)
+    rows = ours(input_ids, positions, list(rows_cache.unbind(0)), meta, backend, logits_indices, rows_meta)
+    torch.testing.assert_close(rows, full, atol=1e-5, rtol=1e-5)
+    assert torch.equal(rows_cache, full_cache)
+    assert not torch.equal(full_cache[:, 5], base[:, 5])  # the unsampled chunk's K/V were stored
