@@ -96,8 +96,9 @@ def test_rotary_embedding_is_bit_identical_to_torch(native, head_dim, heads, kv_
         native.rotary_embedding(torch.tensor([2048] * tokens), query, key, rope.cos_cache, rope.sin_cache)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (37, 64, True), (16, 1536, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 32])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (37, 64, True), (16, 1536, False),
+                                                         (52, 96, True)])
 def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_features, bias):
     if not native.has_small_linear():
         pytest.skip("no AVX512-BF16: linear layers stay on F.linear")
@@ -110,19 +111,24 @@ def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_feat
     assert got.shape == (rows, out_features) and got.dtype == BF16
     # fp32 sums in another order than oneDNN's: equal up to bf16 rounding of the result
     torch.testing.assert_close(got.float(), F.linear(x, weight, b).float(), atol=1e-2, rtol=1e-2)
-    assert torch.equal(fused_ops.linear(x, weight, b), got)
+    if rows > 1:  # each row is its own product: its bits do not depend on the group it lands in
+        for row in range(rows):
+            pair = torch.stack([x[row], x[row]])
+            assert torch.equal(native.small_batch_linear(pair, weight, b)[1], got[row])
+    if rows <= fused_ops.SMALL_LINEAR_MAX_ROWS:
+        assert torch.equal(fused_ops.linear(x, weight, b), got)
 
 
 def test_linear_takes_f_linear_outside_the_small_bf16_case(native):
     weight = torch.randn(48, 64).to(BF16)
-    for x in (torch.randn(5, 64).to(BF16),           # more rows than a small decode step
+    for x in (torch.randn(fused_ops.SMALL_LINEAR_MAX_ROWS + 1, 64).to(BF16),  # more rows than a small step
               torch.randn(2, 64),                     # float32
               torch.randn(2, 48).to(BF16)):           # K not a multiple of 32
         w = weight if x.shape[1] == 64 else torch.randn(48, 48).to(BF16)
         w = w.float() if x.dtype == torch.float32 else w
         assert torch.equal(fused_ops.linear(x, w), F.linear(x, w))
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        native.small_batch_linear(torch.randn(5, 64).to(BF16), weight)
+    with pytest.raises(RuntimeError, match="1 to 32 rows"):
+        native.small_batch_linear(torch.randn(33, 64).to(BF16), weight)
 
 
 def test_float32_keeps_the_torch_expressions(native):
