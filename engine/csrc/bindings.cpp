@@ -34,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x (in place), then RMSNorm of the sum");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up matmul output");
   m.def("has_small_linear", &has_small_linear, "Whether small_batch_linear was compiled in (AVX512-BF16)");
-  m.def("small_batch_linear", &small_batch_linear, "x W^T (+ bias) for 1-32 bf16 rows (a small decode step's linear)",
+  m.def("small_batch_linear", &small_batch_linear, "x W^T (+ bias) for 1-256 bf16 rows (a decode step's linear)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "Set logits refused by a grammar's bitmask to -inf (in place)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key (new contiguous tensors)");

@@ -1,5 +1,5 @@
 """The Llama block's elementwise ops, fused into one-pass kernels for 16-bit activations, and
-its linear layers on CPU (a native kernel up to 16 tokens, pre-blocked bf16 weights above).
+its linear layers on CPU (a native kernel up to 128 tokens, pre-blocked bf16 weights above).
 
 Each function here is the torch expression the model has always used (the same ones transformers
 uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
@@ -50,16 +50,17 @@ def native_for(x: torch.Tensor):
     return None
 
 
-# Up to this many tokens a bf16 linear layer runs as the native small-batch kernel. Measured on a
-# 2-core Zen 4, SmolLM2-135M decode steps at 512 tokens of context: 1.2-1.4x faster than oneDNN at
-# 5-12 rows, ~1.1x at 16, even at 24-32 (the kernel takes up to 32).
-SMALL_LINEAR_MAX_ROWS = 16
+# Up to this many tokens a bf16 linear layer runs as the native small-batch kernel: decode steps,
+# whose weights are cold in cache. Measured on a 2-core Zen 4, SmolLM2-135M decode steps at 512
+# tokens of context are 1.15-1.5x faster than with oneDNN at 1-64 sequences and 1.07x at 128; the
+# kernel and oneDNN are even at 128-160 rows, and oneDNN is faster above (prefill chunks).
+SMALL_LINEAR_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear. For 1-16 bf16 rows (a small decode step) the native kernel, which streams the
-    weights, cold in cache at every decode step, at up to 2x oneDNN's rate there
+    """F.linear. For 1-128 bf16 rows (a decode step) the native kernel, which streams the
+    weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
     (engine/csrc/small_linear_cpu.cpp); for more rows, with
     `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight."""
     native = native_for(x) if x.device.type == "cpu" else None
