@@ -30,15 +30,16 @@ namespace {
 
 inline __m256i to_bf16_rne(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
-// Rows first_row .. first_row + count - 1 of W (row length k) at column k0, into L2. A prefetch never faults,
-// so past the end of W this names memory that is not W's at no risk; the addresses are formed as
-// integers to keep that well-defined. (Kept branch-free: a variant that skipped the prefetch at
-// W's end with a null-pointer test measured none of the gain.)
+// Rows first_row .. first_row + count - 1 of W (row length k) at column k0, into L2. A prefetch
+// never faults, so past the end of W this names memory that is not W's at no risk; the addresses
+// are formed as integers to keep that well-defined. (Kept branch-free: a variant that skipped the
+// prefetch at W's end with a null-pointer test measured none of the gain.)
 inline void prefetch_rows(const uint16_t* w, int64_t first_row, int count, int64_t k, int64_t k0) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(w);
-  for (int r = 0; r < count; ++r)
-    _mm_prefetch(reinterpret_cast<const char*>(base + sizeof(uint16_t) * static_cast<uintptr_t>((first_row + r) * k + k0)),
-                 _MM_HINT_T1);
+  for (int r = 0; r < count; ++r) {
+    const uintptr_t offset = sizeof(uint16_t) * static_cast<uintptr_t>((first_row + r) * k + k0);
+    _mm_prefetch(reinterpret_cast<const char*>(base + offset), _MM_HINT_T1);
+  }
 }
 
 // 16 output features for one row of x: 16 accumulators (one per W row), reduced with hsum16.
