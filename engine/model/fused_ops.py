@@ -52,8 +52,9 @@ def native_for(x: torch.Tensor):
 
 # Up to this many tokens a bf16 linear layer runs as the native small-batch kernel: decode steps,
 # whose weights are cold in cache. Measured on a 2-core Zen 4, SmolLM2-135M decode steps at 512
-# tokens of context are 1.15-1.5x faster than with oneDNN at 1-64 sequences and 1.07x at 128; the
-# kernel and oneDNN are even at 128-160 rows, and oneDNN is faster above (prefill chunks).
+# tokens of context: 1.15-1.5x faster at 1-16 sequences than the kernel's first version (1-4 rows,
+# no prefetch) with oneDNN above, and 1.07-1.15x faster at 32-128 than oneDNN; per layer the kernel
+# and oneDNN are even at 128-160 rows, and oneDNN is faster above (prefill chunks).
 SMALL_LINEAR_MAX_ROWS = 128
 
 
