@@ -19,13 +19,26 @@
 namespace {
 
 // fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's own conversion, 16 lanes.
-inline __m256i to_bf16(__m512 x) {
+inline __m256i to_bf16_portable(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(rounded);
+}
+
+// The same conversion. With AVX512-BF16 it is one vcvtneps2bf16, which rounds the same way but
+// keeps a NaN's payload and reads denormal inputs as zero; the (rare) vectors holding either take
+// the portable path for those lanes. The conversions were ~a quarter of silu_and_mul's time.
+inline __m256i to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+  const __m256i fast = (__m256i)_mm512_cvtneps_pbh(x);
+  const __mmask16 odd = _mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80);  // QNaN, denormal, SNaN
+  return odd ? _mm256_mask_mov_epi16(fast, odd, to_bf16_portable(x)) : fast;
+#else
+  return to_bf16_portable(x);
+#endif
 }
 
 inline __m512 round_bf16(__m512 x) {  // x rounded to bf16 and widened back
@@ -164,7 +177,8 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
   auto k_out = at::empty({tokens, key.size(1), dim}, key.options());
   const float* cp = cos_cache.data_ptr<float>();
   const float* sp = sin_cache.data_ptr<float>();
-  // out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), with c, s the caches rounded to bf16.
+  // out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), with c, s the caches rounded to bf16
+  // (once per token, for all of its heads).
   auto rotate = [&](const c10::BFloat16* src, int64_t heads, int64_t head_stride, c10::BFloat16* dst, const float* c,
                     const float* s) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -174,8 +188,8 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
         const bool first = i < half;
         __m512 rot = load_bf16(x + (first ? i + half : i - half));
         if (first) rot = _mm512_sub_ps(_mm512_setzero_ps(), rot);
-        const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + i), round_bf16(_mm512_loadu_ps(c + i))));
-        const __m512 b = round_bf16(_mm512_mul_ps(rot, round_bf16(_mm512_loadu_ps(s + i))));
+        const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + i), _mm512_loadu_ps(c + i)));
+        const __m512 b = round_bf16(_mm512_mul_ps(rot, _mm512_loadu_ps(s + i)));
         store_bf16(o + i, _mm512_add_ps(a, b));
       }
     }
@@ -186,9 +200,14 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
   auto* ko = k_out.data_ptr<c10::BFloat16>();
   const int64_t hq = query.size(1), hk = key.size(1);
   at::parallel_for(0, tokens, grain_rows((hq + hk) * dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> cs(2 * dim);
+    float* c = cs.data();
+    float* s = c + dim;
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pp[t] * dim;
-      const float* s = sp + pp[t] * dim;
+      for (int64_t i = 0; i < dim; i += 16) {
+        _mm512_storeu_ps(c + i, round_bf16(_mm512_loadu_ps(cp + pp[t] * dim + i)));
+        _mm512_storeu_ps(s + i, round_bf16(_mm512_loadu_ps(sp + pp[t] * dim + i)));
+      }
       rotate(qp + t * query.stride(0), hq, query.stride(1), qo + t * hq * dim, c, s);
       rotate(kp + t * key.stride(0), hk, key.stride(1), ko + t * hk * dim, c, s);
     }

@@ -96,6 +96,35 @@ def test_rotary_embedding_is_bit_identical_to_torch(native, head_dim, heads, kv_
         native.rotary_embedding(torch.tensor([2048] * tokens), query, key, rope.cos_cache, rope.sin_cache)
 
 
+def test_rotary_embedding_rounds_edge_values_like_torch(native):
+    """The bf16 conversion takes a one-instruction path that reads denormals as zero and keeps NaN
+    payloads; vectors holding those lanes must still round exactly as torch does."""
+    torch.manual_seed(5)
+    tokens, heads, kv_heads, head_dim = 11, 4, 2, 64
+    rope = RotaryEmbedding(head_dim, 2048, 10000.0, None)
+    query = torch.randn(tokens, heads, head_dim)
+    key = torch.randn(tokens, kv_heads, head_dim)
+    specials = torch.tensor([1e-39, -3e-40, 2e-38, -1.5e-38, 3e38, -3e38, float("inf"), float("-inf"), 0.0, -0.0])
+    query.view(-1)[torch.randperm(query.numel())[:200]] = specials.repeat(20)
+    key.view(-1)[torch.randperm(key.numel())[:50]] = specials.repeat(5)
+    query[2, 1] = 1e-39 * torch.randn(head_dim)  # whole heads of denormals: denormal outputs
+    query[4, 0] = 2e-38 * torch.randn(head_dim)
+    key[3, 1, 7] = float("nan")
+    query, key = query.to(BF16), key.to(BF16)
+    positions = torch.randint(0, 2048, (tokens,))
+    got_q, got_k = native.rotary_embedding(positions, query, key, rope.cos_cache, rope.sin_cache)
+    cos = rope.cos_cache.index_select(0, positions).to(BF16)[:, None, :]
+    sin = rope.sin_cache.index_select(0, positions).to(BF16)[:, None, :]
+    want_q = query * cos + fused_ops._rotate_half(query) * sin
+    want_k = key * cos + fused_ops._rotate_half(key) * sin
+    assert torch.equal(got_q.view(torch.int16), want_q.view(torch.int16))
+    denormal_out = (want_q != 0) & (want_q.abs() < torch.finfo(torch.float32).tiny)
+    assert bool(denormal_out.any()), "the edge values must produce denormal results"
+    nan = want_k.isnan()
+    assert torch.equal(got_k.isnan(), nan) and bool(nan.any())
+    assert torch.equal(got_k[~nan].view(torch.int16), want_k[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32, 128, 130])
 @pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (37, 64, True), (16, 1536, False),
                                                          (52, 96, True)])
