@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.kv_cache import advise_huge_pages  # noqa: E402
+from engine.huge_pages import advise_huge_pages  # noqa: E402
 from kvtransfer import (TransferConfig, allocate_shared, available_transports,  # noqa: E402
                         create_receiver, create_sender)
 

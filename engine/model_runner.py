@@ -12,6 +12,7 @@ from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import LoadedModel
@@ -57,6 +58,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.arch, self.max_model_len)
         model = model.to_empty(device=self.device).to(self.dtype)
+        if self.device.type == "cpu":
+            place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
         model.rotary = RotaryEmbedding(self.arch.head_dim, self.max_model_len, self.arch.rope_theta,
                                        self.arch.rope_scaling).to(self.device)
         model.load_weights(loaded.iter_weights())

@@ -1,8 +1,7 @@
-"""The KV cache allocation: layout, sizing, zeroing, and huge-page backing on Linux."""
+"""The KV cache allocation: layout, sizing, zeroing, shared memory (huge pages: test_huge_pages.py)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,45 +30,6 @@ def test_layout_sizing_and_zeroed_layers_that_share_one_allocation():
     assert len(layers) == 3 and layers[1].data_ptr() == cache.data[1].data_ptr()
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
         num_blocks_for_memory(arch, 16, torch.bfloat16, per_block)
-
-
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unavailable"
-    return text.split("[")[1].split("]")[0]
-
-
-def _mapping_at(address: int) -> dict[str, str]:
-    """The /proc/self/smaps entry (header line and fields) of the mapping containing `address`."""
-    entry: dict[str, str] = {}
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            if inside:
-                break
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-            if inside:
-                entry["range"] = line
-        elif inside and ":" in line:
-            key, value = line.split(":", 1)
-            entry[key] = value.strip()
-    return entry
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("always", "madvise"),
-                    reason="needs Linux transparent huge pages in always/madvise mode")
-def test_a_large_cpu_cache_is_backed_by_huge_pages():
-    arch = _arch()
-    blocks = num_blocks_for_memory(arch, 16, torch.float32, 64 * 2**20)
-    cache = allocate_kv_cache(arch, blocks, 16, torch.float32, "cpu")
-    # The kernel marks an madvise(MADV_HUGEPAGE)d region "hg"; whether it finds free huge pages
-    # at fault time depends on the machine's memory fragmentation, so that is not asserted.
-    mapping = _mapping_at(cache.data.data_ptr() + 32 * 2**20)
-    assert "hg" in mapping["VmFlags"].split(), mapping
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux-only")

@@ -63,6 +63,10 @@ def test_default_config_matches_transformers(llm, prompts, reference):
     assert all(o.finish_reason == "length" for o in outs)
     assert outs[0].text == llm.tokenizer.decode(reference[0])
     _assert_clean(llm.engine)
+    # The outputs above were computed from weights that the runner moved into one arena advised
+    # into huge pages (engine/huge_pages.py).
+    params = list(llm.engine.runner.model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
 
 
 def test_chunked_prefill_small_budget_matches(prompts, reference):
