@@ -41,23 +41,6 @@ inline int32_t pair_at(const uint16_t* p) {
   return v;
 }
 
-// 2^x for 16 floats, x <= 0 (scores minus their running maximum, in log2 units): x = n + f with
-// |f| <= 1/2, 2^f = e^(f ln2) by its degree-5 Taylor polynomial (relative error < 3e-6, far below
-// the bf16 rounding P gets before P V), times 2^n; inputs below -126 give ~0, not denormals.
-// Cheaper than exp16 by four instructions, and the scale's multiply absorbs log2(e).
-inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.f / 120);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The maximum of x's 16 lanes, in every lane.
 inline __m512 allmax(__m512 x) {
   x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
