@@ -58,7 +58,7 @@ void flash_rows(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t first
                 const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out, int64_t out_stride) {
   constexpr int64_t kDim = 16 * CH, kPairs = kDim / 2;
   // O in fp32 per row; the running max (in every lane) and per-lane partial sums of P. Scores are
-// kept in log2 units (scale * log2(e) applied), so P = 2^(s - max).
+  // kept in log2 units (scale * log2(e) applied), so P = 2^(s - max).
   alignas(64) float o[kRows][kDim];
   alignas(64) uint16_t p16[kRows][kKeyTile];
   int32_t qpairs[kRows][kPairs];
