@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.huge_pages import place_parameters_in_huge_pages
+from engine.huge_pages import HUGE_PAGE, place_parameters_in_huge_pages
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.model.arch import ModelArchConfig
 
@@ -40,11 +40,10 @@ def mapping_at(address: int) -> dict[str, str]:
     return entry
 
 
-THP = pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("always", "madvise"),
-                         reason="needs Linux transparent huge pages in always/madvise mode")
+THP_ON = sys.platform.startswith("linux") and _thp_mode() in ("always", "madvise")
 
 
-@THP
+@pytest.mark.skipif(not THP_ON, reason="needs Linux transparent huge pages in always/madvise mode")
 def test_a_large_cpu_cache_is_backed_by_huge_pages():
     arch = ModelArchConfig.from_hf_config({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -77,7 +76,7 @@ def test_parameters_move_into_one_arena_with_their_values():
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     first = min(p.data_ptr() for p in params.values())
-    assert first % (2 * 2**20) == 0, "the arena starts on a huge-page boundary"
-    if sys.platform.startswith("linux") and _thp_mode() in ("always", "madvise"):
+    assert first % HUGE_PAGE == 0, "the arena starts on a huge-page boundary"
+    if THP_ON:
         assert advised
         assert "hg" in mapping_at(first)["VmFlags"].split()
