@@ -5,8 +5,16 @@ The GPU twin of `engine/csrc/fused_ops_cpu.cpp`, for the same reason: in eager t
 which for a small model costs more than its matmuls (and more graph nodes under CUDA graphs).
 Each kernel computes in fp32 and rounds to the activation dtype exactly where the torch
 expression in `fused_ops.py` rounds, so RoPE, the residual add and the products are the same
-values; RMSNorm's mean and SiLU's exp are evaluated differently and can move a value by one ulp
-(tests/engine/test_triton_ops.py). Called only through `fused_ops` (float32 keeps the torch
+values; RMSNorm's mean is summed in another order and can move a value by one ulp
+(tests/engine/test_triton_ops.py). Two GPU compiler defaults would break that, and are turned
+off where they matter (found on an H200, where the tests first failed):
+- multiply-add contraction: the compiler folds the rounded products of RoPE's `x*cos + x'*sin`
+  into one fused multiply-add, which rounds once where torch rounds three times, so RoPE is
+  launched with `enable_fp_fusion=False`;
+- approximate `exp` and division: Triton's `tl.exp` and `/` are the fast approximate PTX
+  instructions, torch's SiLU uses CUDA's `expf` and IEEE division, and the few-ulp difference in
+  fp32 moved SiLU-and-mul outputs by two ulps of fp16; on the GPU the kernel calls libdevice's
+  `exp` (the same `expf`) and `div_rn`. Called only through `fused_ops` (float32 keeps the torch
 expressions); runs on CPU tensors under `TRITON_INTERPRET=1`, which is how CI tests it.
 """
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -37,13 +46,19 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + n_cols + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    # torch's CUDA SiLU: x / (1 + expf(-x)) with IEEE division (the interpreter has no libdevice)
+    if LIBDEVICE:
+        exp_neg = libdevice.exp(-gate)
+    else:
+        exp_neg = tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(out_ptr.dtype.element_ty)
     out = silu.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -123,7 +138,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, _pow2(n_cols))
     if tokens:
         _silu_and_mul_kernel[(tokens, triton.cdiv(n_cols, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                                   n_cols, BLOCK=block)
+                                                                   n_cols, BLOCK=block,
+                                                                   LIBDEVICE=gate_up.is_cuda)
     return out
 
 
@@ -141,5 +157,6 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
             num_q_heads, num_k_heads,
-            HALF=half, HALF_POW2=_pow2(half), Q_HEADS_POW2=_pow2(num_q_heads), K_HEADS_POW2=_pow2(num_k_heads))
+            HALF=half, HALF_POW2=_pow2(half), Q_HEADS_POW2=_pow2(num_q_heads), K_HEADS_POW2=_pow2(num_k_heads),
+            enable_fp_fusion=False)  # every product rounded, as torch does (module docstring)
     return q_out, k_out
