@@ -4,9 +4,13 @@
 #      cases), the Triton elementwise kernels (test_triton_ops.py), the whole engine on the GPU
 #      token-exact with transformers (tests/gpu/test_engine_gpu.py), the CUDA sampler, and
 #      kvtransfer with CUDA caches;
-#   2. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
+#   2. the KV transfer benchmark twice: CPU caches on this host's cores (tcp/shm/ucx/gloo against
+#      the plain socket and memcpy), and CUDA caches (against a device copy through CUDA IPC);
+#   3. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
 #      random weights (the default model's GGUF does not travel; speed depends only on the shape);
-#   3. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth).
+#   4. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth).
+# GPU_CHECK_STEPS picks steps (default "tests kvtransfer offline kernels"). ucx needs ucxx: where
+# it is not installed, put the wheels' contents on PYTHONPATH (the README says how).
 # Results go to $OUT when it is set, else to benchmarks/results/gpu_check/ (at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,12 +33,31 @@ print("device", torch.cuda.get_device_name(0), "SMs", torch.cuda.get_device_prop
 PY
 } 2>&1 | tee "$RESULTS/environment.txt"
 
+STEPS=" ${GPU_CHECK_STEPS:-tests kvtransfer offline kernels} "
+step() { [[ "$STEPS" == *" $1 "* ]]; }
+tests_rc=0 offline_rc=0 kv_rc=0 bench_rc=0
+
+if step tests; then
 timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra --timeout=240" \
   tests/gpu tests/kvtransfer/test_gpu.py tests/engine/test_attention.py tests/engine/test_sampler.py \
   tests/engine/test_triton_ops.py \
   -k "gpu or cuda or triton or Gpu" 2>&1 | tee "$RESULTS/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
+fi
 
+if step kvtransfer; then
+{
+  echo "--- CPU caches, $(nproc) cores ---"
+  OMP_NUM_THREADS=1 timeout 150 "$PYTHON" benchmarks/kvtransfer_bench.py --repeats 5 \
+    --json "$RESULTS/kvtransfer_cpu.json" &&
+  echo "--- CUDA caches ---" &&
+  timeout 120 "$PYTHON" benchmarks/kvtransfer_bench.py --device cuda --repeats 5 \
+    --json "$RESULTS/kvtransfer_cuda.json"
+} 2>&1 | tee "$RESULTS/kvtransfer.txt"
+kv_rc=${PIPESTATUS[0]}
+fi
+
+if step offline; then
 MODEL_DIR="${TMPDIR:-/tmp}/pdserve-smollm2-random"
 {
   "$PYTHON" benchmarks/random_model.py "$MODEL_DIR" --layers 30 &&
@@ -43,11 +66,14 @@ MODEL_DIR="${TMPDIR:-/tmp}/pdserve-smollm2-random"
   timeout 90 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --no-transformers --no-cuda-graphs
 } 2>&1 | grep -v "Writing model shards" | tee "$RESULTS/offline_gpu.txt"
 offline_rc=${PIPESTATUS[0]}
+fi
 
+if step kernels; then
 timeout 100 "$PYTHON" benchmarks/kernel_bench.py --compare-torch --json "$RESULTS/kernel_bench.json" \
   2>&1 | tee "$RESULTS/kernel_bench.txt"
 bench_rc=${PIPESTATUS[0]}
+fi
 
-echo "gpu_check: tests rc=$tests_rc, offline rc=$offline_rc, kernel benchmark rc=$bench_rc; results in $RESULTS" \
-  | tee -a "$RESULTS/gpu_check.txt"
-[ "$tests_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "gpu_check ($STEPS): tests rc=$tests_rc, offline rc=$offline_rc, kvtransfer rc=$kv_rc," \
+  "kernel benchmark rc=$bench_rc; results in $RESULTS" | tee -a "$RESULTS/gpu_check.txt"
+[ "$tests_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ] && [ "$kv_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,7 +1,8 @@
 """KV transfer bandwidth per transport, beside the raw ceiling measured in the same run.
 
     python benchmarks/kvtransfer_bench.py [--sizes 1,16,64,256] [--transports tcp,shm,ucx,nccl]
-                                          [--repeats 5] [--json out.json] [--smoke]
+                                          [--repeats 5] [--device cpu|cuda] [--json out.json]
+                                          [--smoke]
 
 Two processes: this one hosts the receiver, a spawned one the sender. Each transfer moves every
 layer of randomly scattered blocks of a SmolLM2-135M-shaped cache (30 layers, block size 16,
@@ -11,6 +12,11 @@ copy of the same bytes between the same two processes (for tcp, ucx, nccl) and a
 memcpy of the same bytes (for shm), each measured right before the transfer it is paired with,
 so both see the same machine load; "% of ceiling" is the median over those pairs. Every
 transport's last transfer is checked byte for byte.
+
+`--device cuda` puts both caches on the GPU (both processes on `cuda:0`; nccl, which needs its
+ranks on different GPUs, is skipped with one), and the ceiling becomes a device-to-device copy of
+the same bytes from the sender process into a buffer of this one, shared through CUDA IPC: the
+most that any transport between two processes on that GPU could do.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.multiprocessing  # noqa: E402,F401  (registers CUDA IPC pickling for the pipe)
 
 from engine.huge_pages import advise_huge_pages  # noqa: E402
 from kvtransfer import (TransferConfig, allocate_shared, available_transports,  # noqa: E402
@@ -39,13 +46,19 @@ CEILING_FOR = {"tcp": "socket", "ucx": "socket", "nccl": "socket", "shm": "memcp
                "shm-cma": "memcpy", "shm-mapped": "memcpy"}
 
 
-def variant(name: str, timeout_s: float) -> tuple[str, TransferConfig]:
+def ceiling_for(transport: str, device: str) -> str:
+    return "cuda-ipc copy" if device == "cuda" else CEILING_FOR[transport]
+
+
+def variant(name: str, timeout_s: float, max_message_mib: float = 0) -> tuple[str, TransferConfig]:
     """A transport and its config. shm variants: "shm" is the ring (cross-memory reads off, no
     shared caches), "shm-cma" reads the sender's memory with process_vm_readv, "shm-mapped"
-    maps the sender's caches, which lie in shared memory (a memfd), as a prefill worker's do."""
+    maps the sender's caches, which lie in shared memory (a memfd), as a prefill worker's do.
+    `max_message_mib` > 0 overrides `TransferConfig.max_message_bytes`."""
     transport, _, extra = name.partition("-")
+    overrides = {"max_message_bytes": int(max_message_mib * MIB)} if max_message_mib else {}
     return transport, TransferConfig(timeout_s=timeout_s,
-                                     shm_cross_memory_attach=(extra == "cma"))
+                                     shm_cross_memory_attach=(extra == "cma"), **overrides)
 
 
 @dataclass(frozen=True)
@@ -78,9 +91,15 @@ def _allocate(shape, dtype=torch.float32) -> torch.Tensor:
     return tensor
 
 
-def make_caches(layout: BenchLayout, seed: int | None) -> list[torch.Tensor]:
+def make_caches(layout: BenchLayout, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
+    """The per-layer caches; seeded content is generated on the CPU, so it is the same on any
+    device."""
     shape = (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads,
              layout.head_dim)
+    if device != "cpu":
+        if seed is None:
+            return list(torch.zeros(shape, device=device).unbind(0))
+        return [layer.to(device) for layer in make_caches(layout, seed)]
     data = _allocate(shape)
     if seed is None:
         return list(data.zero_().unbind(0))
@@ -99,10 +118,10 @@ def make_shared_caches(layout: BenchLayout, seed: int):
     return list(whole.unbind(0)), shared, (raw, mapping)
 
 
-def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
+def _sender_main(connection, layout: BenchLayout, threads: int, device: str) -> None:
     """The sender process: answers commands from the receiver process."""
     torch.set_num_threads(threads)
-    caches = make_caches(layout, seed=1)
+    caches = make_caches(layout, seed=1, device=device)
     senders = {}
     while True:
         command, args = connection.recv()
@@ -111,10 +130,21 @@ def _sender_main(connection, layout: BenchLayout, threads: int) -> None:
         if command == "raw_socket":
             port, nbytes = args
             connection.send(_raw_socket_send(port, nbytes))
+        elif command == "cuda_copy":
+            destination = args  # the receiver's buffer, opened here through CUDA IPC
+            source = torch.empty_like(destination).random_(0, 255)
+            destination.copy_(source)  # warm: IPC mapping, first touch
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            destination.copy_(source)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            del destination, source
+            connection.send(elapsed)
         elif command == "transfer":
-            transport, address, request_id, src_ids, dst_ids, timeout_s = args
+            transport, address, request_id, src_ids, dst_ids, timeout_s, max_message_mib = args
             if transport not in senders:
-                name, config = variant(transport, timeout_s)
+                name, config = variant(transport, timeout_s, max_message_mib)
                 if transport == "shm-mapped":  # caches in a memfd, as a prefill worker has them
                     shared_caches, shared, keep_alive = make_shared_caches(layout, seed=1)
                     senders[transport] = create_sender(name, shared_caches, config, shared_memory=shared)
@@ -186,12 +216,22 @@ def measure_memcpy(nbytes: int) -> float:
     return time.perf_counter() - start
 
 
+def measure_cuda_copy(connection, nbytes: int) -> float:
+    """A copy of `nbytes` by the sender process, device to device, into this process's memory."""
+    destination = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    connection.send(("cuda_copy", destination))
+    elapsed = connection.recv()
+    torch.cuda.synchronize()
+    return elapsed
+
+
 def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout: BenchLayout,
-                      sizes: list[float], repeats: int, timeout_s: float) -> tuple[dict, bool]:
+                      sizes: list[float], repeats: int, timeout_s: float,
+                      device: str = "cpu", max_message_mib: float = 0) -> tuple[dict, bool]:
     """Per size: (transfer seconds, ceiling seconds) pairs, each ceiling measured right before
     its transfer so both see the same machine load."""
-    caches = make_caches(layout, seed=None)
-    name, config = variant(transport, timeout_s)
+    caches = make_caches(layout, seed=None, device=device)
+    name, config = variant(transport, timeout_s, max_message_mib)
     receiver = create_receiver(name, caches, config)
     rng = random.Random(0)
     per_size, verified = {}, True
@@ -201,7 +241,9 @@ def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout
             nbytes = blocks * layout.block_nbytes
             pairs = []
             for run in range(repeats + 1):  # run 0 warms up the connection and the pages
-                if CEILING_FOR[transport] == "socket":
+                if device == "cuda":
+                    ceiling_s = measure_cuda_copy(connection, nbytes)
+                elif CEILING_FOR[transport] == "socket":
                     ceiling_s = ceiling.measure(nbytes)
                 else:
                     ceiling_s = measure_memcpy(nbytes)
@@ -210,13 +252,15 @@ def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout
                 request_id = f"{transport}-{size}-{run}"
                 receiver.expect(request_id, dst_ids)
                 connection.send(("transfer", (transport, receiver.address, request_id, src_ids,
-                                              dst_ids, timeout_s)))
+                                              dst_ids, timeout_s, max_message_mib)))
                 state, error, elapsed = connection.recv()
                 received = receiver.wait(request_id, 600)
                 if state != "success" or not received.ok:
                     raise RuntimeError(f"{transport} {size} MiB transfer failed: "
                                        f"{error or received.error}")
                 if run == repeats:
+                    if device == "cuda":
+                        torch.cuda.synchronize()
                     verified &= _verify(caches, layout, src_ids, dst_ids)
                 receiver.cancel(request_id)
                 if run:
@@ -230,7 +274,8 @@ def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout
 def _verify(caches, layout: BenchLayout, src_ids, dst_ids) -> bool:
     expected = make_caches(layout, seed=1)
     index_src, index_dst = torch.tensor(src_ids), torch.tensor(dst_ids)
-    return all(torch.equal(caches[layer][index_dst], expected[layer][index_src])
+    return all(torch.equal(caches[layer][index_dst.to(caches[layer].device)].cpu(),
+                           expected[layer][index_src])
                for layer in range(layout.num_layers))
 
 
@@ -246,22 +291,29 @@ def run(args) -> dict:
         available[available.index("shm") + 1:available.index("shm") + 1] = ["shm-cma", "shm-mapped"]
     transports = available if args.transports == "all" else args.transports.split(",")
     skipped = {name: "not available" for name in transports if name not in available}
-    transports = [name for name in transports if name in available]
+    if args.device == "cuda":
+        # mapped and cma read CPU memory of the sender; nccl needs its ranks on different GPUs
+        unusable = {"shm-cma": "CPU caches only", "shm-mapped": "CPU caches only"}
+        if torch.cuda.device_count() < 2:
+            unusable["nccl"] = "needs two GPUs (one rank per GPU)"
+        skipped.update({name: reason for name, reason in unusable.items() if name in transports})
+    transports = [name for name in transports if name in available and name not in skipped]
     base = BenchLayout()
     layout = BenchLayout(num_blocks=max(2 * base.blocks_for(max(sizes)), 16))
 
     load_before = os.getloadavg()
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
-    child = context.Process(target=_sender_main, args=(child_end, layout, args.threads),
-                            daemon=True)
+    child = context.Process(target=_sender_main,
+                            args=(child_end, layout, args.threads, args.device), daemon=True)
     child.start()
     ceiling = SocketCeiling(parent_end)
     results = []
     try:
         for transport in transports:
             per_size, verified = measure_transport(parent_end, ceiling, transport, layout, sizes,
-                                                   args.repeats, args.timeout)
+                                                   args.repeats, args.timeout, args.device,
+                                                   args.max_message_mib)
             for size, pairs in per_size.items():
                 nbytes = layout.blocks_for(size) * layout.block_nbytes
                 rates = [gbps(nbytes, elapsed) for elapsed, _ in pairs]
@@ -270,7 +322,7 @@ def run(args) -> dict:
                     "transport": transport, "size_mib": size, "bytes": nbytes,
                     "blocks": layout.blocks_for(size),
                     "gbps_median": statistics.median(rates), "gbps_best": max(rates),
-                    "ceiling": CEILING_FOR[transport],
+                    "ceiling": ceiling_for(transport, args.device),
                     "ceiling_gbps_median": statistics.median(ceilings),
                     "fraction_of_ceiling": statistics.median(
                         rate / top for rate, top in zip(rates, ceilings)),
@@ -283,11 +335,13 @@ def run(args) -> dict:
         if child.is_alive():
             child.kill()
     return {
-        "layout": asdict(layout), "dtype": "float32", "sizes_mib": sizes,
+        "layout": asdict(layout), "dtype": "float32", "device": args.device, "sizes_mib": sizes,
         "repeats": args.repeats, "threads": args.threads, "transports": transports,
+        "max_message_mib": args.max_message_mib or TransferConfig().max_message_bytes / MIB,
         "skipped": skipped,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                  "python": platform.python_version(), "torch": torch.__version__,
+                 "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                  "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "results": results,
     }
@@ -315,10 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per size (+1 warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout", type=float, default=30.0, help="transfer timeout_s")
+    parser.add_argument("--max-message-mib", type=float, default=0,
+                        help="TransferConfig.max_message_bytes in MiB (default: the config's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both processes keep their caches")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--smoke", action="store_true",
                         help="CI-sized: sizes 1,4 MiB, 1 timed run, every available transport")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     if args.smoke:
         args.sizes, args.repeats = "1,4", 1
     report = run(args)

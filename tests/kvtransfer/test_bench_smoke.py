@@ -35,3 +35,18 @@ def test_benchmark_smoke_reports_every_transport(tmp_path):
         assert row["gbps_median"] > 0 and row["ceiling_gbps_median"] > 0
         assert row["bytes"] == row["blocks"] * 30 * 2 * 16 * 3 * 64 * 4
     assert "| transport |" in run.stdout and "% of ceiling" in run.stdout
+
+
+def test_benchmark_options_reach_the_transfer_config():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kvtransfer_bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    name, config = kvtransfer_bench.variant("ucx", 3.0, max_message_mib=2)
+    assert (name, config.max_message_bytes, config.timeout_s) == ("ucx", 2 << 20, 3.0)
+    name, config = kvtransfer_bench.variant("shm-cma", 3.0)
+    assert name == "shm" and config.shm_cross_memory_attach
+    assert config.max_message_bytes == kvtransfer_bench.TransferConfig().max_message_bytes
+    assert kvtransfer_bench.ceiling_for("tcp", "cuda") == "cuda-ipc copy"
+    assert kvtransfer_bench.ceiling_for("shm", "cpu") == "memcpy"
