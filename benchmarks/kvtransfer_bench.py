@@ -42,8 +42,8 @@ from kvtransfer import (TransferConfig, allocate_shared, available_transports,  
                         create_receiver, create_sender)
 
 MIB = 1 << 20
-CEILING_FOR = {"tcp": "socket", "ucx": "socket", "nccl": "socket", "shm": "memcpy",
-               "shm-cma": "memcpy", "shm-mapped": "memcpy"}
+CEILING_FOR = {"tcp": "socket", "ucx": "socket", "ucx-tcp": "socket", "nccl": "socket",
+               "shm": "memcpy", "shm-cma": "memcpy", "shm-mapped": "memcpy"}
 
 
 def ceiling_for(transport: str, device: str) -> str:
@@ -54,11 +54,14 @@ def variant(name: str, timeout_s: float, max_message_mib: float = 0) -> tuple[st
     """A transport and its config. shm variants: "shm" is the ring (cross-memory reads off, no
     shared caches), "shm-cma" reads the sender's memory with process_vm_readv, "shm-mapped"
     maps the sender's caches, which lie in shared memory (a memfd), as a prefill worker's do.
-    `max_message_mib` > 0 overrides `TransferConfig.max_message_bytes`."""
+    ucx variants: "ucx" lets UCX use its shared-memory transports between the two processes
+    (`ucx_same_host_fast_path`), "ucx-tcp" keeps every byte on UCX's TCP path, which is what two
+    hosts without RDMA get. `max_message_mib` > 0 overrides `TransferConfig.max_message_bytes`."""
     transport, _, extra = name.partition("-")
     overrides = {"max_message_bytes": int(max_message_mib * MIB)} if max_message_mib else {}
     return transport, TransferConfig(timeout_s=timeout_s,
-                                     shm_cross_memory_attach=(extra == "cma"), **overrides)
+                                     shm_cross_memory_attach=(extra == "cma"),
+                                     ucx_same_host_fast_path=(extra != "tcp"), **overrides)
 
 
 @dataclass(frozen=True)
@@ -289,11 +292,14 @@ def run(args) -> dict:
     available = available_transports()
     if "shm" in available:
         available[available.index("shm") + 1:available.index("shm") + 1] = ["shm-cma", "shm-mapped"]
+    if "ucx" in available:
+        available.insert(available.index("ucx") + 1, "ucx-tcp")
     transports = available if args.transports == "all" else args.transports.split(",")
     skipped = {name: "not available" for name in transports if name not in available}
     if args.device == "cuda":
         # mapped and cma read CPU memory of the sender; nccl needs its ranks on different GPUs
-        unusable = {"shm-cma": "CPU caches only", "shm-mapped": "CPU caches only"}
+        unusable = {"shm-cma": "CPU caches only", "shm-mapped": "CPU caches only",
+                    "ucx-tcp": "CPU caches only (device payloads never take the same-host path)"}
         if torch.cuda.device_count() < 2:
             unusable["nccl"] = "needs two GPUs (one rank per GPU)"
         skipped.update({name: reason for name, reason in unusable.items() if name in transports})

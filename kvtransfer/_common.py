@@ -2,8 +2,32 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections import OrderedDict
 from typing import Iterable, Sequence
+
+import torch
+
+_HUGE_PAGE = 2 << 20
+
+
+def staging_buffer(nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A uint8 buffer for staged payloads. On the CPU it lies in transparent huge pages where
+    Linux offers them (`madvise`, as the engine's KV cache does): a payload is copied in and
+    out at memory speed and UCX's cma reads it page by page, so 4 KiB pages would cost a TLB
+    miss and a page pin every 4 KiB."""
+    if torch.device(device).type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    # private and anonymous (a plain mmap(-1) is shared memory, which THP treats apart); freed
+    # with the tensor, which keeps `region` alive
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, same bytes
+        pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % _HUGE_PAGE  # align, so every 2 MiB of it can be one page
+    return whole[start:start + nbytes]
 
 
 def normalize_layers(layers: Iterable[int] | None, num_layers: int) -> tuple[int, ...]:

@@ -29,6 +29,12 @@ class TransferConfig:
         shared_memory=...)`), let a same-host receiver map them read-only and copy blocks
         straight out (one memcpy per chunk; preferred over cross-memory reads and the ring).
         Both sides must allow it.
+    ucx_same_host_fast_path: between two processes of one host (same boot, network, PID and
+        IPC namespaces) with CPU caches, send ucx payloads over a second UCX endpoint that UCX
+        may put on its shared-memory transports (cma, sysv), which it offers only to endpoints
+        without UCX-level peer-failure handling; the control endpoint keeps that handling and
+        watches the peer. Both sides must allow it; otherwise payloads take the control
+        endpoint's path (TCP on one host).
     """
 
     timeout_s: float = 5.0
@@ -42,6 +48,7 @@ class TransferConfig:
     shm_cross_memory_attach: bool = False
     shm_copy_threads: int = 2
     shm_mapped: bool = True
+    ucx_same_host_fast_path: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -6,6 +6,17 @@ Control messages and payloads are tagged messages on one endpoint per connection
 on their own tag); each payload is one contiguous staging buffer, gathered from and scattered
 into the blocks on the device where the caches live.
 
+Same host: the connection's endpoint comes from a listener and asks for UCX's peer-failure
+handling, which UCX's shared-memory transports do not offer for a whole endpoint, so UCX runs
+it over TCP loopback. With CPU caches on both sides of one host, the two sides therefore also
+open a payload endpoint to each other's worker address without that handling: UCX then uses
+sysv for small messages and cma (the receiver reads the sender's staging buffer with one
+process_vm_readv) for payloads. The receiver first checks that the OS lets it read the sender's
+memory (a probe buffer named in the hello): where it may not (Yama ptrace_scope, seccomp), UCX's
+cma reads would fail mid-transfer, so the connection keeps TCP. The control endpoint keeps the
+failure handling and the heartbeats, and a failure there aborts both endpoints, which cancels
+the payload requests.
+
 ucxx keeps one context per process, bound to the event loop it was started on, so every ucx
 sender and receiver in a process shares one loop thread (`_UcxRuntime`); the runtime resets
 ucxx (stopping its threads) when its last user closes. Set UCX_TLS and friends in the
@@ -19,13 +30,17 @@ import gc
 import json
 import logging
 import os
+import secrets
+import socket
 import struct
 import threading
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .._common import cancel_and_wait
+from . import _cma
+from .._common import cancel_and_wait, staging_buffer
 from .._loop import LoopThread
 from .._payload import BlockSink, BlockSource, DiscardSink
 from ..addresses import Endpoint
@@ -114,6 +129,18 @@ class _UcxRuntime:
                 await asyncio.sleep(0.05)
 
 
+def _host_identity() -> str | None:
+    """Equal for two processes that UCX's shared-memory transports can connect: same boot of
+    the same host, same network, PID and IPC namespaces. None when it cannot be told."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            parts = [socket.gethostname(), boot.read().strip()]
+        parts += [str(os.stat(f"/proc/self/ns/{name}").st_ino) for name in ("net", "pid", "ipc")]
+    except OSError:
+        return None
+    return ":".join(parts)
+
+
 def _drop_failure(future: asyncio.Future) -> None:
     """Retrieve a failed request's exception and cut its traceback (see `_failure`)."""
     if not future.cancelled() and future.exception() is not None:
@@ -142,6 +169,33 @@ class UcxChannel(Channel):
         self._payload_sends: set[asyncio.Task] = set()
         self._posted: collections.deque[tuple[asyncio.Future, torch.Tensor]] = collections.deque()
         self._spare_buffers: list[torch.Tensor] = []
+        # the same-host payload endpoint (see the module docstring) and its tag, once agreed
+        self._payload_ep = None
+        self._payload_tag: int | None = None
+        self._probe = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()  # sender: read by the peer
+
+    @property
+    def same_host_fast_path(self) -> bool:
+        return self._payload_ep is not None
+
+    def _fast_path_allowed(self) -> bool:
+        return self._ctx.config.ucx_same_host_fast_path and not self._ctx.layout.is_cuda
+
+    @staticmethod
+    def _worker_address_hex() -> str:
+        return bytes(_import_ucxx().get_worker_address()).hex()
+
+    async def _open_payload_endpoint(self, address_hex: str, tag: int) -> None:
+        ucxx = _import_ucxx()
+        address = ucxx.get_ucx_address_from_buffer(bytes.fromhex(address_hex))
+        try:
+            self._payload_ep = await ucxx.create_endpoint_from_worker_address(
+                address, endpoint_error_handling=False)
+        except Exception as exc:  # the control endpoint's path still works
+            _log.warning("ucx: no same-host payload endpoint to %s (%s); payloads go over "
+                         "the control endpoint", self.peer, exc)
+            return
+        self._payload_tag = tag
 
     def _failure(self, exc: Exception) -> ChannelClosed:
         # ucxx's request future keeps this exception alive from C++; its traceback would pin
@@ -156,14 +210,42 @@ class UcxChannel(Channel):
             raise ChannelClosed(f"connection to {self.peer} is closed")
 
     def _new_buffer(self) -> torch.Tensor:
-        return torch.empty(self.max_payload_bytes, dtype=torch.uint8, device=self._ctx.layout.device)
+        return staging_buffer(self.max_payload_bytes, self._ctx.layout.device)
+
+    def hello_fields(self) -> dict:
+        identity = _host_identity() if self._fast_path_allowed() else None
+        if identity is None:
+            return {}
+        return {"ucx_host": identity, "ucx_worker_address": self._worker_address_hex(),
+                "ucx_probe": {"pid": os.getpid(), "address": int(self._probe.ctypes.data),
+                              "bytes": self._probe.tobytes().hex()}}
+
+    def _may_read_sender(self, hello: dict) -> bool:
+        probe = hello.get("ucx_probe") or {}
+        try:
+            return _cma.probe(int(probe["pid"]), int(probe["address"]), bytes.fromhex(probe["bytes"]))
+        except (KeyError, TypeError, ValueError):
+            return False
 
     async def accept_hello(self, hello: dict) -> dict:
-        return {"max_payload_bytes": self.max_payload_bytes}
+        reply = {"max_payload_bytes": self.max_payload_bytes}
+        identity = _host_identity() if self._fast_path_allowed() else None
+        if (identity is not None and hello.get("ucx_host") == identity
+                and hello.get("ucx_worker_address") and self._may_read_sender(hello)):
+            # a tag of its own per connection: tag matching spans the whole (shared) worker
+            await self._open_payload_endpoint(hello["ucx_worker_address"], secrets.randbits(62))
+            if self._payload_ep is not None:
+                reply.update(ucx_worker_address=self._worker_address_hex(),
+                             ucx_payload_tag=self._payload_tag)
+        return reply
 
     async def after_hello_ok(self, reply: dict) -> None:
         if "max_payload_bytes" in reply:  # sender: never send more than the receiver posts
             self.max_payload_bytes = min(self.max_payload_bytes, int(reply["max_payload_bytes"]))
+        if self._ctx.role == "sender" and reply.get("ucx_worker_address") and self._fast_path_allowed():
+            await self._open_payload_endpoint(reply["ucx_worker_address"], int(reply["ucx_payload_tag"]))
+            if self._payload_ep is None:  # the receiver posts on its payload tag: cannot fall back
+                raise ChannelClosed(f"ucx: could not open the same-host payload endpoint to {self.peer}")
 
     async def _send_control_unlocked(self, message: dict) -> None:
         """One tagged message `[u64 length][json]` (ucxx's send_obj takes two, each a round trip
@@ -227,7 +309,10 @@ class UcxChannel(Channel):
 
     async def _send_payload(self, staged: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
-            await self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
+            if self._payload_ep is not None:
+                await self._payload_ep.send(_as_ucx_buffer(staged), tag=self._payload_tag, force_tag=True)
+            else:
+                await self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
             self.mark_tx()
         except Exception as exc:
             self._error = self._failure(exc)
@@ -243,7 +328,11 @@ class UcxChannel(Channel):
         self._check_open()
         while len(self._posted) < _PIPELINE_DEPTH:
             buffer = self._spare_buffers.pop() if self._spare_buffers else self._new_buffer()
-            future = asyncio.ensure_future(self._ep.recv(_as_ucx_buffer(buffer), tag=_PAYLOAD_TAG))
+            if self._payload_ep is not None:
+                receive = self._payload_ep.recv(_as_ucx_buffer(buffer), tag=self._payload_tag, force_tag=True)
+            else:
+                receive = self._ep.recv(_as_ucx_buffer(buffer), tag=_PAYLOAD_TAG)
+            future = asyncio.ensure_future(receive)
             future.add_done_callback(_drop_failure)
             self._posted.append((future, buffer))
 
@@ -267,13 +356,16 @@ class UcxChannel(Channel):
             self._spare_buffers.append(buffer)
 
     def _abort_endpoint(self) -> None:
-        endpoint, self._ep = self._ep, None
-        if endpoint is None:
-            return
-        try:
-            endpoint.abort()
-        except Exception as exc:  # already broken: nothing left to release
-            _log.debug("ucx endpoint abort: %s", exc)
+        """Abort the control endpoint and the payload endpoint (cancelling their requests)."""
+        endpoints = (self._ep, self._payload_ep)
+        self._ep = self._payload_ep = None
+        for endpoint in endpoints:
+            if endpoint is None:
+                continue
+            try:
+                endpoint.abort()
+            except Exception as exc:  # already broken: nothing left to release
+                _log.debug("ucx endpoint abort: %s", exc)
 
     async def close(self) -> None:
         if self._closed:

@@ -27,7 +27,10 @@ def test_benchmark_smoke_reports_every_transport(tmp_path):
     report = json.loads(out.read_text())
     assert report["sizes_mib"] == [1.0, 4.0] and report["layout"]["num_layers"] == 30
     rows = {(row["transport"], row["size_mib"]): row for row in report["results"]}
-    variants = available_transports() + ["shm-cma", "shm-mapped"]  # shm: cross-memory reads, mapped caches
+    # shm: cross-memory reads, mapped caches; ucx-tcp: ucx without its same-host fast path
+    variants = available_transports() + ["shm-cma", "shm-mapped"]
+    if "ucx" in variants:
+        variants.append("ucx-tcp")
     assert set(rows) == {(name, size) for name in variants for size in (1.0, 4.0)}
     for (transport, _), row in rows.items():
         assert row["verified_byte_exact"] is True
@@ -45,6 +48,9 @@ def test_benchmark_options_reach_the_transfer_config():
         sys.path.remove(str(REPO / "benchmarks"))
     name, config = kvtransfer_bench.variant("ucx", 3.0, max_message_mib=2)
     assert (name, config.max_message_bytes, config.timeout_s) == ("ucx", 2 << 20, 3.0)
+    assert config.ucx_same_host_fast_path
+    name, config = kvtransfer_bench.variant("ucx-tcp", 3.0)
+    assert name == "ucx" and not config.ucx_same_host_fast_path
     name, config = kvtransfer_bench.variant("shm-cma", 3.0)
     assert name == "shm" and config.shm_cross_memory_attach
     assert config.max_message_bytes == kvtransfer_bench.TransferConfig().max_message_bytes

@@ -133,6 +133,26 @@ def test_each_shm_variant_runs_on_its_own_data_path(receiver, sender_peer, varia
     receiver.cancel("path")
 
 
+def _on_ucx_same_host_path(receiver) -> bool:
+    """Whether every ucx connection of `receiver` sends payloads over the same-host endpoint
+    (UCX's cma path); expected wherever cross-memory reads are possible, as here."""
+    return all(connection.channel.same_host_fast_path for connection in receiver._connections)
+
+
+def test_ucx_payloads_take_the_same_host_path(receiver, sender_peer, transport):
+    """ucx between two processes of one host with CPU caches: payloads on the endpoint UCX
+    can put on its shared-memory transports, not on the control endpoint's TCP."""
+    if transport != "ucx":
+        pytest.skip("ucx only")
+    from kvtransfer.transports import _cma
+    receiver.expect("local", [5])
+    sender_peer.call("send", "local", receiver.address, [4], [5])
+    assert receiver.wait("local", GUARD_S).ok
+    assert _on_ucx_same_host_path(receiver) == _cma.available()
+    sender_peer.call("cancel", "local")
+    receiver.cancel("local")
+
+
 def test_layerwise_streaming_arrives_byte_exact_in_order(receiver, sender_peer, source):
     src_ids, dst_ids = random_blocks(random.Random(2), 12)
     receiver.expect("layers", dst_ids)
@@ -341,6 +361,9 @@ def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport, options, 
         peer.call("start", "killed", receiver.address, [1, 2, 3], [5, 6, 7])
         peer.call("send_layers", "killed", range(0, 5))
         assert receiver.wait_layer("killed", 4, GUARD_S)
+        if transport == "ucx":  # the kill must hit the same-host payload path too
+            from kvtransfer.transports import _cma
+            assert _on_ucx_same_host_path(receiver) == _cma.available()
         peer.kill()
         status = receiver.wait("killed", GUARD_S)
         assert status.state is TransferState.FAILED

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -428,6 +429,49 @@ def test_ucx_runtime_is_released_with_its_last_user():
     assert same_bytes(caches[1][2], source[1][3])
 
 
+@pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx not installed")
+@pytest.mark.parametrize("sender_on, receiver_on", [(True, True), (True, False), (False, True)])
+def test_ucx_same_host_payload_endpoint_only_when_both_sides_allow_it(sender_on, receiver_on):
+    """On one host, CPU caches: payloads go over a second endpoint without UCX-level failure
+    handling (so UCX may use its shared-memory transports) only with both sides' consent;
+    byte-exact either way."""
+    source, caches = source_caches(SMALL, 9), sentinel_caches(SMALL)
+    with create_receiver("ucx", caches, TransferConfig(ucx_same_host_fast_path=receiver_on)) as receiver, \
+            create_sender("ucx", source, TransferConfig(ucx_same_host_fast_path=sender_on)) as sender:
+        receiver.expect("f", [5, 0])
+        assert sender.send("f", receiver.address, [1, 6], [5, 0]).wait(GUARD_S).ok
+        assert receiver.wait("f", GUARD_S).ok
+        channels = [connection.channel for connection in receiver._connections]
+        assert [channel.same_host_fast_path for channel in channels] == [sender_on and receiver_on]
+        for layer in range(SMALL.num_layers):
+            assert same_bytes(caches[layer][5], source[layer][1])
+            assert same_bytes(caches[layer][0], source[layer][6])
+
+
+@pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx not installed")
+def test_ucx_keeps_tcp_when_the_receiver_may_not_read_the_sender(monkeypatch):
+    """UCX's same-host payloads are cma reads of the sender's memory: where the OS forbids
+    them (the probe fails), the connection must stay on the control endpoint's path."""
+    from kvtransfer.transports import ucx
+    monkeypatch.setattr(ucx._cma, "probe", lambda pid, address, expected: False)
+    source, caches = source_caches(SMALL, 10), sentinel_caches(SMALL)
+    with create_receiver("ucx", caches) as receiver, create_sender("ucx", source) as sender:
+        receiver.expect("p", [3])
+        assert sender.send("p", receiver.address, [4], [3]).wait(GUARD_S).ok
+        assert [connection.channel.same_host_fast_path for connection in receiver._connections] == [False]
+        assert same_bytes(caches[2][3], source[2][4])
+
+
+def test_ucx_same_host_identity_names_host_and_namespaces():
+    from kvtransfer.transports.ucx import _host_identity
+    identity = _host_identity()
+    if identity is None:
+        pytest.skip("no /proc here")
+    hostname, boot_id, *namespaces = identity.split(":")
+    assert hostname and len(boot_id) == 36 and len(namespaces) == 3 and all(map(str.isdigit, namespaces))
+    assert _host_identity() == identity
+
+
 def _shm_modes(receiver) -> list[str]:
     return [connection.channel.mode for connection in receiver._connections]
 
@@ -539,3 +583,35 @@ def test_shared_memory_must_contain_the_caches():
         create_sender("shm", source, shared_memory=SharedMemory(fd=0, address=1, nbytes=16))
 
 
+
+
+def test_cpu_staging_buffers_are_private_huge_page_aligned_memory():
+    from kvtransfer._common import staging_buffer
+    buffer = staging_buffer((5 << 20) + 3)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == (5 << 20) + 3 and buffer.device.type == "cpu"
+    buffer.fill_(7)
+    assert int(buffer.sum()) == 7 * buffer.numel()
+    if not sys.platform.startswith("linux"):
+        return
+    assert buffer.data_ptr() % (2 << 20) == 0
+    start = buffer.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        mapping = None
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                low, high = (int(part, 16) for part in head.split("-"))
+                mapping = [line] if low <= start < high else None
+            elif mapping is not None:
+                mapping.append(line)
+                if line.startswith("VmFlags"):
+                    break
+    assert mapping is not None
+    assert mapping[0].split()[1].endswith("p")  # private, so anonymous THP applies (not shmem)
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            thp_on = "[never]" not in setting.read()
+    except OSError:
+        thp_on = False
+    if thp_on:
+        assert "hg" in mapping[-1].split()[1:]  # advised into huge pages
