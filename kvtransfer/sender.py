@@ -39,7 +39,7 @@ from .status import (LayoutMismatchError, TransferError, TransferState, Transfer
 from .transports.base import Channel, ChannelClosed, Transport, TransportContext
 
 
-_MIN_MESSAGES_PER_GROUP = 4  # split a layer group at least this much...
+_MIN_MESSAGES_PER_GROUP = 2  # split a layer group at least this much...
 _MIN_SPLIT_BYTES = 1 << 20  # ...unless its messages would get smaller than this
 
 
