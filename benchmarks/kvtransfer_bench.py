@@ -1,8 +1,11 @@
 """KV transfer bandwidth per transport, beside the raw ceiling measured in the same run.
 
     python benchmarks/kvtransfer_bench.py [--sizes 1,16,64,256] [--transports tcp,shm,ucx,nccl]
-                                          [--repeats 5] [--device cpu|cuda] [--json out.json]
-                                          [--smoke]
+                                          [--repeats 5] [--device cpu|cuda] [--max-message-mib N]
+                                          [--json out.json] [--smoke]
+
+Variants beside the transports: shm-cma and shm-mapped (shm's single-copy paths) and ucx-tcp (ucx
+without its same-host endpoint: UCX's TCP path); see `variant`.
 
 Two processes: this one hosts the receiver, a spawned one the sender. Each transfer moves every
 layer of randomly scattered blocks of a SmolLM2-135M-shaped cache (30 layers, block size 16,
