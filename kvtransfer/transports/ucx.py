@@ -185,17 +185,15 @@ class UcxChannel(Channel):
     def _worker_address_hex() -> str:
         return bytes(_import_ucxx().get_worker_address()).hex()
 
-    async def _open_payload_endpoint(self, address_hex: str, tag: int) -> None:
+    async def _open_payload_endpoint(self, address_hex: str) -> None:
         ucxx = _import_ucxx()
-        address = ucxx.get_ucx_address_from_buffer(bytes.fromhex(address_hex))
         try:
+            address = ucxx.get_ucx_address_from_buffer(bytes.fromhex(address_hex))
             self._payload_ep = await ucxx.create_endpoint_from_worker_address(
                 address, endpoint_error_handling=False)
         except Exception as exc:  # the control endpoint's path still works
             _log.warning("ucx: no same-host payload endpoint to %s (%s); payloads go over "
                          "the control endpoint", self.peer, exc)
-            return
-        self._payload_tag = tag
 
     def _failure(self, exc: Exception) -> ChannelClosed:
         # ucxx's request future keeps this exception alive from C++; its traceback would pin
@@ -232,9 +230,10 @@ class UcxChannel(Channel):
         identity = _host_identity() if self._fast_path_allowed() else None
         if (identity is not None and hello.get("ucx_host") == identity
                 and hello.get("ucx_worker_address") and self._may_read_sender(hello)):
-            # a tag of its own per connection: tag matching spans the whole (shared) worker
-            await self._open_payload_endpoint(hello["ucx_worker_address"], secrets.randbits(62))
+            await self._open_payload_endpoint(hello["ucx_worker_address"])
             if self._payload_ep is not None:
+                # a tag of its own per connection: tag matching spans the whole (shared) worker
+                self._payload_tag = secrets.randbits(62)
                 reply.update(ucx_worker_address=self._worker_address_hex(),
                              ucx_payload_tag=self._payload_tag)
         return reply
@@ -243,9 +242,11 @@ class UcxChannel(Channel):
         if "max_payload_bytes" in reply:  # sender: never send more than the receiver posts
             self.max_payload_bytes = min(self.max_payload_bytes, int(reply["max_payload_bytes"]))
         if self._ctx.role == "sender" and reply.get("ucx_worker_address") and self._fast_path_allowed():
-            await self._open_payload_endpoint(reply["ucx_worker_address"], int(reply["ucx_payload_tag"]))
-            if self._payload_ep is None:  # the receiver posts on its payload tag: cannot fall back
-                raise ChannelClosed(f"ucx: could not open the same-host payload endpoint to {self.peer}")
+            # The receiver posts its payload receives on this tag. Tag matching is per worker,
+            # so if our payload endpoint cannot be opened, payloads sent on the control endpoint
+            # with this tag still match them (over TCP).
+            self._payload_tag = int(reply["ucx_payload_tag"])
+            await self._open_payload_endpoint(reply["ucx_worker_address"])
 
     async def _send_control_unlocked(self, message: dict) -> None:
         """One tagged message `[u64 length][json]` (ucxx's send_obj takes two, each a round trip
@@ -309,8 +310,9 @@ class UcxChannel(Channel):
 
     async def _send_payload(self, staged: torch.Tensor, buffer: torch.Tensor) -> None:
         try:
-            if self._payload_ep is not None:
-                await self._payload_ep.send(_as_ucx_buffer(staged), tag=self._payload_tag, force_tag=True)
+            if self._payload_tag is not None:
+                endpoint = self._payload_ep or self._ep
+                await endpoint.send(_as_ucx_buffer(staged), tag=self._payload_tag, force_tag=True)
             else:
                 await self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
             self.mark_tx()

@@ -462,6 +462,29 @@ def test_ucx_keeps_tcp_when_the_receiver_may_not_read_the_sender(monkeypatch):
         assert same_bytes(caches[2][3], source[2][4])
 
 
+@pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx not installed")
+def test_ucx_sender_without_its_payload_endpoint_still_reaches_the_receivers_payload_tag(monkeypatch):
+    """If only the receiver opened its same-host endpoint, the sender sends payloads on the
+    control endpoint with the agreed tag; tag matching is per worker, so they still land."""
+    from kvtransfer.transports import ucx
+    opened = ucx.UcxChannel._open_payload_endpoint
+
+    async def receiver_only(channel, address_hex):
+        if channel._ctx.role == "receiver":
+            await opened(channel, address_hex)
+
+    monkeypatch.setattr(ucx.UcxChannel, "_open_payload_endpoint", receiver_only)
+    source, caches = source_caches(SMALL, 12), sentinel_caches(SMALL)
+    with create_receiver("ucx", caches) as receiver, create_sender("ucx", source) as sender:
+        receiver.expect("half", [7, 2])
+        assert sender.send("half", receiver.address, [0, 5], [7, 2]).wait(GUARD_S).ok
+        assert receiver.wait("half", GUARD_S).ok
+        assert [connection.channel.same_host_fast_path for connection in receiver._connections] == [True]
+        for layer in range(SMALL.num_layers):
+            assert same_bytes(caches[layer][7], source[layer][0])
+            assert same_bytes(caches[layer][2], source[layer][5])
+
+
 def test_ucx_same_host_identity_names_host_and_namespaces():
     from kvtransfer.transports.ucx import _host_identity
     identity = _host_identity()
