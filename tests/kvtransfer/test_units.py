@@ -20,6 +20,7 @@ from kvtransfer.addresses import parse_address
 from kvtransfer.layout import check_layouts
 from kvtransfer.transports._stream import AsyncSocket, SocketPayloadChannel
 
+from ..memory_maps import THP_ON, mapping_at
 from .peer import CacheSpec, is_sentinel, same_bytes, sentinel_caches, source_caches
 
 GUARD_S = 60.0
@@ -606,8 +607,6 @@ def test_shared_memory_must_contain_the_caches():
         create_sender("shm", source, shared_memory=SharedMemory(fd=0, address=1, nbytes=16))
 
 
-
-
 def test_cpu_staging_buffers_are_private_huge_page_aligned_memory():
     from kvtransfer._common import staging_buffer
     buffer = staging_buffer((5 << 20) + 3)
@@ -617,24 +616,8 @@ def test_cpu_staging_buffers_are_private_huge_page_aligned_memory():
     if not sys.platform.startswith("linux"):
         return
     assert buffer.data_ptr() % (2 << 20) == 0
-    start = buffer.data_ptr()
-    with open("/proc/self/smaps") as smaps:
-        mapping = None
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                low, high = (int(part, 16) for part in head.split("-"))
-                mapping = [line] if low <= start < high else None
-            elif mapping is not None:
-                mapping.append(line)
-                if line.startswith("VmFlags"):
-                    break
-    assert mapping is not None
-    assert mapping[0].split()[1].endswith("p")  # private, so anonymous THP applies (not shmem)
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
-            thp_on = "[never]" not in setting.read()
-    except OSError:
-        thp_on = False
-    if thp_on:
-        assert "hg" in mapping[-1].split()[1:]  # advised into huge pages
+    mapping = mapping_at(buffer.data_ptr())
+    assert mapping
+    assert mapping["range"].split()[1].endswith("p")  # private, so anonymous THP applies (not shmem)
+    if THP_ON:
+        assert "hg" in mapping["VmFlags"].split()  # advised into huge pages
