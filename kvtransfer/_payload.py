@@ -33,21 +33,24 @@ class DataPiece:
 
 
 def plan_pieces(layers: Sequence[int], num_blocks: int, layout: KVLayout,
-                max_bytes: int) -> list[DataPiece]:
-    """Split `layers x num_blocks` chunks into messages of at most `max_bytes` each."""
+                max_bytes: int, block_start: int = 0) -> list[DataPiece]:
+    """Split `layers x blocks[block_start:num_blocks]` chunks into messages of at most
+    `max_bytes` each."""
     chunk = layout.chunk_nbytes
     if chunk > max_bytes:
         raise ValueError(f"one KV chunk is {chunk} bytes, above the message limit of {max_bytes}")
-    layer_bytes = num_blocks * chunk
+    layer_bytes = (num_blocks - block_start) * chunk
     pieces = []
+    if layer_bytes <= 0:
+        return pieces
     if layer_bytes <= max_bytes:
         per_message = max_bytes // layer_bytes
         for start in range(0, len(layers), per_message):
-            pieces.append(DataPiece(tuple(layers[start:start + per_message]), 0, num_blocks))
+            pieces.append(DataPiece(tuple(layers[start:start + per_message]), block_start, num_blocks))
     else:
         blocks_per_message = max_bytes // chunk
         for layer in layers:
-            for start in range(0, num_blocks, blocks_per_message):
+            for start in range(block_start, num_blocks, blocks_per_message):
                 pieces.append(DataPiece((layer,), start, min(num_blocks, start + blocks_per_message)))
     return pieces
 

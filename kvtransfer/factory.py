@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -74,27 +74,32 @@ def auto_receiver_transports(layout: KVLayout) -> list[str]:
 
 
 def auto_sender_transports(layout: KVLayout) -> list[str]:
-    """What an `auto` sender may use; the order of the receiver's address picks among them."""
+    """What an `auto` sender may use: every usable transport, so that one sender reaches any
+    receiver; the order of the receiver's address picks among them."""
     if not layout.is_cuda:
-        return _usable(["shm", "tcp", "nccl"])
+        return _usable(["shm", "tcp", "ucx", "nccl"])
     return _usable(["ucx", "nccl", "shm", "tcp"])
 
 
 def create_receiver(transport: str, layer_caches: Sequence[torch.Tensor],
-                    config: TransferConfig | None = None) -> KVReceiver:
+                    config: TransferConfig | None = None,
+                    on_transfer_end: Callable[[str], None] | None = None) -> KVReceiver:
     """A receiver listening on `transport` ("tcp", "shm", "ucx", "nccl" or "auto");
     `receiver.address` is what senders need."""
     layout = KVLayout.from_caches(layer_caches)
     names = auto_receiver_transports(layout) if transport == "auto" else [transport]
-    return KVReceiver([_make(name) for name in names], layer_caches, config)
+    return KVReceiver([_make(name) for name in names], layer_caches, config, on_transfer_end)
 
 
 def create_sender(transport: str, layer_caches: Sequence[torch.Tensor],
                   config: TransferConfig | None = None,
-                  shared_memory: SharedMemory | None = None) -> KVSender:
+                  shared_memory: SharedMemory | None = None, epoch: int | None = None,
+                  on_transfer_end: Callable[[str], None] | None = None) -> KVSender:
     """A sender over `transport` ("tcp", "shm", "ucx", "nccl" or "auto"). `shared_memory`: the
-    shared file the (host) caches lie in, which lets shm receivers copy straight out of them."""
+    shared file the (host) caches lie in, which lets shm receivers copy straight out of them.
+    `epoch` and `on_transfer_end`: see kvtransfer/sender.py."""
     layout = KVLayout.from_caches(layer_caches)
     names = auto_sender_transports(layout) if transport == "auto" else [transport]
     return KVSender([_make(name) for name in names], layer_caches, config,
-                    transport_name=transport, shared_memory=shared_memory)
+                    transport_name=transport, shared_memory=shared_memory, epoch=epoch,
+                    on_transfer_end=on_transfer_end)

@@ -9,6 +9,10 @@ Lifecycle of one expected transfer (request id):
     no sender within pending_timeout_s, close()  -> FAILED (error says why)
     cancel()                -> forgotten     no byte is written into its blocks after it returns
 
+`on_transfer_end(request_id)` (constructor) is called on the I/O thread whenever an expected
+transfer ends (SUCCESS or FAILED), so an engine loop can sleep until then instead of polling.
+`poll()` reports the `epoch` the sender announced (`TransferStatus.producer_epoch`).
+
 Threading: the public methods are called from the engine thread and never wait on the
 network. All I/O, and every write into the caches, runs on one event-loop thread owned by the
 receiver; `cancel()` runs on that thread too, which orders it against every write.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -52,10 +56,11 @@ class _ExpectedTransfer:
         self.active = True  # False once ended or cancelled; read and written on the loop thread
         self.uid: str | None = None
         self.connection: _SenderConnection | None = None
+        self.producer_epoch = 0
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.request_id, self.state, self.error, self.bytes,
-                              self.layers_complete, len(self.layers))
+                              self.layers_complete, len(self.layers), self.producer_epoch)
 
     def layer_done(self, layer: int) -> bool:
         position = self.layer_position.get(layer)
@@ -73,8 +78,10 @@ class KVReceiver:
     """Receives KV blocks into `layer_caches`. Create with `kvtransfer.create_receiver`."""
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
-                 config: TransferConfig | None = None) -> None:
+                 config: TransferConfig | None = None,
+                 on_transfer_end: Callable[[str], None] | None = None) -> None:
         self.config = config or TransferConfig()
+        self._on_transfer_end = on_transfer_end
         self.layout = KVLayout.from_caches(layer_caches)
         if self.layout.chunk_nbytes > self.config.max_message_bytes:
             raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
@@ -223,6 +230,8 @@ class KVReceiver:
             record.connection.transfers.pop(record.uid, None)
             record.connection.ended_uids.add(record.uid)
         self._changed.notify_all()
+        if self._on_transfer_end is not None:
+            self._on_transfer_end(record.request_id)
         return True
 
     def _fail(self, record: _ExpectedTransfer, reason: str, tell_sender: bool) -> None:
@@ -358,6 +367,7 @@ class KVReceiver:
                                         f"receiver expects {list(record.layers)}"), True
             else:
                 record.uid, record.connection = uid, connection
+                record.producer_epoch = int(message.get("epoch", 0))
                 record.state = TransferState.TRANSFERRING
                 connection.transfers[uid] = record
                 self._changed.notify_all()

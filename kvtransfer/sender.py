@@ -10,6 +10,13 @@ Lifecycle of one outgoing transfer (request id):
 
 Layer-wise streaming: `start()` opens a transfer over some layers, `send_layers()` pushes a
 group of them as soon as prefill has computed it; `send()` does both for layers that are ready.
+`send_layers(..., num_blocks=n)` pushes only the first n blocks of the group (the blocks a prompt
+chunk completed); a later call for the same layers pushes the blocks after them.
+
+`epoch` (constructor; default: random, i.e. new per sender and so per process) is sent in every `begin`, so the receiver can tell which incarnation of
+the sending process wrote the bytes; `on_transfer_end(request_id)` is called on the I/O thread
+whenever a transfer ends (SUCCESS or FAILED), so an engine loop can sleep until then instead of
+polling.
 
 Threading: the public methods are called from the engine thread and never wait on the network;
 connections, handshakes and all reads of the source blocks run on one event-loop thread.
@@ -17,11 +24,12 @@ connections, handshakes and all reads of the source blocks run on one event-loop
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 import uuid
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -54,7 +62,7 @@ class _OutgoingTransfer:
         self.layers = layers
         self.layer_position = {layer: position for position, layer in enumerate(layers)}
         self.index = torch.tensor(src_block_ids, dtype=torch.int64, device=device)
-        self.queued_layers: set[int] = set()
+        self.blocks_queued = [0] * len(layers)  # per layer: blocks [0, n) handed to send_layers
         self.pending_pieces: deque[DataPiece] = deque()  # planned, not sent yet (loop thread)
         self.in_rotation = False  # has a "next_piece" turn queued on its connection
         self.blocks_acked = [0] * len(layers)
@@ -89,8 +97,11 @@ class KVSender:
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None, transport_name: str | None = None,
-                 shared_memory: SharedMemory | None = None) -> None:
+                 shared_memory: SharedMemory | None = None, epoch: int | None = None,
+                 on_transfer_end: Callable[[str], None] | None = None) -> None:
         self.config = config or TransferConfig()
+        self.epoch = (secrets.randbits(63) | 1) if epoch is None else int(epoch)  # 0 means "not begun"
+        self._on_transfer_end = on_transfer_end
         self.layout = KVLayout.from_caches(layer_caches)
         if shared_memory is not None and not all(
                 shared_memory.covers(cache.data_ptr(), cache.numel() * cache.element_size())
@@ -142,10 +153,11 @@ class KVSender:
         self._loop_thread.call_soon(self._open_on_loop, transfer, candidates)
         return TransferHandle(self, request_id)
 
-    def send_layers(self, request_id: str, layers: Iterable[int]) -> None:
-        """Push `layers` of an open transfer: call it as soon as prefill has written them.
-        Returns at once; on GPU the copy waits for the work queued so far on the current
-        stream."""
+    def send_layers(self, request_id: str, layers: Iterable[int], num_blocks: int | None = None) -> None:
+        """Push `layers` of an open transfer, blocks [already pushed, `num_blocks`) of each
+        (default: all): call it as soon as prefill has written them. The layers of one call
+        must have had the same blocks pushed before. Returns at once; on GPU the copy waits
+        for the work queued so far on the current stream."""
         layer_tuple = normalize_layers(layers, self.layout.num_layers)
         with self._lock:
             transfer = self._get(request_id)
@@ -153,16 +165,22 @@ class KVSender:
             if outside:
                 raise ValueError(f"layers {outside} are not part of transfer {request_id!r} "
                                  f"(it covers {list(transfer.layers)})")
-            again = [layer for layer in layer_tuple if layer in transfer.queued_layers]
-            if again:
-                raise ValueError(f"layers {again} of {request_id!r} were already sent")
-            transfer.queued_layers.update(layer_tuple)
+            end = len(transfer.src_block_ids) if num_blocks is None else int(num_blocks)
+            starts = {transfer.blocks_queued[transfer.layer_position[layer]] for layer in layer_tuple}
+            if len(starts) > 1:
+                raise ValueError(f"layers {list(layer_tuple)} of {request_id!r} were pushed up to different blocks")
+            start = starts.pop()
+            if not start < end <= len(transfer.src_block_ids):
+                raise ValueError(f"layers {list(layer_tuple)} of {request_id!r}: blocks [{start}, {end}) "
+                                 f"are already sent or outside its {len(transfer.src_block_ids)} blocks")
+            for layer in layer_tuple:
+                transfer.blocks_queued[transfer.layer_position[layer]] = end
         ready_event = None
         if self.layout.is_cuda:
             ready_event = torch.cuda.Event()
             ready_event.record(torch.cuda.current_stream(torch.device(self.layout.device)))
         self._loop_thread.call_soon(self._queue_on_loop, transfer, ("layers", transfer, layer_tuple,
-                                                                    ready_event))
+                                                                    ready_event, start, end))
 
     def send(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], layers: Iterable[int] | None = None) -> "TransferHandle":
@@ -197,6 +215,14 @@ class KVSender:
         if self._closed:
             return
         self._loop_thread.call(self._cancel_on_loop, request_id)
+
+    def unreachable_reason(self, dst_address: str) -> str | None:
+        """None if this sender has a transport the receiver at `dst_address` offers, else why not."""
+        try:
+            self._candidates(dst_address)
+        except (TransportUnavailableError, ValueError) as exc:
+            return str(exc)
+        return None
 
     def connect(self, dst_address: str, timeout: float | None = None) -> str:
         """Connect and handshake now instead of on the first transfer; return the transport
@@ -271,6 +297,8 @@ class KVSender:
             return False
         transfer.state, transfer.error, transfer.active = state, error, False
         self._changed.notify_all()
+        if self._on_transfer_end is not None:
+            self._on_transfer_end(transfer.request_id)
         return True
 
     # ---- loop thread ----------------------------------------------------------------------
@@ -419,14 +447,15 @@ class KVSender:
             elif kind == "begin":
                 await channel.send_control({
                     "type": proto.BEGIN, "uid": transfer.uid, "request_id": transfer.request_id,
-                    "dst_block_ids": transfer.dst_block_ids, "layers": list(transfer.layers)})
+                    "dst_block_ids": transfer.dst_block_ids, "layers": list(transfer.layers),
+                    "epoch": self.epoch})
             elif kind == "layers":
-                self._plan_layers(connection, transfer, item[2], item[3])
+                self._plan_layers(connection, transfer, *item[2:])
             elif kind == "next_piece":
                 await self._send_next_piece(connection, transfer)
 
     def _plan_layers(self, connection: _ReceiverConnection, transfer: _OutgoingTransfer,
-                     layers: tuple[int, ...], ready_event) -> None:
+                     layers: tuple[int, ...], ready_event, block_start: int, block_end: int) -> None:
         """Split a layer group into messages; the transfer then takes turns with the other
         transfers on this connection, one message each, so a large transfer does not hold up
         a small one."""
@@ -434,11 +463,11 @@ class KVSender:
             torch.cuda.current_stream(torch.device(self.layout.device)).wait_event(ready_event)
         limit = getattr(connection.channel, "max_payload_bytes", self.config.max_message_bytes)
         # a few messages per group at least, so the copies of staged transports overlap
-        group_bytes = len(layers) * len(transfer.src_block_ids) * self.layout.chunk_nbytes
+        group_bytes = len(layers) * (block_end - block_start) * self.layout.chunk_nbytes
         limit = min(limit, max(group_bytes // _MIN_MESSAGES_PER_GROUP, _MIN_SPLIT_BYTES,
                                self.layout.chunk_nbytes))
         transfer.pending_pieces.extend(
-            plan_pieces(layers, len(transfer.src_block_ids), self.layout, limit))
+            plan_pieces(layers, block_end, self.layout, limit, block_start))
         if not transfer.in_rotation:
             transfer.in_rotation = True
             connection.queue.put_nowait(("next_piece", transfer))

@@ -26,6 +26,9 @@ class TransferStatus:
     bytes_transferred: int  # bytes written into the receiver's blocks (acknowledged, on the sender)
     layers_done: int  # layers complete on the receiver (acknowledged, on the sender)
     num_layers: int  # layers the transfer covers
+    # receiver: the epoch the sender announced in its `begin` (0 before it began); it names
+    # the process incarnation whose bytes landed, which a caller can check against its report
+    producer_epoch: int = 0
 
     @property
     def done(self) -> bool:

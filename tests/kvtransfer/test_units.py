@@ -108,6 +108,16 @@ def test_plan_pieces_covers_every_chunk_once(num_layers, num_blocks, max_chunks)
     assert all(piece.nbytes(layout) <= max_chunks * layout.chunk_nbytes for piece in pieces)
 
 
+@pytest.mark.parametrize("block_start, num_blocks, max_chunks", [(3, 20, 700), (19, 20, 2), (5, 9, 4), (4, 4, 9)])
+def test_plan_pieces_of_a_block_range_cover_only_it(block_start, num_blocks, max_chunks):
+    """A prompt chunk's push: blocks [block_start, num_blocks) of every layer, once each."""
+    layout = KVLayout(6, 200, 16, 3, 64, torch.float32)
+    pieces = plan_pieces(range(6), num_blocks, layout, max_chunks * layout.chunk_nbytes, block_start)
+    covered = [(layer, block) for piece in pieces for layer in piece.layers
+               for block in range(piece.block_start, piece.block_end)]
+    assert sorted(covered) == [(layer, block) for layer in range(6) for block in range(block_start, num_blocks)]
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "memmove"])
 @pytest.mark.parametrize("nbytes", [1, 63, 1000, 1024, 24576 + 17])
 def test_copy_chunks_moves_scattered_chunks_byte_exact(monkeypatch, native, nbytes):
