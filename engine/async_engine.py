@@ -2,7 +2,9 @@
 
 Only the engine thread touches scheduler state: `generate()` and `abort()` post commands to an
 inbox that the thread drains before every step, so the event loop never waits for a forward
-pass. The thread also publishes a snapshot of the engine's counters after every step, which
+pass. The thread sleeps while it has nothing to run (every request waiting for a KV transfer, or
+no request at all) until a command arrives, a KV transfer ends (`LLMEngine.wakeup`) or a KV
+deadline passes; `wakeups` counts how often it woke. The thread also publishes a snapshot of the engine's counters after every step, which
 `stats()` returns at once: a health poll never waits behind a long prefill. Each request gets an asyncio queue; a caller that stops iterating (client disconnect,
 cancellation) aborts its request, which frees its blocks at the next step boundary.
 """
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -35,10 +38,12 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
-        self._wakeup = threading.Event()
+        self._wakeup = engine.wakeup  # commands and KV transfers that end both set it
+        self.wakeups = 0
         self._stopped = threading.Event()
         self._idle_wait_s = idle_wait_s
         self._died: BaseException | None = None
+        self._aborts_before_add: set[str] = set()  # engine thread: aborted while its stream waits for the add
         self._snapshot = engine.stats()  # (SchedulerStats, queued prompt tokens), replaced whole
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -77,6 +82,11 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         return RequestStream(self, request_id, stream)
+
+    def is_open(self, request_id: str) -> bool:
+        """Whether a stream is registered for `request_id` (its request may not be added yet)."""
+        with self._streams_lock:
+            return request_id in self._streams
 
     def add(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request whose stream was opened with `open_stream` (an invalid one's
@@ -169,12 +179,16 @@ class AsyncEngine:
                     self._refresh_snapshot()
                     self._deliver(exc, request.request_id)
                     continue
+                self._abort_added()
                 self._refresh_snapshot()
             elif kind == "abort":
-                final = self.engine.abort(command[1])
+                request_id = command[1]
+                final = self.engine.abort(request_id)
                 self._refresh_snapshot()
                 if final is not None:
                     self._deliver(final, final.request_id)
+                elif self.is_open(request_id) and self.engine.scheduler.get_request(request_id) is None:
+                    self._aborts_before_add.add(request_id)  # its add (or add_imported call) is on the way
             elif kind == "call":
                 _, fn, args, future, deliver = command
                 # The call runs even if its caller gave up waiting (its effects, e.g. a finished
@@ -188,18 +202,32 @@ class AsyncEngine:
                     if wanted:
                         future.set_exception(exc)
                     continue
+                self._abort_added()
                 self._refresh_snapshot()
                 if deliver and isinstance(result, StreamDelta):
                     self._deliver(result, result.request_id)
                 if wanted:
                     future.set_result(result)
 
+    def _abort_added(self) -> None:
+        """Abort the requests whose abort arrived before they were added, once they are."""
+        for request_id in list(self._aborts_before_add):
+            final = self.engine.abort(request_id)
+            if final is not None or not self.is_open(request_id):
+                self._aborts_before_add.discard(request_id)
+            if final is not None:
+                self._deliver(final, request_id)
+
     def _refresh_snapshot(self) -> None:
         self._snapshot = self.engine.stats()
 
     def _wait_for_work(self, timeout: float) -> None:
+        deadline = self.engine.next_deadline()
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         self._wakeup.wait(timeout)
         self._wakeup.clear()
+        self.wakeups += 1
 
     def _run(self) -> None:
         try:
@@ -213,7 +241,7 @@ class AsyncEngine:
                 for delta in deltas:
                     self._deliver(delta, delta.request_id)
                 if self.engine.last_step_idle:  # e.g. every request waits for its KV transfer
-                    self._wait_for_work(0.002)
+                    self._wait_for_work(self._idle_wait_s)
         except BaseException as exc:  # a bug in the loop: fail every open stream and call rather than hang them
             self._died = exc
             logger.exception("engine loop died")

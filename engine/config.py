@@ -7,6 +7,8 @@ from typing import Literal
 import torch
 
 Role = Literal["both", "prefill", "decode"]
+# The one list of worker roles (router, deploy and workers import it); "both": colocated.
+ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -94,8 +96,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         self.device = resolve_device(self.device)

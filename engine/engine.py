@@ -4,21 +4,30 @@ The engine glues the scheduler (who runs, which blocks), the model runner (tenso
 sampling) and, when it owns a tokenizer, incremental detokenization with stop strings. It is
 single-threaded: `AsyncEngine` drives it from one background thread.
 
+Disaggregation: with a KV transport injected, the engine owns a `KVConnector`
+(engine/kv_connector.py) for its role. Each step first applies what the connector's `poll()`
+reports (sends that ended, loads that arrived, verified or failed), then schedules; a prefill
+step hands the connector's per-layer hook to the model runner, so K/V leaves as it is written.
+`wakeup` is set whenever a transfer ends, for the thread that drives the engine to wait on.
+
 Failure contract: if the model runner raises, every request of that batch ends with
 finish_reason "error" and its blocks are freed; the engine keeps serving the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
-from typing import Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import StreamDelta, TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.block_hash import DEFAULT_HASH_ALGORITHM
+from engine.kv_connector import KVConnector, KVConnectorConfig, LoadDone, ProducerReport, SendDone
 from engine.kv_hooks import ImportPlan
 from engine.scheduler import SampledToken, Scheduler, SchedulerStats, StepOutput
 from engine.structured_output import GrammarCompiler
@@ -29,8 +38,12 @@ Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner=None, tokenizer=None, kv_exporter=None) -> None:
-        """`runner` and `tokenizer` default to the real ones for `config.model`; tests pass fakes."""
+    def __init__(self, config: EngineConfig, runner=None, tokenizer=None,
+                 kv_transport: Callable[[Any, Callable[[str], None]], Any] | None = None,
+                 kv_connector_config: KVConnectorConfig | None = None) -> None:
+        """`runner` and `tokenizer` default to the real ones for `config.model`; tests pass fakes.
+        `kv_transport(kv_cache, on_transfer_end)` builds the KV connector's sender (prefill role)
+        or receiver (decode role) over the runner's `KVCache`, e.g. with `kvtransfer.create_sender`."""
         self.config = config
         if runner is None:
             from engine.model.loader import resolve_model
@@ -43,8 +56,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
         self.eos_token_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+        self.wakeup = threading.Event()  # set when a KV transfer ends
+        self.kv_connector: KVConnector | None = None
+        if kv_transport is not None:
+            kv_cache = runner.kv_cache
+            self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(), kv_cache.layers,
+                                            config.cache.block_size, DEFAULT_HASH_ALGORITHM,
+                                            lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set)
         self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
-                                   role=config.role, kv_exporter=kv_exporter,
+                                   role=config.role, kv_connector=self.kv_connector,
                                    num_swap_slots=getattr(runner, "num_swap_slots", 0),
                                    num_host_slots=getattr(runner, "num_host_cache_slots", 0))
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -70,7 +90,8 @@ class LLMEngine:
         return prompt
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: int = 0, cache_salt: str | None = None, num_resumed_tokens: int = 0) -> Request:
+                     priority: int = 0, cache_salt: str | None = None, num_resumed_tokens: int = 0,
+                     kv_destination: Any = None) -> Request:
         """Tokenize and validate (raises ValueError for a client's mistake); no engine state changes,
         so any thread may call it. `num_resumed_tokens`: the prompt's last N token ids are output
         tokens a failed worker already delivered (a migrated generation; see `Request`)."""
@@ -94,7 +115,7 @@ class LLMEngine:
             grammar = self._grammar_compiler().state(params.structured_output)
         return Request(request_id or f"req-{next(self._ids)}", token_ids[:split], params,
                        eos_token_ids=self.eos_token_ids, priority=priority, cache_salt=cache_salt,
-                       resumed_output_token_ids=token_ids[split:], grammar=grammar)
+                       resumed_output_token_ids=token_ids[split:], grammar=grammar, kv_destination=kv_destination)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """Built on the first structured-output request (it indexes the whole vocabulary)."""
@@ -108,7 +129,19 @@ class LLMEngine:
             return self._grammars
 
     def add(self, request: Request, detokenize: bool = True) -> None:
-        self.scheduler.add_request(request)
+        """Queue a request (ValueError if invalid). One with a `kv_destination` (prefill role)
+        sends its prompt's KV there as it is computed."""
+        if request.kv_destination is None:
+            self.scheduler.add_request(request)
+        else:
+            if self.kv_connector is None or self.kv_connector.role != "prefill":
+                raise ValueError("this engine sends no KV: it has no prefill-role KV connector")
+            self.kv_connector.add_send(request)
+            try:
+                self.scheduler.add_request(request)
+            except Exception:
+                self.kv_connector.request_ended(request)
+                raise
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.all_token_ids, request.sampling_params)
@@ -128,10 +161,15 @@ class LLMEngine:
 
     # ---- disaggregation roles (run on the engine thread; see engine/kv_hooks.py) ------------
 
-    def add_imported(self, request: Request, detokenize: bool = False) -> ImportPlan:
+    def add_imported(self, request: Request, detokenize: bool = False) -> ImportPlan | None:
         """Decode role: allocate the prompt's blocks after this worker's prefix-cache match; the
         request waits for its KV (raises ValueError / KVCacheFullError, nothing changed). If its
-        host-cache copies fail, the request ends with an error and RuntimeError is raised."""
+        host-cache copies fail, the request ends with an error and RuntimeError is raised.
+
+        With a KV connector, the receiver expects the blocks to fill, unless the uncached tail is
+        below the local-prefill threshold: then the request is prefilled here and None returned.
+        The caller asks the prefill worker for the plan's blocks and hands its answer to
+        `report_kv_producer`; the step loop does the rest."""
         plan = self.scheduler.add_imported_request(request)
         # Blocks evicted for this request are saved to the host tier before the transfer writes
         # into them, and its host-tier hits are copied back now.
@@ -145,7 +183,24 @@ class LLMEngine:
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.all_token_ids, request.sampling_params)
+        connector = self.kv_connector
+        if connector is None:
+            return plan
+        if not connector.wants_remote_prefill(plan, request.num_tokens):
+            self.scheduler.fail_import(request.request_id, True)
+            return None
+        try:
+            connector.start_load(request, plan)
+        except Exception as exc:
+            self.scheduler.finish_with_error(request.request_id, f"cannot expect the KV: {exc}")
+            raise RuntimeError(f"cannot expect the KV: {exc}") from exc
         return plan
+
+    def report_kv_producer(self, request_id: str, report: ProducerReport | None, error: str | None = None) -> bool:
+        """Decode role: the prefill worker answered for `request_id` (its report, or why it
+        failed); the next step verifies and admits the request, or falls back. False if the
+        request no longer waits for its KV."""
+        return self.kv_connector.report_producer(request_id, report, error)
 
     def finish_import(self, request_id: str, first_token: SampledToken) -> StreamDelta:
         """Decode role: every block to fill was written; append the prefill worker's first token."""
@@ -157,25 +212,53 @@ class LLMEngine:
         final = self.scheduler.fail_import(request_id, fallback_to_local_prefill, message)
         return self._to_delta(final) if final is not None else None
 
-    def release_export(self, request_id: str) -> bool:
-        """Prefill role: unpin an exported request's blocks once its transfer has ended."""
-        return self.scheduler.release_export(request_id)
-
     def stats(self) -> tuple[SchedulerStats, int]:
-        """Scheduler counters and the prompt tokens not yet computed (queued prefill work)."""
+        """Scheduler counters (with the KV connector's failures by reason) and the prompt
+        tokens not yet computed (queued prefill work)."""
         scheduler = self.scheduler
         # A resumed request's delivered outputs are prefill work too.
         queued = sum(max(0, r.num_prompt_tokens + r.num_resumed_tokens - r.num_computed_tokens)
                      for r in scheduler.waiting + scheduler.running)
-        return scheduler.stats(), queued
+        stats = scheduler.stats()
+        if self.kv_connector is not None:
+            stats = dataclasses.replace(stats, kv_transfer_failures=dict(self.kv_connector.failures))
+        return stats, queued
+
+    def next_deadline(self) -> float | None:
+        """When a step must run even if nothing else happens (a KV lease or transfer timeout)."""
+        return self.kv_connector.next_deadline() if self.kv_connector is not None else None
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
+        deltas = self._apply_kv_connector() if self.kv_connector is not None else []
         batch = self.scheduler.schedule()
         self.last_step_idle = batch.is_empty
         if batch.is_empty:
-            return []
+            return deltas
+        return deltas + self._run(batch)
+
+    def _apply_kv_connector(self) -> list[StreamDelta]:
+        """What the connector reports: ended sends finish (or fail) their SENDING_KV requests;
+        loads admit their request with the producer's first token, or fall back / fail it."""
+        deltas = []
+        for done in self.kv_connector.poll():
+            if isinstance(done, SendDone):
+                final = self.scheduler.finish_sending(done.request_id, done.result.error)
+                if final is not None:
+                    delta = self._to_delta(final)
+                    delta.kv_send = done.result
+                    deltas.append(delta)
+            elif isinstance(done, LoadDone) and done.error is None:
+                deltas.append(self._to_delta(self.scheduler.finish_import(done.request_id, done.first_token)))
+            else:
+                logger.warning("%s: %s", done.request_id, done.error)
+                final = self.scheduler.fail_import(done.request_id, done.fallback, done.error)
+                if final is not None:
+                    deltas.append(self._to_delta(final))
+        return deltas
+
+    def _run(self, batch) -> list[StreamDelta]:
         # An internal failure ends the requests it touched, never the engine.
         try:
             self._copy_kv(batch.kv_offload, batch.swap_out, batch.swap_in, batch.kv_reload)
@@ -188,7 +271,8 @@ class LLMEngine:
                 self._host_tier_failed()
             return finals
         try:
-            sampled = self.runner.execute(batch)
+            hook = self.kv_connector.layer_hook(batch.seqs) if self.kv_connector is not None else None
+            sampled = self.runner.execute(batch, hook)
         except Exception as exc:
             logger.exception("model step failed")
             return self._fail([seq.request.request_id for seq in batch.seqs], f"internal error: {exc}")
@@ -228,6 +312,8 @@ class LLMEngine:
                             num_cached_tokens=out.num_cached_tokens, error=out.error)
         if request is not None:
             delta.num_prompt_tokens = request.num_prompt_tokens
+            if request.kv_import is not None and (out.new_token_ids or out.finished):
+                delta.kv_import, request.kv_import = request.kv_import, None
         detok = self._detokenizers.get(out.request_id)
         if detok is not None:
             if out.new_token_ids or out.finished:

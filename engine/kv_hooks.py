@@ -1,14 +1,17 @@
-"""The small interfaces between the scheduler and KV transfer (kvtransfer fills them in).
+"""The small contract between the scheduler and the KV connector (engine/kv_connector.py).
 
-Prefill role:  WAITING -> PREFILLING (RUNNING) -> SENDING_KV (exported, blocks pinned) -> DONE
-    after its first sampled token a request finishes ("prefill_done") and the scheduler calls
-    `KVExporter.export(request, block_ids)`; the blocks stay referenced until
-    `Scheduler.release_export(request_id)` (transfer ended or its lease expired) or an abort.
+Prefill role:  WAITING -> RUNNING (layers pushed as computed) -> SENDING_KV -> FINISHED
+    a request with a `kv_destination` gets all its prompt blocks at admission; after its first
+    token `request_finished(request)` says whether its blocks wait for the send (SENDING_KV,
+    pinned) until `Scheduler.finish_sending(request_id, error)`.
 
-Decode role:   ALLOCATED -> WAITING_FOR_KV -> RUNNING -> FINISHED
+Decode role:   WAITING_FOR_KV -> RUNNING -> FINISHED
     `Scheduler.add_imported_request(request) -> ImportPlan` allocates the prompt's blocks after the
     decode worker's own prefix-cache match; the transfer writes `blocks_to_fill`; then
     `finish_import(request_id, first_token)` or `fail_import(request_id, fallback_to_local_prefill)`.
+
+Either role: `request_ended(request)` runs before the blocks of a request that ends early (abort,
+error) are freed, so that no transfer reads or writes them afterwards.
 """
 from __future__ import annotations
 
@@ -18,10 +21,23 @@ from typing import Protocol
 from engine.request import Request
 
 
-class KVExporter(Protocol):
-    def export(self, request: Request, block_ids: list[int]) -> None:
-        """Start sending the KV of `block_ids` (the request's whole prompt, in order). Must not
-        block; call `Scheduler.release_export(request.request_id)` when the transfer ends."""
+class SchedulerConnector(Protocol):
+    def request_finished(self, request: Request) -> bool:
+        """A prefill-role request sampled its first token: True if its blocks must stay pinned
+        for a send (the request becomes SENDING_KV)."""
+
+    def request_ended(self, request: Request) -> None:
+        """The request ends before its transfer did: stop it (synchronously) before its blocks
+        are freed. Unknown requests are ignored."""
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill-role request's KV goes: the decode worker's receiver and the blocks that
+    hold prompt blocks [first_block_index, first_block_index + len(block_ids))."""
+    address: str
+    block_ids: tuple[int, ...]
+    first_block_index: int
 
 
 @dataclass

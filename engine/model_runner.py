@@ -6,6 +6,8 @@ it never decides who runs (the scheduler does). Contract: `execute(batch)` retur
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.attention.backend import get_attention_backend
@@ -141,8 +143,10 @@ class ModelRunner:
         self._copy_blocks(self.host_cache, self.kv_cache.data, pairs)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, SampledToken]:
-        """Run the batch's forward and sampling (its swaps, `swap()`, are the caller's, first)."""
+    def execute(self, batch: Batch, on_layer_stored: Callable[[int], None] | None = None) -> dict[str, SampledToken]:
+        """Run the batch's forward and sampling (its swaps, `swap()`, are the caller's, first).
+        `on_layer_stored(i)` is called once layer i's K/V of every token is in the cache (the KV
+        connector's layer-wise push); such a step runs eagerly."""
         if not batch.seqs:
             return {}
         input_ids: list[int] = []
@@ -164,11 +168,12 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
                 sampled_rows.append(row)
-        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens, seq_lens):
+        if (on_layer_stored is None and self.decode_graphs is not None
+                and self.decode_graphs.fits(query_lens, seq_lens)):
             logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)
         else:
             logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
-                                         sampled_rows)
+                                         sampled_rows, on_layer_stored)
         if not sampled_seqs:
             return {}
         requests = [seq.request for seq in sampled_seqs]
@@ -186,7 +191,7 @@ class ModelRunner:
         return result
 
     def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
-                       sampled_rows) -> torch.Tensor:
+                       sampled_rows, on_layer_stored=None) -> torch.Tensor:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
@@ -197,7 +202,7 @@ class ModelRunner:
             logits_meta = AttentionMetadata.build([1] * len(sampled_rows), [seq_lens[r] for r in sampled_rows],
                                                   [block_tables[r] for r in sampled_rows], self.block_size,
                                                   self.device)
-        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices, logits_meta)
+        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices, logits_meta, on_layer_stored)
 
     def _decode_with_graph(self, input_ids, positions, seq_lens, block_tables, logits_indices) -> torch.Tensor:
         # One token per sequence, so token i is sequence i and its slot follows from its position.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -23,6 +24,11 @@ class StreamDelta:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     error: str | None = None
+    # Disaggregation (engine/kv_connector.py): a prefill-role request's final delta carries how
+    # its send ended (KVSendResult); a decode-role request's first one how it got its KV
+    # (KVImportOutcome).
+    kv_send: Any = None
+    kv_import: Any = None
 
 
 @dataclass

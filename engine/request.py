@@ -6,6 +6,8 @@ Lifecycle (status per line; the scheduler owns every transition):
                     prefill, the blocks it already had)
     WAITING_FOR_KV  decode role: blocks allocated, a KV transfer is filling them
     RUNNING         admitted; `num_computed_tokens` catches up with `num_tokens` step by step
+    SENDING_KV      prefill role: first token sampled; its blocks stay pinned while the KV
+                    connector finishes sending them (engine/kv_connector.py)
     PREEMPTED       blocks taken back (recompute): requeued, keeps its output tokens so far
     FINISHED_*      stopped (EOS / stop token / prefill done), length, aborted or error
 
@@ -33,6 +35,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
+    SENDING_KV = "sending_kv"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
@@ -67,7 +70,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 resumed_output_token_ids: list[int] = (), grammar: GrammarState | None = None) -> None:
+                 resumed_output_token_ids: list[int] = (), grammar: GrammarState | None = None,
+                 kv_destination: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -88,6 +92,10 @@ class Request:
         self.swap_slots: list[int] = []  # swap preemption: host slots holding its computed KV
         self.finish_reason: str | None = None
         self.error: str | None = None
+        # Disaggregation (engine/kv_connector.py): where a prefill-role request's KV goes
+        # (engine.kv_hooks.KVDestination), and how a decode-role request got its KV.
+        self.kv_destination = kv_destination
+        self.kv_import: Any = None  # engine.kv_connector.KVImportOutcome, once known
         self._all_token_ids = list(self.prompt_token_ids)
         # Structured output: follows every output token (engine/structured_output.py).
         self.grammar = grammar

@@ -35,15 +35,16 @@ Conventions and choices beyond the shared contract:
 - `Batch.seqs` puts every decode (one token that samples) before every prefill chunk.
 - `StepOutput.new_logprobs[i]` is the runner's `SampledToken` for `new_token_ids[i]`;
   `StepOutput.error` carries the message of an "error" finish.
-- prefill role: a request finishes after its first token with status FINISHED_STOPPED and
-  finish_reason "prefill_done"; its blocks stay pinned until `release_export` (or `abort`, which
-  then releases them and returns None, since that request already reported its end).
+- prefill role: a request is admitted with blocks for its whole prompt (it never needs more, so it
+  is never preempted) and finishes after its first token with finish_reason "prefill_done". If
+  the KV connector says its blocks wait for a send (`request_finished`), it becomes SENDING_KV
+  instead (blocks pinned, the first token's output not final) until `finish_sending`.
 - decode role: `finish_import` returns the StepOutput of the first token; if `max_num_seqs` is
   reached, the request waits (status WAITING, blocks kept) instead of joining `running` at once.
   `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks are short.
 - `get_request(id)` also finds requests finished since the last `schedule()` call.
-- `abort` of a WAITING_FOR_KV request frees its blocks at once: the caller must stop the transfer
-  writing into them first.
+- a request that ends early (abort, error) in any state first has the connector's
+  `request_ended` stop its transfer, then its blocks are freed.
 Not thread-safe: one thread drives schedule/update/abort/imports.
 """
 from __future__ import annotations
@@ -54,14 +55,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_hooks import ImportPlan, KVCacheFullError, KVExporter
+from engine.config import ROLES, CacheConfig, SchedulerConfig
+from engine.kv_hooks import ImportPlan, KVCacheFullError, SchedulerConnector
 from engine.request import Request, RequestStatus
 
-__all__ = ["Batch", "ImportPlan", "KVCacheFullError", "KVExporter", "SampledToken", "ScheduledSeq", "Scheduler",
+__all__ = ["Batch", "ImportPlan", "KVCacheFullError", "SampledToken", "ScheduledSeq", "Scheduler",
            "SchedulerStats", "StepOutput"]
-
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
@@ -129,7 +128,7 @@ class SchedulerStats:
     prompt_tokens_computed: int  # positions < prompt length run through the model (cumulative)
     decode_tokens: int  # positions >= prompt length run through the model (cumulative)
     waiting_for_kv: int = 0
-    exported: int = 0  # prefill role: finished requests whose blocks are pinned for a transfer
+    sending_kv: int = 0  # prefill role: SENDING_KV requests (blocks pinned for a transfer)
     imported_tokens: int = 0  # decode role: prompt tokens received by KV transfer (cumulative)
     swapped: int = 0  # swap preemption: requests whose KV waits in host swap slots
     swap_slots_free: int = 0
@@ -140,11 +139,13 @@ class SchedulerStats:
     host_cache_hits: int = 0  # prompt tokens restored from the host tier (cumulative; in prefix_cache_hits too)
     offloaded_blocks: int = 0  # cached blocks saved to the host tier on eviction (cumulative)
     reloaded_blocks: int = 0  # blocks copied back from the host tier (cumulative)
+    # filled by LLMEngine.stats() from its KV connector: failed transfers by reason (cumulative)
+    kv_transfer_failures: dict = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, role: str = "both", kv_exporter: KVExporter | None = None,
+                 max_model_len: int, role: str = "both", kv_connector: SchedulerConnector | None = None,
                  num_swap_slots: int = 0, num_host_slots: int = 0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -160,7 +161,7 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.role = role
-        self.kv_exporter = kv_exporter
+        self.kv_connector = kv_connector
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                           num_host_slots=num_host_slots)
@@ -169,7 +170,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []  # same order; the last one is the first to be preempted
         self._importing: dict[str, Request] = {}
-        self._exported: dict[str, Request] = {}
+        self._sending: dict[str, Request] = {}  # SENDING_KV
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._recently_finished: dict[str, Request] = {}
         self._order: dict[str, int] = {}
@@ -201,7 +202,7 @@ class Scheduler:
         bisect.insort(self.running, request, key=self._key)
 
     def get_request(self, request_id: str) -> Request | None:
-        return (self._requests.get(request_id) or self._exported.get(request_id)
+        return (self._requests.get(request_id) or self._sending.get(request_id)
                 or self._recently_finished.get(request_id))
 
     @property
@@ -217,21 +218,21 @@ class Scheduler:
         return len(self._importing)
 
     @property
-    def num_exported(self) -> int:
-        return len(self._exported)
+    def num_sending_kv(self) -> int:
+        return len(self._sending)
 
     def request_ids(self) -> list[str]:
-        """Ids of every unfinished request, then of exported ones (blocks still pinned)."""
-        return list(self._requests) + list(self._exported)
+        """Ids of every unfinished request, then of SENDING_KV ones (blocks still pinned)."""
+        return list(self._requests) + list(self._sending)
 
     def has_unfinished(self) -> bool:
-        """True while a request is waiting, running or waiting for its KV (exports not counted)."""
-        return bool(self.waiting or self.running or self._importing)
+        """True while a request is waiting, running, waiting for its KV or sending it."""
+        return bool(self.waiting or self.running or self._importing or self._sending)
 
     # ---- admission -------------------------------------------------------------------------
 
     def _validate(self, request: Request) -> None:
-        if request.request_id in self._requests or request.request_id in self._exported:
+        if request.request_id in self._requests or request.request_id in self._sending:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if (request.status is not RequestStatus.WAITING or request.block_ids
                 or len(request.output_token_ids) != request.num_resumed_tokens):
@@ -336,8 +337,10 @@ class Scheduler:
             remaining = request.num_tokens - computed
             num_new = min(remaining, budget)
             if ((num_new < remaining and not self.config.enable_chunked_prefill)
-                    or not self.block_manager.allocate_slots(request, computed + num_new, prefix_blocks,
-                                                             host_hits)):
+                    # a prefill-role request takes its whole prompt now: it never asks again
+                    or not self.block_manager.allocate_slots(
+                        request, request.num_tokens if self.role == "prefill" else computed + num_new,
+                        prefix_blocks, host_hits)):
                 blocked = True
                 index += 1
                 continue
@@ -444,60 +447,65 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, request: Request, reason: str, error: str | None = None) -> tuple[str, str | None]:
-        """End a request (any state) and free or pin its blocks. Returns the final (reason, error)."""
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> tuple[str | None, str | None]:
+        """End a request (any state) and free its blocks, or make a prefill-role request
+        SENDING_KV (returns (None, None): not finished yet). Returns the final (reason, error)."""
+        request_id = request.request_id
         status = request.status
         if status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         elif status is RequestStatus.WAITING_FOR_KV:
-            del self._importing[request.request_id]
-        del self._requests[request.request_id]
-        del self._order[request.request_id]
+            del self._importing[request_id]
+        if status is RequestStatus.SENDING_KV:
+            del self._sending[request_id]
+        else:
+            del self._requests[request_id]
+            del self._order[request_id]
         self._release_swap(request)
-        self._recently_finished[request.request_id] = request
+        connector = self.kv_connector
+        if (reason == "prefill_done" and status is not RequestStatus.SENDING_KV and connector is not None
+                and connector.request_finished(request)):
+            request.status = RequestStatus.SENDING_KV
+            self._sending[request_id] = request
+            return None, None
+        if connector is not None and reason != "prefill_done":
+            connector.request_ended(request)  # no transfer touches its blocks after this
+        self._recently_finished[request_id] = request
         request.set_finished(reason, error)
-        if reason != "prefill_done":
-            self.block_manager.free(request)
-            return reason, error
-        self._exported[request.request_id] = request
-        if self.kv_exporter is not None:
-            try:
-                self.kv_exporter.export(request, list(request.block_ids))
-            except Exception as exc:  # the transfer never started: unpin and report the failure
-                self.release_export(request.request_id)
-                request.set_finished("error", f"KV export failed: {exc}")
-                return "error", request.error
+        self.block_manager.free(request)
         return reason, error
 
     # ---- abort / errors --------------------------------------------------------------------
 
     def abort(self, request_id: str) -> StepOutput | None:
         """End a request in any state, freeing its blocks at once. Returns its final output, or
-        None if it is unknown or already finished (an exported one is released)."""
+        None if it is unknown or already finished."""
         return self._end(request_id, "abort", None)
 
     def finish_with_error(self, request_id: str, message: str) -> StepOutput | None:
         return self._end(request_id, "error", message)
 
     def _end(self, request_id: str, reason: str, message: str | None) -> StepOutput | None:
-        request = self._requests.get(request_id)
+        request = self._requests.get(request_id) or self._sending.get(request_id)
         if request is None:
-            self.release_export(request_id)
             return None
         reason, error = self._finish(request, reason, message)
         return StepOutput(request_id, [], [], True, reason, request.num_cached_tokens, error)
 
-    # ---- prefill role: export --------------------------------------------------------------
+    # ---- prefill role: the send ------------------------------------------------------------
 
-    def release_export(self, request_id: str) -> bool:
-        """Unpin an exported request's blocks (transfer done or lease expired). False if unknown."""
-        request = self._exported.pop(request_id, None)
+    def finish_sending(self, request_id: str, error: str | None) -> StepOutput | None:
+        """The connector's send of a request ended (`error` None: every block arrived). A
+        SENDING_KV request finishes ("prefill_done", or "error") and its blocks are unpinned; a
+        send that failed before the prompt was done ends its request with the error. None if
+        the request is unknown or finished."""
+        request = self._sending.get(request_id)
         if request is None:
-            return False
-        self.block_manager.free(request)
-        return True
+            return self._end(request_id, "error", error) if error is not None else None
+        reason, error = self._finish(request, "prefill_done" if error is None else "error", error)
+        return StepOutput(request_id, [], [], True, reason, request.num_cached_tokens, error)
 
     # ---- decode role: import ---------------------------------------------------------------
 
@@ -581,7 +589,7 @@ class Scheduler:
             kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions, prompt_tokens_computed=self._prompt_tokens_computed,
-            decode_tokens=self._decode_tokens, waiting_for_kv=len(self._importing), exported=len(self._exported),
+            decode_tokens=self._decode_tokens, waiting_for_kv=len(self._importing), sending_kv=len(self._sending),
             imported_tokens=self._imported_tokens,
             swapped=sum(1 for r in self.waiting if r.swap_slots), swap_slots_free=len(self._free_swap_slots),
             swapped_out_blocks=self._swapped_out_blocks, swapped_in_blocks=self._swapped_in_blocks,
@@ -592,7 +600,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status
-        names, running ones hold blocks for their computed tokens, only live or exported requests
+        names, running ones hold blocks for their computed tokens, only live or SENDING_KV requests
         hold blocks, and the running cap holds. Raises AssertionError naming what is broken."""
         self.block_manager.check_integrity()
         queues = ([(r, (RequestStatus.RUNNING,)) for r in self.running]
@@ -615,7 +623,7 @@ class Scheduler:
             raise AssertionError(f"swap slots are not free xor held by exactly one request: held {held}, "
                                  f"free {sorted(self._free_swap_slots)}")
         for request_id in self.block_manager.holder_ids():
-            if request_id not in self._requests and request_id not in self._exported:
+            if request_id not in self._requests and request_id not in self._sending:
                 raise AssertionError(f"request {request_id} holds blocks but is finished")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running requests exceed max_num_seqs")

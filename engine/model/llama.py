@@ -8,7 +8,7 @@ and layout; Q/K/V and gate/up are fused into one matmul each.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -114,13 +114,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None,
-                logits_meta: AttentionMetadata | None = None) -> torch.Tensor:
+                logits_meta: AttentionMetadata | None = None,
+                on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor:
         """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None).
 
         With `logits_meta` (one query token per sequence that samples: the last token of each, as
         `logits_indices` lists them), the last layer stores every token's K/V but computes its
         attention output and MLP only for those rows: nothing else reads them (llama.cpp does
         the same). A prefill step of N tokens that samples one saves ~1/num_layers of its work.
+        `on_layer_stored(i)`: called right after layer i stored its K/V, before its MLP (the KV
+        connector pushes finished layers while the next ones compute).
         """
         # `residual` is the block's residual stream, updated in place by each add + norm; `hidden`
         # is the output of the last attention or MLP, not yet added to it.
@@ -139,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices = None  # the rows are selected already
             else:
                 hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend)
+            if on_layer_stored is not None:
+                on_layer_stored(index)
             hidden = layer.mlp(layer.post_attention_layernorm.add_forward(hidden, residual))
         hidden = residual + hidden if hidden is not None else residual
         if logits_indices is not None:

@@ -78,7 +78,7 @@ class FakeModelRunner:
             table = [0] * index + [block_id]
             self.write(table, tokens, start)
 
-    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+    def execute(self, batch: Batch, on_layer_stored=None) -> dict[str, SampledToken]:
         self.batches.append(batch)
         assert not (batch.swap_out and batch.swap_in), "swap-outs and swap-ins in one step"
         self.offload(batch.kv_offload)
@@ -106,15 +106,19 @@ class FakeModelRunner:
 
 
 @dataclass
-class FakeExporter:
-    """KVExporter that records exports; `fail` makes export raise."""
-    exports: list[tuple[str, list[int]]] = field(default_factory=list)
-    fail: bool = False
+class FakeConnector:
+    """The scheduler side of a KV connector (engine/kv_hooks.py) that records what it was told;
+    `pin`: whether a finished prefill-role request's blocks wait for a send."""
+    finished: list[tuple[str, list[int]]] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+    pin: bool = True
 
-    def export(self, request: Request, block_ids: list[int]) -> None:
-        if self.fail:
-            raise ConnectionError("peer unreachable")
-        self.exports.append((request.request_id, list(block_ids)))
+    def request_finished(self, request: Request) -> bool:
+        self.finished.append((request.request_id, list(request.block_ids)))
+        return self.pin
+
+    def request_ended(self, request: Request) -> None:
+        self.ended.append(request.request_id)
 
 
 def check_batch(batch: Batch, scheduler: Scheduler) -> None:

@@ -9,7 +9,7 @@ from engine.kv_hooks import KVCacheFullError
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
-from tests.engine.fake_runner import FakeExporter, FakeModelRunner, reference_generate, run_until_done, step
+from tests.engine.fake_runner import FakeConnector, FakeModelRunner, reference_generate, run_until_done, step
 
 BS = 4
 
@@ -21,13 +21,13 @@ def make():
     aborts what is left and checks that every block and swap slot is free again."""
     created = []
 
-    def factory(num_blocks=64, budget=64, max_seqs=8, max_model_len=256, role="both", exporter=None,
+    def factory(num_blocks=64, budget=64, max_seqs=8, max_model_len=256, role="both", connector=None,
                 prefix_caching=True, chunked=True, swap_slots=0, host_slots=0):
         scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                               enable_chunked_prefill=chunked,
                                               preemption_mode="swap" if swap_slots else "recompute"),
                               CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
-                              num_blocks, max_model_len, role=role, kv_exporter=exporter, num_swap_slots=swap_slots,
+                              num_blocks, max_model_len, role=role, kv_connector=connector, num_swap_slots=swap_slots,
                               num_host_slots=host_slots)
         created.append(scheduler)
         return scheduler, FakeModelRunner(num_blocks, BS)
@@ -420,45 +420,62 @@ def test_lru_keeps_recent_prefixes_and_evicts_old_ones(make):
 
 # ---- prefill role: export --------------------------------------------------------------------
 
-def test_prefill_role_exports_after_first_token_and_pins_blocks_until_release(make):
-    exporter = FakeExporter()
-    scheduler, runner = make(num_blocks=16, budget=8, role="prefill", exporter=exporter)
+def test_prefill_role_pins_blocks_while_sending_until_finish_sending(make):
+    connector = FakeConnector()
+    scheduler, runner = make(num_blocks=16, budget=8, role="prefill", connector=connector)
     prompt = prompt_of(120, 14)
     scheduler.add_request(req("p", prompt, max_tokens=50))
     outputs = []
-    while scheduler.has_unfinished():
-        outputs += step(scheduler, runner)[1]
+    while scheduler.num_running or scheduler.num_waiting:
+        batch, out = step(scheduler, runner)
+        # a prefill-role request holds blocks for its whole prompt from its first chunk on
+        assert all(len(seq.request.block_ids) == 4 for seq in batch.seqs)
+        outputs += out
     assert len(outputs) == 1
     out = outputs[0]
-    assert (out.new_token_ids, out.finished, out.finish_reason) == (reference_generate(prompt, 1), True, "prefill_done")
+    assert (out.new_token_ids, out.finished, out.finish_reason) == (reference_generate(prompt, 1), False, None)
     request = scheduler.get_request("p")
-    assert request.status is RequestStatus.FINISHED_STOPPED and request.finish_reason == "prefill_done"
-    assert exporter.exports == [("p", request.block_ids)] and len(request.block_ids) == 4
-    assert scheduler.block_manager.num_free_blocks == 12 and scheduler.stats().exported == 1
-    assert scheduler.release_export("p") and not scheduler.release_export("p")
-    assert scheduler.block_manager.num_free_blocks == 16
+    assert request.status is RequestStatus.SENDING_KV and scheduler.has_unfinished()
+    assert connector.finished == [("p", request.block_ids)] and len(request.block_ids) == 4
+    assert scheduler.block_manager.num_free_blocks == 12 and scheduler.stats().sending_kv == 1
+    final = scheduler.finish_sending("p", None)
+    assert (final.finished, final.finish_reason, final.new_token_ids) == (True, "prefill_done", [])
+    assert scheduler.finish_sending("p", None) is None and not scheduler.has_unfinished()
+    assert scheduler.block_manager.num_free_blocks == 16 and connector.ended == []
     scheduler.add_request(req("p2", prompt + [1], max_tokens=50))  # its blocks stayed cached
-    run_until_done(scheduler, runner)
+    while scheduler.num_running or scheduler.num_waiting:
+        step(scheduler, runner)
     assert scheduler.get_request("p2").num_cached_tokens == 12
-    scheduler.release_export("p2")
+    scheduler.finish_sending("p2", None)
 
 
-def test_prefill_role_abort_of_exported_request_releases_blocks(make):
-    exporter = FakeExporter()
-    scheduler, runner = make(num_blocks=16, role="prefill", exporter=exporter)
+def test_prefill_role_abort_while_sending_stops_the_send_then_frees(make):
+    connector = FakeConnector()
+    scheduler, runner = make(num_blocks=16, role="prefill", connector=connector)
     scheduler.add_request(req("p", prompt_of(121, 9)))
-    run_until_done(scheduler, runner)
+    step(scheduler, runner)
     assert scheduler.block_manager.num_free_blocks == 13
-    _abort_and_check(scheduler, "p", expect_output=False)
+    _abort_and_check(scheduler, "p")
+    assert connector.ended == ["p"]
     assert scheduler.block_manager.num_free_blocks == 16
 
 
-def test_prefill_role_export_failure_ends_in_error_and_frees(make):
-    scheduler, runner = make(num_blocks=16, role="prefill", exporter=FakeExporter(fail=True))
+def test_prefill_role_failed_send_ends_in_error_and_frees(make):
+    scheduler, runner = make(num_blocks=16, role="prefill", connector=FakeConnector())
     scheduler.add_request(req("p", prompt_of(122, 9)))
+    step(scheduler, runner)
+    final = scheduler.finish_sending("p", "KV transfer failed: peer unreachable")
+    assert (final.finish_reason, final.error) == ("error", "KV transfer failed: peer unreachable")
+    assert scheduler.block_manager.num_free_blocks == 16 and scheduler.num_sending_kv == 0
+
+
+def test_prefill_role_without_a_send_finishes_at_its_first_token(make):
+    connector = FakeConnector(pin=False)
+    scheduler, runner = make(num_blocks=16, role="prefill", connector=connector)
+    scheduler.add_request(req("p", prompt_of(123, 9)))
     _, outputs = step(scheduler, runner)
-    assert (outputs[0].finish_reason, outputs[0].error) == ("error", "KV export failed: peer unreachable")
-    assert scheduler.block_manager.num_free_blocks == 16 and scheduler.num_exported == 0
+    assert (outputs[0].finished, outputs[0].finish_reason) == (True, "prefill_done")
+    assert scheduler.block_manager.num_free_blocks == 16 and connector.finished[0][0] == "p"
 
 
 # ---- decode role: import ---------------------------------------------------------------------

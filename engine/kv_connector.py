@@ -1,0 +1,471 @@
+"""KVConnector: disaggregation inside the engine step, with the transport injected.
+
+One connector per engine, prefill or decode role, no threads of its own. Its two sides:
+
+- scheduler side (`engine/kv_hooks.py`): `request_finished` pins a prefill-role request's blocks
+  for its send (SENDING_KV); `request_ended` stops a transfer before early-freed blocks go back.
+- worker side, called by `LLMEngine`: `start_load` (decode: expect the blocks an ImportPlan must
+  fill), `layer_hook(batch)` (prefill: the model runner calls it after each layer's K/V store;
+  every layer group is pushed as soon as it is written, for each chunk of a prompt the blocks
+  that chunk completed: layer-wise push), `report_producer` (decode: the prefill worker's
+  answer), and `poll()`, once per step, which returns the sends and loads that ended.
+
+The transport (a kvtransfer sender or receiver) calls `on_transfer_end` from its I/O thread when
+a transfer ends; the connector records the id and rings the engine's wakeup, so `poll()` looks
+only at transfers that ended, reports that arrived and deadlines that passed: its cost per step
+does not grow with the requests in flight.
+
+Verified hand-off. The producer reports, with its first token, its epoch (the sender's, new per
+process), the chained hashes of the prompt's full blocks and an xxhash of every byte it sent
+(layer-major over the sent blocks). Before a decode-role request runs, its connector checks: the
+transfer ended SUCCESS over every layer of every block; the epoch in the transfer's `begin`
+equals the report's; the block hashes equal its own for the same tokens; the checksum of the
+bytes in its blocks equals the report's. Anything else is a failed load, by reason
+(`FAILURE_REASONS`, counted in `failures`), which falls back to local prefill or fails the request
+(`on_transfer_failure`): never wrong tokens.
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from engine.block_hash import hash_full_blocks
+from engine.kv_hooks import ImportPlan, KVDestination
+from engine.request import Request, RequestStatus
+
+FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
+FAULTS = ("drop_layer_group", "flip_byte")  # testing only: see KVConnectorConfig.inject_fault
+
+
+class KVSenderTransport(Protocol):
+    """What the prefill side needs of a kvtransfer KVSender."""
+    epoch: int
+
+    def start(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int]) -> Any: ...
+
+    def send_layers(self, request_id: str, layers: Sequence[int], num_blocks: int | None = None) -> None: ...
+
+    def poll(self, request_id: str) -> Any: ...  # TransferStatus
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+class KVReceiverTransport(Protocol):
+    """What the decode side needs of a kvtransfer KVReceiver."""
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None: ...
+
+    def poll(self, request_id: str) -> Any: ...  # TransferStatus
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVConnectorConfig:
+    """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send.
+    transfer_timeout_s: decode; longest wait for a remote prefill (queueing, compute, bytes).
+    local_prefill_threshold: decode; fewer uncached prompt tokens than this are prefilled here.
+    on_transfer_failure: decode; "fallback" (local prefill) or "fail" (end with the error).
+    layerwise: prefill; push each layer group as it is computed (False: after the whole prompt).
+    layer_group_size: prefill; layers per push (0: a quarter of the model's, at least 1).
+    hold_send_s / inject_fault: testing only. hold: push nothing until this long after the first
+    token. Faults: "drop_layer_group" (prefill: one group is never pushed), "flip_byte" (decode:
+    one received byte is flipped before verification)."""
+    lease_s: float = 60.0
+    transfer_timeout_s: float = 60.0
+    local_prefill_threshold: int = 64
+    on_transfer_failure: str = "fallback"
+    layerwise: bool = True
+    layer_group_size: int = 0
+    hold_send_s: float = 0.0
+    inject_fault: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
+        if self.on_transfer_failure not in ("fallback", "fail"):
+            raise ValueError(f"on_transfer_failure must be fallback or fail, got {self.on_transfer_failure!r}")
+        if self.layer_group_size < 0 or self.hold_send_s < 0:
+            raise ValueError("layer_group_size and hold_send_s must be >= 0")
+        if self.inject_fault is not None and self.inject_fault not in FAULTS:
+            raise ValueError(f"inject_fault must be one of {', '.join(FAULTS)}, got {self.inject_fault!r}")
+
+
+@dataclass(frozen=True)
+class ProducerReport:
+    """The prefill worker's answer for one request (decode side)."""
+    first_token: Any  # engine.scheduler.SampledToken
+    epoch: int
+    checksum: int
+    block_hashes: tuple[bytes, ...]  # chained hashes of every full prompt block
+    num_cached_tokens: int = 0  # the prefill worker's prefix-cache hit
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class KVSendResult:
+    """How a prefill-role request's send ended (its final output carries it)."""
+    error: str | None
+    bytes_sent: int
+    epoch: int
+    checksum: int = 0
+    block_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVImportOutcome:
+    """How a decode-role request got its KV (its first output carries it)."""
+    prefilled_remotely: bool
+    bytes_received: int
+    seconds: float
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SendDone:
+    request_id: str
+    result: KVSendResult
+
+
+@dataclass(frozen=True)
+class LoadDone:
+    request_id: str
+    first_token: Any  # None when the load failed
+    error: str | None
+    fallback: bool  # on failure: prefill locally (else end the request with `error`)
+
+
+def kv_checksum(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
+    """xxh3-64 of the bytes of `block_ids` in every layer, layer-major, block by block: the same
+    on both sides whatever each cache's block ids are. Host caches are hashed in place, a run of
+    consecutive blocks per update; device caches are gathered to the host per layer."""
+    import xxhash
+    hasher = xxhash.xxh3_64()
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, block_id + 1])
+    for layer in layers:
+        if layer.device.type == "cpu":
+            rows = layer.view(layer.shape[0], -1).view(torch.uint8).numpy()
+            for start, end in runs:
+                hasher.update(rows[start:end].data)
+        else:
+            index = torch.tensor(list(block_ids), dtype=torch.int64, device=layer.device)
+            hasher.update(layer.index_select(0, index).cpu().view(torch.uint8).numpy().data)
+    return hasher.intdigest()
+
+
+@dataclass
+class _Send:
+    request: Request
+    destination: KVDestination
+    src_block_ids: list[int] = field(default_factory=list)
+    opened: bool = False
+    pushed: list[int] = field(default_factory=list)  # per layer group: blocks pushed so far
+    sending: bool = False  # SENDING_KV: the prompt is done
+    finished_at: float = 0.0  # when it became SENDING_KV (monotonic)
+    checksum: int = 0
+    block_hashes: tuple[bytes, ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class _Load:
+    request: Request
+    plan: ImportPlan
+    started: float
+    report: ProducerReport | None = None
+    producer_error: str | None = None
+
+
+class KVConnector:
+    """`role` "prefill" (the transport is a sender) or "decode" (a receiver). `make_transport`
+    builds it with the connector's `on_transfer_end`; `wakeup` rings the engine thread."""
+
+    def __init__(self, role: str, config: KVConnectorConfig, kv_layers: Sequence[torch.Tensor], block_size: int,
+                 hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], Any],
+                 wakeup: Callable[[], None] = lambda: None) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"a KV connector's role is prefill or decode, got {role!r}")
+        self.role = role
+        self.config = config
+        self.kv_layers = list(kv_layers)
+        self.block_size = block_size
+        self.hash_algorithm = hash_algorithm
+        self._wakeup = wakeup
+        self._lock = threading.Lock()
+        self._ended: set[str] = set()  # transfers that ended (I/O thread) or need a look (engine thread)
+        self._deadlines: list[tuple[float, str]] = []  # heap; stale entries are skipped
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+        self._pushes: list[tuple[_Send, int]] = []  # this step's (send, blocks after it)
+        self.failures: Counter[str] = Counter()
+        self.polls = 0
+        num_layers = len(self.kv_layers)
+        size = config.layer_group_size or max(1, num_layers // 4)
+        self.layer_groups = [range(start, min(num_layers, start + size)) for start in range(0, num_layers, size)]
+        self.transport = make_transport(self._on_transfer_end)
+
+    # ---- transport side (I/O thread) ------------------------------------------------------
+
+    def _on_transfer_end(self, request_id: str) -> None:
+        with self._lock:
+            self._ended.add(request_id)
+        self._wakeup()
+
+    def _look_again(self, request_id: str) -> None:
+        with self._lock:
+            self._ended.add(request_id)
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def request_finished(self, request: Request) -> bool:
+        send = self._sends.get(request.request_id)
+        if send is None:
+            return False
+        now = time.monotonic()
+        send.sending, send.finished_at = True, now
+        if not send.opened:
+            self._open(send)
+        if not self.config.hold_send_s:
+            self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
+        send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
+        send.block_hashes = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt,
+                                                   self.hash_algorithm))
+        if self.config.hold_send_s:
+            heapq.heappush(self._deadlines, (now + self.config.hold_send_s, request.request_id))
+        heapq.heappush(self._deadlines, (now + self.config.hold_send_s + self.config.lease_s, request.request_id))
+        self._look_again(request.request_id)  # it may have ended already (a failure mid-prefill)
+        return True
+
+    def request_ended(self, request: Request) -> None:
+        request_id = request.request_id
+        send = self._sends.pop(request_id, None)
+        if send is not None and send.opened:
+            self.transport.cancel(request_id)
+        if self._loads.pop(request_id, None) is not None:
+            self.transport.cancel(request_id)
+
+    # ---- prefill side ---------------------------------------------------------------------
+
+    def add_send(self, request: Request) -> None:
+        """Engine thread, when a prefill-role request with a destination is added."""
+        destination = request.kv_destination
+        if request.request_id in self._sends:
+            raise ValueError(f"request id {request.request_id!r} already has a KV send")
+        num_blocks = -(-request.num_tokens // self.block_size)
+        end = destination.first_block_index + len(destination.block_ids)
+        if end != num_blocks or not destination.block_ids:
+            raise ValueError(f"the destination covers prompt blocks [{destination.first_block_index}, {end}) but "
+                             f"the prompt of {request.num_tokens} tokens has {num_blocks} blocks")
+        self._sends[request.request_id] = _Send(request, destination, pushed=[0] * len(self.layer_groups))
+
+    def layer_hook(self, seqs: Sequence[Any]) -> Callable[[int], None] | None:
+        """Before a forward: what each send may push after it (`seqs`: the batch's ScheduledSeqs).
+        Returns the per-layer callback for the model runner, or None when nothing is pushed."""
+        self._pushes = []
+        if not self._sends or not self.config.layerwise or self.config.hold_send_s:
+            return None
+        for seq in seqs:
+            send = self._sends.get(seq.request.request_id)
+            if send is None or send.error is not None:
+                continue
+            if not send.opened and not self._open(send):
+                continue
+            first = send.destination.first_block_index
+            done_tokens = seq.start + seq.num_new_tokens
+            full = len(send.request.block_ids) if seq.sample else done_tokens // self.block_size
+            blocks = max(0, min(full - first, len(send.src_block_ids)))
+            if blocks > send.pushed[0]:
+                self._pushes.append((send, blocks))
+        return self._layer_stored if self._pushes else None
+
+    def _layer_stored(self, layer: int) -> None:
+        """Model runner, after layer `layer` stored its K/V: push a group that is complete."""
+        for group_index, group in enumerate(self.layer_groups):
+            if group[-1] == layer:
+                break
+        else:
+            return
+        for send, blocks in self._pushes:
+            if send.error is None:
+                self._push(send, group_index, blocks)
+
+    def _push(self, send: _Send, group_index: int, blocks: int) -> None:
+        if self.config.inject_fault == "drop_layer_group" and group_index == len(self.layer_groups) // 2:
+            send.pushed[group_index] = blocks  # "sent": the receiver never gets it
+            return
+        try:
+            self.transport.send_layers(send.request.request_id, self.layer_groups[group_index], blocks)
+            send.pushed[group_index] = blocks
+        except (KeyError, ValueError) as exc:  # the transfer ended meanwhile (poll() reports it)
+            send.error = send.error or f"KV push failed: {exc}"
+            self._look_again(send.request.request_id)
+
+    def _open(self, send: _Send) -> bool:
+        request = send.request
+        first = send.destination.first_block_index
+        send.src_block_ids = list(request.block_ids[first:first + len(send.destination.block_ids)])
+        try:
+            self.transport.start(request.request_id, send.destination.address, send.src_block_ids,
+                                 list(send.destination.block_ids))
+        except Exception as exc:  # e.g. no transport in common with the destination
+            send.error = f"KV send failed to start: {exc}"
+            self._look_again(request.request_id)
+            return False
+        send.opened = True
+        return True
+
+    def _push_rest(self, send: _Send) -> None:
+        if send.error is not None or (not send.opened and not self._open(send)):
+            return
+        for group_index in range(len(self.layer_groups)):
+            if send.pushed[group_index] < len(send.src_block_ids):
+                self._push(send, group_index, len(send.src_block_ids))
+
+    def _poll_send(self, request_id: str, now: float) -> SendDone | None:
+        send = self._sends.get(request_id)
+        if send is None:
+            return None
+        if send.sending and now >= send.finished_at + self.config.hold_send_s:
+            self._push_rest(send)  # after a hold (testing); a no-op once every group is pushed
+        status = None
+        if send.opened:
+            try:
+                status = self.transport.poll(request_id)
+            except KeyError:
+                pass
+        sent = status.bytes_transferred if status is not None else 0
+        error = send.error
+        if error is None and status is not None and status.done and not status.ok:
+            error = f"KV transfer failed: {status.error}"
+        if error is not None:
+            self.failures["transfer"] += 1
+            return self._end_send(send, error, sent)
+        if not send.sending:
+            return None
+        if status is not None and status.ok:
+            return self._end_send(send, None, sent)
+        if now >= send.finished_at + self.config.hold_send_s + self.config.lease_s:
+            self.failures["lease"] += 1
+            return self._end_send(send, f"KV transfer lease of {self.config.lease_s:g} s expired", sent)
+        return None
+
+    def _end_send(self, send: _Send, error: str | None, bytes_sent: int) -> SendDone:
+        request_id = send.request.request_id
+        del self._sends[request_id]
+        if send.opened:
+            self.transport.cancel(request_id)  # stop it, or drop the record of a finished one
+        return SendDone(request_id, KVSendResult(error, bytes_sent, self.transport.epoch,
+                                                 send.checksum, send.block_hashes))
+
+    # ---- decode side ----------------------------------------------------------------------
+
+    def wants_remote_prefill(self, plan: ImportPlan, num_tokens: int) -> bool:
+        return bool(plan.blocks_to_fill) and num_tokens - plan.num_cached_tokens >= self.config.local_prefill_threshold
+
+    def start_load(self, request: Request, plan: ImportPlan) -> None:
+        """Engine thread, after the scheduler allocated the blocks the transfer must fill."""
+        self.transport.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
+        now = time.monotonic()
+        self._loads[request.request_id] = _Load(request, plan, now)
+        heapq.heappush(self._deadlines, (now + self.config.transfer_timeout_s, request.request_id))
+
+    def report_producer(self, request_id: str, report: ProducerReport | None, error: str | None = None) -> bool:
+        """Engine thread: the prefill worker answered (a report, or why it failed). False if the
+        request is no longer loading."""
+        load = self._loads.get(request_id)
+        if load is None:
+            return False
+        load.report, load.producer_error = report, error
+        self._look_again(request_id)
+        return True
+
+    def _poll_load(self, request_id: str, now: float) -> LoadDone | None:
+        load = self._loads.get(request_id)
+        if load is None:
+            return None
+        if load.producer_error is not None:
+            return self._fail_load(load, "producer", load.producer_error)
+        status = self.transport.poll(request_id)
+        if status.done and not status.ok:
+            return self._fail_load(load, "transfer", f"KV transfer failed: {status.error}")
+        if load.report is None:
+            if now - load.started >= self.config.transfer_timeout_s:
+                return self._fail_load(load, "timeout", f"no KV within {self.config.transfer_timeout_s} s")
+            return None
+        if not status.ok:
+            return self._fail_load(load, "short", f"the prefill worker reported its send complete, but only "
+                                                  f"{status.layers_done} of {status.num_layers} layers arrived")
+        problem = self._verify(load, status)
+        if problem is not None:
+            return self._fail_load(load, *problem)
+        del self._loads[request_id]
+        self.transport.cancel(request_id)  # drops the finished record
+        load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,
+                                                 load.report.num_cached_tokens)
+        return LoadDone(request_id, load.report.first_token, None, False)
+
+    def _verify(self, load: _Load, status: Any) -> tuple[str, str] | None:
+        report = load.report
+        if status.producer_epoch != report.epoch:
+            return "epoch", (f"the KV was written by producer epoch {status.producer_epoch:x}, but the report "
+                             f"comes from epoch {report.epoch:x} (the prefill worker restarted)")
+        request = load.request
+        mine = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, self.hash_algorithm))
+        if report.block_hashes != mine:
+            return "block_hash", "the prefill worker's block hashes differ from this prompt's (a different prompt)"
+        block_ids = [block_id for _, block_id in load.plan.blocks_to_fill]
+        if self.config.inject_fault == "flip_byte":
+            self.kv_layers[0][block_ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
+        if kv_checksum(self.kv_layers, block_ids) != report.checksum:
+            return "checksum", "the received KV bytes do not match the prefill worker's checksum"
+        return None
+
+    def _fail_load(self, load: _Load, reason: str, message: str) -> LoadDone:
+        request_id = load.request.request_id
+        del self._loads[request_id]
+        self.transport.cancel(request_id)  # no byte lands in its blocks after this
+        self.failures[reason] += 1
+        received = 0
+        load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started)
+        return LoadDone(request_id, None, f"remote prefill failed ({reason}): {message}",
+                        self.config.on_transfer_failure == "fallback")
+
+    # ---- once per step --------------------------------------------------------------------
+
+    def poll(self) -> list[SendDone | LoadDone]:
+        """The sends and loads that ended since the last call (engine thread)."""
+        self.polls += 1
+        with self._lock:
+            ids, self._ended = self._ended, set()
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            ids.add(heapq.heappop(self._deadlines)[1])
+        check = self._poll_send if self.role == "prefill" else self._poll_load
+        return [done for done in (check(request_id, now) for request_id in ids) if done is not None]
+
+    def next_deadline(self) -> float | None:
+        """When `poll()` must run next even if no transfer ends (monotonic seconds); None when
+        nothing is in flight. Entries of requests that already ended are dropped here."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1] not in self._sends and deadlines[0][1] not in self._loads:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sends) + len(self._loads)

@@ -1,0 +1,359 @@
+"""The engine-owned KV connector between a prefill-role and a decode-role engine in one process,
+over real kvtransfer senders and receivers on every transport, with a tiny random Llama model.
+
+Each test drives the hand-off as the two worker servers do (decode: `add_imported`, prefill:
+`add` with the destination, the prefill worker's answer handed to `report_kv_producer`), then
+checks what matters: greedy tokens equal to a colocated engine of the same weights (a clean
+hand-off, or the local-prefill fallback after any fault), no block left held on either side
+(`check_integrity()` and free-block counts), and each failure counted under its reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import transformers
+
+import kvtransfer
+from engine.engine import LLMEngine
+from engine.kv_connector import KVConnectorConfig, ProducerReport
+from engine.kv_hooks import KVDestination
+from engine.llm import build_engine_config
+from engine.model.loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken
+
+BLOCK = 4
+NUM_BLOCKS = 256
+TRANSPORTS = kvtransfer.available_transports()  # nccl: gloo on CPU caches
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def make_engine(model_dir, role, kv_transport=None, connector=None, **options):
+    config = build_engine_config(model_dir, role=role, device="cpu", block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                 attention_backend="torch", max_num_batched_tokens=options.pop("budget", 64),
+                                 shared_memory=role == "prefill", **options)
+    runner = ModelRunner(config, resolve_model(model_dir))
+    return LLMEngine(config, runner=runner, tokenizer=None, kv_transport=kv_transport,
+                     kv_connector_config=connector)
+
+
+def prompt(seed, length):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 120, (length,), generator=generator).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    engine = make_engine(model_dir, "both")
+    cache = {}
+
+    def generate(tokens):
+        key = tuple(tokens)
+        if key not in cache:
+            engine.add(engine.make_request(tokens, PARAMS))
+            out = []
+            while engine.has_unfinished():
+                out += [t for d in engine.step() for t in d.new_token_ids]
+            cache[key] = out
+        return cache[key]
+    return generate
+
+
+class Pair:
+    """A prefill and a decode engine joined by one transport, stepped on the test's thread."""
+
+    def __init__(self, model_dir, transport, prefill=None, decode=None, **options):
+        self.model_dir, self.transport_name = model_dir, transport
+        self.transfer_config = kvtransfer.TransferConfig(timeout_s=2.0)
+
+        def make_receiver(kv_cache, on_end):
+            return kvtransfer.create_receiver(transport, kv_cache.layers, self.transfer_config, on_end)
+
+        self.prefill = self.make_prefill(prefill, **options)
+        self.decode = make_engine(model_dir, "decode", make_receiver,
+                                  KVConnectorConfig(local_prefill_threshold=0, **(decode or {})))
+
+    def make_prefill(self, connector=None, **options):
+        """A prefill engine (a new sender: a new epoch), as a restarted prefill worker has."""
+        def make_sender(kv_cache, on_end):
+            shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
+                                             kv_cache.data.numel() * kv_cache.data.element_size())
+            return kvtransfer.create_sender(self.transport_name, kv_cache.layers, self.transfer_config,
+                                            shared_memory=shared, on_transfer_end=on_end)
+        return make_engine(self.model_dir, "prefill", make_sender, KVConnectorConfig(**(connector or {})), **options)
+
+    def close(self):
+        self.prefill.kv_connector.transport.close()
+        self.decode.kv_connector.transport.close()
+
+    # ---- the two servers' parts ---------------------------------------------------------
+
+    def start(self, request_id, tokens, params=PARAMS):
+        """Decode side: allocate and expect; prefill side: queue with the destination."""
+        request = self.decode.make_request(tokens, params, request_id)
+        plan = self.decode.add_imported(request)
+        assert plan is not None
+        destination = KVDestination(self.decode.kv_connector.transport.address,
+                                    tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+        self.prefill.add(self.prefill.make_request(tokens, params, request_id, kv_destination=destination),
+                         detokenize=False)
+        return plan
+
+    def run_prefill(self, until=lambda deltas: any(d.finished for d in deltas), timeout=30.0):
+        """Step the prefill engine until `until(deltas so far)`; returns them."""
+        deltas = []
+        deadline = time.monotonic() + timeout
+        while not until(deltas):
+            assert time.monotonic() < deadline, f"prefill engine stuck: {deltas}"
+            deltas += self.prefill.step()
+            if self.prefill.last_step_idle:
+                self.prefill.wakeup.wait(0.02)
+                self.prefill.wakeup.clear()
+        return deltas
+
+    def report(self, request_id, deltas):
+        """What the decode server hands to the engine from the PrefillResponse."""
+        first = next(d for d in deltas if d.new_token_ids)
+        final = next(d for d in deltas if d.finished)
+        if final.finish_reason != "prefill_done":
+            return self.decode.report_kv_producer(request_id, None, f"prefill worker: {final.error}")
+        result = final.kv_send
+        report = ProducerReport(SampledToken(first.new_token_ids[0]), result.epoch, result.checksum,
+                                result.block_hashes, final.num_cached_tokens, result.bytes_sent)
+        return self.decode.report_kv_producer(request_id, report)
+
+    def run_decode(self, timeout=30.0):
+        tokens, finals = {}, {}
+        deadline = time.monotonic() + timeout
+        while self.decode.has_unfinished():
+            assert time.monotonic() < deadline, "decode engine stuck"
+            for delta in self.decode.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+                if delta.kv_import is not None:
+                    finals.setdefault(delta.request_id + ":import", delta.kv_import)
+                if delta.finished:
+                    finals[delta.request_id] = delta
+            if self.decode.last_step_idle:
+                self.decode.wakeup.wait(0.02)
+                self.decode.wakeup.clear()
+        return tokens, finals
+
+    def generate(self, request_id, tokens):
+        self.start(request_id, tokens)
+        self.report(request_id, self.run_prefill())
+        return self.run_decode()
+
+    def assert_nothing_held(self):
+        deadline = time.monotonic() + 10
+        for engine in (self.prefill, self.decode):
+            while engine.has_unfinished():  # e.g. a send that ends at its lease
+                assert time.monotonic() < deadline, f"{engine.config.role} engine keeps requests"
+                engine.step()
+                engine.wakeup.wait(0.02)
+                engine.wakeup.clear()
+            engine.scheduler.check_integrity()
+            bm = engine.scheduler.block_manager
+            assert bm.num_free_blocks == bm.num_blocks and not bm.holder_ids(), engine.config.role
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+@pytest.fixture
+def pair_factory(model_dir, transport):
+    pairs = []
+
+    def make(**kwargs):
+        pair = Pair(model_dir, transport, **kwargs)
+        pairs.append(pair)
+        return pair
+    yield make
+    for pair in pairs:
+        pair.assert_nothing_held()
+        pair.close()
+
+
+def test_layerwise_push_is_token_exact_and_verified(pair_factory, reference):
+    pair = pair_factory(budget=16)  # a 45-token prompt in three chunks, each pushed as computed
+    tokens = prompt(1, 45)
+    out, finals = pair.generate("a", tokens)
+    assert out["a"] == reference(tokens)
+    outcome = finals["a:import"]
+    assert outcome.prefilled_remotely and outcome.bytes_received > 0
+    assert pair.decode.kv_connector.failures == {} and pair.prefill.kv_connector.failures == {}
+    # a second turn sharing the first 32 tokens: the decode worker's own prefix-cache hit
+    follow = tokens[:32] + prompt(2, 20)
+    plan = pair.start("b", follow)
+    assert plan.blocks_to_fill[0][0] == 8
+    pair.report("b", pair.run_prefill())
+    assert pair.run_decode()[0]["b"] == reference(follow)
+
+
+def test_push_after_prefill_is_token_exact(pair_factory, reference):
+    pair = pair_factory(prefill=dict(layerwise=False), budget=16)
+    tokens = prompt(3, 37)
+    assert pair.generate("a", tokens)[0]["a"] == reference(tokens)
+
+
+def test_a_flipped_byte_is_caught_and_recomputed(pair_factory, reference):
+    pair = pair_factory(decode=dict(inject_fault="flip_byte"))
+    tokens = prompt(4, 30)
+    out, finals = pair.generate("a", tokens)
+    assert out["a"] == reference(tokens)
+    assert not finals["a:import"].prefilled_remotely
+    assert pair.decode.kv_connector.failures == {"checksum": 1}
+
+
+def test_a_flipped_byte_fails_the_request_in_fail_mode(pair_factory):
+    pair = pair_factory(decode=dict(inject_fault="flip_byte", on_transfer_failure="fail"))
+    out, finals = pair.generate("a", prompt(5, 30))
+    assert finals["a"].finish_reason == "error" and "checksum" in finals["a"].error
+    assert out.get("a", []) == []
+
+
+def test_a_dropped_layer_group_ends_at_the_lease_and_is_recomputed(pair_factory, reference):
+    pair = pair_factory(prefill=dict(inject_fault="drop_layer_group", lease_s=0.5))
+    tokens = prompt(6, 30)
+    out, _ = pair.generate("a", tokens)
+    assert out["a"] == reference(tokens)
+    assert pair.prefill.kv_connector.failures == {"lease": 1}
+    assert pair.decode.kv_connector.failures == {"producer": 1}
+
+
+def test_a_transfer_stalled_past_the_decode_timeout_is_recomputed(pair_factory, reference):
+    pair = pair_factory(prefill=dict(hold_send_s=1.5, lease_s=5.0), decode=dict(transfer_timeout_s=0.5))
+    tokens = prompt(7, 30)
+    pair.start("a", tokens)
+    pair.run_prefill(until=lambda deltas: any(d.new_token_ids for d in deltas))  # SENDING_KV, held
+    out, _ = pair.run_decode()  # times out, falls back
+    assert out["a"] == reference(tokens)
+    assert pair.decode.kv_connector.failures == {"timeout": 1}
+    final = pair.run_prefill()[-1]  # the held send then finds no receiver waiting
+    assert final.finish_reason == "error" and pair.prefill.kv_connector.failures == {"transfer": 1}
+
+
+@pytest.mark.parametrize("forged", ["epoch", "block_hash", "short"])
+def test_a_report_that_does_not_match_the_bytes_is_refused(pair_factory, reference, forged):
+    pair = pair_factory(prefill=dict(hold_send_s=2.0) if forged == "short" else None)
+    tokens = prompt(8, 30)
+    pair.start("a", tokens)
+    deltas = pair.run_prefill(until=lambda ds: any(d.new_token_ids for d in ds) if forged == "short"
+                              else any(d.finished for d in ds))
+    first = next(d for d in deltas if d.new_token_ids)
+    final = next((d for d in deltas if d.finished), None)
+    if forged == "short":  # the producer claims success before a byte moved
+        report = ProducerReport(SampledToken(first.new_token_ids[0]), pair.prefill.kv_connector.transport.epoch, 0, ())
+    else:
+        report = ProducerReport(SampledToken(first.new_token_ids[0]), final.kv_send.epoch, final.kv_send.checksum,
+                                final.kv_send.block_hashes)
+        report = dataclasses.replace(report, **({"epoch": report.epoch ^ 1} if forged == "epoch"
+                                                else {"block_hashes": report.block_hashes[::-1]}))
+    pair.decode.report_kv_producer("a", report)
+    out, finals = pair.run_decode()
+    assert out["a"] == reference(tokens) and not finals["a:import"].prefilled_remotely
+    assert pair.decode.kv_connector.failures == {forged: 1}
+    if forged == "short":
+        pair.prefill.abort("a")
+
+
+@pytest.mark.parametrize("state", ["WAITING", "RUNNING", "SENDING_KV"])
+def test_abort_on_the_prefill_side_in_each_state(pair_factory, reference, state):
+    pair = pair_factory(prefill=dict(hold_send_s=30.0 if state == "SENDING_KV" else 0.0), budget=8,
+                        max_num_seqs=1)
+    tokens = prompt(9, 40)
+    pair.start("a", tokens)
+    if state == "WAITING":
+        pair.start("b", prompt(10, 40))  # queued behind "a"
+        target = "b"
+    else:
+        target = "a"
+    if state != "WAITING":
+        pair.run_prefill(until=lambda ds: pair.prefill.scheduler.get_request("a").status.name == state)
+    final = pair.prefill.abort(target)
+    assert final.finish_reason == "abort"
+    if state == "WAITING":
+        pair.report("a", pair.run_prefill())
+        pair.decode.report_kv_producer("b", None, "prefill worker: aborted")
+    else:
+        pair.decode.report_kv_producer("a", None, "prefill worker: aborted")
+    out, _ = pair.run_decode()
+    assert out["a"] == reference(tokens)
+
+
+@pytest.mark.parametrize("state", ["WAITING_FOR_KV", "RUNNING"])
+def test_abort_on_the_decode_side_in_each_state(pair_factory, state):
+    pair = pair_factory()
+    pair.start("a", prompt(11, 30))
+    if state == "RUNNING":
+        pair.report("a", pair.run_prefill())
+        while pair.decode.scheduler.get_request("a").status.name != "RUNNING":
+            pair.decode.step()
+    final = pair.decode.abort("a")
+    assert final.finish_reason == "abort"
+    if state == "WAITING_FOR_KV":  # the prefill side's send then fails: the receiver let go
+        assert pair.run_prefill()[-1].finish_reason in ("error", "prefill_done")
+
+
+def test_a_producer_that_dies_mid_transfer_is_recomputed_and_a_new_one_is_used(pair_factory, reference):
+    pair = pair_factory(prefill=dict(hold_send_s=30.0))
+    tokens = prompt(12, 30)
+    pair.start("a", tokens)
+    pair.run_prefill(until=lambda ds: any(d.new_token_ids for d in ds))
+    old_epoch = pair.prefill.kv_connector.transport.epoch
+    pair.prefill.kv_connector.transport.close()  # the process "dies": its connection drops
+    pair.decode.report_kv_producer("a", None, "prefill worker: UNAVAILABLE")
+    out, _ = pair.run_decode()
+    assert out["a"] == reference(tokens)
+    assert pair.decode.kv_connector.failures == {"producer": 1}
+    pair.prefill.abort("a")
+    pair.prefill = pair.make_prefill()  # the restarted worker: a new sender, a new epoch
+    assert pair.prefill.kv_connector.transport.epoch != old_epoch
+    follow = prompt(13, 30)
+    out, finals = pair.generate("b", follow)
+    assert out["b"] == reference(follow) and finals["b:import"].prefilled_remotely
+
+
+def test_engine_wakeups_do_not_grow_with_the_requests_in_flight(pair_factory):
+    """64 concurrent remote prefills: the decode engine's connector looks only at transfers that
+    ended, so its polls stay bounded by the steps it takes, and the transfers wake it (not a
+    timer per request)."""
+    pair = pair_factory()
+    for index in range(64):
+        pair.start(f"r{index}", prompt(100 + index, 9))
+    deltas = pair.run_prefill(until=lambda ds: sum(d.finished for d in ds) == 64, timeout=120)
+    connector = pair.decode.kv_connector
+    polls_before = connector.polls
+    for index in range(64):
+        pair.report(f"r{index}", [d for d in deltas if d.request_id == f"r{index}"])
+    steps = 0
+    looked_at = []
+    original = connector._poll_load
+
+    def counting(request_id, now):
+        looked_at.append(request_id)
+        return original(request_id, now)
+    connector._poll_load = counting
+    while pair.decode.has_unfinished():
+        pair.decode.step()
+        steps += 1
+    assert connector.polls - polls_before == steps
+    # each load is looked at once when its report arrives (and its transfer ended before),
+    # not once per step while it waits
+    assert len(looked_at) <= 64 + 64
