@@ -17,18 +17,17 @@ import logging
 import os
 from typing import Any
 
-from deploy.config import WorkerSpec
+from deploy.config import ROLES, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-GRPC_SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 class WorkerActor:
     """One worker inside a Ray actor. `role` is "prefill", "decode" or "both" (colocated)."""
 
     def __init__(self, role: str, spec: WorkerSpec) -> None:
-        if role not in ("prefill", "decode", "both"):
+        if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}")
         self.role = role
         self.spec = spec
@@ -40,7 +39,7 @@ class WorkerActor:
         import grpc
 
         import ray
-        from engine import wire
+        import wire
         if self._stopped is not None:
             raise RuntimeError(f"this {self.role} worker was already started")
         logging.basicConfig(level=self.spec.log_level.upper(),
@@ -49,7 +48,7 @@ class WorkerActor:
         node_ip = ray.util.get_node_ip_address()
         advertise = node_ip if self.spec.advertise_node_ip else self.spec.host
         self._worker = await asyncio.to_thread(self._build_worker, advertise)
-        server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
         services = wire.services()
         if self.role == "prefill":
             services.add_PrefillServiceServicer_to_server(self._worker.servicer(), server)
@@ -61,7 +60,7 @@ class WorkerActor:
         await server.start()
         self._server = server
         return {"role": self.role, "grpc_address": f"{advertise}:{port}",
-                "transport_address": getattr(self._worker, "transport_address", "") or "",
+                "transport_address": self._worker.transport_address,
                 "pid": os.getpid(), "node_ip": node_ip}
 
     def _build_worker(self, advertise_host: str) -> Any:
@@ -92,9 +91,7 @@ class WorkerActor:
             await server.stop(grace=grace_s)
         if self._worker is not None:
             worker, self._worker = self._worker, None
-            closed = worker.close()
-            if asyncio.iscoroutine(closed):
-                await closed
+            await worker.close()
         if self._stopped is not None:
             self._stopped.set()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("prefill", "decode", "both")  # "both": a colocated worker (prefills and decodes itself)
+from engine.config import ROLES  # noqa: F401  (re-exported: deploy's modules take it from here)
 TRANSPORTS = ("auto", "ucx", "nccl", "tcp", "shm")
 DEVICES = ("cpu", "cuda")
 DEFAULT_CONTROLLER_NAME = "pdserve-controller"

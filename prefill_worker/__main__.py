@@ -2,43 +2,37 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from prefill_worker.serving import add_engine_arguments, add_server_arguments, configure_logging, engine_options, serve
+import serving
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
-    add_engine_arguments(parser)
-    add_server_arguments(parser)
-    group = parser.add_argument_group("kv transfer")
-    group.add_argument("--transport", default="auto", help="sender transports: auto (what the receiver offers), "
-                                                           "tcp, shm, ucx, nccl")
-    group.add_argument("--kv-timeout-s", type=float, default=5.0, help="a silent receiver fails a transfer after this")
+    serving.add_engine_arguments(parser)
+    serving.add_server_arguments(parser)
+    serving.add_kv_arguments(parser, "sender")
+    group = parser.add_argument_group("kv push")
     group.add_argument("--export-lease-s", type=float, default=60.0, help="longest time blocks stay pinned for a send")
+    group.add_argument("--no-layerwise-push", action="store_true",
+                       help="push a prompt's KV after its whole prefill instead of layer group by layer group")
     group.add_argument("--hold-kv-send-s", type=float, default=0.0, help="testing only: delay every KV send")
     return parser.parse_args(argv)
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from engine import wire
+    import wire
     from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-    config = PrefillWorkerConfig(model=args.model, engine_options=engine_options(args), transport=args.transport,
+    config = PrefillWorkerConfig(model=args.model, engine_options=serving.engine_options(args), transport=args.transport,
                                  kv_timeout_s=args.kv_timeout_s, export_lease_s=args.export_lease_s,
-                                 hold_kv_send_s=args.hold_kv_send_s)
+                                 layerwise=not args.no_layerwise_push, hold_kv_send_s=args.hold_kv_send_s,
+                                 inject_kv_fault=args.inject_kv_fault)
     worker = PrefillWorker(config)
-
-    async def stop() -> None:
-        worker.close()
-
-    await serve(lambda server: wire.services().add_PrefillServiceServicer_to_server(worker.servicer(), server),
-                args.host, args.port, args.advertise_host, lambda _: "transport= role=prefill", stop)
+    await serving.serve(lambda server: wire.services().add_PrefillServiceServicer_to_server(worker.servicer(), server),
+                        args.host, args.port, args.advertise_host, lambda _: "transport= role=prefill", worker.close)
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
-    asyncio.run(_main(args))
+    serving.run(parse_args(argv), _main)
 
 
 if __name__ == "__main__":

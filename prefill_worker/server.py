@@ -1,33 +1,31 @@
-"""The prefill worker: an engine in `prefill` role behind `PrefillService`.
+"""The prefill worker: an engine in `prefill` role behind `PrefillService`, an adapter between
+gRPC and the engine. The engine's KV connector (engine/kv_connector.py) does the hand-off.
 
-Lifecycle of one Prefill call (one state per line):
+Lifecycle of one Prefill call (the request's RequestStatus, one per line):
 
-    WAITING      admitted to the engine queue; the KV destination is registered with the pusher
-    PREFILLING   prefix-cache match, chunked prefill batched with other prompts, first token sampled
-    SENDING_KV   blocks pinned; blocks [first_block_index, ...) are pushed to the decode worker
-    DONE         transfer acknowledged (or failed / lease expired): blocks unpinned, they stay in
-                 the prefix cache; the response carries the first token and the bytes sent
+    WAITING      queued in the engine with its KV destination (blocks for the whole prompt at admission)
+    RUNNING      prefix-cache match, chunked prefill batched with other prompts; after each layer
+                 group, the blocks it completed are pushed to the decode worker (layer-wise push)
+    SENDING_KV   first token sampled; blocks pinned until every block is acknowledged or the lease
+                 expires
+    FINISHED     blocks unpinned (they stay in the prefix cache); the response carries the first
+                 token, the bytes sent, the sender's epoch, the block hashes and the checksum
 
 Abort (the `Abort` RPC, or the decode worker cancelling the call) in any state stops the send
-first, then frees or unpins the blocks.
+first, then frees the blocks.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from engine import wire
-from engine.engine import LLMEngine
-from prefill_worker.exporter import KVPusher
-from prefill_worker.wire_convert import (describe_wire_layout, layout_to_wire, token_logprob_to_wire,
-                                         worker_stats_to_wire)
-
-logger = logging.getLogger(__name__)
+import kvtransfer
+import serving
+import wire
+from engine.kv_connector import FAULTS, KVConnectorConfig
+from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
 
 @dataclass
@@ -37,183 +35,97 @@ class PrefillWorkerConfig:
     transport: str = "auto"  # the sender's transports; "auto": whatever the receiver offers
     kv_timeout_s: float = 5.0  # a silent receiver fails the transfer after this long
     export_lease_s: float = 60.0  # blocks stay pinned at most this long for one transfer
-    hold_kv_send_s: float = 0.0  # fault injection for tests: wait before every send
+    layerwise: bool = True  # push layer groups as they are computed (False: after the whole prompt)
+    hold_kv_send_s: float = 0.0  # fault injection for tests: push nothing until this long after prefill
+    inject_kv_fault: str | None = None  # fault injection for tests (engine.kv_connector.FAULTS)
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "tcp", "shm", "ucx", "nccl"):
-            raise ValueError(f"transport must be auto, tcp, shm, ucx or nccl, got {self.transport!r}")
-        for name in ("kv_timeout_s", "export_lease_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.hold_kv_send_s < 0:
-            raise ValueError(f"hold_kv_send_s must be >= 0, got {self.hold_kv_send_s}")
+        if self.transport not in ("auto", *kvtransfer.TRANSPORT_NAMES):
+            raise ValueError(f"transport must be auto or one of {', '.join(kvtransfer.TRANSPORT_NAMES)}, "
+                             f"got {self.transport!r}")
+        if self.inject_kv_fault not in (None, *FAULTS):
+            raise ValueError(f"inject_kv_fault must be one of {', '.join(FAULTS)}")
 
 
 class PrefillWorker:
-    """Owns the engine (prefill role), the KV sender and the pusher; `servicer()` serves them."""
+    """Owns the engine (prefill role) whose connector's sender pushes over `config.transport`."""
 
     def __init__(self, config: PrefillWorkerConfig) -> None:
-        import kvtransfer
-
-        from prefill_worker.serving import build_async_engine
         self.config = config
         self.role = "prefill"
-        self.pusher = KVPusher(lease_s=config.export_lease_s, hold_s=config.hold_kv_send_s)
-        # The KV cache goes into shared memory (a no-op on GPU) so that same-host decode workers
-        # map it and copy blocks out in one memcpy (kvtransfer shm, "mapped" path).
-        options = {"shared_memory": True, **config.engine_options}
-        self.engine = build_async_engine(config.model, options, "prefill", kv_exporter=self.pusher)
-        kv_cache = self.engine.engine.runner.kv_cache
-        self._caches = kv_cache.layers
-        self._shared_memory = None
-        if kv_cache.memory_fd is not None:
-            self._shared_memory = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
-                                                          kv_cache.data.numel() * kv_cache.data.element_size())
-        self._transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s)
-        self._senders: dict[str, Any] = {}
-        self._senders_lock = threading.Lock()
-        self.layout = kvtransfer.KVLayout.from_caches(self._caches)
-        self.pusher.release = lambda request_id: self.engine.call(LLMEngine.release_export, request_id)
-        self.pusher.abort_in_engine = self.engine.abort
-        self.block_size = self.layout.block_size
+        self.transport_address = ""  # a prefill worker listens for no KV
+        transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s)
 
-    def sender_for(self, destination_transport: str, address: str) -> Any:
-        """The sender for a destination, created on first use (blocking: call it off the event
-        loop): the destination's transport, or kvtransfer's `auto` choice when the receiver
-        offers several. With a fixed `--transport`, it must be among those offered."""
-        import kvtransfer
-        offered = [part.split("://", 1)[0] for part in address.split(",")]
-        if self.config.transport != "auto":
-            if self.config.transport not in offered:
-                raise ValueError(f"this prefill worker sends KV over {self.config.transport} only, "
-                                 f"the destination offers {', '.join(offered)}")
-            transport = self.config.transport
-        elif len(offered) > 1:
-            transport = "auto"
-        else:
-            transport = destination_transport or offered[0]
-        if transport != "auto" and transport not in kvtransfer.TRANSPORT_NAMES:
-            raise ValueError(f"unknown KV transport {transport!r}; known: {', '.join(kvtransfer.TRANSPORT_NAMES)}")
-        with self._senders_lock:
-            sender = self._senders.get(transport)
-            if sender is None:
-                try:
-                    sender = kvtransfer.create_sender(transport, self._caches, self._transfer_config,
-                                                      shared_memory=self._shared_memory)
-                except kvtransfer.TransportUnavailableError as exc:
-                    raise ValueError(str(exc)) from exc
-                self._senders[transport] = sender
-            return sender
+        def make_sender(kv_cache, on_transfer_end):
+            # The KV cache lies in shared memory (a no-op on GPU), so same-host decode workers map it
+            # and copy blocks out in one memcpy (kvtransfer shm, "mapped" path).
+            shared = None
+            if kv_cache.memory_fd is not None:
+                shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
+                                                 kv_cache.data.numel() * kv_cache.data.element_size())
+            return kvtransfer.create_sender(config.transport, kv_cache.layers, transfer_config, shared_memory=shared,
+                                            on_transfer_end=on_transfer_end)
 
-    @property
-    def kv_bytes_sent(self) -> int:
-        with self._senders_lock:
-            return sum(sender.total_bytes_sent for sender in self._senders.values())
+        connector = KVConnectorConfig(lease_s=config.export_lease_s, layerwise=config.layerwise,
+                                      hold_send_s=config.hold_kv_send_s, inject_fault=config.inject_kv_fault)
+        self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
+                                                 "prefill", make_sender, connector)
+        self.sender = self.engine.engine.kv_connector.transport
+        self.layout = layout_to_wire(self.sender.layout)
 
-    def close(self) -> None:
-        self.pusher.close()
+    async def close(self) -> None:
         self.engine.shutdown()
-        with self._senders_lock:
-            for sender in self._senders.values():
-                sender.close()
+        self.sender.close()
 
     def servicer(self):
         return _PrefillServicer(self)
 
 
-def _servicer_base():
-    return wire.services().PrefillServiceServicer
-
-
-class _PrefillServicer(_servicer_base()):
+class _PrefillServicer(wire.services().PrefillServiceServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
-        self.pb = wire.messages()
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        worker = self.worker
+        engine = self.worker.engine
         try:
-            engine_request = await wire.off_loop_if_constrained(
-                request.sampling, lambda: worker.engine.engine.make_request(
-                    list(request.prompt_token_ids), wire.sampling_from_wire(request.sampling),
-                    request.request_id or None, cache_salt=request.cache_salt or None,
-                    num_resumed_tokens=request.num_resumed_tokens))
-            self._check_destination(request.destination, engine_request.num_tokens)
+            destination = self._destination(request.destination)
+            engine_request = await serving.request_from_wire(engine, request, request.request_id or None,
+                                                             kv_destination=destination)
+            stream = engine.open_stream(engine_request.request_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        request_id = engine_request.request_id
-        destination = request.destination
+        first = None
         try:
-            sender = await asyncio.get_running_loop().run_in_executor(None, worker.sender_for, destination.transport,
-                                                                       destination.address)
-        except ValueError as exc:
+            engine.add(engine_request, False)
+            async for delta in stream:  # the first token, then the end of the send
+                first = first or (delta if delta.new_token_ids else None)
+                if delta.finished:
+                    return prefill_response(delta, first)
+        except ValueError as exc:  # refused by the engine (e.g. larger than the whole cache)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            done = worker.pusher.expect(request_id, sender, destination.address, list(destination.block_ids),
-                                        destination.first_block_index)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        stream = None
-        try:
-            stream = worker.engine.open_stream(request_id)
-            worker.engine.add(engine_request, False)
-            final = None
-            try:
-                async for delta in stream:
-                    final = delta
-            except ValueError as exc:  # refused by the scheduler (e.g. larger than the whole cache)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if final.finish_reason != "prefill_done":
-                return self.pb.PrefillResponse(finish_reason=final.finish_reason or "error",
-                                               error=final.error or "", num_cached_tokens=final.num_cached_tokens)
-            result = await asyncio.wrap_future(done)
-            first = final.new_logprobs[0] if final.new_logprobs else None
-            token = token_logprob_to_wire(final.new_token_ids[0], first.logprob if first else None,
-                                          first.top_logprobs if first else None)
-            if not result.ok:
-                return self.pb.PrefillResponse(first_token=token, num_cached_tokens=final.num_cached_tokens,
-                                               kv_bytes_sent=result.bytes_sent, finish_reason="error",
-                                               error=result.error or "KV transfer failed")
-            return self.pb.PrefillResponse(first_token=token, num_cached_tokens=final.num_cached_tokens,
-                                           kv_bytes_sent=result.bytes_sent)
-        except BaseException:
-            # Cancelled by the decode worker (or shutting down): stop the send, free the blocks.
-            worker.pusher.abort(request_id)
-            raise
         finally:
-            worker.pusher.forget(request_id)
-            if stream is not None:
-                stream.close()
+            stream.close()  # cancelled by the decode worker: aborts the request, stopping the send
 
-    def _check_destination(self, destination: Any, num_prompt_tokens: int) -> None:
-        worker = self.worker
-        if not destination.address:
-            raise ValueError("destination.address is empty: name the decode worker's KV receiver")
-        if not destination.block_ids:
-            raise ValueError("destination.block_ids is empty")
-        mine = layout_to_wire(worker.layout)
-        theirs = destination.layout
-        if (theirs.num_layers, theirs.block_size, theirs.num_kv_heads, theirs.head_dim, theirs.dtype) != (
-                mine.num_layers, mine.block_size, mine.num_kv_heads, mine.head_dim, mine.dtype):
-            raise ValueError(f"KV layout mismatch: decode worker has [{describe_wire_layout(theirs)}], "
-                             f"this prefill worker has [{describe_wire_layout(mine)}]")
-        num_blocks = -(-num_prompt_tokens // worker.block_size)
-        end = destination.first_block_index + len(destination.block_ids)
-        if end != num_blocks:
-            raise ValueError(f"destination covers prompt blocks [{destination.first_block_index}, {end}) but the "
-                             f"prompt of {num_prompt_tokens} tokens has {num_blocks} blocks")
+    def _destination(self, message: Any):
+        if not same_layout(message.layout, self.worker.layout):
+            raise ValueError(f"KV layout mismatch: decode worker has [{describe_wire_layout(message.layout)}], "
+                             f"this prefill worker has [{describe_wire_layout(self.worker.layout)}]")
+        destination = destination_from_wire(message)
+        reason = self.worker.sender.unreachable_reason(destination.address)
+        if reason is not None:
+            raise ValueError(f"cannot send KV to the destination: {reason}")
+        return destination
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        found = self.worker.pusher.abort(request.request_id)
-        return self.pb.AbortResponse(found=found)
+        found = self.worker.engine.is_open(request.request_id)
+        self.worker.engine.abort(request.request_id)
+        return wire.messages().AbortResponse(found=found)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return self.pb.HealthResponse(ok=True, role="prefill", model=self.worker.config.model, transport_address="")
+        return wire.messages().HealthResponse(ok=True, role="prefill", model=self.worker.config.model)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            stats, queued = self.worker.engine.stats()  # the engine thread's latest snapshot
+            return serving.stats_response(self.worker.engine, "prefill", kv_bytes_sent=self.worker.sender.total_bytes_sent)
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return worker_stats_to_wire("prefill", stats, queued, self.worker.block_size,
-                                    kv_bytes_sent=self.worker.kv_bytes_sent)

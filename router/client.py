@@ -10,13 +10,10 @@ from typing import Any
 
 import grpc
 
-from engine import wire
+import wire
 
-# Generous limits: a long prompt's token ids travel in one message.
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 2**20),
-                   ("grpc.max_receive_message_length", 64 * 2**20),
-                   ("grpc.keepalive_time_ms", 30_000),
-                   ("grpc.keepalive_timeout_ms", 10_000)]
+# The shared message limits, and keepalives: a dead worker is noticed on an idle channel too.
+CHANNEL_OPTIONS = [*wire.GRPC_OPTIONS, ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 
 class WorkerClient:

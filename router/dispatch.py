@@ -102,7 +102,7 @@ class Dispatcher:
         return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
 
     def wire_request(self, generation: "Generation", prefill_address: str, resumed: Sequence[int] = ()) -> Any:
-        from engine import wire
+        import wire
         pb = wire.messages()
         return pb.GenerateRequest(request_id=generation.request_id,
                                   prompt_token_ids=list(generation.prompt_token_ids) + list(resumed),
@@ -242,7 +242,7 @@ class Generation:
         d.metrics.migrations.inc()
         if len(self.delivered) >= self.params.max_tokens:  # it broke right after the last token
             self._stream_ended = True
-            from engine import wire
+            import wire
             return wire.messages().TokenChunk(finish_reason="length")
         return await self._dispatch({failed})
 

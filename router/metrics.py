@@ -4,7 +4,9 @@ Per request (histograms, seconds): time to first token, time per output token (a
 first), inter-token latency (between token chunks), end-to-end latency, queue time (arrival to
 the Generate call being opened), KV transfer time. Counters: requests by finish reason, HTTP
 responses by endpoint and status code, prompt / generation / cached tokens, KV bytes moved,
-routing decisions by role and reason. Per-worker gauges are read from the pool at scrape time.
+routing decisions by role and reason. Per-worker gauges, and each worker's failed KV transfers by
+reason (`pdserve:kv_transfer_failures_total{worker,role,reason}`, engine/kv_connector.py), are
+read from the pool at scrape time.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.kv_connector import FAILURE_REASONS
 from router.pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -142,6 +145,14 @@ class _PoolCollector:
             for worker in workers:
                 family.add_metric([worker.address, worker.role], float(read(worker)))
             yield family
+        failures = CounterMetricFamily("pdserve:kv_transfer_failures",
+                                       "KV transfers that failed on the worker, by reason (then recomputed or "
+                                       "failed per --on-transfer-failure).", labels=["worker", "role", "reason"])
+        for worker in workers:
+            counts = dict(worker.stats.kv_transfer_failures) if worker.stats is not None else {}
+            for reason in FAILURE_REASONS:
+                failures.add_metric([worker.address, worker.role, reason], float(counts.get(reason, 0)))
+        yield failures
 
     def describe(self):
         return []

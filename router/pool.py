@@ -23,12 +23,11 @@ from typing import Any, Callable
 
 import grpc
 
+from engine.config import ROLES
 from router.client import WorkerClient
 from router.config import RouterConfig, check_grpc_address
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode", "both")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Process plumbing shared by both worker kinds: engine flags, the gRPC server, the ready line.
+"""What both worker servers need, once: engine flags and bring-up (with its KV connector), the
+conversion of a wire request into an engine request, the gRPC server and the ready line.
 
 A worker prints exactly one line when it serves, for tests and Ray to parse:
 
@@ -16,6 +17,10 @@ import sys
 from typing import Any, Awaitable, Callable
 
 import grpc
+
+import wire
+
+from engine.kv_connector import FAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +69,50 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def build_async_engine(model: str, options: dict[str, Any], role: str, kv_exporter=None):
+def add_kv_arguments(parser: argparse.ArgumentParser, side: str) -> None:
+    """The KV connector's flags; `side` is "sender" (prefill) or "receiver" (decode)."""
+    import kvtransfer
+    group = parser.add_argument_group("kv transfer")
+    group.add_argument("--transport", default="auto", choices=("auto", *kvtransfer.TRANSPORT_NAMES),
+                       help=f"the KV {side}'s transports: auto (what the receiver offers / shm and tcp on CPU)")
+    group.add_argument("--kv-timeout-s", type=float, default=5.0, help="a silent peer fails a transfer after this")
+    group.add_argument("--inject-kv-fault", default=None, choices=FAULTS, help="testing only: break every transfer")
+
+
+def build_async_engine(model: str, options: dict[str, Any], role: str, kv_transport=None, kv_connector_config=None):
+    """The worker's engine on its own thread; `kv_transport(layer_caches, on_transfer_end)` builds
+    its KV connector's sender or receiver (engine/kv_connector.py)."""
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from engine.llm import build_engine_config
-    engine = LLMEngine(build_engine_config(model, role=role, **options), kv_exporter=kv_exporter)
-    return AsyncEngine(engine, idle_wait_s=0.01)
+    engine = LLMEngine(build_engine_config(model, role=role, **options), kv_transport=kv_transport,
+                       kv_connector_config=kv_connector_config)
+    return AsyncEngine(engine, idle_wait_s=0.05)
+
+
+async def request_from_wire(engine, message: Any, request_id: str, **extra):
+    """The engine request for a Generate or Prefill message (ValueError for a client's mistake).
+    A structured-output constraint is parsed and compiled off the event loop."""
+    def build():
+        return engine.engine.make_request(list(message.prompt_token_ids), wire.sampling_from_wire(message.sampling),
+                                          request_id, cache_salt=message.cache_salt or None,
+                                          num_resumed_tokens=message.num_resumed_tokens, **extra)
+    if message.sampling.HasField("structured_output"):
+        return await asyncio.to_thread(build)
+    return build()
+
+
+def stats_response(engine, role: str, **kv_bytes) -> Any:
+    """The worker's Stats from the engine thread's latest snapshot (RuntimeError if it died)."""
+    from wire.convert import worker_stats_to_wire
+    stats, queued = engine.stats()
+    return worker_stats_to_wire(role, stats, queued, engine.engine.config.cache.block_size, **kv_bytes)
 
 
 async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,
                 ready_fields: Callable[[str], str], on_stop: Callable[[], Awaitable[None]]) -> None:
     """Bind, print the ready line, run until SIGTERM/SIGINT, then stop (grace 2 s) and `on_stop()`."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
     add_servicer(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -91,6 +127,12 @@ async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port
     await stop.wait()
     await server.stop(grace=2.0)
     await on_stop()
+
+
+def run(args: argparse.Namespace, serve_worker: Callable[[argparse.Namespace], Awaitable[None]]) -> None:
+    """A worker process's main: logging at `--log-level`, then `serve_worker(args)` until stopped."""
+    configure_logging(args.log_level)
+    asyncio.run(serve_worker(args))
 
 
 def configure_logging(level: str) -> None:

@@ -1,16 +1,18 @@
-"""Conversions between the wire schema (proto/pdserve.proto) and engine objects, shared by both
-worker kinds (the decode worker is the prefill service's client)."""
+"""Conversions between the wire schema (proto/pdserve.proto) and engine objects, for both worker
+kinds (the decode worker is the prefill service's client) and the router."""
 from __future__ import annotations
 
 from typing import Any
 
-from engine import wire
+from engine.kv_connector import KVSendResult, ProducerReport
+from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
 from engine.scheduler import SampledToken
+from wire.schema import messages
 
 
 def token_logprob_to_wire(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> Any:
-    pb = wire.messages()
+    pb = messages()
     return pb.TokenLogprob(token_id=token_id, logprob=logprob or 0.0,
                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in (top or [])])
 
@@ -24,21 +26,29 @@ def sampled_token_from_wire(message: Any, want_logprobs: bool) -> SampledToken:
 
 
 def chunk_from_delta(delta: StreamDelta, want_logprobs: bool) -> Any:
-    pb = wire.messages()
+    """A decode worker's TokenChunk; the first one of a request says how it got its KV."""
+    pb = messages()
     chunk = pb.TokenChunk(token_ids=delta.new_token_ids, finish_reason=delta.finish_reason or "",
                           num_cached_tokens=delta.num_cached_tokens, num_prompt_tokens=delta.num_prompt_tokens,
                           error=delta.error or "")
     if want_logprobs:
         chunk.logprobs.extend(token_logprob_to_wire(lp.token_id, lp.logprob, lp.top_logprobs)
                               for lp in delta.new_logprobs)
+    outcome = delta.kv_import
+    if outcome is not None:
+        chunk.kv_bytes_received = outcome.bytes_received
+        chunk.kv_transfer_seconds = outcome.seconds
+        chunk.prefilled_remotely = outcome.prefilled_remotely
+        if outcome.prefilled_remotely:
+            chunk.num_cached_tokens = outcome.num_cached_tokens
     return chunk
 
 
 def layout_to_wire(layout: Any) -> Any:
     """A kvtransfer.KVLayout as the schema's KVLayout."""
-    return wire.messages().KVLayout(num_layers=layout.num_layers, block_size=layout.block_size,
-                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                    dtype=str(layout.dtype).removeprefix("torch."))
+    return messages().KVLayout(num_layers=layout.num_layers, block_size=layout.block_size,
+                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                               dtype=str(layout.dtype).removeprefix("torch."))
 
 
 def describe_wire_layout(message: Any) -> str:
@@ -46,10 +56,58 @@ def describe_wire_layout(message: Any) -> str:
             f"head_dim={message.head_dim} dtype={message.dtype}")
 
 
+def same_layout(a: Any, b: Any) -> bool:
+    fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    return all(getattr(a, name) == getattr(b, name) for name in fields)
+
+
+def destination_to_wire(plan: ImportPlan, address: str, layout: Any) -> Any:
+    """Where the prefill worker must write the blocks an ImportPlan fills."""
+    return messages().KVDestination(transport=address.split("://", 1)[0], address=address,
+                                    layout=layout_to_wire(layout),
+                                    block_ids=[block_id for _, block_id in plan.blocks_to_fill],
+                                    first_block_index=plan.blocks_to_fill[0][0])
+
+
+def destination_from_wire(message: Any) -> KVDestination:
+    if not message.address:
+        raise ValueError("destination.address is empty: name the decode worker's KV receiver")
+    if not message.block_ids:
+        raise ValueError("destination.block_ids is empty")
+    return KVDestination(message.address, tuple(int(b) for b in message.block_ids), int(message.first_block_index))
+
+
+def prefill_response(delta: StreamDelta, first: StreamDelta | None) -> Any:
+    """The PrefillResponse for a prefill-role request's final delta (`first`: the one with its
+    first token, if it got that far)."""
+    pb = messages()
+    response = pb.PrefillResponse(num_cached_tokens=delta.num_cached_tokens)
+    if first is not None and first.new_token_ids:
+        lp = first.new_logprobs[0] if first.new_logprobs else None
+        response.first_token.CopyFrom(token_logprob_to_wire(first.new_token_ids[0], lp.logprob if lp else None,
+                                                            lp.top_logprobs if lp else None))
+    result: KVSendResult | None = delta.kv_send
+    if result is not None:
+        response.kv_bytes_sent = result.bytes_sent
+        response.producer_epoch = result.epoch
+        response.kv_checksum = result.checksum
+        response.block_hashes.extend(result.block_hashes)
+    if delta.finish_reason != "prefill_done" or result is None:
+        response.finish_reason = delta.finish_reason or "error"
+        response.error = delta.error or ("the request finished without a KV send" if result is None else "")
+    return response
+
+
+def producer_report_from_wire(response: Any, want_logprobs: bool) -> ProducerReport:
+    return ProducerReport(sampled_token_from_wire(response.first_token, want_logprobs), int(response.producer_epoch),
+                          int(response.kv_checksum), tuple(bytes(h) for h in response.block_hashes),
+                          int(response.num_cached_tokens), int(response.kv_bytes_sent))
+
+
 def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, block_size: int,
                          kv_bytes_sent: int = 0, kv_bytes_received: int = 0) -> Any:
     """`stats` is engine.scheduler.SchedulerStats; requests waiting for their KV count as waiting."""
-    return wire.messages().WorkerStats(
+    return messages().WorkerStats(
         role=role, running=stats.running, waiting=stats.waiting + stats.waiting_for_kv,
         kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
         kv_blocks_cached=stats.kv_blocks_cached, prefix_cache_queries=stats.prefix_cache_queries,
@@ -57,4 +115,5 @@ def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, bloc
         num_preemptions=stats.num_preemptions, kv_bytes_sent=kv_bytes_sent, kv_bytes_received=kv_bytes_received,
         prompt_tokens_computed=stats.prompt_tokens_computed, decode_tokens=stats.decode_tokens,
         block_size=block_size, host_cache_blocks_total=stats.host_cache_slots,
-        host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits)
+        host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits,
+        kv_transfer_failures=stats.kv_transfer_failures)

@@ -1,21 +1,22 @@
-"""The gRPC wire schema, loaded at run time from `proto/pdserve.proto`.
+"""The gRPC wire schema, loaded at run time from `proto/pdserve.proto`, and the channel options.
 
 There is no generated code in the tree (and no Python package named `proto`, see DESIGN.md):
-`grpc.protos_and_services` compiles the one `.proto` on first use. Router and both workers import
-this module, so they always agree with the schema file.
+`grpc.protos_and_services` compiles the one `.proto` on first use. Router, workers and deploy
+import this module, so they always agree with the schema file.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 PROTO_FILE = "pdserve.proto"
+# Every gRPC server and channel of pdserve: a long prompt's token ids exceed gRPC's 4 MiB default.
+GRPC_OPTIONS = (("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20))
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,18 +58,6 @@ def sampling_to_wire(params: SamplingParams) -> Any:
         message.structured_output.CopyFrom(pb.StructuredOutput(kind=constraint.kind, spec=constraint.spec,
                                                                choices=list(constraint.choices)))
     return message
-
-
-T = TypeVar("T")
-
-
-async def off_loop_if_constrained(sampling: Any, build: Callable[[], T]) -> T:
-    """Run `build` (which parses the wire's SamplingParams and makes the engine request) in a
-    thread when the request carries a structured-output constraint, whose parsing and compiling
-    must not stall the server's event loop; inline otherwise (the common, cheap case)."""
-    if sampling.HasField("structured_output"):
-        return await asyncio.to_thread(build)
-    return build()
 
 
 def sampling_from_wire(message: Any) -> SamplingParams:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import grpc
 
-from engine import wire
+import wire
 
 BLOCK_SIZE = 16
 TINY_CONTEXT = 512
@@ -125,6 +125,7 @@ class FakeDecodeWorker:
         self.finished: list[str] = []  # request ids whose stream ended (any way)
         self.active: dict[str, ActiveRequest] = {}
         self.stats_calls = 0
+        self.kv_transfer_failures: dict[str, int] = {}  # reported in Stats, by reason
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
@@ -222,7 +223,7 @@ class FakeDecodeWorker:
         return wire.messages().WorkerStats(role=self.role, running=len(self.active), waiting=0,
                                            kv_blocks_total=self.num_blocks, kv_blocks_free=free,
                                            kv_blocks_cached=3, prefix_cache_queries=100, prefix_cache_hits=25,
-                                           block_size=BLOCK_SIZE)
+                                           block_size=BLOCK_SIZE, kv_transfer_failures=self.kv_transfer_failures)
 
 
 class FakePrefillWorker:

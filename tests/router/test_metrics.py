@@ -1,4 +1,6 @@
 """/metrics exposes the router's pdserve:* series, fed by real requests through fake workers."""
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -47,6 +49,19 @@ def test_request_metrics(router, decode, tokenizer):
     # one gap per token after the first: (len(reply) + 1 - 1) per long request, 1 for the short one
     assert value(samples, "pdserve:inter_token_latency_seconds_count") == 2 * len(reply) + 1
     assert value(samples, "pdserve:routing_decisions_total", role="decode", reason="power_of_two") == 3
+
+
+def test_kv_transfer_failures_by_reason(router, decode):
+    decode.kv_transfer_failures = {"checksum": 2, "timeout": 1}
+    labels = {"worker": decode.address, "role": "decode"}
+    deadline = time.monotonic() + 30
+    while value(scrape(router), "pdserve:kv_transfer_failures_total", reason="checksum", **labels) != 2:
+        assert time.monotonic() < deadline, "the router never read the worker's new stats"
+        time.sleep(0.05)
+    samples = scrape(router)
+    assert value(samples, "pdserve:kv_transfer_failures_total", reason="timeout", **labels) == 1
+    assert ("pdserve:kv_transfer_failures_total", frozenset(dict(labels, reason="epoch").items())) in samples
+    decode.kv_transfer_failures = {}
 
 
 def test_worker_gauges(router, decode, prefills):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from engine import wire
+import wire
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240.0

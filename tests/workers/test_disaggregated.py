@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 import kvtransfer
-from engine import LLM, SamplingParams, wire
+import wire
+from engine import LLM, SamplingParams
 from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
 
 pytestmark = pytest.mark.slow

@@ -7,12 +7,13 @@ WAITING; one started with --hold-kv-send-s keeps a finished prefill in SENDING_K
 the decode worker WAITING_FOR_KV) for as long as the test needs.
 """
 import random
+import socket
 import threading
 
 import grpc
 import pytest
 
-from engine import wire
+import wire
 from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
 
 pytestmark = pytest.mark.slow
@@ -21,19 +22,30 @@ HOLD = ["--hold-kv-send-s", "600"]
 DECODE = ["--num-blocks", "256", "--transport", "tcp", "--local-prefill-threshold", "8"]
 
 
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+RESTART_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    names = ["slow", "hold", "victim", "victim_fail", "decode", "decode_fail"]
+    names = ["slow", "hold", "victim", "victim_fail", "restartable", "decode", "decode_fail"]
     workers = start_workers([
         ("prefill", ["--num-blocks", "256", "--max-num-seqs", "1", "--max-num-batched-tokens", "32"]),
         ("prefill", ["--num-blocks", "128"] + HOLD),
         ("prefill", ["--num-blocks", "64"] + HOLD),
         ("prefill", ["--num-blocks", "64"] + HOLD),
+        ("prefill", ["--num-blocks", "64", "--port", str(RESTART_PORT)] + HOLD),
         ("decode", DECODE),
         ("decode", DECODE + ["--on-transfer-failure", "fail", "--transfer-timeout-s", "8"]),
     ])
-    yield dict(zip(names, workers))
-    stop_workers(workers)
+    cluster = dict(zip(names, workers))
+    yield cluster
+    stop_workers(workers + [w for name, w in cluster.items() if name.startswith("restarted")])
 
 
 def _live_workers(cluster):
@@ -184,3 +196,26 @@ def test_timed_out_transfer_fails_cleanly_and_frees_both_sides(cluster):
     assert result.finish_reason == "error"
     assert "remote prefill failed" in result.error
     assert "no KV within 8.0 s" in result.error or "DEADLINE_EXCEEDED" in result.error
+
+
+def test_a_prefill_worker_restarted_at_the_same_address_mid_transfer(cluster):
+    """Killed while it holds a transfer: the decode worker recomputes (token-exact); restarted on
+    the same port (a new process, a new epoch), it serves the next remote prefill."""
+    decode, victim = cluster["decode"], cluster["restartable"]
+    prompt = random_prompt(13, 60)
+    stream = Streaming(decode, "restart-killed", prompt, victim, max_tokens=10)
+    wait_until(lambda: _holding_export(victim), what="the prefill worker to hold the export")
+    failures_before = decode.stats().kv_transfer_failures.get("producer", 0)
+    victim.kill()
+    stream.finish()
+    assert stream.finish_reason == "length" and not stream.chunks[0].prefilled_remotely
+    local = generate(decode, "restart-local", prompt, params=sampling(10))
+    assert [t for c in stream.chunks for t in c.token_ids] == local.token_ids
+    assert decode.stats().kv_transfer_failures.get("producer", 0) == failures_before + 1
+    [restarted] = start_workers([("prefill", ["--num-blocks", "64", "--port", str(RESTART_PORT)])])
+    cluster["restarted"] = restarted
+    assert restarted.grpc_address == victim.grpc_address
+    follow = random_prompt(14, 60)
+    result = generate(decode, "restart-after", follow, restarted, params=sampling(10))
+    assert result.first.prefilled_remotely and result.finish_reason == "length"
+    assert result.token_ids == generate(decode, "restart-after-local", follow, params=sampling(10)).token_ids
