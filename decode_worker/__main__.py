@@ -26,11 +26,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     import wire
     from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-    config = DecodeWorkerConfig(
-        model=args.model, role=args.role, engine_options=serving.engine_options(args), transport=args.transport,
-        local_prefill_threshold=args.local_prefill_threshold, on_transfer_failure=args.on_transfer_failure,
-        transfer_timeout_s=args.transfer_timeout_s, kv_timeout_s=args.kv_timeout_s,
-        inject_kv_fault=args.inject_kv_fault, host=args.host, advertise_host=args.advertise_host)
+    from engine.kv_connector import KVConnectorConfig
+    connector = KVConnectorConfig(transfer_timeout_s=args.transfer_timeout_s, inject_fault=args.inject_kv_fault,
+                                  local_prefill_threshold=args.local_prefill_threshold,
+                                  on_transfer_failure=args.on_transfer_failure)
+    config = DecodeWorkerConfig(model=args.model, role=args.role, engine_options=serving.engine_options(args),
+                                transport=args.transport, kv_timeout_s=args.kv_timeout_s, connector=connector,
+                                host=args.host, advertise_host=args.advertise_host)
     worker = DecodeWorker(config)
     await serving.serve(lambda server: wire.services().add_DecodeServiceServicer_to_server(worker.servicer(), server),
                         args.host, args.port, args.advertise_host,

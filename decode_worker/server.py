@@ -32,9 +32,9 @@ import kvtransfer
 import serving
 import wire
 from engine.engine import LLMEngine
-from engine.kv_connector import FAULTS, KVConnectorConfig
+from engine.kv_connector import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
-from wire.convert import chunk_from_delta, destination_to_wire, producer_report_from_wire
+from wire.convert import chunk_from_delta, prefill_request_to_wire, producer_report_from_wire
 
 
 @dataclass
@@ -43,11 +43,9 @@ class DecodeWorkerConfig:
     role: str = "decode"  # "decode" or "both" (colocated: always prefills locally)
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the receiver's transports: auto (shm + tcp on CPU), tcp, shm, ucx, nccl
-    local_prefill_threshold: int = 64  # uncached prompt tokens below this are prefilled locally
-    on_transfer_failure: str = "fallback"  # "fallback" to local prefill, or "fail" the request
-    transfer_timeout_s: float = 60.0  # whole remote prefill (queueing at P + compute + transfer)
     kv_timeout_s: float = 5.0  # a silent sender fails the transfer after this long
-    inject_kv_fault: str | None = None  # fault injection for tests (engine.kv_connector.FAULTS)
+    # local-prefill threshold, transfer timeout (the whole remote prefill), on_transfer_failure
+    connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
     advertise_host: str | None = None
     host: str = "127.0.0.1"
 
@@ -57,13 +55,6 @@ class DecodeWorkerConfig:
         if self.transport not in ("auto", *kvtransfer.TRANSPORT_NAMES):
             raise ValueError(f"transport must be auto or one of {', '.join(kvtransfer.TRANSPORT_NAMES)}, "
                              f"got {self.transport!r}")
-        if self.inject_kv_fault not in (None, *FAULTS):
-            raise ValueError(f"inject_kv_fault must be one of {', '.join(FAULTS)}")
-        KVConnectorConfig(**self.connector_options())  # validates them now
-
-    def connector_options(self) -> dict[str, Any]:
-        return dict(transfer_timeout_s=self.transfer_timeout_s, local_prefill_threshold=self.local_prefill_threshold,
-                    on_transfer_failure=self.on_transfer_failure, inject_fault=self.inject_kv_fault)
 
 
 class DecodeWorker:
@@ -73,13 +64,13 @@ class DecodeWorker:
         make_receiver = None
         if config.role == "decode":
             transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s, host=config.host,
-                                                        pending_timeout_s=config.transfer_timeout_s,
+                                                        pending_timeout_s=config.connector.transfer_timeout_s,
                                                         advertise_host=config.advertise_host)
 
             def make_receiver(kv_cache, on_transfer_end):
                 return kvtransfer.create_receiver(config.transport, kv_cache.layers, transfer_config, on_transfer_end)
         self.engine = serving.build_async_engine(config.model, config.engine_options, config.role, make_receiver,
-                                                 KVConnectorConfig(**config.connector_options()))
+                                                 config.connector)
         connector = self.engine.engine.kv_connector
         self.receiver = connector.transport if connector is not None else None
         self.transport_address = self.receiver.address if self.receiver is not None else ""
@@ -151,16 +142,12 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
 
     async def _remote_prefill(self, engine_request, plan, address: str) -> None:
         worker = self.worker
-        pb = wire.messages()
         request_id = engine_request.request_id
-        message = pb.PrefillRequest(
-            request_id=request_id, prompt_token_ids=engine_request.all_token_ids,
-            sampling=wire.sampling_to_wire(engine_request.sampling_params),
-            destination=destination_to_wire(plan, worker.transport_address, worker.receiver.layout),
-            cache_salt=engine_request.cache_salt or "", num_resumed_tokens=engine_request.num_resumed_tokens)
+        message = prefill_request_to_wire(engine_request, plan, worker.transport_address, worker.receiver.layout)
         report, error = None, None
         try:
-            response = await worker.prefill_stub(address).Prefill(message, timeout=worker.config.transfer_timeout_s)
+            response = await worker.prefill_stub(address).Prefill(
+                message, timeout=worker.config.connector.transfer_timeout_s)
             if response.finish_reason:
                 error = f"prefill worker {address}: {response.finish_reason}: {response.error}"
             else:

@@ -72,12 +72,12 @@ class WorkerActor:
             return PrefillWorker(PrefillWorkerConfig(model=self.spec.model, engine_options=options,
                                                      transport=self.spec.transport))
         from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-        extra = {}
-        if self.spec.local_prefill_threshold is not None:
-            extra["local_prefill_threshold"] = self.spec.local_prefill_threshold
+        from engine.kv_connector import KVConnectorConfig
+        connector = KVConnectorConfig(**({} if self.spec.local_prefill_threshold is None
+                                         else {"local_prefill_threshold": self.spec.local_prefill_threshold}))
         return DecodeWorker(DecodeWorkerConfig(model=self.spec.model, role=self.role, engine_options=options,
                                                transport=self.spec.transport, host=self.spec.host,
-                                               advertise_host=advertise_host, **extra))
+                                               advertise_host=advertise_host, connector=connector))
 
     async def run_until_stopped(self) -> None:
         """Pending while the worker serves; returns after `stop()`."""

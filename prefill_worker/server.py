@@ -24,7 +24,7 @@ import grpc
 import kvtransfer
 import serving
 import wire
-from engine.kv_connector import FAULTS, KVConnectorConfig
+from engine.kv_connector import KVConnectorConfig
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
 
@@ -34,17 +34,13 @@ class PrefillWorkerConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the sender's transports; "auto": whatever the receiver offers
     kv_timeout_s: float = 5.0  # a silent receiver fails the transfer after this long
-    export_lease_s: float = 60.0  # blocks stay pinned at most this long for one transfer
-    layerwise: bool = True  # push layer groups as they are computed (False: after the whole prompt)
-    hold_kv_send_s: float = 0.0  # fault injection for tests: push nothing until this long after prefill
-    inject_kv_fault: str | None = None  # fault injection for tests (engine.kv_connector.FAULTS)
+    # the lease (how long blocks stay pinned for a send), layer-wise push, test-only faults
+    connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", *kvtransfer.TRANSPORT_NAMES):
             raise ValueError(f"transport must be auto or one of {', '.join(kvtransfer.TRANSPORT_NAMES)}, "
                              f"got {self.transport!r}")
-        if self.inject_kv_fault not in (None, *FAULTS):
-            raise ValueError(f"inject_kv_fault must be one of {', '.join(FAULTS)}")
 
 
 class PrefillWorker:
@@ -66,10 +62,8 @@ class PrefillWorker:
             return kvtransfer.create_sender(config.transport, kv_cache.layers, transfer_config, shared_memory=shared,
                                             on_transfer_end=on_transfer_end)
 
-        connector = KVConnectorConfig(lease_s=config.export_lease_s, layerwise=config.layerwise,
-                                      hold_send_s=config.hold_kv_send_s, inject_fault=config.inject_kv_fault)
         self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
-                                                 "prefill", make_sender, connector)
+                                                 "prefill", make_sender, config.connector)
         self.sender = self.engine.engine.kv_connector.transport
         self.layout = layout_to_wire(self.sender.layout)
 

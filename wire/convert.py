@@ -8,7 +8,7 @@ from engine.kv_connector import KVSendResult, ProducerReport
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
 from engine.scheduler import SampledToken
-from wire.schema import messages
+from wire.schema import messages, sampling_to_wire
 
 
 def token_logprob_to_wire(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> Any:
@@ -61,12 +61,18 @@ def same_layout(a: Any, b: Any) -> bool:
     return all(getattr(a, name) == getattr(b, name) for name in fields)
 
 
-def destination_to_wire(plan: ImportPlan, address: str, layout: Any) -> Any:
-    """Where the prefill worker must write the blocks an ImportPlan fills."""
-    return messages().KVDestination(transport=address.split("://", 1)[0], address=address,
-                                    layout=layout_to_wire(layout),
-                                    block_ids=[block_id for _, block_id in plan.blocks_to_fill],
-                                    first_block_index=plan.blocks_to_fill[0][0])
+def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout: Any) -> Any:
+    """The decode worker's Prefill call for an engine request: its tokens (with a resumed
+    request's outputs), its sampling, and where to write the blocks `plan` fills (the receiver at
+    `address`, whose caches have the kvtransfer `layout`)."""
+    pb = messages()
+    destination = pb.KVDestination(transport=address.split("://", 1)[0], address=address,
+                                   layout=layout_to_wire(layout),
+                                   block_ids=[block_id for _, block_id in plan.blocks_to_fill],
+                                   first_block_index=plan.blocks_to_fill[0][0])
+    return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.all_token_ids,
+                             sampling=sampling_to_wire(request.sampling_params), destination=destination,
+                             cache_salt=request.cache_salt or "", num_resumed_tokens=request.num_resumed_tokens)
 
 
 def destination_from_wire(message: Any) -> KVDestination:

@@ -205,13 +205,14 @@ def test_a_prefill_worker_restarted_at_the_same_address_mid_transfer(cluster):
     prompt = random_prompt(13, 60)
     stream = Streaming(decode, "restart-killed", prompt, victim, max_tokens=10)
     wait_until(lambda: _holding_export(victim), what="the prefill worker to hold the export")
-    failures_before = decode.stats().kv_transfer_failures.get("producer", 0)
+    failures_before = sum(decode.stats().kv_transfer_failures.values())
     victim.kill()
     stream.finish()
     assert stream.finish_reason == "length" and not stream.chunks[0].prefilled_remotely
     local = generate(decode, "restart-local", prompt, params=sampling(10))
     assert [t for c in stream.chunks for t in c.token_ids] == local.token_ids
-    assert decode.stats().kv_transfer_failures.get("producer", 0) == failures_before + 1
+    # whichever the decode worker saw first: the connection drop, or the failed Prefill call
+    assert sum(decode.stats().kv_transfer_failures.values()) == failures_before + 1
     [restarted] = start_workers([("prefill", ["--num-blocks", "64", "--port", str(RESTART_PORT)])])
     cluster["restarted"] = restarted
     assert restarted.grpc_address == victim.grpc_address
