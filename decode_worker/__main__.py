@@ -24,7 +24,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    import wire
     from decode_worker.server import DecodeWorker, DecodeWorkerConfig
     from engine.kv_connector import KVConnectorConfig
     connector = KVConnectorConfig(transfer_timeout_s=args.transfer_timeout_s, inject_fault=args.inject_kv_fault,
@@ -34,8 +33,7 @@ async def _main(args: argparse.Namespace) -> None:
                                 transport=args.transport, kv_timeout_s=args.kv_timeout_s, connector=connector,
                                 host=args.host, advertise_host=args.advertise_host)
     worker = DecodeWorker(config)
-    await serving.serve(lambda server: wire.services().add_DecodeServiceServicer_to_server(worker.servicer(), server),
-                        args.host, args.port, args.advertise_host,
+    await serving.serve(worker.add_to_server, args.host, args.port, args.advertise_host,
                         lambda _: f"transport={worker.transport_address} role={worker.role}", worker.close)
 
 

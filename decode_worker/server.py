@@ -57,7 +57,10 @@ class DecodeWorkerConfig:
                              f"got {self.transport!r}")
 
 
-class DecodeWorker:
+class DecodeWorker(wire.services().DecodeServiceServicer):
+    """The engine (decode or colocated role), whose connector's receiver takes the KV, and the
+    DecodeService over it."""
+
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.role = config.role
@@ -83,6 +86,9 @@ class DecodeWorker:
             self._channels[address] = channel
         return wire.services().PrefillServiceStub(channel)
 
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        wire.services().add_DecodeServiceServicer_to_server(self, server)
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -90,16 +96,8 @@ class DecodeWorker:
         if self.receiver is not None:
             self.receiver.close()
 
-    def servicer(self):
-        return _DecodeServicer(self)
-
-
-class _DecodeServicer(wire.services().DecodeServiceServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
-        self.worker = worker
-
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext):
-        engine = self.worker.engine
+        engine = self.engine
         try:
             engine_request = await serving.request_from_wire(engine, request,
                                                              request.request_id or f"decode-{uuid.uuid4().hex}",
@@ -127,8 +125,8 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
     async def _start(self, engine_request, prefill_address: str) -> asyncio.Task | None:
         """Put the request in the engine: prefill locally, or wait for its KV while a task asks the
         prefill worker and hands its answer to the engine."""
-        engine = self.worker.engine
-        if self.worker.role == "both" or not prefill_address:
+        engine = self.engine
+        if self.role == "both" or not prefill_address:
             await asyncio.wrap_future(engine.call(LLMEngine.add, engine_request, False))
             return None
         try:
@@ -141,34 +139,26 @@ class _DecodeServicer(wire.services().DecodeServiceServicer):
         return asyncio.ensure_future(self._remote_prefill(engine_request, plan, prefill_address))
 
     async def _remote_prefill(self, engine_request, plan, address: str) -> None:
-        worker = self.worker
         request_id = engine_request.request_id
-        message = prefill_request_to_wire(engine_request, plan, worker.transport_address, worker.receiver.layout)
+        message = prefill_request_to_wire(engine_request, plan, self.transport_address, self.receiver.layout)
         report, error = None, None
         try:
-            response = await worker.prefill_stub(address).Prefill(
-                message, timeout=worker.config.connector.transfer_timeout_s)
+            response = await self.prefill_stub(address).Prefill(
+                message, timeout=self.config.connector.transfer_timeout_s)
             if response.finish_reason:
                 error = f"prefill worker {address}: {response.finish_reason}: {response.error}"
             else:
                 report = producer_report_from_wire(response, engine_request.sampling_params.logprobs is not None)
         except grpc.RpcError as exc:
             error = f"prefill worker {address}: {exc.code().name}: {exc.details()}"
-        worker.engine.call(LLMEngine.report_kv_producer, request_id, report, error)
+        self.engine.call(LLMEngine.report_kv_producer, request_id, report, error)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        engine = self.worker.engine
-        found = engine.is_open(request.request_id)
-        engine.abort(request.request_id)  # in any state: the engine stops the transfer first
-        return wire.messages().AbortResponse(found=found)
+        return serving.abort(self.engine, request.request_id)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return wire.messages().HealthResponse(ok=True, role=self.worker.role, model=self.worker.config.model,
-                                              transport_address=self.worker.transport_address)
+        return serving.health(self.role, self.config.model, self.transport_address)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        received = self.worker.receiver.total_bytes_received if self.worker.receiver is not None else 0
-        try:
-            return serving.stats_response(self.worker.engine, self.worker.role, kv_bytes_received=received)
-        except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        received = self.receiver.total_bytes_received if self.receiver is not None else 0
+        return await serving.stats(self.engine, self.role, context, kv_bytes_received=received)

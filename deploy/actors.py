@@ -49,11 +49,7 @@ class WorkerActor:
         advertise = node_ip if self.spec.advertise_node_ip else self.spec.host
         self._worker = await asyncio.to_thread(self._build_worker, advertise)
         server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
-        services = wire.services()
-        if self.role == "prefill":
-            services.add_PrefillServiceServicer_to_server(self._worker.servicer(), server)
-        else:
-            services.add_DecodeServiceServicer_to_server(self._worker.servicer(), server)
+        self._worker.add_to_server(server)
         port = server.add_insecure_port(f"{self.spec.host}:0")
         if port == 0:
             raise RuntimeError(f"the {self.role} worker cannot listen on {self.spec.host}")

@@ -217,6 +217,7 @@ class KVConnector:
         num_layers = len(self.kv_layers)
         size = config.layer_group_size or max(1, num_layers // 4)
         self.layer_groups = [range(start, min(num_layers, start + size)) for start in range(0, num_layers, size)]
+        self._group_ending_at = {group[-1]: index for index, group in enumerate(self.layer_groups)}
         self.transport = make_transport(self._on_transfer_end)
 
     # ---- transport side (I/O thread) ------------------------------------------------------
@@ -239,7 +240,7 @@ class KVConnector:
         now = time.monotonic()
         send.sending, send.finished_at = True, now
         if not send.opened:
-            self._open(send)
+            self._open(send)  # push-after-prefill or a hold: nothing was opened yet
         if not self.config.hold_send_s:
             self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
         send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
@@ -295,10 +296,8 @@ class KVConnector:
 
     def _layer_stored(self, layer: int) -> None:
         """Model runner, after layer `layer` stored its K/V: push a group that is complete."""
-        for group_index, group in enumerate(self.layer_groups):
-            if group[-1] == layer:
-                break
-        else:
+        group_index = self._group_ending_at.get(layer)
+        if group_index is None:
             return
         for send, blocks in self._pushes:
             if send.error is None:
@@ -438,9 +437,12 @@ class KVConnector:
     def _fail_load(self, load: _Load, reason: str, message: str) -> LoadDone:
         request_id = load.request.request_id
         del self._loads[request_id]
+        try:
+            received = self.transport.poll(request_id).bytes_transferred
+        except KeyError:
+            received = 0
         self.transport.cancel(request_id)  # no byte lands in its blocks after this
         self.failures[reason] += 1
-        received = 0
         load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started)
         return LoadDone(request_id, None, f"remote prefill failed ({reason}): {message}",
                         self.config.on_transfer_failure == "fallback")

@@ -20,16 +20,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    import wire
-    from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
     from engine.kv_connector import KVConnectorConfig
+    from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
     connector = KVConnectorConfig(lease_s=args.export_lease_s, layerwise=not args.no_layerwise_push,
                                   hold_send_s=args.hold_kv_send_s, inject_fault=args.inject_kv_fault)
     config = PrefillWorkerConfig(model=args.model, engine_options=serving.engine_options(args), transport=args.transport,
                                  kv_timeout_s=args.kv_timeout_s, connector=connector)
     worker = PrefillWorker(config)
-    await serving.serve(lambda server: wire.services().add_PrefillServiceServicer_to_server(worker.servicer(), server),
-                        args.host, args.port, args.advertise_host, lambda _: "transport= role=prefill", worker.close)
+    await serving.serve(worker.add_to_server, args.host, args.port, args.advertise_host,
+                        lambda _: "transport= role=prefill", worker.close)
 
 
 def main(argv=None) -> None:

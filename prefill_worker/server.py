@@ -43,8 +43,9 @@ class PrefillWorkerConfig:
                              f"got {self.transport!r}")
 
 
-class PrefillWorker:
-    """Owns the engine (prefill role) whose connector's sender pushes over `config.transport`."""
+class PrefillWorker(wire.services().PrefillServiceServicer):
+    """The engine (prefill role), whose connector's sender pushes over `config.transport`, and
+    the PrefillService over it."""
 
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
@@ -67,20 +68,15 @@ class PrefillWorker:
         self.sender = self.engine.engine.kv_connector.transport
         self.layout = layout_to_wire(self.sender.layout)
 
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        wire.services().add_PrefillServiceServicer_to_server(self, server)
+
     async def close(self) -> None:
         self.engine.shutdown()
         self.sender.close()
 
-    def servicer(self):
-        return _PrefillServicer(self)
-
-
-class _PrefillServicer(wire.services().PrefillServiceServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
-        self.worker = worker
-
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        engine = self.worker.engine
+        engine = self.engine
         try:
             destination = self._destination(request.destination)
             engine_request = await serving.request_from_wire(engine, request, request.request_id or None,
@@ -101,25 +97,20 @@ class _PrefillServicer(wire.services().PrefillServiceServicer):
             stream.close()  # cancelled by the decode worker: aborts the request, stopping the send
 
     def _destination(self, message: Any):
-        if not same_layout(message.layout, self.worker.layout):
+        if not same_layout(message.layout, self.layout):
             raise ValueError(f"KV layout mismatch: decode worker has [{describe_wire_layout(message.layout)}], "
-                             f"this prefill worker has [{describe_wire_layout(self.worker.layout)}]")
+                             f"this prefill worker has [{describe_wire_layout(self.layout)}]")
         destination = destination_from_wire(message)
-        reason = self.worker.sender.unreachable_reason(destination.address)
+        reason = self.sender.unreachable_reason(destination.address)
         if reason is not None:
             raise ValueError(f"cannot send KV to the destination: {reason}")
         return destination
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        found = self.worker.engine.is_open(request.request_id)
-        self.worker.engine.abort(request.request_id)
-        return wire.messages().AbortResponse(found=found)
+        return serving.abort(self.engine, request.request_id)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return wire.messages().HealthResponse(ok=True, role="prefill", model=self.worker.config.model)
+        return serving.health("prefill", self.config.model)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return serving.stats_response(self.worker.engine, "prefill", kv_bytes_sent=self.worker.sender.total_bytes_sent)
-        except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return await serving.stats(self.engine, "prefill", context, kv_bytes_sent=self.sender.total_bytes_sent)

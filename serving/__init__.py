@@ -102,11 +102,27 @@ async def request_from_wire(engine, message: Any, request_id: str, **extra):
     return build()
 
 
-def stats_response(engine, role: str, **kv_bytes) -> Any:
-    """The worker's Stats from the engine thread's latest snapshot (RuntimeError if it died)."""
+# ---- the RPCs both services answer alike ------------------------------------------------------
+
+def abort(engine, request_id: str) -> Any:
+    """Abort in any state (the engine stops a transfer before it frees the blocks)."""
+    found = engine.is_open(request_id)
+    engine.abort(request_id)
+    return wire.messages().AbortResponse(found=found)
+
+
+def health(role: str, model: str, transport_address: str = "") -> Any:
+    return wire.messages().HealthResponse(ok=True, role=role, model=model, transport_address=transport_address)
+
+
+async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes) -> Any:
+    """The worker's Stats from the engine thread's latest snapshot; UNAVAILABLE once it died."""
     from wire.convert import worker_stats_to_wire
-    stats, queued = engine.stats()
-    return worker_stats_to_wire(role, stats, queued, engine.engine.config.cache.block_size, **kv_bytes)
+    try:
+        snapshot, queued = engine.stats()
+    except RuntimeError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size, **kv_bytes)
 
 
 async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,
