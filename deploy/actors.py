@@ -105,10 +105,14 @@ class RayWorkerHandle:
         self._dead = False
 
     async def start(self) -> dict[str, Any]:
-        from router.client import WorkerClient
         info = await self.actor.start.remote()
-        self._client = WorkerClient(info["grpc_address"], self.role)
+        self.adopt(info)
         return info
+
+    def adopt(self, info: dict[str, Any]) -> None:
+        """Bind to a worker that serves at `info["grpc_address"]` (its start's report)."""
+        from router.client import WorkerClient
+        self._client = WorkerClient(info["grpc_address"], self.role)
 
     async def wait_dead(self) -> str:
         import ray
@@ -143,7 +147,9 @@ class RayWorkerHandle:
 
 class RayWorkerLauncher:
     """Creates `WorkerActor`s with their resources: `num_gpus` per worker on GPU, fractional
-    `num_cpus` on CPU, and OMP_NUM_THREADS set in the actor's environment."""
+    `num_cpus` on CPU, and OMP_NUM_THREADS set in the actor's environment. They are detached
+    actors named `<controller>:<worker id>`: a controller that dies takes none of them with it,
+    and a restarted one finds them by name (`find`); `stop_all` ends every one of them."""
 
     def __init__(self, spec: WorkerSpec, controller_name: str, namespace: str) -> None:
         self.spec = spec
@@ -160,8 +166,43 @@ class RayWorkerLauncher:
         actor_class = self._actor_class.options(
             name=f"{self.controller_name}:{worker_id}", namespace=self.namespace,
             num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, max_restarts=0, max_concurrency=1000,
-            runtime_env={"env_vars": env})
+            lifetime="detached", runtime_env={"env_vars": env})
         return RayWorkerHandle(actor_class.remote(role, self.spec), role)
+
+    def find(self, role: str, worker_id: str, info: dict[str, Any] | None) -> RayWorkerHandle | None:
+        import ray
+        try:
+            actor = ray.get_actor(f"{self.controller_name}:{worker_id}", namespace=self.namespace)
+        except ValueError:
+            return None
+        handle = RayWorkerHandle(actor, role)
+        if info is not None:
+            handle.adopt(info)
+        return handle
+
+    def live_worker_ids(self) -> list[str]:
+        return worker_ids(self.controller_name, self.namespace)
+
+
+def worker_ids(controller_name: str, namespace: str) -> list[str]:
+    """Ids of the live worker actors named under `controller_name` in `namespace`."""
+    import ray
+    prefix = f"{controller_name}:"
+    return [entry["name"][len(prefix):] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["namespace"] == namespace and entry["name"].startswith(prefix)]
+
+
+def stop_all(controller_name: str, namespace: str) -> int:
+    """Kill every worker actor named under `controller_name` (no orphans after a shutdown, also
+    of workers a dead controller launched). Returns how many there were."""
+    import ray
+    ids = worker_ids(controller_name, namespace)
+    for worker_id in ids:
+        try:
+            ray.kill(ray.get_actor(f"{controller_name}:{worker_id}", namespace=namespace), no_restart=True)
+        except ValueError:
+            pass  # gone meanwhile
+    return len(ids)
 
 
 def _actor_death_reason(exc: BaseException) -> str:

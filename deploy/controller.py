@@ -15,6 +15,14 @@ One worker's lifecycle in the controller (one state per line):
 `ControllerActor` is the Ray actor around it, found by name (`pdserve-controller` in namespace
 `pdserve` by default). Routers learn workers only through `router_sync()` (see
 deploy/router_sync.py), which also carries each router's in-flight counts back for draining.
+
+Surviving its own death: the workers are not the controller's (detached actors, found by name),
+and every change of targets or membership is written to a `StateStore` (the GCS key-value store
+in production, deploy/durable.py). Ray restarts a dead `ControllerActor`; before it answers
+anything, it `recover()`s: targets and membership from the store, each worker it lists adopted
+if its actor still lives (STARTING ones are stopped: nobody awaits their start any more), any
+other live worker of this controller stopped (an orphan), then health checks, replacement and
+scaling resume. Routers keep their last membership meanwhile.
 """
 from __future__ import annotations
 
@@ -50,6 +58,26 @@ class WorkerHandle(Protocol):
 
 class Launcher(Protocol):
     def launch(self, role: str, worker_id: str) -> WorkerHandle: ...
+
+    def find(self, role: str, worker_id: str, info: dict[str, Any] | None) -> WorkerHandle | None:
+        """The live worker `worker_id` an earlier incarnation of this controller launched (None if
+        it is gone), bound to the `info` its start reported (None: only to stop it)."""
+
+    def live_worker_ids(self) -> list[str]:
+        """Ids of every live worker launched under this controller's name."""
+
+
+class StateStore(Protocol):
+    """Where the controller keeps what it must not lose with its process."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, state: dict[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+_SAVED_FIELDS = ("worker_id", "role", "state", "grpc_address", "transport_address", "pid", "node_ip")
 
 
 @dataclass
@@ -92,6 +120,7 @@ class PoolController:
     config: ControllerConfig
     launcher: Launcher
     clock: Any = time.monotonic
+    store: StateStore | None = None
     targets: PoolTargets = field(init=False)
     _members: dict[str, Member] = field(default_factory=dict, init=False)
     _routers: dict[str, _RouterReport] = field(default_factory=dict, init=False)
@@ -140,6 +169,55 @@ class PoolController:
             if member.state != STOPPING:
                 self._stop(member, "shutting down")
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self.store is not None:
+            self.store.clear()
+
+    async def recover(self) -> bool:
+        """After a restart of the controller: reload and adopt (see the module docstring), then
+        run as before. False (nothing done) when the store holds nothing."""
+        state = self.store.load() if self.store is not None else None
+        if state is None:
+            return False
+        if self._loop_task is not None:
+            raise RuntimeError("the controller is already running")
+        counts = state["targets"]
+        self.targets = PoolTargets(counts["prefill"], counts["decode"], counts["both"])
+        self._next_id = int(state["next_id"])
+        now = self.clock()
+        for saved in state["members"]:
+            info = {name: saved[name] for name in _SAVED_FIELDS}
+            handle = self.launcher.find(saved["role"], saved["worker_id"], info)
+            if handle is None:
+                self._event(f"{saved['worker_id']} at {saved['grpc_address']} is gone", logging.WARNING)
+            elif saved["state"] not in (READY, DRAINING):
+                self._spawn(self._quiet_stop(handle, 0.0))
+                self._event(f"{saved['worker_id']} was {saved['state']}: stopped")
+            else:
+                member = Member(saved["worker_id"], saved["role"], handle, state=saved["state"],
+                                grpc_address=saved["grpc_address"], transport_address=saved["transport_address"],
+                                pid=saved["pid"], node_ip=saved["node_ip"], healthy=True, launched_at=now,
+                                ready_at=now, drain_started=now if saved["state"] == DRAINING else None)
+                self._members[member.worker_id] = member
+                self._spawn(self._watch(member))
+        for worker_id in self.launcher.live_worker_ids():
+            if worker_id not in self._members:
+                handle = self.launcher.find("", worker_id, None)
+                if handle is not None:
+                    self._spawn(self._quiet_stop(handle, 0.0))
+                    self._event(f"{worker_id} is not in the membership (an orphan): stopped")
+        self._event(f"controller restarted: {len(self._members)} worker(s) adopted, targets {self.targets.counts()}",
+                    logging.WARNING)
+        self._loop_task = asyncio.get_running_loop().create_task(self._health_loop(), name="pdserve-controller")
+        self._reconcile()
+        return True
+
+    def _save(self) -> None:
+        """Write targets and membership to the store (after every change)."""
+        if self.store is None or self._closed:
+            return
+        members = [{name: getattr(m, name) for name in _SAVED_FIELDS} for m in self._members.values()
+                   if m.state != STOPPING]
+        self.store.save({"targets": self.targets.counts(), "next_id": self._next_id, "members": members})
 
     # ---- the public interface ------------------------------------------------------------------
 
@@ -213,6 +291,10 @@ class PoolController:
     def _reconcile(self) -> None:
         if self._closed:
             return
+        self._adjust_pools()
+        self._save()
+
+    def _adjust_pools(self) -> None:
         for role, target in self.targets.counts().items():
             members = [m for m in self._members.values() if m.role == role]
             live = [m for m in members if m.state in (STARTING, READY)]
@@ -324,7 +406,7 @@ class PoolController:
         polled = [m for m in self._members.values() if m.state in (READY, DRAINING)]
         await asyncio.gather(*(self._poll(m) for m in polled))
         self._check_drains()
-        self._reconcile()
+        self._reconcile()  # and saves
 
     async def _poll(self, member: Member) -> None:
         sent = self.clock()
@@ -403,11 +485,27 @@ class ControllerActor:
 
     def __init__(self, config: ControllerConfig) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        import ray
+
         from deploy.actors import RayWorkerLauncher
+        from deploy.durable import GcsStateStore
         self.config = config
-        self.controller = PoolController(config, RayWorkerLauncher(config.worker, config.name, config.namespace))
+        self.controller = PoolController(config, RayWorkerLauncher(config.worker, config.name, config.namespace),
+                                         store=GcsStateStore(config.name, config.namespace))
+        # Ray restarted this actor after its process died: recover before the first answer.
+        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._recovery: asyncio.Future | None = None
+
+    async def _resume(self) -> None:
+        if self._restarted and self._recovery is None:
+            self._recovery = asyncio.ensure_future(self.controller.recover())
+        if self._recovery is not None:
+            await asyncio.shield(self._recovery)
 
     async def start(self) -> dict[str, Any]:
+        await self._resume()
+        if self._restarted:
+            return self.controller.status()
         try:
             await self.controller.start(wait=True)
         except RuntimeError as exc:
@@ -417,6 +515,7 @@ class ControllerActor:
     async def scale(self, prefill: int | None = None, decode: int | None = None, colocated: int | None = None,
                     drain: list[str] | None = None) -> dict[str, Any]:
         import ray
+        await self._resume()
         try:
             targets = self.controller.scale(prefill, decode, colocated, drain or ())
         except ValueError as exc:
@@ -429,19 +528,24 @@ class ControllerActor:
         return result
 
     async def wait_settled(self, timeout_s: float) -> dict[str, Any]:
+        await self._resume()
         await self.controller.wait_settled(timeout_s)
         return self.controller.status()
 
     async def status(self) -> dict[str, Any]:
+        await self._resume()
         return self.controller.status()
 
     async def membership(self) -> list[dict[str, Any]]:
+        await self._resume()
         return self.controller.membership()
 
     async def router_sync(self, router_id: str, workers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        await self._resume()
         return self.controller.router_sync(router_id, workers)
 
     async def shutdown(self) -> None:
+        await self._resume()
         await self.controller.shutdown()
 
     async def ping(self) -> str:

@@ -143,7 +143,7 @@ def serve(options: ServeOptions) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        _teardown(controller, session, worker_pids)
+        _teardown(controller, session, worker_pids, options.controller_name, options.ray.namespace)
         remove_state(state_file)
         print("pdserve stopped", flush=True)
     return status
@@ -256,6 +256,8 @@ def _create_controller(config: ControllerConfig) -> Any:
     import ray
 
     from deploy.controller import ControllerActor
+    from deploy.actors import stop_all
+    from deploy.durable import GcsStateStore
     try:
         ray.get_actor(config.name, namespace=config.namespace)
     except ValueError:
@@ -263,18 +265,29 @@ def _create_controller(config: ControllerConfig) -> Any:
     else:
         raise ServeError(f"a pdserve controller named {config.name!r} already runs in Ray namespace "
                          f"{config.namespace!r}; stop that `pdserve serve` or pass --controller-name")
+    # What a `pdserve serve` of this name that died without stopping left behind.
+    if stop_all(config.name, config.namespace):
+        logger.warning("stopped the workers a previous controller %r left running", config.name)
+    GcsStateStore(config.name, config.namespace).clear()
+    # Ray restarts the controller whenever its process dies; it then recovers (deploy/controller.py).
     actor_class = ray.remote(ControllerActor).options(name=config.name, namespace=config.namespace, num_cpus=0,
-                                                      max_restarts=0, max_concurrency=1000)
+                                                      max_restarts=-1, max_concurrency=1000)
     return actor_class.remote(config)
 
 
-def _teardown(controller: Any, session: dict[str, Any], worker_pids: list[int]) -> None:
+def _teardown(controller: Any, session: dict[str, Any], worker_pids: list[int], name: str, namespace: str) -> None:
     import ray
+
+    from deploy.actors import stop_all
+    from deploy.durable import GcsStateStore
     if not ray.is_initialized():
         return
     if controller is not None:
         with contextlib.suppress(Exception):
             ray.kill(controller, no_restart=True)
+        with contextlib.suppress(Exception):  # the workers are detached: end them by name
+            stop_all(name, namespace)
+            GcsStateStore(name, namespace).clear()
     ray.shutdown()
     if session.get("started"):
         _wait_exited(worker_pids, timeout_s=30.0)

@@ -37,7 +37,7 @@ import torch
 
 from engine.block_hash import hash_full_blocks
 from engine.kv_hooks import ImportPlan, KVDestination
-from engine.request import Request, RequestStatus
+from engine.request import Request
 
 FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
 FAULTS = ("drop_layer_group", "flip_byte")  # testing only: see KVConnectorConfig.inject_fault

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ class FakeHandle:
         self._released.set()
 
     async def wait_dead(self) -> str:
-        return await self._died
+        return await asyncio.shield(self._died)  # a watcher cancelled (its controller died) kills nothing
 
     def die(self, reason: str = "killed") -> None:
         self._died.set_result(reason)
@@ -69,6 +70,28 @@ class FakeHandle:
     def stopped(self) -> bool:
         return self.stopped_with_grace is not None
 
+    @property
+    def alive(self) -> bool:
+        return not self.stopped and not (self._died is not None and self._died.done())
+
+
+class MemoryStore:
+    """The controller's StateStore in memory (what the GCS key-value store holds in production)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+        self.saves = 0
+
+    def load(self) -> dict[str, Any] | None:
+        return None if self.state is None else json.loads(json.dumps(self.state))
+
+    def save(self, state: dict[str, Any]) -> None:
+        self.state = json.loads(json.dumps(state))  # what survives is what serializes
+        self.saves += 1
+
+    def clear(self) -> None:
+        self.state = None
+
 
 class FakeLauncher:
     """`plan[role]` lists keyword overrides for the next handles of that role (then defaults)."""
@@ -83,6 +106,16 @@ class FakeLauncher:
         handle = FakeHandle(role, worker_id, next(self._ports), **(overrides.pop(0) if overrides else {}))
         self.handles.append(handle)
         return handle
+
+    def find(self, role: str, worker_id: str, info: dict[str, Any] | None) -> FakeHandle | None:
+        """A worker is found while it lives (started, not dead, not stopped) or is still starting."""
+        for handle in self.handles:
+            if handle.worker_id == worker_id and handle.alive:
+                return handle
+        return None
+
+    def live_worker_ids(self) -> list[str]:
+        return [h.worker_id for h in self.handles if h.alive]
 
     def of(self, role: str) -> list[FakeHandle]:
         return [h for h in self.handles if h.role == role]

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from engine.sampling_params import SamplingParams
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 900
 
@@ -142,3 +144,42 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(interval)
+
+
+def offline_text(offline, prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    [output] = offline.generate(prompt, params, use_tqdm=False)
+    return offline.tokenizer.decode(output.token_ids)
+
+
+def ready_workers(status: dict, role: str) -> list[dict]:
+    return [w for w in status["workers"] if w["role"] == role and w["state"] == "ready"]
+
+
+class Stream:
+    """A streaming completion read by a thread: `text`, `error`, `done` (an Event)."""
+
+    def __init__(self, client, prompt: str, max_tokens: int) -> None:
+        self.pieces: list[str] = []
+        self.error: Exception | None = None
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self.finished_at: float | None = None
+        threading.Thread(target=self._run, args=(client, prompt, max_tokens), daemon=True).start()
+
+    def _run(self, client, prompt, max_tokens) -> None:
+        try:
+            for chunk in client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                self.pieces.append(chunk.choices[0].text if chunk.choices else "")
+                self.first.set()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            self.error = exc
+        finally:
+            self.finished_at = time.monotonic()
+            self.first.set()
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)

@@ -6,7 +6,7 @@ import pytest
 
 from deploy.config import ControllerConfig, PoolTargets
 from deploy.controller import DRAINING, READY, PoolController
-from tests.deploy.fakes import FakeClock, FakeLauncher, settle
+from tests.deploy.fakes import FakeClock, FakeLauncher, MemoryStore, settle
 
 
 def make_controller(prefill=1, decode=1, colocated=0, **overrides):
@@ -286,3 +286,78 @@ def test_config_validation_messages():
         ControllerConfig(drain_timeout_s=0)
     with pytest.raises(ValueError, match="colocated pool size must be an integer >= 0"):
         PoolTargets(colocated=-2)
+
+
+# ---- the controller's own death: durable state, adoption, orphans -------------------------------
+
+async def _die(controller):
+    """The controller's process dies: its loop stops, its workers are not told anything."""
+    tasks = [controller._loop_task, *controller._tasks]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _restarted(controller, launcher, clock, store):
+    return PoolController(controller.config, launcher, clock=clock, store=store)
+
+
+async def test_a_restarted_controller_adopts_its_live_workers_with_the_same_targets():
+    store = MemoryStore()
+    first, launcher, clock = make_controller(prefill=1, decode=2)
+    first.store = store
+    await first.start()
+    first.scale(decode=3)
+    await settle(20)
+    assert first.settled() and store.state["targets"] == {"prefill": 1, "decode": 3, "both": 0}
+    before = first.membership()
+    await _die(first)
+    second = _restarted(first, launcher, clock, store)
+    assert await second.recover()
+    assert second.membership() == before and second.settled()
+    assert len(launcher.handles) == 4  # nothing relaunched
+    assert any("restarted: 4 worker(s) adopted" in e["message"] for e in second.status()["events"])
+    # it still replaces a dead worker and scales
+    victim = launcher.of("decode")[0]
+    victim.die("SIGKILL")
+    await settle(20)
+    assert second.settled() and victim.address not in addresses(second) and len(launcher.of("decode")) == 4
+    second.scale(decode=1)
+    await second.tick()
+    second._routers.clear()  # no router holds anything: drains finish on Stats alone
+    clock.advance(1)
+    await second.tick()
+    await settle(20)
+    assert second.settled() and len(addresses(second, "decode")) == 1
+    await second.shutdown()
+    assert store.state is None and all(h.stopped or not h.alive for h in launcher.handles)
+
+
+async def test_recovery_stops_starting_and_orphaned_workers_and_replaces_the_dead():
+    store = MemoryStore()
+    first, launcher, clock = make_controller(prefill=1, decode=1)
+    first.store = store
+    await first.start()
+    launcher.plan["decode"] = [{"hold_start": True}]
+    first.scale(decode=2)  # decode-2 is STARTING when the controller dies
+    await settle()
+    starting = launcher.of("decode")[-1]
+    orphan = launcher.launch("decode", "decode-99")  # launched, never recorded
+    await orphan.start()
+    await _die(first)
+    dead = launcher.of("prefill")[0]
+    dead.die("node lost")  # dies while no controller watches
+    second = _restarted(first, launcher, clock, store)
+    assert await second.recover()
+    await settle(20)
+    assert starting.stopped and orphan.stopped
+    assert second.settled() and len(addresses(second, "prefill")) == 1 and len(addresses(second, "decode")) == 2
+    assert dead.address not in addresses(second)
+    await second.shutdown()
+
+
+async def test_recover_without_a_record_does_nothing():
+    controller, launcher, clock = make_controller()
+    controller.store = MemoryStore()
+    assert not await controller.recover()
+    assert launcher.handles == []

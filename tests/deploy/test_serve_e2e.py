@@ -11,7 +11,6 @@ decode), driven by the official `openai` client and the `pdserve scale/status` c
 import os
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from engine.sampling_params import SamplingParams
-from tests.deploy.harness import Serve, descendants, processes_inheriting, processes_mentioning, start_time, wait_until
+from tests.deploy.harness import (Serve, Stream, descendants, offline_text, processes_inheriting, processes_mentioning,
+                                  ready_workers, start_time, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -55,47 +54,8 @@ def client(serve):
     return openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=900)
 
 
-def offline_text(offline, prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    [output] = offline.generate(prompt, params, use_tqdm=False)
-    return offline.tokenizer.decode(output.token_ids)
-
-
 def router_workers(serve) -> list[dict]:
     return httpx.get(serve.url + "/status", timeout=30).json()["workers"]
-
-
-def ready_workers(status: dict, role: str) -> list[dict]:
-    return [w for w in status["workers"] if w["role"] == role and w["state"] == "ready"]
-
-
-class Stream:
-    """A streaming completion read by a thread: `text`, `error`, `done` (an Event)."""
-
-    def __init__(self, client, prompt: str, max_tokens: int) -> None:
-        self.pieces: list[str] = []
-        self.error: Exception | None = None
-        self.first = threading.Event()
-        self.done = threading.Event()
-        self.finished_at: float | None = None
-        threading.Thread(target=self._run, args=(client, prompt, max_tokens), daemon=True).start()
-
-    def _run(self, client, prompt, max_tokens) -> None:
-        try:
-            for chunk in client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens,
-                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                self.pieces.append(chunk.choices[0].text if chunk.choices else "")
-                self.first.set()
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            self.error = exc
-        finally:
-            self.finished_at = time.monotonic()
-            self.first.set()
-            self.done.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 def test_greedy_completions_match_the_offline_engine(serve, client, offline):
