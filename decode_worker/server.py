@@ -2,7 +2,8 @@
 adapter between gRPC and the engine. The engine's KV connector (engine/kv_connector.py) does the
 hand-off; this module only carries the Prefill call to the prefill worker and its answer back.
 
-Lifecycle of one Generate call (the request's RequestStatus, one per line):
+Lifecycle of one Generate call (one state per line; from WAITING_FOR_KV on, the request's
+RequestStatus):
 
     ALLOCATED       own prefix-cache match, blocks allocated for the rest of the prompt; a short
                     uncached tail (below --local-prefill-threshold), no prefill worker named, or a
@@ -151,6 +152,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                 report = producer_report_from_wire(response, engine_request.sampling_params.logprobs is not None)
         except grpc.RpcError as exc:
             error = f"prefill worker {address}: {exc.code().name}: {exc.details()}"
+        except Exception as exc:  # e.g. an answer that does not convert: fall back now, not at the timeout
+            error = f"prefill worker {address}: {type(exc).__name__}: {exc}"
         self.engine.call(LLMEngine.report_kv_producer, request_id, report, error)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

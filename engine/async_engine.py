@@ -73,7 +73,7 @@ class AsyncEngine:
 
     def open_stream(self, request_id: str) -> "RequestStream":
         """Register the output stream of a request that the caller adds itself, e.g. through
-        `call_and_deliver(LLMEngine.add_imported, ...)`. Call from the event loop that reads it;
+        `call(LLMEngine.add_imported, ...)`. Call from the event loop that reads it;
         `close()` it when done (an unfinished request is then aborted)."""
         self._check_alive()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -124,7 +124,7 @@ class AsyncEngine:
 
     def call_and_deliver(self, fn, *args):
         """Like `call`, and a StreamDelta that `fn` returns also goes to its request's stream
-        (e.g. `LLMEngine.finish_import`, whose first token must reach the stream in order)."""
+        (e.g. `LLMEngine.abort`, whose final delta must reach the stream in order)."""
         import concurrent.futures
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._post(("call", fn, args, future, True))

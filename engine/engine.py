@@ -203,12 +203,18 @@ class LLMEngine:
         return self.kv_connector.report_producer(request_id, report, error)
 
     def finish_import(self, request_id: str, first_token: SampledToken) -> StreamDelta:
-        """Decode role: every block to fill was written; append the prefill worker's first token."""
+        """Decode role, driving an import by hand (without the connector's checks): every block
+        to fill was written; append the prefill worker's first token."""
+        if self.kv_connector is not None:
+            self.kv_connector.cancel_load(request_id)
         return self._to_delta(self.scheduler.finish_import(request_id, first_token))
 
     def fail_import(self, request_id: str, fallback_to_local_prefill: bool,
                     message: str = "KV transfer failed") -> StreamDelta | None:
-        """Decode role: prefill locally (returns None) or end the request with `message`."""
+        """Decode role, by hand: prefill locally (returns None) or end the request with `message`;
+        a transfer the connector still expects is stopped first."""
+        if self.kv_connector is not None:
+            self.kv_connector.cancel_load(request_id)
         final = self.scheduler.fail_import(request_id, fallback_to_local_prefill, message)
         return self._to_delta(final) if final is not None else None
 
@@ -243,20 +249,31 @@ class LLMEngine:
         loads admit their request with the producer's first token, or fall back / fail it."""
         deltas = []
         for done in self.kv_connector.poll():
-            if isinstance(done, SendDone):
-                final = self.scheduler.finish_sending(done.request_id, done.result.error)
-                if final is not None:
-                    delta = self._to_delta(final)
-                    delta.kv_send = done.result
-                    deltas.append(delta)
-            elif isinstance(done, LoadDone) and done.error is None:
-                deltas.append(self._to_delta(self.scheduler.finish_import(done.request_id, done.first_token)))
-            else:
-                logger.warning("%s: %s", done.request_id, done.error)
-                final = self.scheduler.fail_import(done.request_id, done.fallback, done.error)
-                if final is not None:
-                    deltas.append(self._to_delta(final))
+            try:
+                deltas.extend(self._apply(done))
+            except Exception as exc:  # ends that request, never the step
+                logger.exception("applying the KV transfer outcome of %s failed", done.request_id)
+                deltas.extend(self._fail([done.request_id], f"internal error: {exc}"))
         return deltas
+
+    def _apply(self, done: SendDone | LoadDone) -> list[StreamDelta]:
+        if isinstance(done, SendDone):
+            final = self.scheduler.finish_sending(done.request_id, done.result.error)
+            if final is None:
+                return []
+            delta = self._to_delta(final)
+            delta.kv_send = done.result
+            return [delta]
+        error, fallback = done.error, done.fallback
+        if error is None and not 0 <= done.first_token.token_id < self.runner.vocab_size:
+            self.kv_connector.failures["producer"] += 1
+            error = f"remote prefill failed (producer): first token {done.first_token.token_id} is outside the vocabulary"
+            fallback = self.kv_connector.config.on_transfer_failure == "fallback"
+        if error is None:
+            return [self._to_delta(self.scheduler.finish_import(done.request_id, done.first_token))]
+        logger.warning("%s: %s", done.request_id, error)
+        final = self.scheduler.fail_import(done.request_id, fallback, error)
+        return [self._to_delta(final)] if final is not None else []
 
     def _run(self, batch) -> list[StreamDelta]:
         # An internal failure ends the requests it touched, never the engine.

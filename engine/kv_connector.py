@@ -27,6 +27,7 @@ bytes in its blocks equals the report's. Anything else is a failed load, by reas
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections import Counter
@@ -38,6 +39,8 @@ import torch
 from engine.block_hash import hash_full_blocks
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
 FAULTS = ("drop_layer_group", "flip_byte")  # testing only: see KVConnectorConfig.inject_fault
@@ -69,7 +72,8 @@ class KVReceiverTransport(Protocol):
 
 @dataclass(frozen=True)
 class KVConnectorConfig:
-    """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send.
+    """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send (after the
+        hold, when testing with one).
     transfer_timeout_s: decode; longest wait for a remote prefill (queueing, compute, bytes).
     local_prefill_threshold: decode; fewer uncached prompt tokens than this are prefilled here.
     on_transfer_failure: decode; "fallback" (local prefill) or "fail" (end with the error).
@@ -239,13 +243,19 @@ class KVConnector:
             return False
         now = time.monotonic()
         send.sending, send.finished_at = True, now
-        if not send.opened:
-            self._open(send)  # push-after-prefill or a hold: nothing was opened yet
-        if not self.config.hold_send_s:
-            self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
-        send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
-        send.block_hashes = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt,
-                                                   self.hash_algorithm))
+        try:
+            if not send.opened and send.error is None:
+                self._open(send)  # push-after-prefill or a hold: nothing was opened yet
+            if not self.config.hold_send_s:
+                self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
+            send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
+            # the tokens whose KV was sent: not the first token, sampled just now
+            sent_tokens = request.all_token_ids[:request.num_computed_tokens]
+            send.block_hashes = tuple(hash_full_blocks(sent_tokens, self.block_size, request.cache_salt,
+                                                       self.hash_algorithm))
+        except Exception as exc:  # the send fails (poll() ends it), never the engine step
+            logger.exception("finishing the KV send of %s failed", request.request_id)
+            send.error = send.error or f"KV send failed: {exc}"
         if self.config.hold_send_s:
             heapq.heappush(self._deadlines, (now + self.config.hold_send_s, request.request_id))
         heapq.heappush(self._deadlines, (now + self.config.hold_send_s + self.config.lease_s, request.request_id))
@@ -399,7 +409,10 @@ class KVConnector:
             return None
         if load.producer_error is not None:
             return self._fail_load(load, "producer", load.producer_error)
-        status = self.transport.poll(request_id)
+        try:
+            status = self.transport.poll(request_id)
+        except KeyError:  # its record is gone (the receiver closed)
+            return self._fail_load(load, "transfer", "the receiver no longer knows the transfer")
         if status.done and not status.ok:
             return self._fail_load(load, "transfer", f"KV transfer failed: {status.error}")
         if load.report is None:
@@ -450,15 +463,38 @@ class KVConnector:
     # ---- once per step --------------------------------------------------------------------
 
     def poll(self) -> list[SendDone | LoadDone]:
-        """The sends and loads that ended since the last call (engine thread)."""
+        """The sends and loads that ended since the last call (engine thread). An internal
+        failure ends that one transfer, never the others or the step."""
         self.polls += 1
         with self._lock:
             ids, self._ended = self._ended, set()
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             ids.add(heapq.heappop(self._deadlines)[1])
-        check = self._poll_send if self.role == "prefill" else self._poll_load
-        return [done for done in (check(request_id, now) for request_id in ids) if done is not None]
+        results = []
+        for request_id in ids:
+            try:
+                done = self._poll_send(request_id, now) if self.role == "prefill" else self._poll_load(request_id, now)
+            except Exception as exc:
+                logger.exception("KV transfer of %s: internal error", request_id)
+                done = self._fail_internal(request_id, f"internal error: {exc}")
+            if done is not None:
+                results.append(done)
+        return results
+
+    def _fail_internal(self, request_id: str, message: str) -> SendDone | LoadDone | None:
+        send, load = self._sends.get(request_id), self._loads.get(request_id)
+        if send is not None:
+            self.failures["transfer"] += 1
+            return self._end_send(send, message, 0)
+        if load is not None:
+            return self._fail_load(load, "transfer", message)
+        return None
+
+    def cancel_load(self, request_id: str) -> None:
+        """Stop expecting `request_id`'s KV (its import is finished or failed by the caller)."""
+        if self._loads.pop(request_id, None) is not None:
+            self.transport.cancel(request_id)
 
     def next_deadline(self) -> float | None:
         """When `poll()` must run next even if no transfer ends (monotonic seconds); None when

@@ -206,6 +206,17 @@ def test_layerwise_push_is_token_exact_and_verified(pair_factory, reference):
     assert pair.run_decode()[0]["b"] == reference(follow)
 
 
+@pytest.mark.parametrize("length", [BLOCK * 8 - 1, BLOCK * 8, BLOCK * 8 + 1])
+def test_prompts_around_a_block_boundary_verify(pair_factory, reference, length):
+    """The prefill side hashes the prompt's blocks, not its first token: a prompt one token short
+    of a block boundary (whose first token would fill the block) verifies too."""
+    pair = pair_factory(budget=16)
+    tokens = prompt(20 + length, length)
+    out, finals = pair.generate("a", tokens)
+    assert out["a"] == reference(tokens) and finals["a:import"].prefilled_remotely
+    assert pair.decode.kv_connector.failures == {}
+
+
 def test_push_after_prefill_is_token_exact(pair_factory, reference):
     pair = pair_factory(prefill=dict(layerwise=False), budget=16)
     tokens = prompt(3, 37)
