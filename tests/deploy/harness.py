@@ -1,11 +1,13 @@
 """Helpers for the `pdserve serve` tests: the serve process, the `pdserve` commands, and
 finding every process of one cluster (to check that none is left after a stop)."""
+import contextlib
 import json
 import os
 import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -183,3 +185,41 @@ class Stream:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+
+@contextlib.contextmanager
+def running_cluster(num_blocks: int, *args: str):
+    """`pdserve serve` on the default model, CPU, `num_blocks` KV blocks, remote prefill for every
+    prompt, and `args` (the pools); yields the Serve with its `url`, stops it after."""
+    with tempfile.TemporaryDirectory(prefix="pdsv-", dir="/tmp") as ray_temp_dir, \
+            tempfile.TemporaryDirectory(prefix="pdserve-state-") as state_dir:
+        server = Serve(Path(state_dir) / "serve.json", ray_temp_dir, "--model", "default", "--device", "cpu",
+                       "--kv-cache-blocks", str(num_blocks), "--local-prefill-threshold", "0", *args)
+        try:
+            server.url = server.wait_ready()
+            yield server
+        finally:
+            server.stop()
+
+
+def cluster_fixtures(num_blocks: int, *pools: str):
+    """The module-scoped fixtures of an end-to-end module: `serve` (a `running_cluster` with
+    `pools`), `offline` (the offline engine, the reference output) and `client` (openai)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def serve():
+        with running_cluster(num_blocks, *pools) as server:
+            yield server
+
+    @pytest.fixture(scope="module")
+    def offline():
+        from engine import LLM
+        return LLM("default", num_blocks=num_blocks)
+
+    @pytest.fixture(scope="module")
+    def client(serve):
+        import openai
+        return openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+
+    return serve, offline, client

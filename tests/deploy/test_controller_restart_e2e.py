@@ -10,15 +10,12 @@ default model, CPU), tried as an operator would:
 """
 import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 
-import openai
 import pytest
 
-from tests.deploy.harness import (Serve, Stream, descendants, offline_text, processes_inheriting, processes_mentioning,
-                                  ready_workers, start_time, wait_until)
+from tests.deploy.harness import (Stream, cluster_fixtures, descendants, offline_text, processes_inheriting,
+                                  processes_mentioning, ready_workers, start_time, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -27,29 +24,7 @@ PLAIN = "The quick brown fox"
 STREAM_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def serve():
-    with tempfile.TemporaryDirectory(prefix="pdsv-", dir="/tmp") as ray_temp_dir, \
-            tempfile.TemporaryDirectory(prefix="pdserve-state-") as state_dir:
-        server = Serve(Path(state_dir) / "serve.json", ray_temp_dir, "--model", "default", "--device", "cpu",
-                       "--prefill", "1", "--decode", "2", "--kv-cache-blocks", str(NUM_BLOCKS),
-                       "--local-prefill-threshold", "0")
-        try:
-            server.url = server.wait_ready()
-            yield server
-        finally:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def offline():
-    from engine import LLM
-    return LLM("default", num_blocks=NUM_BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def client(serve):
-    return openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "2")
 
 
 def controller_pids(serve) -> list[int]:

@@ -2,7 +2,7 @@
 during a transfer makes the decode worker fall back to local prefill, or fail cleanly.
 
 The states are reached by observing worker stats, not by timing: a prefill worker that runs one
-request at a time with a small token budget keeps a long prompt PREFILLING and the next one
+request at a time with a small token budget keeps a long prompt RUNNING (prefilling) and the next one
 WAITING; one started with --hold-kv-send-s keeps a finished prefill in SENDING_KV (blocks pinned,
 the decode worker WAITING_FOR_KV) for as long as the test needs.
 """
@@ -118,7 +118,7 @@ def _holding_export(prefill):
 def test_abort_queued_and_prefilling_on_prefill_worker(cluster):
     decode, slow = cluster["decode"], cluster["slow"]
     long_one = Streaming(decode, "prefilling", random_prompt(1, 2000), slow)
-    wait_until(lambda: slow.stats().running == 1, what="the long prompt to be PREFILLING")
+    wait_until(lambda: slow.stats().running == 1, what="the long prompt to be RUNNING (prefilling)")
     queued = Streaming(decode, "queued", random_prompt(2, 300), slow)
     wait_until(lambda: slow.stats().waiting == 1, what="the second prompt to be WAITING behind it")
     assert queued.abort_rpc().finish_reason == "abort"
