@@ -275,8 +275,12 @@ def test_argument_validation(tcp_pair):
     with pytest.raises(ValueError, match=r"layers \[2\] are not part of transfer"):
         sender.send_layers("s", [2])
     sender.send_layers("s", [0])
-    with pytest.raises(ValueError, match=r"layers \[0\] of 's' were already sent"):
+    with pytest.raises(ValueError, match=r"blocks \[1, 1\) are already sent"):
+        sender.send_layers("s", [0])
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] of 's' were pushed up to different blocks"):
         sender.send_layers("s", [0, 1])
+    with pytest.raises(ValueError, match=r"blocks \[0, 2\) are already sent or outside its 1 blocks"):
+        sender.send_layers("s", [1], num_blocks=2)
     sender.cancel("s")
 
 
