@@ -503,7 +503,3 @@ class KVConnector:
         while deadlines and deadlines[0][1] not in self._sends and deadlines[0][1] not in self._loads:
             heapq.heappop(deadlines)
         return deadlines[0][0] if deadlines else None
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._sends) + len(self._loads)
