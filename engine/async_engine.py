@@ -4,8 +4,8 @@ Only the engine thread touches scheduler state: `generate()` and `abort()` post 
 inbox that the thread drains before every step, so the event loop never waits for a forward
 pass. The thread sleeps while it has nothing to run (every request waiting for a KV transfer, or
 no request at all) until a command arrives, a KV transfer ends (`LLMEngine.wakeup`) or a KV
-deadline passes; `wakeups` counts how often it woke. The thread also publishes a snapshot of the engine's counters after every step, which
-`stats()` returns at once: a health poll never waits behind a long prefill. Each request gets an asyncio queue; a caller that stops iterating (client disconnect,
+deadline passes. The thread also publishes a snapshot of the engine's counters after every
+step, which `stats()` returns at once: a health poll never waits behind a long prefill. Each request gets an asyncio queue; a caller that stops iterating (client disconnect,
 cancellation) aborts its request, which frees its blocks at the next step boundary.
 """
 from __future__ import annotations
@@ -39,7 +39,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._wakeup = engine.wakeup  # commands and KV transfers that end both set it
-        self.wakeups = 0
         self._stopped = threading.Event()
         self._idle_wait_s = idle_wait_s
         self._died: BaseException | None = None
@@ -227,7 +226,6 @@ class AsyncEngine:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         self._wakeup.wait(timeout)
         self._wakeup.clear()
-        self.wakeups += 1
 
     def _run(self) -> None:
         try:
