@@ -95,9 +95,16 @@ class Tokenizer:
         if "tokenizer.ggml.model" not in metadata:
             raise ValueError(f"GGUF file {path!r} has no tokenizer (no tokenizer.ggml.model metadata)")
         from transformers import AutoTokenizer
-        folder, name = os.path.split(os.path.abspath(path))
+        from engine.model.gguf_loader import converted_dir, is_complete_conversion
+        converted = converted_dir(path)
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            if is_complete_conversion(converted):
+                # The model's cached conversion holds this tokenizer, saved: ~0.5 s instead of the
+                # ~15 s transformers takes to build it from the GGUF's vocabulary.
+                hf_tokenizer = AutoTokenizer.from_pretrained(converted, local_files_only=True)
+            else:
+                folder, name = os.path.split(os.path.abspath(path))
+                hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         except Exception as exc:
             raise ValueError(f"could not build a tokenizer from GGUF file {path!r} "
                              f"({type(exc).__name__}: {exc})") from exc

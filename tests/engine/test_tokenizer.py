@@ -28,6 +28,9 @@ def tokenizer() -> Tokenizer:
 def saved_folder(tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf_tokenizer")
     tokenizer.hf_tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("model_max_length", None)  # a folder that does not say its context length
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -38,6 +41,23 @@ def test_gguf_tokenizer_facts(tokenizer):
     assert set(range(17)) <= set(tokenizer.all_special_ids)
     assert tokenizer.max_model_len == 8192
     assert tokenizer.has_chat_template
+
+
+def test_the_converted_models_tokenizer_equals_the_one_built_from_the_gguf(tokenizer, tmp_path, monkeypatch):
+    """With the model converted (the usual case after a first run), the tokenizer loads from the
+    conversion's saved files; without it, transformers builds it from the GGUF. Same tokens."""
+    from engine.model.gguf_loader import converted_dir, is_complete_conversion
+    if not is_complete_conversion(converted_dir(default_gguf())):
+        pytest.skip("the default model is not converted in this cache yet")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # an empty cache: the slow path
+    built = Tokenizer.from_pretrained(default_gguf())
+    assert not is_complete_conversion(converted_dir(default_gguf()))
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
+        assert built.encode(text) == tokenizer.encode(text)
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    assert built.render_chat_template(messages) == tokenizer.render_chat_template(messages)
+    assert (built.eos_token_ids, built.max_model_len, built.vocab_size, built.all_special_ids) == \
+        (tokenizer.eos_token_ids, tokenizer.max_model_len, tokenizer.vocab_size, tokenizer.all_special_ids)
 
 
 def test_gguf_metadata_reader_skips_arrays():
