@@ -2,36 +2,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Role = Literal["both", "prefill", "decode"]
 # The one list of worker roles (router, deploy and workers import it); "both": colocated.
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# torch is imported where a dtype or a device is resolved, not here: the control plane (deploy,
+# `pdserve status`, the router's spec) reads these configs without loading torch.
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     """`auto` is fp32 on CPU (exact and fastest there) and bf16 on CUDA."""
+    import torch
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def resolve_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    if not (device == "auto" or device.startswith("cuda")):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    import torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda")
     return device
 
 
