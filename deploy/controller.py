@@ -281,10 +281,14 @@ class PoolController:
                 "kv_blocks_total": total, "kv_blocks_free": free,
                 "kv_usage": (total - free) / total if total else None,
                 "prefix_cache_hit_rate": m.stat("prefix_cache_hits") / queries if queries else None,
-                "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0)) for r in routers),
+                "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0))
+                                       for r in routers.values()),
                 "last_error": m.last_error, "age_s": round(now - m.launched_at, 1)})
+        live_routers = [{"router_id": router_id, "last_sync_s": round(now - r.time, 1),
+                         "inflight": sum(int(held.get("inflight", 0)) for held in r.workers.values())}
+                        for router_id, r in sorted(self._live_routers().items())]
         return {"targets": self.targets.counts(), "settled": self.settled(), "workers": workers,
-                "routers": len(routers), "events": list(self._events)}
+                "routers": len(routers), "live_routers": live_routers, "events": list(self._events)}
 
     # ---- reconciling membership with the targets -----------------------------------------------
 
@@ -437,7 +441,7 @@ class PoolController:
                 self._stop(member, f"drain timed out after {self.config.drain_timeout_s:.0f} s "
                                    f"({member.load} request(s) still on it)")
                 continue
-            if not all(self._router_released(router, member.grpc_address) for router in routers):
+            if not all(self._router_released(router, member.grpc_address) for router in routers.values()):
                 member.routers_clear_at = None
                 continue
             if member.routers_clear_at is None:
@@ -451,9 +455,10 @@ class PoolController:
         held = router.workers.get(address)
         return held is None or (bool(held.get("draining")) and int(held.get("inflight", 0)) == 0)
 
-    def _live_routers(self) -> list[_RouterReport]:
+    def _live_routers(self) -> dict[str, _RouterReport]:
+        """router id -> its last report, for routers that synced within `router_stale_after_s`."""
         horizon = self.clock() - self.config.router_stale_after_s
-        return [r for r in self._routers.values() if r.time >= horizon]
+        return {router_id: r for router_id, r in self._routers.items() if r.time >= horizon}
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -485,15 +490,14 @@ class ControllerActor:
 
     def __init__(self, config: ControllerConfig) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        import ray
-
         from deploy.actors import RayWorkerLauncher
         from deploy.durable import GcsStateStore
         self.config = config
         self.controller = PoolController(config, RayWorkerLauncher(config.worker, config.name, config.namespace),
                                          store=GcsStateStore(config.name, config.namespace))
-        # Ray restarted this actor after its process died: recover before the first answer.
-        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        # `pdserve serve` clears the record before it creates the controller, so a record here
+        # means Ray restarted this actor after its process died: recover before the first answer.
+        self._restarted = self.controller.store.load() is not None
         self._recovery: asyncio.Future | None = None
 
     async def _resume(self) -> None:
