@@ -2,7 +2,7 @@
 
     pdserve serve   [--model default|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
-                    [--api-key KEY] [engine options]           run the cluster until Ctrl-C / SIGTERM
+                    [--api-key KEY] [--routers N] [engine options]  run the cluster until Ctrl-C / SIGTERM
     pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
     pdserve status  [--json] [--events N]
     pdserve bench   ARGS...                                    forwards to benchmarks/serve.py
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, TRANSPORTS
+from deploy.config import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, TRANSPORTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "sessions); default 0, off")
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
+    serve.add_argument("--routers", type=int, default=1,
+                       help="router processes sharing the HTTP port; one that dies is restarted (default 1)")
     serve.add_argument("--max-migrations", type=int, default=2,
                        help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                             "this many times per request; 0: never (default: %(default)s)")
@@ -142,14 +144,14 @@ def serve_options(args: argparse.Namespace):
                         worker_gpus=args.worker_gpus,
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
-                        ray=ray_settings,
+                        routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, start_timeout_s=args.worker_start_timeout,
                         log_level=args.log_level.upper())
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         options = serve_options(args)

@@ -13,6 +13,7 @@ TRANSPORTS = ("auto", "ucx", "nccl", "tcp", "shm")
 DEVICES = ("cpu", "cuda")
 DEFAULT_CONTROLLER_NAME = "pdserve-controller"
 DEFAULT_NAMESPACE = "pdserve"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve and its router processes
 
 
 @dataclass

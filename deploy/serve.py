@@ -1,19 +1,22 @@
-"""`pdserve serve`: Ray (started or joined), the controller and its pools, and the router.
+"""`pdserve serve`: Ray (started or joined), the controller and its pools, and the routers.
 
-The driver process runs the router (FastAPI on uvicorn) and a task that syncs the router's
-`WorkerPool` from the controller (deploy/router_sync.py); the controller actor owns the worker
-actors. Startup order: Ray -> controller (loads the pools) while the router's tokenizer loads ->
-HTTP listening at once (`/health` is 503 until a prefill + decode pair, or a colocated worker,
-answers) -> the ready line `pdserve ready: URL/v1 ...` -> the state file for `pdserve
-scale/status`.
+The driver process (this one) holds the HTTP listening socket and supervises N router processes
+that share it (deploy/supervisor.py, deploy/router_process.py): each serves the OpenAI API and
+syncs its `WorkerPool` from the controller (deploy/router_sync.py); one that dies is restarted on
+the same socket. The controller actor manages the (detached) worker actors. Startup order: Ray
+-> controller (loads the pools) while the routers start -> HTTP served at once (`/health` is 503
+until a prefill + decode pair, or a colocated worker, answers) -> the ready line `pdserve ready:
+URL/v1 ...` -> the state file for `pdserve scale/status`.
 
-SIGINT / SIGTERM: stop HTTP, stop every worker (grace), kill the controller, stop Ray if this
-process started it, wait for the worker processes to exit, remove the state file.
+SIGINT / SIGTERM: stop the routers (in-flight requests get 5 s), stop every worker (grace), kill
+the controller, stop Ray if this process started it, wait for the worker processes to exit,
+remove the state file.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -23,8 +26,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import uvicorn
 
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
                             start_or_join, write_state)
@@ -55,6 +56,7 @@ class ServeOptions:
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining
     local_prefill_threshold: int | None = None
     max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
+    routers: int = 1  # router processes sharing the HTTP port
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
     state_file: Path | None = None  # None: default_state_file()
@@ -82,6 +84,8 @@ class ServeOptions:
             raise ValueError(f"--omp-num-threads must be >= 1, got {self.omp_num_threads}")
         if not self.sync_interval_s > 0:
             raise ValueError(f"sync_interval_s must be > 0, got {self.sync_interval_s}")
+        if not 1 <= self.routers <= 64:
+            raise ValueError(f"--routers must be in 1..64, got {self.routers}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.model != "default" and not Path(self.model).exists():
@@ -151,12 +155,10 @@ def serve(options: ServeOptions) -> int:
 
 async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[str, Any], controller: Any,
                        state_file: Path, worker_pids: list[int]) -> int:
-    from deploy.admin import admin_routes
     from deploy.client import ControllerClient
-    from deploy.router_sync import MembershipSync
-    from router.app import create_app
+    from deploy.router_process import RouterSpec
+    from deploy.supervisor import RouterStartError, RouterSupervisor
     from router.config import RouterConfig
-    from router.pool import WorkerPool
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -167,52 +169,44 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
     port = sock.getsockname()[1]
     url = f"http://{_url_host(options.host)}:{port}"
     starting = loop.create_task(client.start())
-    server = sync = server_task = None
+    router_config = RouterConfig(model=options.model, served_model_name=options.served_model_name,
+                                 host=options.host, port=port, api_key=options.api_key,
+                                 max_model_len=options.engine_options.get("max_model_len"),
+                                 block_size=options.engine_options.get("block_size", 16),
+                                 max_migrations=options.max_migrations)
+    routers = RouterSupervisor(
+        RouterSpec(index=0, listen_fd=-1, ready_fd=-1, parent_pid=os.getpid(), ray_address=session["address"],
+                   namespace=options.ray.namespace, token_auth=session["token_auth"],
+                   controller=options.controller_name, router=dataclasses.asdict(router_config),
+                   sync_interval_s=options.sync_interval_s, log_level=options.log_level),
+        options.routers, sock)
     try:
-        from engine.tokenizer import Tokenizer
-        tokenizer = await _unless_stopped(asyncio.to_thread(Tokenizer.from_pretrained, options.model), stop)
-        router_config = RouterConfig(model=options.model, served_model_name=options.served_model_name,
-                                     host=options.host, port=port, api_key=options.api_key,
-                                     max_model_len=options.engine_options.get("max_model_len"),
-                                     block_size=options.engine_options.get("block_size", 16),
-                                     max_migrations=options.max_migrations)
-        pool = WorkerPool(router_config)
-        app = create_app(router_config, tokenizer=tokenizer, pool=pool)
-        app.include_router(admin_routes(client, options.api_key))
-        server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
-                                        lifespan="on"))
-        server_task = loop.create_task(server.serve(sockets=[sock]))
-        sync = MembershipSync(pool, client.router_sync, options.sync_interval_s)
-        sync.start()
+        try:
+            await _unless_stopped(routers.start(), stop)
+        except RouterStartError as exc:
+            raise ServeError(str(exc)) from None
         try:
             status = await _unless_stopped(starting, stop)
         except ValueError as exc:
             raise ServeError(f"the worker pools did not start: {exc}") from None
-        await _unless_stopped(_wait_healthy(url, server_task), stop)
+        await _unless_stopped(_wait_healthy(url), stop)
         worker_pids.extend(w["pid"] for w in status["workers"] if w.get("pid"))
         write_state(state_file, ServeState(pid=os.getpid(), ray_address=session["address"],
                                            namespace=options.ray.namespace, controller=options.controller_name,
                                            url=url, started_ray=session["started"],
                                            token_auth=session["token_auth"]))
         print(f"pdserve ready: {url}/v1 (model {options.model}; {options.prefill} prefill, {options.decode} "
-              f"decode, {options.colocated} colocated worker(s) on {spec.device}; Ray at {session['address']}; "
-              f"`pdserve status` / `pdserve scale`)", flush=True)
+              f"decode, {options.colocated} colocated worker(s) on {spec.device}; {options.routers} router(s); "
+              f"Ray at {session['address']}; `pdserve status` / `pdserve scale`)", flush=True)
         if options.host not in LOOPBACK_HOSTS and options.api_key is None:
             logger.warning("listening on %s without --api-key: anyone who can reach it can use it", options.host)
-        await _unless_stopped(asyncio.shield(server_task), stop)
-        if not stop.is_set():
-            raise ServeError("the HTTP server stopped unexpectedly")
+        await stop.wait()
         return 0
     except _Stopped:
         return 0
     finally:
         logger.info("shutting down")
-        if server is not None:
-            server.should_exit = True
-        if server_task is not None:
-            await asyncio.gather(server_task, return_exceptions=True)
-        if sync is not None:
-            await sync.stop()
+        await routers.stop()
         starting.cancel()
         with contextlib.suppress(Exception):
             final = await asyncio.wait_for(client.status(), 10)
@@ -240,12 +234,10 @@ async def _unless_stopped(awaitable, stop: asyncio.Event):
     raise _Stopped()
 
 
-async def _wait_healthy(url: str, server_task: asyncio.Task) -> None:
+async def _wait_healthy(url: str) -> None:
     import httpx
     async with httpx.AsyncClient(timeout=5.0) as http:
         while True:
-            if server_task.done():
-                raise ServeError(f"the HTTP server stopped while starting: {server_task.exception()!r}")
             with contextlib.suppress(httpx.HTTPError):
                 if (await http.get(f"{url}/health")).status_code == 200:
                     return
@@ -349,11 +341,3 @@ class _TerminateAsInterrupt:
     @staticmethod
     def _raise(signum, frame) -> None:
         raise KeyboardInterrupt()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server without its own signal handling (the driver owns SIGINT/SIGTERM)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
