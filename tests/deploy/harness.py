@@ -148,6 +148,25 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
         time.sleep(interval)
 
 
+def stop_and_check_nothing_is_left(serve: Serve) -> None:
+    """SIGINT `pdserve serve`: it exits 0 with no traceback, and no process of its cluster (Ray's
+    daemons, the controller, workers, routers) and no state file is left."""
+    tree = descendants(serve.popen.pid)
+    assert len(tree) >= 4  # Ray's daemons, the controller, the workers and the routers run below it
+    # The marker must reach the cluster's processes, or the final check below proves nothing
+    # (compared with a count, not with `tree`: short-lived Ray helpers come and go between snapshots).
+    assert len(processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file))) >= 4
+    serve.popen.send_signal(signal.SIGINT)
+    assert serve.popen.wait(180) == 0, serve.tail()
+    assert serve.log[-1].strip() == "pdserve stopped"
+    assert "Traceback" not in "".join(serve.log), serve.tail(200)
+    wait_until(lambda: all(start_time(pid) != started for pid, started in tree.items()), 60,
+               "every process of the cluster to exit", interval=0.5)
+    assert processes_mentioning(serve.ray_temp_dir) == []
+    assert processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file)) == []
+    assert not serve.state_file.exists()
+
+
 def offline_text(offline, prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     [output] = offline.generate(prompt, params, use_tqdm=False)

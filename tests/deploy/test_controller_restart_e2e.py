@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests.deploy.harness import (Stream, cluster_fixtures, descendants, offline_text, processes_inheriting,
-                                  processes_mentioning, ready_workers, start_time, wait_until)
+from tests.deploy.harness import (Stream, cluster_fixtures, offline_text, processes_inheriting, ready_workers,
+                                  stop_and_check_nothing_is_left, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +89,4 @@ def test_after_the_restart_a_killed_worker_is_replaced_and_scaling_works(serve, 
 
 
 def test_sigint_after_a_controller_restart_stops_every_process(serve):
-    tree = descendants(serve.popen.pid)
-    assert len(processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file))) >= 4
-    serve.popen.send_signal(signal.SIGINT)
-    assert serve.popen.wait(180) == 0, serve.tail()
-    assert serve.log[-1].strip() == "pdserve stopped"
-    wait_until(lambda: all(start_time(pid) != started for pid, started in tree.items()), 60,
-               "every process of the cluster to exit", interval=0.5)
-    assert processes_mentioning(serve.ray_temp_dir) == []
-    assert processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file)) == []
+    stop_and_check_nothing_is_left(serve)
