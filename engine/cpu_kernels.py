@@ -1,4 +1,4 @@
-"""Native CPU kernels (C++ in `engine/csrc/`), compiled on first use and cached per machine.
+"""Native CPU kernels (C++ in `engine/csrc/`), compiled once per machine and cached.
 
 One library: paged decode attention, bf16 flash prefill and the KV store (used by the "cpu"
 attention backend), the Llama block's fused bf16 elementwise ops and small-batch linear (RMSNorm,
@@ -7,10 +7,15 @@ structured-output logits mask (`engine.structured_output.apply_bitmask`).
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
-results more slowly. The build takes ~30 s once; later processes load the cached library from
-torch's extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), with a
-file lock so concurrent workers build it only once. The library is compiled for this CPU
-(`-march=native`), so its cache name includes a hash of the source, its path and the CPU's flags.
+results more slowly. `make install` builds it (`python -m engine.cpu_kernels`); later processes
+load the cached library from torch's extension directory (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`), with a file lock so concurrent workers build it only once.
+
+The build is content-addressed: the sources are copied into the build folder, whose name hashes
+their bytes, this CPU's flags (`-march=native`), the compiler flags and torch's version. So the
+compile commands ninja records never depend on the checkout's path, the working directory or the
+environment of the process that loads it, and every checkout of the same sources on a machine
+shares one build.
 """
 from __future__ import annotations
 
@@ -40,34 +45,65 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)  # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy
+
+
+def build_name() -> str:
+    """The library's cache name: a hash of everything that decides what is compiled."""
+    import torch
+    key = b"".join(source.read_bytes() + b"\0" for source in [*_SOURCES, *_HEADERS])
+    key += "\0".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
+    return f"pdserve_cpu_kernels_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
 @functools.lru_cache(maxsize=1)
 def load():
     """The compiled kernels module, or None (logged once) when they cannot be built."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
-    # The source's path is in the name too: ninja rebuilds when its command line changes, so two
-    # checkouts sharing one name would keep rebuilding over each other.
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in [*_SOURCES, *_HEADERS]) + _cpu_flags().encode()
-                            + str(_SOURCES[0].resolve()).encode()).hexdigest()[:12]
-    name = f"pdserve_cpu_kernels_{digest}"
     try:
         from torch.utils.cpp_extension import get_default_build_root
         from torch.utils.cpp_extension import load as load_extension
-        build_dir = Path(get_default_build_root()) / name
-        build_dir.mkdir(parents=True, exist_ok=True)
+        name = build_name()
+        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+        sources = _copy_sources(build_dir / "src")
         _remove_stale_lock(build_dir / "lock")
-        return load_extension(
-            name=name, sources=[str(source) for source in _SOURCES], build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy.
-            extra_ldflags=["-fopenmp"], verbose=False)
+        library = next(build_dir.glob(f"{name}*.so"), None)
+        if library is None:
+            log.info("compiling pdserve's CPU kernels into %s (once per machine and source version; about a minute)", build_dir)
+        started = time.monotonic()
+        module = load_extension(name=name, sources=[str(source) for source in sources],
+                                build_directory=str(build_dir), extra_cflags=list(_CFLAGS),
+                                extra_ldflags=list(_LDFLAGS), verbose=False)
+        if library is None:
+            log.info("compiled pdserve's CPU kernels in %.0f s", time.monotonic() - started)
+        return module
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("pdserve CPU kernels unavailable (%s); attention and elementwise ops use the slower torch path",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
 
 
-_STALE_LOCK_S = 600.0  # a build takes ~30 s; a lock this old belongs to a builder that died
+def _copy_sources(folder: Path) -> list[Path]:
+    """The sources and headers, copied into `folder` unless already there. Never rewritten: ninja
+    would see a newer source and rebuild. The folder's name already says what is in it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in [*_SOURCES, *_HEADERS]:
+        target = folder / source.name
+        if not target.exists():
+            temporary = folder / f".{source.name}.{os.getpid()}.tmp"
+            temporary.write_bytes(source.read_bytes())
+            try:
+                os.link(temporary, target)  # atomic, and fails if another process got there first
+            except FileExistsError:
+                pass
+            finally:
+                temporary.unlink()
+    return [folder / source.name for source in _SOURCES]
+
+
+_STALE_LOCK_S = 900.0  # a build takes ~70 s on 2 vCPUs; a lock this old belongs to a builder that died
 
 
 def _remove_stale_lock(lock: Path) -> None:
@@ -79,3 +115,8 @@ def _remove_stale_lock(lock: Path) -> None:
             log.warning("removed a stale CPU-kernel build lock %s", lock)
     except FileNotFoundError:
         pass
+
+
+if __name__ == "__main__":  # `make install`: build now, not in the first worker
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("native CPU kernels:", "ready" if load() is not None else "unavailable, using the torch path")

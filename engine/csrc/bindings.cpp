@@ -1,5 +1,5 @@
 // The Python module of pdserve's native CPU kernels (built by engine/cpu_kernels.py).
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11 and the tensor casters only; the kernels include ATen
 
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,

@@ -13,7 +13,7 @@
 // registers, the online-softmax update on those registers, then O += P V with O's rows rescaled
 // as they are loaded. Everything but the tile loops is fixed at compile time by the head size, so
 // the accumulators stay in registers; only the tiles crossing the causal diagonal are masked.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "parallel.h"

@@ -7,7 +7,7 @@
 // `rotary_embedding` and `silu_and_mul`'s multiply are bit-identical to it; RMSNorm's sum of
 // squares and silu's exp are computed in a different order / with a different polynomial, which
 // can move a result by one bf16 ulp. Rows must be contiguous in the last dimension.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "simd_math.h"

@@ -6,7 +6,7 @@
 // strided between tokens (views of the fused QKV output); kv_cache [num_blocks, 2, block_size,
 // num_kv_heads, head_dim] contiguous, same dtype; slot_mapping [num_tokens] int64, slot =
 // block * block_size + offset, -1 = not stored.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <atomic>

@@ -6,7 +6,7 @@
 // int32; seq_lens [num_seqs] int32. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
 // Work is split over (sequence, KV heads) items, longest sequences first, on torch's own thread
 // pool; an item computes all of its KV heads' query heads, so every K/V row is read once per step.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "parallel.h"

@@ -13,7 +13,7 @@
 // x [M, K] (rows contiguous in K), W [N, K] contiguous, bias [N] or none, all bf16; K a multiple
 // of 32, M <= kMaxRows. The sum is taken in a different order than oneDNN's, so an output can
 // differ from F.linear's by one bf16 rounding step.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "simd_math.h"

@@ -6,7 +6,7 @@
 // token (inside a string) or a handful (between JSON tokens). xgrammar's own CPU kernel writes
 // token by token and takes ~7 ms for 32 rows of a 49k vocabulary in the second case; this takes
 // a fraction of a millisecond.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
