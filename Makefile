@@ -16,8 +16,13 @@ install:
 	@# rather than in the first worker; without a compiler the engine uses the torch path.
 	$(PYTHON) -m engine.cpu_kernels
 
+# The kernel tests run a second time on the portable path (PDSERVE_CPU_ISA=avx2), so an AVX-512
+# machine also checks what AVX2-only machines run (on an AVX2 machine it is the same build).
+KERNEL_TESTS := tests/engine/test_attention.py tests/engine/test_fused_ops.py tests/engine/test_cpu_kernels_build.py
+
 test: install
 	$(PYTHON) -m pytest tests
+	PDSERVE_CPU_ISA=avx2 $(PYTHON) -m pytest -q $(KERNEL_TESTS)
 
 test-fast:
 	$(PYTHON) -m pytest tests -m "not slow"

@@ -45,15 +45,47 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+ISA_ENV = "PDSERVE_CPU_ISA"
+ISAS = ("auto", "native", "avx2")
+# native: this CPU's own instruction set (its AVX-512 / AVX512-BF16 code paths where it has them);
+# avx2: any AVX2 + FMA CPU (x86-64-v3), the portable path, the one AVX2-only machines get anyway.
+_MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+_CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)  # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: $PDSERVE_CPU_ISA, or (auto) avx2 on an AVX2
+    CPU without AVX-512, else native. `PDSERVE_CPU_ISA=avx2` forces the portable path on any AVX2
+    CPU (an AVX-512 machine then runs what AVX2-only machines run)."""
+    wanted = os.environ.get(ISA_ENV, "auto")
+    if wanted not in ISAS:
+        raise ValueError(f"${ISA_ENV} must be one of {', '.join(ISAS)}, got {wanted!r}")
+    flags = set(_cpu_flags().split())
+    has_avx2 = {"avx2", "fma"} <= flags
+    if wanted == "auto":
+        return "avx2" if has_avx2 and "avx512f" not in flags else "native"
+    if wanted == "avx2" and not has_avx2:
+        raise ValueError(f"${ISA_ENV}=avx2, but this CPU has no AVX2 + FMA")
+    return wanted
+
+
+def cpu_features() -> list[str]:
+    """The SIMD features of this CPU that the kernels care about (for benchmark reports)."""
+    flags = set(_cpu_flags().split())
+    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16")
+            if f in flags]
+
+
+def _compile_flags() -> list[str]:
+    return [*_CFLAGS, _MARCH[isa()]]
 
 
 def build_name() -> str:
     """The library's cache name: a hash of everything that decides what is compiled."""
     import torch
     key = b"".join(source.read_bytes() + b"\0" for source in [*_SOURCES, *_HEADERS])
-    key += "\0".join([_cpu_flags(), torch.__version__, *_CFLAGS, *_LDFLAGS]).encode()
+    key += "\0".join([_cpu_flags(), torch.__version__, *_compile_flags(), *_LDFLAGS]).encode()
     return f"pdserve_cpu_kernels_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -71,10 +103,11 @@ def load():
         _remove_stale_lock(build_dir / "lock")
         library = next(build_dir.glob(f"{name}*.so"), None)
         if library is None:
-            log.info("compiling pdserve's CPU kernels into %s (once per machine and source version; about a minute)", build_dir)
+            log.info("compiling pdserve's CPU kernels (%s) into %s (once per machine and source version; about a "
+                     "minute)", isa(), build_dir)
         started = time.monotonic()
         module = load_extension(name=name, sources=[str(source) for source in sources],
-                                build_directory=str(build_dir), extra_cflags=list(_CFLAGS),
+                                build_directory=str(build_dir), extra_cflags=_compile_flags(),
                                 extra_ldflags=list(_LDFLAGS), verbose=False)
         if library is None:
             log.info("compiled pdserve's CPU kernels in %.0f s", time.monotonic() - started)
@@ -119,4 +152,5 @@ def _remove_stale_lock(lock: Path) -> None:
 
 if __name__ == "__main__":  # `make install`: build now, not in the first worker
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("native CPU kernels:", "ready" if load() is not None else "unavailable, using the torch path")
+    print(f"native CPU kernels ({isa()}; CPU features: {' '.join(cpu_features())}):",
+          "ready" if load() is not None else "unavailable, using the torch path")

@@ -60,3 +60,30 @@ def test_the_build_name_hashes_the_sources_not_their_path(tmp_path, monkeypatch)
     assert cpu_kernels.build_name() == name
     copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
     assert cpu_kernels.build_name() != name
+
+
+AVX512_FLAGS = "flags : fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16"
+AVX2_FLAGS = "flags : fpu sse2 avx avx2 fma f16c"
+
+
+@pytest.mark.parametrize("flags, wanted, expected", [
+    (AVX512_FLAGS, None, "native"), (AVX512_FLAGS, "avx2", "avx2"), (AVX2_FLAGS, None, "avx2"),
+    (AVX2_FLAGS, "native", "native"), ("flags : fpu sse2", None, "native")])
+def test_the_instruction_set_is_chosen_from_the_cpu_or_forced(monkeypatch, flags, wanted, expected):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    if wanted is None:
+        monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, wanted)
+    assert cpu_kernels.isa() == expected
+    assert ("-march=x86-64-v3" if expected == "avx2" else "-march=native") in cpu_kernels._compile_flags()
+
+
+def test_a_forced_instruction_set_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu sse2")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    with pytest.raises(ValueError, match="no AVX2"):
+        cpu_kernels.isa()
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx9")
+    with pytest.raises(ValueError, match="must be one of auto, native, avx2"):
+        cpu_kernels.isa()
