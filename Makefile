@@ -15,6 +15,8 @@ install:
 	@# Build the native CPU kernels now (~70 s on 2 vCPUs, once per machine and source version)
 	@# rather than in the first worker; without a compiler the engine uses the torch path.
 	$(PYTHON) -m engine.cpu_kernels
+	@# Dequantize the default model's GGUF into the model cache once (~30 s), with a progress bar.
+	$(PYTHON) -c "from engine.model.loader import resolve_model; print('default model:', resolve_model('default').model_dir)"
 
 # The kernel tests run a second time on the portable path (PDSERVE_CPU_ISA=avx2), so an AVX-512
 # machine also checks what AVX2-only machines run (on an AVX2 machine it is the same build).

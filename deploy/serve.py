@@ -139,6 +139,7 @@ def serve(options: ServeOptions) -> int:
                 raise ServeError(shortfall)
             if shortfall:
                 logger.warning("%s; the workers that do not fit wait until nodes join", shortfall)
+            _prepare_model(options.model)
             controller = _create_controller(options.controller_config(spec))
             status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids))
     except (ServeError, ValueError) as exc:
@@ -242,6 +243,21 @@ async def _wait_healthy(url: str) -> None:
                 if (await http.get(f"{url}/health")).status_code == 200:
                     return
             await asyncio.sleep(0.2)
+
+
+def _prepare_model(model: str) -> None:
+    """Convert a GGUF model (the default one included) here, once, with a progress bar, before
+    the workers start: otherwise each worker on this machine would convert it at the same time.
+    A cached conversion costs only a stat."""
+    from engine.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+    from engine.model.gguf_loader import convert_gguf, converted_dir, is_complete_conversion
+    path = default_gguf_path() if model == DEFAULT_MODEL_NAME else os.path.expanduser(model)
+    if not (path.endswith(".gguf") and os.path.isfile(path)) or is_complete_conversion(converted_dir(path)):
+        return
+    logger.info("converting %s to a cached float32 model (once; later runs reuse it)", path)
+    started = time.monotonic()
+    convert_gguf(path)
+    logger.info("converted in %.0f s", time.monotonic() - started)
 
 
 def _create_controller(config: ControllerConfig) -> Any:
