@@ -30,6 +30,7 @@ class Serve:
             [sys.executable, "-m", "deploy.cli", "serve", "--port", "0", "--omp-num-threads", "1",
              "--ray-temp-dir", ray_temp_dir, "--log-level", "info", *args],
             cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url: str | None = None  # set by the caller from the ready line
         self.log: list[str] = []
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -74,7 +75,13 @@ class Serve:
         return result
 
     def status(self) -> dict:
-        return json.loads(self.cli("status", "--json").stdout)
+        """The controller's status, through the router's /admin/status once the server is ready
+        (`pdserve status --json` joins Ray first: seconds per call; tests that check the command
+        itself call `cli`)."""
+        if getattr(self, "url", None) is None:
+            return json.loads(self.cli("status", "--json").stdout)
+        import httpx
+        return httpx.get(self.url + "/admin/status", timeout=120).raise_for_status().json()
 
     def tail(self, lines: int = 60) -> str:
         return "".join(self.log[-lines:])

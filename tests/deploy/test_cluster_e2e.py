@@ -1,0 +1,251 @@
+"""`pdserve serve` as a user runs it, and as an operator breaks it: one cluster (a subprocess:
+local Ray, default model, CPU, 1 prefill + 2 decode workers, 2 routers) shared by the tests in
+order, driven by the official `openai` client and the `pdserve scale/status` commands:
+
+- greedy completions equal the offline engine's (`engine.LLM`), plain and streamed;
+- SIGKILL of the controller while 12 streams run: every stream completes with the text of an
+  undisturbed run, requests are served while it is away, and it is back (`pdserve status`
+  answers) within 60 s with the same targets and workers (adopted, not relaunched); afterwards a
+  killed decode worker is still replaced and scaling still works;
+- the decode pool goes 1 -> 2 -> 1 while a stream runs on the worker that is drained: the stream
+  completes with the offline engine's tokens, and the drain ends only after it;
+- a killed decode worker (the only one): its stream ends with a clear error, the pool is back at
+  size with a new worker (`pdserve status`), and requests are served again;
+- SIGKILL of a router process while 8 streams run: its streams end with a clean connection error,
+  the other router's complete with the undisturbed text, requests sent while it is away are
+  served, it is restarted on the same port and serves, and no KV block stays held on any worker;
+- SIGINT stops everything, the restarted controller and router included: no process is left.
+"""
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.deploy.harness import (Stream, cluster_fixtures, offline_text, processes_inheriting, ready_workers,
+                                  stop_and_check_nothing_is_left, wait_until)
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 256
+PLAIN = "The quick brown fox"
+STORY = "Once upon a time, in a small village at the edge of a forest, there lived"
+LONG_STREAM_TOKENS = 600
+STREAM_TOKENS = 48
+ROUTER_STREAM_TOKENS = 160
+
+serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "2", "--routers", "2")
+
+
+def router_workers(serve) -> list[dict]:
+    """One router's view of the workers (whichever router takes the new connection)."""
+    return httpx.get(serve.url + "/status", timeout=30).json()["workers"]
+
+
+def controller_pids(serve) -> list[int]:
+    return [int(line.split(":", 1)[0]) for line in processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file))
+            if "ray::ControllerActor" in line]
+
+
+def status_if_answering(serve):
+    result = serve.cli("status", "--json", check=False)
+    if result.returncode != 0:
+        return None
+    return json.loads(result.stdout)
+
+
+def router_pids(serve) -> list[int]:
+    return sorted(int(line.split(":", 1)[0]) for line in
+                  processes_inheriting("PDSERVE_STATE_FILE", str(serve.state_file)) if "deploy.router_process" in line)
+
+
+def live_routers(serve) -> dict[int, dict]:
+    """pid -> the controller's view of that router (ids are `router-<index>-pid<pid>`), through
+    /admin/status (quicker than `pdserve status`, which joins Ray first)."""
+    status = httpx.get(serve.url + "/admin/status", timeout=30).raise_for_status().json()
+    return {int(r["router_id"].rpartition("pid")[2]): r for r in status["live_routers"]}
+
+
+def fresh_completion(serve, prompt: str, max_tokens: int) -> str:
+    """On a new connection (the kernel hands it to whichever router accepts first)."""
+    with openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=600) as fresh:
+        out = fresh.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].text
+
+
+def test_greedy_completions_match_the_offline_engine(serve, client, offline):
+    expected = offline_text(offline, PLAIN, 24)
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)
+    assert out.choices[0].text == expected
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="default", prompt=PLAIN, max_tokens=24, temperature=0, stream=True))
+    assert streamed == expected
+    prefill = [w for w in router_workers(serve) if w["role"] == "prefill"]
+    assert len(prefill) == 1 and prefill[0]["kv_bytes_sent"] > 0  # disaggregated: KV came from the prefill worker
+    status = serve.status()
+    assert [len(ready_workers(status, r)) for r in ("prefill", "decode")] == [1, 2]
+    assert status["routers"] == 2 and status["settled"]
+
+
+def test_killing_the_controller_loses_no_stream_and_it_comes_back(serve, client, offline):
+    before = serve.status()
+    workers_before = sorted((w["worker_id"], w["address"], w["pid"]) for w in before["workers"])
+    prompts = [f"Story number {index}: once upon a time, in a village by the sea," for index in range(12)]
+    expected = {prompt: offline_text(offline, prompt, STREAM_TOKENS, ignore_eos=True) for prompt in prompts}
+    streams = [Stream(client, prompt, STREAM_TOKENS) for prompt in prompts]
+    for stream in streams:
+        assert stream.first.wait(600) and stream.error is None
+    [pid] = controller_pids(serve)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # served while the controller is away or restarting: the router keeps its last membership
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=8, temperature=0)
+    assert out.choices[0].text == offline_text(offline, PLAIN, 8)
+    status = wait_until(lambda: status_if_answering(serve), 60, "the controller to answer again", interval=0.5)
+    back_after = time.monotonic() - killed_at
+    print(f"controller answering again {back_after:.1f} s after SIGKILL")  # shown with -s
+    assert back_after < 60
+    assert controller_pids(serve) and controller_pids(serve) != [pid]
+    assert status["targets"] == before["targets"]
+    assert sorted((w["worker_id"], w["address"], w["pid"]) for w in status["workers"]) == workers_before
+    assert any("controller restarted: 3 worker(s) adopted" in e["message"] for e in status["events"])
+    for prompt, stream in zip(prompts, streams):
+        assert stream.done.wait(600), "a stream never ended"
+        assert stream.error is None, f"a stream failed: {stream.error!r}"
+        assert stream.text == expected[prompt]
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=8, temperature=0)
+    assert out.choices[0].text == offline_text(offline, PLAIN, 8)
+
+
+def test_after_the_restart_a_killed_worker_is_replaced_and_scaling_works(serve, client, offline):
+    victim = ready_workers(serve.status(), "decode")[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    def replaced():
+        status = serve.status()
+        decode = ready_workers(status, "decode")
+        return status if status["settled"] and len(decode) == 2 and victim["pid"] not in {w["pid"] for w in decode} \
+            else None
+    status = wait_until(replaced, 600, "a replacement decode worker")
+    assert any(f"{victim['worker_id']} at {victim['address']} died" in e["message"] for e in status["events"])
+    serve.cli("scale", "--decode", "1")  # waits for the drain
+    status = serve.status()
+    assert status["settled"] and len(ready_workers(status, "decode")) == 1
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=8, temperature=0)
+    assert out.choices[0].text == offline_text(offline, PLAIN, 8)
+
+
+def test_decode_pool_scales_up_and_down_while_a_stream_runs(serve, client, offline):
+    [first] = ready_workers(serve.status(), "decode")
+    stream = Stream(client, STORY, LONG_STREAM_TOKENS)
+    assert stream.first.wait(300) and stream.error is None
+
+    serve.cli("scale", "--decode", "2")  # waits until the new worker is ready
+    status = serve.status()
+    decode = ready_workers(status, "decode")
+    assert len(decode) == 2 and first["address"] in {w["address"] for w in decode}
+    second = next(w for w in decode if w["address"] != first["address"])
+    assert not stream.done.is_set(), "the stream ended before the pool grew; make LONG_STREAM_TOKENS larger"
+    # The new worker joins the router's pool (membership comes from the controller only).
+    wait_until(lambda: any(w["address"] == second["address"] and w["healthy"] for w in router_workers(serve)),
+               60, "the router to route to the new decode worker")
+
+    drain_issued = time.monotonic()
+    assert not stream.done.is_set(), "the stream ended before the drain began; make LONG_STREAM_TOKENS larger"
+    serve.cli("scale", "--decode", "1", "--drain", first["address"])  # waits for the drain
+    scaled_down = time.monotonic()
+    assert stream.done.is_set() and stream.finished_at <= scaled_down  # the drain waited for the stream
+    assert stream.finished_at > drain_issued
+    assert stream.error is None, f"the stream failed: {stream.error!r}"
+    assert stream.text == offline_text(offline, STORY, LONG_STREAM_TOKENS, ignore_eos=True)
+
+    status = serve.status()
+    assert [w["address"] for w in ready_workers(status, "decode")] == [second["address"]]
+    assert any(f"{first['worker_id']} at {first['address']} stopping: drained" in e["message"]
+               for e in status["events"])
+    wait_until(lambda: first["address"] not in {w["address"] for w in router_workers(serve)}, 60,
+               "the router to drop the drained worker")
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)
+    assert out.choices[0].text == offline_text(offline, PLAIN, 24)
+
+
+def test_a_killed_worker_ends_its_stream_with_an_error_and_is_replaced(serve, client, offline):
+    [victim] = ready_workers(serve.status(), "decode")
+    stream = Stream(client, STORY, LONG_STREAM_TOKENS)
+    assert stream.first.wait(300) and stream.error is None
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert stream.done.wait(120), "the stream on the killed worker never ended"
+    assert isinstance(stream.error, openai.APIError)
+
+    def replaced():
+        status = serve.status()
+        decode = ready_workers(status, "decode")
+        return status if status["settled"] and len(decode) == 1 and decode[0]["pid"] != victim["pid"] else None
+    status = wait_until(replaced, 600, "a replacement decode worker")
+    [replacement] = ready_workers(status, "decode")
+    assert replacement["address"] != victim["address"] and replacement["worker_id"] != victim["worker_id"]
+    assert any(f"{victim['worker_id']} at {victim['address']} died" in e["message"] for e in status["events"])
+    table = serve.cli("status").stdout
+    assert replacement["worker_id"] in table and victim["worker_id"] not in table.split("targets:")[0]
+    wait_until(lambda: httpx.get(serve.url + "/health", timeout=30).status_code == 200, 120, "/health")
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)
+    assert out.choices[0].text == offline_text(offline, PLAIN, 24)
+
+
+def test_a_killed_router_is_restarted_and_the_cluster_keeps_serving(serve, client, offline):
+    pids = router_pids(serve)
+    assert len(pids) == 2
+    wait_until(lambda: set(live_routers(serve)) == set(pids), 60, "both routers to sync with the controller",
+               interval=0.5)
+    prompts = [f"Story number {index}: once upon a time, in a village by the sea," for index in range(8)]
+    expected = {prompt: offline_text(offline, prompt, ROUTER_STREAM_TOKENS, ignore_eos=True) for prompt in prompts}
+    streams = [Stream(client, prompt, ROUTER_STREAM_TOKENS) for prompt in prompts]
+    for stream in streams:
+        assert stream.first.wait(600) and stream.error is None
+    def busiest():
+        routers = live_routers(serve)
+        inflight, pid = max((r["inflight"], pid) for pid, r in routers.items())
+        return pid if inflight else None
+    victim = wait_until(busiest, 30, "a router to report streams in flight", interval=0.2)
+    assert not any(stream.done.is_set() for stream in streams)
+    os.kill(victim, signal.SIGKILL)
+
+    # served while the router is away: by the other router, or from the socket's backlog
+    assert fresh_completion(serve, PLAIN, 8) == offline_text(offline, PLAIN, 8)
+    failed = []
+    for prompt, stream in zip(prompts, streams):
+        assert stream.done.wait(600), "a stream never ended"
+        if stream.error is None:
+            assert stream.text == expected[prompt]
+        else:
+            assert isinstance(stream.error, (openai.APIConnectionError, httpx.TransportError)), repr(stream.error)
+            failed.append(prompt)
+    assert failed, "no stream ran on the killed router"
+
+    restarted = wait_until(lambda: [pid for pid in router_pids(serve) if pid not in pids], 120,
+                           "a new router process")
+    [new_pid] = restarted
+    wait_until(lambda: new_pid in live_routers(serve), 60, "the restarted router to sync", interval=0.5)
+    assert "router 0 is back" in serve.tail(200) or "router 1 is back" in serve.tail(200)
+    [survivor] = [pid for pid in pids if pid != victim]
+    os.kill(survivor, signal.SIGSTOP)  # only the restarted router accepts now
+    try:
+        for prompt in failed[:2]:
+            expected_text = offline_text(offline, prompt, ROUTER_STREAM_TOKENS)
+            assert fresh_completion(serve, prompt, ROUTER_STREAM_TOKENS) == expected_text
+    finally:
+        os.kill(survivor, signal.SIGCONT)
+
+    def blocks_released():
+        workers = serve.status()["workers"]
+        return all(w["kv_blocks_free"] == w["kv_blocks_total"] and not w["running"] for w in workers)
+    # a prompt whose router died between prefill and decode holds its blocks until the send lease ends
+    wait_until(blocks_released, 120, "every KV block to be free on every worker")
+
+
+def test_sigint_stops_every_process_of_the_cluster(serve):
+    assert len(router_pids(serve)) == 2
+    stop_and_check_nothing_is_left(serve)
