@@ -37,7 +37,9 @@ LONG_STREAM_TOKENS = 600
 STREAM_TOKENS = 48
 ROUTER_STREAM_TOKENS = 160
 
-serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "2", "--routers", "2")
+# --drain-timeout: the drain test checks that a drain waits for its stream, however slow the machine.
+serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "2", "--routers", "2",
+                                          "--drain-timeout", "900")
 
 
 def router_workers(serve) -> list[dict]:
