@@ -222,7 +222,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("STATE", "state"), ("ADDRESS", "address"), ("PID", "pid"),
            ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"), ("KV USE", "kv_usage"),
-           ("PREFIX HIT", "prefix_cache_hit_rate"))
+           ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"))
 
 
 def format_status(status: dict[str, Any], events: int = 5) -> str:
@@ -233,6 +233,8 @@ def format_status(status: dict[str, Any], events: int = 5) -> str:
             return "ok" if value else "down"
         if key == "role":
             return "colocated" if value == "both" else str(value)
+        if key == "rss_bytes":
+            return f"{value / 2**30:.2f} GiB" if value else "-"
         if key in ("kv_usage", "prefix_cache_hit_rate"):
             return "-" if value is None else f"{100 * value:.1f}%"
         return "-" if value in (None, "") else str(value)

@@ -278,7 +278,7 @@ class PoolController:
                 "worker_id": m.worker_id, "role": m.role, "state": m.state, "address": m.grpc_address,
                 "transport_address": m.transport_address, "pid": m.pid, "node_ip": m.node_ip,
                 "healthy": m.healthy, "running": m.stat("running"), "waiting": m.stat("waiting"),
-                "kv_blocks_total": total, "kv_blocks_free": free,
+                "kv_blocks_total": total, "kv_blocks_free": free, "rss_bytes": m.stat("rss_bytes"),
                 "kv_usage": (total - free) / total if total else None,
                 "prefix_cache_hit_rate": m.stat("prefix_cache_hits") / queries if queries else None,
                 "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0))

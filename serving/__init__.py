@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any, Awaitable, Callable
@@ -122,7 +123,17 @@ async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes
         snapshot, queued = engine.stats()
     except RuntimeError as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-    return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size, **kv_bytes)
+    return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size,
+                                rss_bytes=resident_bytes(), **kv_bytes)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,

@@ -10,6 +10,7 @@ import pytest
 import kvtransfer
 import wire
 from engine import LLM, SamplingParams
+from engine.model.loader import resolve_model
 from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
 
 pytestmark = pytest.mark.slow
@@ -263,3 +264,22 @@ def test_prefill_worker_refuses_bad_requests(cluster, llm):
     assert "KV layout mismatch" in message and "layers=2" in message and f"layers={cache.shape[0]}" in message
     assert "has 2 blocks" in ask([5] * 20, block_ids=[1, 2, 3])
     assert "address is empty" in ask([5] * 20, address="")
+
+
+# Resident memory beyond the weights and the KV cache: the interpreter, torch, gRPC, the tokenizer
+# and the allocator's cached activations after the tests above (measured: see the test's output).
+WORKER_MEMORY_OVERHEAD_BYTES = 1 << 30
+
+
+def test_each_workers_memory_is_weights_plus_kv_cache_plus_a_bounded_overhead(cluster, bytes_per_block):
+    """After the requests above: a worker's RSS (its Stats) stays within the weights (float32), its KV
+    cache, its host cache tier and WORKER_MEMORY_OVERHEAD_BYTES."""
+    import math
+    loaded = resolve_model("default")
+    weights = 4 * sum(math.prod(shape) for shape in loaded.weight_shapes().values())
+    for worker in [cluster["prefill"], cluster["colocated"], *cluster["decode"].values(), cluster["tiered"]]:
+        stats = worker.stats()
+        budget = weights + stats.kv_blocks_total * bytes_per_block + stats.host_cache_blocks_total * bytes_per_block
+        overhead = stats.rss_bytes - weights - stats.kv_blocks_total * bytes_per_block
+        print(f"{worker.grpc_address}: rss {stats.rss_bytes / 2**20:.0f} MiB, overhead {overhead / 2**20:.0f} MiB")
+        assert weights < stats.rss_bytes <= budget + WORKER_MEMORY_OVERHEAD_BYTES
