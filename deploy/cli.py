@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
+    engine.add_argument("--max-step-ms", type=float, default=None,
+                        help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
     engine.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
                         help="KV blocks per worker (default: from --kv-cache-memory-gb)")
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
@@ -127,7 +129,8 @@ def serve_options(args: argparse.Namespace):
     from deploy.cluster import RaySettings
     from deploy.serve import ServeOptions
     engine_options = {name: getattr(args, name) for name in
-                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "kv_cache_memory_gb",
+                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_step_ms", "num_blocks",
+                       "kv_cache_memory_gb",
                        "max_model_len", "dtype", "preemption_mode", "swap_space_gb", "host_cache_gb")
                       if getattr(args, name) is not None}
     if args.no_prefix_caching:

@@ -78,10 +78,15 @@ class SchedulerConfig:
     max_num_seqs: int = 128  # cap on running requests
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # While decodes run, cap each step's prefill tokens so the step should take at most this long
+    # (engine/step_cost.py learns the cost per token); None: only max_num_batched_tokens caps it.
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0 when set, got {self.max_step_ms}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):

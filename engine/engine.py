@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from typing import Any, Callable, Sequence, Union
 
 from engine.config import EngineConfig
@@ -289,7 +290,9 @@ class LLMEngine:
             return finals
         try:
             hook = self.kv_connector.layer_hook(batch.seqs) if self.kv_connector is not None else None
+            started = time.perf_counter()
             sampled = self.runner.execute(batch, hook)
+            self.scheduler.observe_step(batch, time.perf_counter() - started)
         except Exception as exc:
             logger.exception("model step failed")
             return self._fail([seq.request.request_id for seq in batch.seqs], f"internal error: {exc}")

@@ -58,6 +58,7 @@ from engine.block_manager import BlockManager
 from engine.config import ROLES, CacheConfig, SchedulerConfig
 from engine.kv_hooks import ImportPlan, KVCacheFullError, SchedulerConnector
 from engine.request import Request, RequestStatus
+from engine.step_cost import StepCostModel
 
 __all__ = ["Batch", "ImportPlan", "KVCacheFullError", "SampledToken", "ScheduledSeq", "Scheduler",
            "SchedulerStats", "StepOutput"]
@@ -160,6 +161,7 @@ class Scheduler:
                              f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
         self.config = scheduler_config
         self.cache_config = cache_config
+        self.step_cost = StepCostModel(min_tokens=cache_config.block_size)  # fed by observe_step()
         self.role = role
         self.kv_connector = kv_connector
         self.max_model_len = max_model_len
@@ -273,6 +275,10 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
 
         for decodes in (True, False):
+            if not decodes and self.config.max_step_ms is not None and scheduled:
+                cap = self.step_cost.prefill_budget(len(scheduled), self.config.max_step_ms / 1000.0)
+                if cap is not None:
+                    budget = min(budget, cap)
             for request in list(self.running):
                 if budget == 0:
                     break
@@ -301,6 +307,11 @@ class Scheduler:
         offloads, reloads = self.block_manager.take_host_copies()
         return Batch(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs), preempted_ids=preempted,
                      swap_out=self._swap_out, swap_in=self._swap_in, kv_offload=offloads, kv_reload=reloads)
+
+    def observe_step(self, batch: Batch, seconds: float) -> None:
+        """How long the model took for `batch` (the engine times every step it runs)."""
+        decodes = sum(1 for seq in batch.seqs if seq.num_new_tokens == 1)
+        self.step_cost.observe(decodes, batch.num_tokens - decodes, seconds)
 
     def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Host-tier copies queued outside `schedule()` (a decode-role import's allocation): the

@@ -1,0 +1,53 @@
+"""`StepCostModel`: how long an engine step takes, learned from the steps that ran, so the
+scheduler can size prefill chunks from a step-time target (`SchedulerConfig.max_step_ms`).
+
+A step's duration is modelled as `base + per_decode * decodes + per_token * prefill_tokens`,
+fitted by exponentially weighted least squares (the last ~`1 / (1 - decay)` steps count most;
+three parameters, solved in closed form at each query). The fit adapts as contexts grow, the
+batch mix changes or the machine gets busier.
+
+`prefill_budget(decodes, target_s)` is how many prefill tokens fit next to `decodes` decode
+tokens within `target_s`; None while the model has not seen enough steps with prefill tokens to
+know their cost (the scheduler then uses its token budget unchanged). It is never below
+`min_tokens`, so a prompt always makes progress however slow the decodes are.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class StepCostModel:
+    def __init__(self, decay: float = 0.95, min_tokens: int = 16, min_prefill_steps: int = 4) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.min_tokens = min_tokens
+        self.min_prefill_steps = min_prefill_steps
+        self._gram = np.zeros((3, 3))  # sum of w * x x^T over steps, x = (1, decodes, prefill tokens)
+        self._moment = np.zeros(3)  # sum of w * x * seconds
+        self._prefill_steps = 0
+
+    def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, float(decodes), float(prefill_tokens)])
+        self._gram = self.decay * self._gram + np.outer(x, x)
+        self._moment = self.decay * self._moment + x * seconds
+        if prefill_tokens:
+            self._prefill_steps += 1
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(base, per_decode, per_prefill_token) in seconds, or None before enough prefill steps."""
+        if self._prefill_steps < self.min_prefill_steps:
+            return None
+        ridge = 1e-9 * np.eye(3)  # keeps the solve defined while one feature has not varied yet
+        base, per_decode, per_token = np.linalg.solve(self._gram + ridge, self._moment)
+        return float(base), float(per_decode), float(per_token)
+
+    def prefill_budget(self, decodes: int, target_s: float) -> int | None:
+        fitted = self.coefficients()
+        if fitted is None:
+            return None
+        base, per_decode, per_token = fitted
+        if per_token <= 0.0:
+            return None  # prefill tokens look free here: no reason to cap them
+        room = target_s - max(base, 0.0) - max(per_decode, 0.0) * decodes
+        return max(self.min_tokens, int(room / per_token))
