@@ -7,9 +7,10 @@ three parameters, solved in closed form at each query). The fit adapts as contex
 batch mix changes or the machine gets busier.
 
 `prefill_budget(decodes, target_s)` is how many prefill tokens fit next to `decodes` decode
-tokens within `target_s`; None while the model has not seen enough steps with prefill tokens to
-know their cost (the scheduler then uses its token budget unchanged). It is never below
-`min_tokens`, so a prompt always makes progress however slow the decodes are.
+tokens within `target_s`. Until the model has seen `min_prefill_steps` steps with prefill tokens
+it answers `probe_tokens` (small chunks it learns from, rather than one unbounded first chunk);
+None when prefill tokens look free (no reason to cap). It is never below `min_tokens`, so a
+prompt always makes progress however slow the decodes are.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class StepCostModel:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.min_tokens = min_tokens
+        self.probe_tokens = 4 * min_tokens
         self.min_prefill_steps = min_prefill_steps
         self._gram = np.zeros((3, 3))  # sum of w * x x^T over steps, x = (1, decodes, prefill tokens)
         self._moment = np.zeros(3)  # sum of w * x * seconds
@@ -45,7 +47,7 @@ class StepCostModel:
     def prefill_budget(self, decodes: int, target_s: float) -> int | None:
         fitted = self.coefficients()
         if fitted is None:
-            return None
+            return self.probe_tokens
         base, per_decode, per_token = fitted
         if per_token <= 0.0:
             return None  # prefill tokens look free here: no reason to cap them

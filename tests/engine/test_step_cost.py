@@ -36,14 +36,18 @@ def test_the_model_learns_the_cost_of_a_step_and_the_prefill_that_fits_a_target(
     assert model.prefill_budget(100, 0.010) == model.min_tokens  # over the target already: still progress
 
 
-def test_no_cap_until_prefill_steps_were_seen():
-    model = StepCostModel(min_prefill_steps=4)
+def test_probe_chunks_until_prefill_steps_were_seen():
+    model = StepCostModel(min_tokens=16, min_prefill_steps=4)
     for _ in range(50):
         model.observe(8, 0, cost(8, 0))  # decode-only steps say nothing about prefill tokens
-    assert model.coefficients() is None and model.prefill_budget(8, 0.010) is None
+    assert model.coefficients() is None and model.prefill_budget(8, 0.010) == 64
     for _ in range(4):
-        model.observe(8, 256, cost(8, 256))
-    assert model.prefill_budget(8, 0.010) is not None
+        model.observe(8, 64, cost(8, 64))
+    assert model.prefill_budget(8, 0.010) == pytest.approx(80, abs=2)  # (10 - 2 - 4) ms / 0.05 ms per token
+    free = StepCostModel(min_prefill_steps=1)
+    free.observe(8, 64, 0.001)
+    free.observe(8, 0, 0.002)
+    assert free.prefill_budget(8, 0.010) is None  # prefill tokens look free: no cap
 
 
 def req(request_id: str, length: int, max_tokens: int) -> Request:
