@@ -72,7 +72,8 @@ def main() -> int:
     spec = RouterSpec.from_json(os.environ.pop(SPEC_ENV))
     _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level.upper(), format=LOG_FORMAT.replace("%(name)s", f"[router {spec.index}] %(name)s"))
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=LOG_FORMAT.replace("%(name)s", f"[router {spec.index}] %(name)s"))
     asyncio.run(_run(spec))
     return 0
 
@@ -122,7 +123,7 @@ async def _run(spec: RouterSpec) -> None:
 async def _warm_up(sync: Any, pool: Any, timeout_s: float) -> None:
     """One membership sync, then (when it lists workers) poll them until the pool can route."""
     try:
-        await sync.sync_once()
+        await asyncio.wait_for(sync.sync_once(), timeout_s)  # a restarting controller answers late
     except Exception as exc:  # the controller is away: serve from an empty pool until it is back
         logger.warning("cannot sync workers from the controller yet: %s", exc)
         return
