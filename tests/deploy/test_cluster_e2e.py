@@ -78,6 +78,18 @@ def fresh_completion(serve, prompt: str, max_tokens: int) -> str:
     return out.choices[0].text
 
 
+def wait_for_replacement(serve, victim: dict, decode_workers: int) -> dict:
+    """The status once the pools settled with `decode_workers` ready decode workers, none of them
+    the killed `victim`."""
+    def replaced():
+        status = serve.status()
+        decode = ready_workers(status, "decode")
+        if status["settled"] and len(decode) == decode_workers and victim["pid"] not in {w["pid"] for w in decode}:
+            return status
+        return None
+    return wait_until(replaced, 600, "a replacement decode worker")
+
+
 def test_greedy_completions_match_the_offline_engine(serve, client, offline):
     expected = offline_text(offline, PLAIN, 24)
     out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)
@@ -125,13 +137,7 @@ def test_killing_the_controller_loses_no_stream_and_it_comes_back(serve, client,
 def test_after_the_restart_a_killed_worker_is_replaced_and_scaling_works(serve, client, offline):
     victim = ready_workers(serve.status(), "decode")[0]
     os.kill(victim["pid"], signal.SIGKILL)
-
-    def replaced():
-        status = serve.status()
-        decode = ready_workers(status, "decode")
-        return status if status["settled"] and len(decode) == 2 and victim["pid"] not in {w["pid"] for w in decode} \
-            else None
-    status = wait_until(replaced, 600, "a replacement decode worker")
+    status = wait_for_replacement(serve, victim, decode_workers=2)
     assert any(f"{victim['worker_id']} at {victim['address']} died" in e["message"] for e in status["events"])
     serve.cli("scale", "--decode", "1")  # waits for the drain
     status = serve.status()
@@ -181,12 +187,7 @@ def test_a_killed_worker_ends_its_stream_with_an_error_and_is_replaced(serve, cl
     os.kill(victim["pid"], signal.SIGKILL)
     assert stream.done.wait(120), "the stream on the killed worker never ended"
     assert isinstance(stream.error, openai.APIError)
-
-    def replaced():
-        status = serve.status()
-        decode = ready_workers(status, "decode")
-        return status if status["settled"] and len(decode) == 1 and decode[0]["pid"] != victim["pid"] else None
-    status = wait_until(replaced, 600, "a replacement decode worker")
+    status = wait_for_replacement(serve, victim, decode_workers=1)
     [replacement] = ready_workers(status, "decode")
     assert replacement["address"] != victim["address"] and replacement["worker_id"] != victim["worker_id"]
     assert any(f"{victim['worker_id']} at {victim['address']} died" in e["message"] for e in status["events"])
