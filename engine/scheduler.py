@@ -309,7 +309,10 @@ class Scheduler:
                      swap_out=self._swap_out, swap_in=self._swap_in, kv_offload=offloads, kv_reload=reloads)
 
     def observe_step(self, batch: Batch, seconds: float) -> None:
-        """How long the model took for `batch` (the engine times every step it runs)."""
+        """How long the model took for `batch` (the engine times every step it runs); learned
+        only when a step-time target is set."""
+        if self.config.max_step_ms is None:
+            return
         decodes = sum(1 for seq in batch.seqs if seq.num_new_tokens == 1)
         self.step_cost.observe(decodes, batch.num_tokens - decodes, seconds)
 
