@@ -148,8 +148,18 @@ class NcclChannel(StreamChannel):
         executor, self._executor = self._executor, None
         executor.submit(self._destroy_group)
         # Joining may wait for an operation in flight to fail (bounded by timeout_s); do it
-        # off the event loop so other connections keep running.
-        await self._ctx.loop.run_in_executor(None, executor.shutdown)
+        # off the event loop so other connections keep running. The join is finished even if
+        # the caller is cancelled (an owner's close cancels its connection tasks), so that a
+        # closed sender or receiver has no group thread left behind.
+        joined = self._ctx.loop.run_in_executor(None, executor.shutdown)
+        cancelled = False
+        while not joined.done():
+            try:
+                await asyncio.shield(joined)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _destroy_group(self) -> None:
         self._group = None

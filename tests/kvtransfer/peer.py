@@ -9,8 +9,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -183,3 +185,11 @@ def open_fd_count() -> int:
 
 def kvtransfer_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvtransfer"))
+
+
+def kvtransfer_thread_stacks() -> str:
+    """Where each kvtransfer thread is: the message of a failed leak check."""
+    frames = sys._current_frames()
+    return "\n".join(f"--- {t.name}\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threading.enumerate()
+                     if t.name.startswith("kvtransfer") and t.ident in frames)

@@ -14,8 +14,8 @@ from kvtransfer import (KVLayout, LayoutMismatchError, TransferConfig, TransferS
                         available_transports, create_receiver, create_sender)
 
 from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
-                   kvtransfer_threads, open_fd_count, same_bytes, sentinel_caches, source_caches,
-                   wait_until)
+                   kvtransfer_thread_stacks, kvtransfer_threads, open_fd_count, same_bytes,
+                   sentinel_caches, source_caches, wait_until)
 
 # "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them);
 # "shm-mapped" has the sender's caches in shared memory, which the receiver maps and copies from.
@@ -347,7 +347,8 @@ def _baseline(transport):
 
 def _assert_nothing_leaked(baseline) -> None:
     threads, fds = baseline
-    assert wait_until(lambda: kvtransfer_threads() == threads), kvtransfer_threads()
+    assert wait_until(lambda: kvtransfer_threads() == threads), \
+        f"{kvtransfer_threads()} after, {threads} before:\n{kvtransfer_thread_stacks()}"
     assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
 
 
