@@ -6,6 +6,7 @@
 // int32; seq_lens [num_seqs] int32. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
 // Work is split over (sequence, KV heads) items, longest sequences first, on torch's own thread
 // pool; an item computes all of its KV heads' query heads, so every K/V row is read once per step.
+// The tiled kernel is written once over simd::F (simd_math.h): 16 lanes on AVX-512, 8 on AVX2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -20,22 +21,13 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
-// Widen a row of `n` elements to fp32. The AVX-512 paths convert 16 lanes at a time (bf16 is
-// the top half of an fp32, so a shift; fp16 through F16C); the loop is the portable fallback.
+// Widen a row of `n` elements to fp32. The SIMD paths convert a register at a time (bf16 is the
+// top half of an fp32, so a shift; fp16 through F16C); the loop is the scalar fallback.
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#if defined(PDSERVE_SIMD)
+  for (; i + simd::W <= n; i += simd::W) simd::store(dst + i, simd::load(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -44,10 +36,10 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float tail = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  tail = _mm512_reduce_add_ps(acc);
+#if defined(PDSERVE_SIMD)
+  simd::F acc = simd::zero();
+  for (; i + simd::W <= n; i += simd::W) acc = simd::fmadd(simd::load(a + i), simd::load(b + i), acc);
+  tail = simd::reduce_add(acc);
 #endif
   for (; i < n; ++i) tail += a[i] * b[i];
   return tail;
@@ -56,9 +48,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // y += p * x over n floats.
 inline void axpy(float p, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 pv = _mm512_set1_ps(p);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#if defined(PDSERVE_SIMD)
+  const simd::F pv = simd::set1(p);
+  for (; i + simd::W <= n; i += simd::W) simd::store(y + i, simd::fmadd(pv, simd::load(x + i), simd::load(y + i)));
 #endif
   for (; i < n; ++i) y[i] += p * x[i];
 }
@@ -70,15 +62,15 @@ inline float exp_shifted(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   int64_t i = 0;
   float sum = 0.f;
-#if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
-    _mm512_storeu_ps(x + i, e);
-    acc = _mm512_add_ps(acc, e);
+#if defined(PDSERVE_SIMD)
+  const simd::F mv = simd::set1(m);
+  simd::F acc = simd::zero();
+  for (; i + simd::W <= n; i += simd::W) {
+    const simd::F e = simd::exp(simd::sub(simd::load(x + i), mv));
+    simd::store(x + i, e);
+    acc = simd::add(acc, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = simd::reduce_add(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - m);
@@ -87,10 +79,10 @@ inline float exp_shifted(float* x, int64_t n) {
   return sum;
 }
 
-#if defined(__AVX512F__)
+#if defined(PDSERVE_SIMD)
 constexpr int kMaxGroup = 16;
 // Query heads scored together in one walk over a sequence (their partial dot products live in
-// a [kTileHeads][16] array on the stack).
+// a [kTileHeads][W] array of registers on the stack).
 constexpr int64_t kTileHeads = 16;
 // Blocks ahead of the one being read whose rows are software-prefetched, one row per row read:
 // a table's next block is somewhere else in memory, which the hardware prefetcher cannot guess.
@@ -99,21 +91,21 @@ constexpr int64_t kTileHeads = 16;
 constexpr int64_t kPrefetchBlocks = 2;
 
 // One sequence and `kv_heads` consecutive KV heads, all of whose query heads fit in one tile
-// (kv_heads * group <= kTileHeads); head_dim = 16 * NV; G query heads per KV head, or G = 0 to
+// (kv_heads * group <= kTileHeads); head_dim = W * NV (W = simd::W lanes); G query heads per KV head, or G = 0 to
 // read `group` at run time. Two passes over the sequence's blocks. Pass 1 reads whole token rows
-// (all of the tile's heads) in address order and scores 16 tokens at a time (hsum16 reduces 16
+// (all of the tile's heads) in address order and scores W tokens at a time (simd::hsum reduces W
 // dot products at once) into `scores` [qheads][len]; reading in address order is what keeps
 // memory streaming (on a 2-core Zen 4 at 128 sequences x 650 tokens, the kernel went from 12 to
 // ~16 GB/s, against ~24 GB/s for a bare read of the same blocks). Softmax. Pass 2 accumulates
-// p * V into `acc` [qheads][16 * NV].
+// p * V into `acc` [qheads][W * NV]. The same code runs on AVX-512 (W = 16) and AVX2 (W = 8).
 template <typename T, int NV, int G>
-void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, int64_t len, int64_t kv_heads,
+void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t len, int64_t kv_heads,
                         int64_t group_rt, int64_t block_size, int64_t token_stride, int64_t half_stride,
                         int64_t block_stride, float scale, float* scores, float* acc, T* out) {
-  constexpr int64_t D = 16 * NV;
+  constexpr int64_t D = simd::W * NV;
   const int64_t group = G > 0 ? G : group_rt;
   const int64_t qheads = kv_heads * group;
-  const __m512 sv = _mm512_set1_ps(scale);
+  const simd::F sv = simd::set1(scale);
 #if defined(__AVX512BF16__)
   // With AVX512-BF16, bf16 q.k runs as pairwise bf16 dot products accumulated in fp32 (vdpbf16ps:
   // exact products, like widening first), scaled afterwards.
@@ -126,10 +118,10 @@ void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, in
 #else
   constexpr bool kDotBf16 = false;
 #endif
-  __m512 q[kTileHeads][NV];
+  simd::F q[kTileHeads][NV];
   if constexpr (!kDotBf16)
     for (int64_t qi = 0; qi < qheads; ++qi)
-      for (int v = 0; v < NV; ++v) q[qi][v] = _mm512_mul_ps(load16(q_src + qi * D + 16 * v), sv);
+      for (int v = 0; v < NV; ++v) q[qi][v] = simd::mul(simd::load(q_src + qi * D + simd::W * v), sv);
   const int64_t row_lines = (kv_heads * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   auto rows_in = [&](int64_t b) { return std::min(block_size, len - b * block_size); };
@@ -149,17 +141,17 @@ void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, in
 
   // Pass 1: scores[qi * len + t] = q_qi . k_t.
   prefetch_first_blocks(0);
-  __m512 part[kTileHeads][16];
+  simd::F part[kTileHeads][simd::W];
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * block_size, in_block = rows_in(b);
     const T* k_block = cache + static_cast<int64_t>(table[b]) * block_stride;
     const T* pf = ahead(b, 0);
     const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
-    for (int64_t c0 = 0; c0 < in_block; c0 += 16) {
-      const int64_t n = std::min<int64_t>(16, in_block - c0);
-      for (int64_t j = 0; j < 16; ++j) {
+    for (int64_t c0 = 0; c0 < in_block; c0 += simd::W) {
+      const int64_t n = std::min<int64_t>(simd::W, in_block - c0);
+      for (int64_t j = 0; j < simd::W; ++j) {
         if (j >= n) {
-          for (int64_t qi = 0; qi < qheads; ++qi) part[qi][j] = _mm512_setzero_ps();
+          for (int64_t qi = 0; qi < qheads; ++qi) part[qi][j] = simd::zero();
           continue;
         }
         if (c0 + j < pf_rows) prefetch_row(pf + (c0 + j) * token_stride);
@@ -178,22 +170,21 @@ void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, in
             }
 #endif
           } else {
-            __m512 kv[NV];
-            for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
+            simd::F kv[NV];
+            for (int v = 0; v < NV; ++v) kv[v] = simd::load(k + simd::W * v);
             for (int64_t g = 0; g < group; ++g) {
               const int64_t qi = h * group + g;
-              __m512 a = _mm512_mul_ps(q[qi][0], kv[0]);
-              for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[qi][v], kv[v], a);
+              simd::F a = simd::mul(q[qi][0], kv[0]);
+              for (int v = 1; v < NV; ++v) a = simd::fmadd(q[qi][v], kv[v], a);
               part[qi][j] = a;
             }
           }
         }
       }
-      const __mmask16 mask = tail_mask(n);
       for (int64_t qi = 0; qi < qheads; ++qi) {
-        __m512 sums16 = hsum16(part[qi]);
-        if constexpr (kDotBf16) sums16 = _mm512_mul_ps(sums16, sv);
-        _mm512_mask_storeu_ps(scores + qi * len + t0 + c0, mask, sums16);
+        simd::F sums = simd::hsum(part[qi]);
+        if constexpr (kDotBf16) sums = simd::mul(sums, sv);
+        simd::store_n(scores + qi * len + t0 + c0, sums, n);
       }
     }
   }
@@ -215,22 +206,22 @@ void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, in
     const T* pf = ahead(b, half_stride);
     const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      __m512 a[kGroupCap][NV];
+      simd::F a[kGroupCap][NV];
       for (int64_t g = 0; g < group; ++g)
-        for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + (h * group + g) * D + 16 * v);
+        for (int v = 0; v < NV; ++v) a[g][v] = simd::load(acc + (h * group + g) * D + simd::W * v);
       const float* p_rows = scores + h * group * len + t0;
       for (int64_t j = 0; j < n; ++j) {
         if (h == 0 && j < pf_rows) prefetch_row(pf + j * token_stride);
         const T* vr = v_block + j * token_stride + h * D;
-        __m512 vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+        simd::F vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = simd::load(vr + simd::W * v);
         for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(p_rows[g * len + j]);
-          for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(p, vv[v], a[g][v]);
+          const simd::F p = simd::set1(p_rows[g * len + j]);
+          for (int v = 0; v < NV; ++v) a[g][v] = simd::fmadd(p, vv[v], a[g][v]);
         }
       }
       for (int64_t g = 0; g < group; ++g)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (h * group + g) * D + 16 * v, a[g][v]);
+        for (int v = 0; v < NV; ++v) simd::store(acc + (h * group + g) * D + simd::W * v, a[g][v]);
     }
   }
   for (int64_t qi = 0; qi < qheads; ++qi)
@@ -240,10 +231,10 @@ void decode_tile_avx512(const T* q_src, const T* cache, const int32_t* table, in
 // One sequence and `kv_heads` consecutive KV heads, in tiles of at most kTileHeads query heads,
 // with the query-group size fixed at compile time where it is a common one.
 template <typename T, int NV>
-void decode_heads_avx512(int64_t group, const T* q_src, const T* cache, const int32_t* table, int64_t len,
+void decode_heads(int64_t group, const T* q_src, const T* cache, const int32_t* table, int64_t len,
                          int64_t kv_heads, int64_t block_size, int64_t token_stride, int64_t half_stride,
                          int64_t block_stride, float scale, float* scores, float* acc, T* out) {
-  constexpr int64_t D = 16 * NV;
+  constexpr int64_t D = simd::W * NV;
   const int64_t tile = std::max<int64_t>(1, kTileHeads / group);  // KV heads per tile
   for (int64_t h0 = 0; h0 < kv_heads; h0 += tile) {
     const int64_t kt = std::min(tile, kv_heads - h0);
@@ -252,7 +243,7 @@ void decode_heads_avx512(int64_t group, const T* q_src, const T* cache, const in
     T* o = out + h0 * group * D;
 #define PDSERVE_DECODE_GROUP(G_)                                                                              \
   case G_:                                                                                                    \
-    decode_tile_avx512<T, NV, G_>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride, \
+    decode_tile<T, NV, G_>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride, \
                                   scale, scores, acc, o);                                                     \
     break;
     switch (group) {
@@ -262,7 +253,7 @@ void decode_heads_avx512(int64_t group, const T* q_src, const T* cache, const in
       PDSERVE_DECODE_GROUP(4)
       PDSERVE_DECODE_GROUP(8)
       default:
-        decode_tile_avx512<T, NV, 0>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride,
+        decode_tile<T, NV, 0>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride,
                                      scale, scores, acc, o);
     }
 #undef PDSERVE_DECODE_GROUP
@@ -311,7 +302,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
     const int64_t len = lens[seq];
     const int32_t* table = tables + seq * table_width;
     const T* q_src = q_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
-#if defined(__AVX512F__)
+#if defined(PDSERVE_SIMD)
     if ((head_dim == 64 || head_dim == 128) && group <= kMaxGroup) {
       const int64_t tile_q = std::min(qheads, std::max<int64_t>(group, kTileHeads / group * group));
       scores.resize(std::max<int64_t>(len, 1) * tile_q);
@@ -319,10 +310,10 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const T* head_cache = cache + first_kv_head * head_dim;
       T* o = out_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
       if (head_dim == 64)
-        decode_heads_avx512<T, 4>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
+        decode_heads<T, 64 / simd::W>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
                                   half_stride, block_stride, fscale, scores.data(), acc.data(), o);
       else
-        decode_heads_avx512<T, 8>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
+        decode_heads<T, 128 / simd::W>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
                                   half_stride, block_stride, fscale, scores.data(), acc.data(), o);
       return;
     }

@@ -67,3 +67,77 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #endif
+
+// One register of fp32 lanes, for kernels written once for both instruction sets (paged decode
+// attention): 16 lanes on AVX-512, 8 on AVX2 + FMA + F16C (any x86-64-v3 CPU). PDSERVE_SIMD is
+// defined where one of them is available; elsewhere those kernels take their scalar loops.
+#if defined(__AVX512F__)
+#define PDSERVE_SIMD 1
+namespace simd {
+using F = __m512;
+constexpr int W = 16;
+inline F zero() { return _mm512_setzero_ps(); }
+inline F set1(float x) { return _mm512_set1_ps(x); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline F load(const c10::BFloat16* p) { return load_bf16(p); }
+inline F load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+inline void store_n(float* p, F x, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), x); }
+inline float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
+inline F exp(F x) { return exp16(x); }
+inline F hsum(const F* v) { return hsum16(v); }  // lane i = the sum of v[i]'s lanes
+}  // namespace simd
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_SIMD 1
+namespace simd {
+using F = __m256;
+constexpr int W = 8;
+inline F zero() { return _mm256_setzero_ps(); }
+inline F set1(float x) { return _mm256_set1_ps(x); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline F load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32: widen and shift
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline F load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+inline void store_n(float* p, F x, int64_t n) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  for (int64_t i = 0; i < n; ++i) p[i] = lanes[i];
+}
+inline float reduce_add(F x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// exp16's method on 8 lanes; 2^n is built in the exponent bits (AVX2 has no scalef).
+inline F exp(F x) {
+  static constexpr float kTaylor[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+  x = _mm256_max_ps(x, set1(-87.f));
+  const F n = _mm256_round_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  F r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+  F p = set1(kTaylor[7]);
+  for (int i = 6; i >= 0; --i) p = fmadd(p, r, set1(kTaylor[i]));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return mul(p, _mm256_castsi256_ps(two_n));
+}
+// Lane i = the sum of v[i]'s 8 lanes (two rounds of pairwise adds, then the 128-bit halves).
+inline F hsum(const F* v) {
+  const F u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const F u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return add(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+}  // namespace simd
+#endif
