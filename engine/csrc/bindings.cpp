@@ -23,6 +23,8 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
 // small_linear_cpu.cpp
 bool has_small_linear();
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+bool has_small_linear_f32();
+at::Tensor small_batch_linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
@@ -35,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up matmul output");
   m.def("has_small_linear", &has_small_linear, "Whether small_batch_linear was compiled in (AVX512-BF16)");
   m.def("small_batch_linear", &small_batch_linear, "x W^T (+ bias) for 1-256 bf16 rows (a decode step's linear)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("has_small_linear_f32", &has_small_linear_f32, "Whether small_batch_linear_f32 was compiled in (AVX2/AVX-512)");
+  m.def("small_batch_linear_f32", &small_batch_linear_f32, "x W^T (+ bias) for 1-256 float32 rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "Set logits refused by a grammar's bitmask to -inf (in place)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key (new contiguous tensors)");

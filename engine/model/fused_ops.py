@@ -4,9 +4,10 @@ its linear layers on CPU (a native kernel up to 128 tokens, pre-blocked bf16 wei
 Each function here is the torch expression the model has always used (the same ones transformers
 uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
 when the activation is a bf16 CPU tensor and the kernels are built for an AVX-512 CPU, or from
-`engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. float32, and
-`PDSERVE_FUSED_OPS=0`, keep the torch expressions, so float32 stays bit-comparable with
-transformers. In bf16, RoPE and the SiLU-and-mul product are bit-identical to
+`engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. float32 keeps the torch
+elementwise expressions (bit-comparable with transformers); its linear layers take a native fp32
+kernel up to 64 rows (decode steps: 1.4-4.7x MKL's sgemm on 2 AVX2 cores, sums in another order,
+so a few float32 ulps from F.linear). `PDSERVE_FUSED_OPS=0` keeps every torch expression. In bf16, RoPE and the SiLU-and-mul product are bit-identical to
 the torch path; RMSNorm's sum of squares and SiLU's exp are evaluated differently and can move a
 value by one bf16 ulp (tests/engine/test_fused_ops.py).
 """
@@ -22,10 +23,17 @@ from engine import cpu_kernels
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels():
+def _library():
+    """The native CPU kernels, or None (not built here, or `PDSERVE_FUSED_OPS=0`)."""
     if os.environ.get("PDSERVE_FUSED_OPS", "1") == "0":
         return None
-    kernels = cpu_kernels.load()
+    return cpu_kernels.load()
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """The library where its bf16 fused ops are compiled in (AVX-512), else None."""
+    kernels = _library()
     return kernels if kernels is not None and kernels.has_fused_ops() else None
 
 
@@ -64,6 +72,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
     (engine/csrc/small_linear_cpu.cpp); for more rows, with
     `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight."""
+    if (x.dtype is torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and 1 <= x.shape[0] <= SMALL_LINEAR_F32_MAX_ROWS and x.shape[1] % 16 == 0 and x.stride(1) == 1
+            and weight.dtype is torch.float32 and weight.is_contiguous()
+            and (bias is None or bias.dtype is torch.float32) and _small_linear_f32()):
+        return _library().small_batch_linear_f32(x, weight, bias)
     native = native_for(x) if x.device.type == "cpu" else None
     if (native is not None and x.dim() == 2 and 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS
             and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.dtype is torch.bfloat16
@@ -97,6 +110,19 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
     except (RuntimeError, AttributeError):  # a torch build without the op: plain F.linear
         return None
+
+
+# float32 rows up to this many take the native fp32 kernel (AVX2 or AVX-512). Measured on the
+# 2-vCPU AMD EPYC (AVX2), weights cold in cache, SmolLM2-135M's gate|up, down and LM head: at 2
+# threads 1.4-4.7x MKL's sgemm at 4-64 rows (sgemm moved the weights at 1.5-5 GB/s there); at 1
+# thread 1.8-2.3x at 4 rows, 1.0-1.5x at 32, 0.8-1.2x at 64. Above 64 sgemm is the better one.
+SMALL_LINEAR_F32_MAX_ROWS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _small_linear_f32() -> bool:
+    kernels = _library()
+    return kernels is not None and kernels.has_small_linear_f32()
 
 
 @functools.lru_cache(maxsize=1)

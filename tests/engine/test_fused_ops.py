@@ -1,5 +1,6 @@
 """The fused bf16 elementwise kernels (engine/csrc/fused_ops_cpu.cpp) against the torch expressions
-they replace, op by op and through a whole model; and the float32 path left untouched."""
+they replace, op by op and through a whole model; the float32 elementwise path left untouched, and
+the float32 small-batch linear kernel against F.linear."""
 import importlib.util
 import shutil
 
@@ -151,13 +152,54 @@ def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_feat
 def test_linear_takes_f_linear_outside_the_small_bf16_case(native):
     weight = torch.randn(48, 64).to(BF16)
     for x in (torch.randn(fused_ops.SMALL_LINEAR_MAX_ROWS + 1, 64).to(BF16),  # more rows than a small step
-              torch.randn(2, 64),                     # float32
               torch.randn(2, 48).to(BF16)):           # K not a multiple of 32
         w = weight if x.shape[1] == 64 else torch.randn(48, 48).to(BF16)
-        w = w.float() if x.dtype == torch.float32 else w
         assert torch.equal(fused_ops.linear(x, w), F.linear(x, w))
     with pytest.raises(RuntimeError, match="1 to 256 rows"):
         native.small_batch_linear(torch.randn(257, 64).to(BF16), weight)
+
+
+@pytest.fixture(scope="module")
+def library():
+    """The kernels module on any CPU (the fp32 small-batch linear needs AVX2 + FMA or AVX-512)."""
+    module = fused_ops._library()
+    if module is None:
+        if shutil.which("c++") and importlib.util.find_spec("ninja"):
+            pytest.fail("the CPU kernels did not build although a compiler is present")
+        pytest.skip("no compiler: linear layers stay on F.linear")
+    if not module.has_small_linear_f32():
+        pytest.skip("no AVX2 + FMA: float32 linear layers stay on F.linear")
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64, 65])
+@pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (37, 64, True), (3, 1536, False),
+                                                         (50, 96, True)])
+def test_small_batch_linear_f32_matches_f_linear(library, rows, out_features, in_features, bias):
+    torch.manual_seed(rows + out_features)
+    wide = torch.randn(rows, in_features + 32)
+    x = wide[:, 16:16 + in_features]  # rows read in place from a strided view
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    b = torch.randn(out_features) if bias else None
+    got = library.small_batch_linear_f32(x, weight, b)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)  # another summation order
+    for row in (0, rows - 1):  # a row's bits do not depend on the group of rows it is computed with
+        assert torch.equal(library.small_batch_linear_f32(x[row:row + 1], weight, b)[0], got[row])
+    if rows <= fused_ops.SMALL_LINEAR_F32_MAX_ROWS:
+        assert torch.equal(fused_ops.linear(x, weight, b), got)
+    else:
+        assert torch.equal(fused_ops.linear(x, weight, b), F.linear(x, weight, b))
+
+
+def test_float32_linear_takes_f_linear_where_the_kernel_does_not_apply(library):
+    weight = torch.randn(40, 56)
+    x = torch.randn(2, 56)  # K not a multiple of 16
+    assert torch.equal(fused_ops.linear(x, weight), F.linear(x, weight))
+    with pytest.raises(RuntimeError, match="1 to 256 rows"):
+        library.small_batch_linear_f32(torch.randn(257, 64), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        library.small_batch_linear_f32(torch.randn(2, 64).to(BF16), torch.randn(8, 64))
 
 
 def test_float32_keeps_the_torch_expressions(native):
