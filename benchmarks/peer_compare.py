@@ -150,6 +150,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"{m['cpu']}, {m['cores']} cores, features {' '.join(m['cpu_features'])} (kernels: {m['kernel_isa']}), "
              f"torch {m['torch']}, fp32 matmul peak {m['fp32_matmul_peak_gflops']:.0f} GFLOP/s; "
              f"random {report['input_len']} in / {report['output_len']} out, ignore_eos, client {report['client']}",
+             *([f"(rows of an earlier run on {report['previous_machine']['cpu']}: fp32 matmul peak "
+                f"{report['previous_machine']['fp32_matmul_peak_gflops']:.0f} GFLOP/s then)"]
+               if "previous_machine" in report else []),
              "", "| system | load | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
              "|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--smoke", action="store_true", help="a few short requests of each load")
+    parser.add_argument("--previous", type=Path, default=None,
+                        help="a peer_compare.json whose rows come first in this report (e.g. the pdserve rows "
+                             "of an earlier run on this machine, with --systems '' and a peer now)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.input_len, args.output_len, args.concurrency = 32, 8, 4
@@ -195,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_facts(), "input_len": args.input_len,
                               "output_len": args.output_len, "client": args.client, "rows": [],
                               "date": time.strftime("%Y-%m-%d"), "commands": {}}
+    if args.previous is not None:
+        previous = json.loads(args.previous.read_text())
+        report["rows"] += [dict(row, run=previous.get("date")) for row in previous["rows"]]
+        report["commands"].update(previous.get("commands", {}))
+        report["previous_machine"] = previous["machine"]
     print(f"machine: {report['machine']}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="peer-compare-") as tmp:
