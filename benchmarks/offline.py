@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams, cpu_kernels  # noqa: E402
 from engine.config import resolve_device  # noqa: E402
 from engine.kv_cache import num_blocks_for_memory  # noqa: E402
 from engine.model.loader import resolve_model  # noqa: E402
@@ -184,15 +184,6 @@ def prefill_vs_peak(llm: LLM, tokens: int, dtype: torch.dtype = torch.float32,
             "matmul_peak_measurements": list(peaks), "fraction_of_peak": flops / elapsed / 1e9 / peak}
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX-BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -211,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") or native_bf16() else "float32")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") or cpu_kernels.native_bf16() else "float32")
 
     loaded = resolve_model(args.model)
     # The KV pool is sized in bytes on both devices (on a GPU the engine would otherwise take a

@@ -70,6 +70,13 @@ def isa() -> str:
     return wanted
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16); elsewhere bf16 weights
+    and activations go through conversions and run slower than float32."""
+    flags = set(_cpu_flags().split())
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def cpu_features() -> list[str]:
     """The SIMD features of this CPU that the kernels care about (for benchmark reports)."""
     flags = set(_cpu_flags().split())

@@ -6,6 +6,7 @@ it never decides who runs (the scheduler does). Contract: `execute(batch)` retur
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -22,6 +23,8 @@ from engine.model.rope import RotaryEmbedding
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import Batch, SampledToken
 
+log = logging.getLogger(__name__)
+
 _COPY_CHUNK_BLOCKS = 256  # blocks per copy between the device cache and host slots
 
 
@@ -31,6 +34,12 @@ class ModelRunner:
         self.arch = loaded.arch
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            from engine import cpu_kernels
+            if not cpu_kernels.native_bf16():
+                log.warning("%s on a CPU without AVX512-BF16 or AMX (features: %s): every matmul converts "
+                            "to float32 and runs slower than --dtype float32, the CPU default",
+                            str(self.dtype).removeprefix("torch."), " ".join(cpu_kernels.cpu_features()) or "none")
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         if self.arch.sliding_window is not None:
