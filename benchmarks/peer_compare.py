@@ -138,11 +138,13 @@ def bench_system(name: str, url: str, args: argparse.Namespace) -> list[dict[str
     return rows
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def fmt_row(r: dict[str, Any]) -> str:
-    def ms(v):
-        return "-" if v is None else f"{v:.0f}"
-    return (f"{r['total_tok_s']:8.1f} tok/s  TTFT {ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])} ms  "
-            f"ITL {ms(r['itl_p50_ms'])} / {ms(r['itl_p99_ms'])} ms  errors {r['errors']}")
+    return (f"{r['total_tok_s']:8.1f} tok/s  TTFT {_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])} ms  "
+            f"ITL {_ms(r['itl_p50_ms'])} / {_ms(r['itl_p99_ms'])} ms  errors {r['errors']}")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -156,10 +158,8 @@ def markdown(report: dict[str, Any]) -> str:
              "", "| system | load | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
              "|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        def ms(v):
-            return "-" if v is None else f"{v:.0f}"
-        lines.append(f"| {r['system']} | {r['load']} | {r['total_tok_s']:.1f} | {ms(r['ttft_p50_ms'])} / "
-                     f"{ms(r['ttft_p99_ms'])} | {ms(r['itl_p50_ms'])} / {ms(r['itl_p99_ms'])} | {r['errors']} |")
+        lines.append(f"| {r['system']} | {r['load']} | {r['total_tok_s']:.1f} | {_ms(r['ttft_p50_ms'])} / "
+                     f"{_ms(r['ttft_p99_ms'])} | {_ms(r['itl_p50_ms'])} / {_ms(r['itl_p99_ms'])} | {r['errors']} |")
     return "\n".join(lines) + "\n"
 
 

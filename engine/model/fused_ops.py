@@ -7,9 +7,10 @@ when the activation is a bf16 CPU tensor and the kernels are built for an AVX-51
 `engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. float32 keeps the torch
 elementwise expressions (bit-comparable with transformers); its linear layers take a native fp32
 kernel up to 64 rows (decode steps: 1.4-4.7x MKL's sgemm on 2 AVX2 cores, sums in another order,
-so a few float32 ulps from F.linear). `PDSERVE_FUSED_OPS=0` keeps every torch expression. In bf16, RoPE and the SiLU-and-mul product are bit-identical to
-the torch path; RMSNorm's sum of squares and SiLU's exp are evaluated differently and can move a
-value by one bf16 ulp (tests/engine/test_fused_ops.py).
+so a few float32 ulps from F.linear). `PDSERVE_FUSED_OPS=0` keeps every torch expression. In
+bf16, RoPE and the SiLU-and-mul product are bit-identical to the torch path; RMSNorm's sum of
+squares and SiLU's exp are evaluated differently and can move a value by one bf16 ulp
+(tests/engine/test_fused_ops.py).
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ SMALL_LINEAR_MAX_ROWS = 128
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear. For 1-128 bf16 rows (a decode step) the native kernel, which streams the
+    """F.linear. For 1-64 float32 rows the native fp32 kernel (AVX2 or AVX-512; see
+    SMALL_LINEAR_F32_MAX_ROWS). For 1-128 bf16 rows (a decode step) the native kernel, which streams the
     weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
     (engine/csrc/small_linear_cpu.cpp); for more rows, with
     `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight."""
