@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
 
-from benchmarks.offline import native_bf16  # noqa: E402
+from engine.cpu_kernels import native_bf16  # noqa: E402
 
 
 def session_turns(num_sessions: int, num_turns: int, system_tokens: int, tail_tokens: int, vocab: int,
