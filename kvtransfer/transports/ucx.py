@@ -118,8 +118,7 @@ class _UcxRuntime:
     async def _reset() -> None:
         ucxx = _import_ucxx()
         await asyncio.sleep(0)
-        for attempt in range(2):
-            gc.collect()
+        for attempt in range(2):  # reset() itself collects garbage before it checks for live objects
             try:
                 ucxx.reset()
                 return

@@ -53,10 +53,12 @@ def test_capture_sizes_and_context_buckets():
     assert context_buckets(256) == [256]
 
 
-@pytest.mark.parametrize("num_prompts", [1, 3, 5, 17])  # buckets 1, 4, 8 and 20: padded but for 1
+# Buckets 1, 4, 8 and 20: padded but for 1. The 20-row bucket takes ~15 s in the Triton
+# interpreter, so it runs in `make test` only.
+@pytest.mark.parametrize("num_prompts", [1, 3, 5, pytest.param(17, marks=pytest.mark.slow)])
 def test_static_buffer_decode_is_token_exact(model_dir, num_prompts):
     rng = random.Random(num_prompts)
-    prompts = [[rng.randint(3, 511) for _ in range(rng.randint(2, 40))] for _ in range(num_prompts)]
+    prompts = [[rng.randint(3, 511) for _ in range(rng.randint(2, 24))] for _ in range(num_prompts)]  # some cross a block
     expected = [o.token_ids for o in _llm(model_dir, graphs=False).generate(prompts, GREEDY, use_tqdm=False)]
     llm = _llm(model_dir, graphs=True)
     runner = llm.engine.runner

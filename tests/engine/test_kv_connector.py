@@ -176,6 +176,19 @@ def transport(request):
     return request.param
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ucx_runtime_held_for_the_module():
+    """ucxx starts with a pair's first endpoint and resets with its last, and a reset waits up to
+    a second for ucxx's notifier thread; held here, the module's ucx pairs share one start."""
+    if "ucx" not in TRANSPORTS:
+        yield
+        return
+    from kvtransfer.transports.ucx import _UcxRuntime
+    _UcxRuntime.acquire()
+    yield
+    _UcxRuntime.release()
+
+
 @pytest.fixture
 def pair_factory(model_dir, transport):
     pairs = []

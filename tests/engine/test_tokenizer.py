@@ -43,6 +43,7 @@ def test_gguf_tokenizer_facts(tokenizer):
     assert tokenizer.has_chat_template
 
 
+@pytest.mark.slow  # transformers builds the tokenizer from the GGUF: ~6 s
 def test_the_converted_models_tokenizer_equals_the_one_built_from_the_gguf(tokenizer, tmp_path, monkeypatch):
     """With the model converted (the usual case after a first run), the tokenizer loads from the
     conversion's saved files; without it, transformers builds it from the GGUF. Same tokens."""
