@@ -36,10 +36,13 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
             from engine import cpu_kernels
-            if not cpu_kernels.native_bf16():
-                log.warning("%s on a CPU without AVX512-BF16 or AMX (features: %s): every matmul converts "
-                            "to float32 and runs slower than --dtype float32, the CPU default",
-                            str(self.dtype).removeprefix("torch."), " ".join(cpu_kernels.cpu_features()) or "none")
+            from engine.model import fused_ops
+            # bf16 there runs fast only through the native kernels that compute it in fp32
+            if not cpu_kernels.native_bf16() and (self.dtype is torch.float16 or not fused_ops.bf16_computed_in_fp32()):
+                log.warning("%s on a CPU without AVX512-BF16 or AMX (features: %s) and without pdserve's native "
+                            "kernels for it: every matmul converts to float32 and runs slower than --dtype "
+                            "float32, the CPU default", str(self.dtype).removeprefix("torch."),
+                            " ".join(cpu_kernels.cpu_features()) or "none")
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         if self.arch.sliding_window is not None:

@@ -22,6 +22,7 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 // small_linear_cpu.cpp
 bool has_small_linear();
+bool small_linear_bf16_dot();
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 bool has_small_linear_f32();
 at::Tensor small_batch_linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
@@ -31,11 +32,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv_cache_", &store_kv_cache_, "Write new K/V rows into the paged cache at their slots (CPU)");
   m.def("flash_prefill_attention", &flash_prefill_attention, "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
   m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
-  m.def("has_fused_ops", &has_fused_ops, "Whether the fused bf16 elementwise ops were compiled in (AVX-512)");
+  m.def("has_fused_ops", &has_fused_ops, "Whether the fused bf16 elementwise ops were compiled in (AVX2 or AVX-512)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, rounded as transformers rounds");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x (in place), then RMSNorm of the sum");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up matmul output");
-  m.def("has_small_linear", &has_small_linear, "Whether small_batch_linear was compiled in (AVX512-BF16)");
+  m.def("has_small_linear", &has_small_linear, "Whether small_batch_linear was compiled in (AVX2 or AVX-512)");
+  m.def("small_linear_bf16_dot", &small_linear_bf16_dot,
+        "Whether small_batch_linear multiplies in bf16 (vdpbf16ps, AVX512-BF16) rather than widening to fp32");
   m.def("small_batch_linear", &small_batch_linear, "x W^T (+ bias) for 1-256 bf16 rows (a decode step's linear)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("has_small_linear_f32", &has_small_linear_f32, "Whether small_batch_linear_f32 was compiled in (AVX2/AVX-512)");

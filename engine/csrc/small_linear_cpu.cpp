@@ -12,7 +12,8 @@
 //
 // x [M, K] (rows contiguous in K), W [N, K] contiguous, bias [N] or none, all bf16; K a multiple
 // of 32, M <= kMaxRows. The sum is taken in a different order than oneDNN's, so an output can
-// differ from F.linear's by one bf16 rounding step.
+// differ from F.linear's by one bf16 rounding step. CPUs without AVX512-BF16 run bf16 through the
+// fp32-compute kernel at the end of this file.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -86,6 +87,7 @@ void rows4_mn(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* w,
 }  // namespace
 
 bool has_small_linear() { return true; }
+bool small_linear_bf16_dot() { return true; }
 
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
@@ -140,40 +142,34 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   return out;
 }
 
-#else
-
-bool has_small_linear() { return false; }
-
-at::Tensor small_batch_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "small_batch_linear needs AVX512-BF16; use F.linear");
-  return {};
-}
-
 #endif
 
-// ---- float32, any CPU with AVX2 + FMA or AVX-512 ------------------------------------------------
-// The same idea for fp32 weights, where oneDNN/MKL's sgemm moved SmolLM2-135M's weights at only
-// 3-8 GB/s at 4 rows (1 thread, 2-vCPU AMD EPYC, AVX2): each 4-row slice of W is streamed from
-// memory once, with the next slice prefetched into L2, and every group of x rows runs over it from
-// L1. Dot products are summed in a different order than sgemm's, so outputs differ from F.linear's
-// by a few float32 ulps. x [M, K] (rows contiguous), W [N, K] contiguous, bias [N] or none, fp32;
-// K a multiple of the SIMD width (8 or 16), M <= kMaxRows.
+// ---- float32 compute, any CPU with AVX2 + FMA or AVX-512 ---------------------------------------
+// The same idea for fp32 weights, and for bf16 ones on CPUs without AVX512-BF16 (widened to fp32
+// as they are loaded, so they still cost half the memory traffic of fp32). MKL's sgemm moved
+// SmolLM2-135M's fp32 weights at only 3-8 GB/s at 4 rows (1 thread, 2-vCPU AMD EPYC, AVX2): each
+// 4-row slice of W is streamed from memory once, with the next slice prefetched into L2, and every
+// group of x rows runs over it from L1. Dot products are summed in a different order than
+// sgemm's/oneDNN's, so outputs differ from F.linear's by a few float32 ulps (one bf16 rounding step
+// in bf16). x [M, K] (rows contiguous), W [N, K] contiguous, bias [N] or none, all fp32 or all
+// bf16; K a multiple of the SIMD width (8 or 16; bf16: of 32), M <= kMaxRows.
 #if defined(PDSERVE_SIMD)
 namespace {
 constexpr int kWRows = 4;                          // rows of W per slice
 constexpr int kXRows = simd::W == 16 ? 4 : 2;      // x rows per pass: 16 or 8 accumulators
 
-// part[j][i] = x_j . w_i for NX rows of x and the slice's kWRows rows of W (pointers, so a short
-// last slice repeats its last row). `pf` (or null): the next slice's first row, prefetched into L2
-// one 64-byte line per row for every 16 floats read (`pf_rows` rows of it exist).
-template <int NX>
-inline void slice_f32(const float* const* w, int64_t k, const float* x, int64_t x_stride, const float* pf,
+// part[j][i] = x_j . w_i for NX rows of x (fp32) and the slice's kWRows rows of W (pointers, so a
+// short last slice repeats its last row). `pf` (or null): the next slice's first row, prefetched
+// into L2 one 64-byte line per row for every line of W read (`pf_rows` rows of it exist).
+template <int NX, typename TW>
+inline void slice_dot(const TW* const* w, int64_t k, const float* x, int64_t x_stride, const TW* pf,
                       int64_t pf_rows, float part[][kWRows]) {
+  constexpr int64_t kLine = 64 / sizeof(TW);
   simd::F acc[NX][kWRows];
   for (int j = 0; j < NX; ++j)
     for (int i = 0; i < kWRows; ++i) acc[j][i] = simd::zero();
   for (int64_t c = 0; c < k; c += simd::W) {
-    if (pf != nullptr && c % 16 == 0)
+    if (pf != nullptr && c % kLine == 0)
       for (int64_t i = 0; i < pf_rows; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + i * k + c), _MM_HINT_T1);
     simd::F wv[kWRows];
     for (int i = 0; i < kWRows; ++i) wv[i] = simd::load(w[i] + c);
@@ -185,65 +181,103 @@ inline void slice_f32(const float* const* w, int64_t k, const float* x, int64_t 
   for (int j = 0; j < NX; ++j)
     for (int i = 0; i < kWRows; ++i) part[j][i] = simd::reduce_add(acc[j][i]);
 }
+
+// out[j][n] = emit(j, n, x_j . w_n) over all M rows of x (fp32) and N rows of W, in tasks of 16
+// rows of W over torch's threads.
+template <typename TW, typename Emit>
+void linear_rows(const float* xp, int64_t x_stride, int64_t m, const TW* wp, int64_t k, int64_t n, Emit emit) {
+  // At least ~64 KiB of W per task so small layers stay on one thread.
+  const int64_t tasks = (n + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (16 * k * static_cast<int64_t>(sizeof(TW))));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin * 16; n0 < std::min(end * 16, n); n0 += kWRows) {
+      const int64_t rows = std::min<int64_t>(kWRows, n - n0);
+      const TW* w[kWRows];
+      for (int i = 0; i < kWRows; ++i) w[i] = wp + std::min<int64_t>(n0 + i, n - 1) * k;
+      const int64_t pf_rows = std::max<int64_t>(0, std::min<int64_t>(kWRows, n - n0 - kWRows));
+      const TW* pf = pf_rows > 0 ? wp + (n0 + kWRows) * k : nullptr;
+      float part[kXRows][kWRows];
+      for (int64_t j0 = 0; j0 < m; j0 += kXRows) {
+        const int64_t group = std::min<int64_t>(kXRows, m - j0);
+        const float* xj = xp + j0 * x_stride;
+        const TW* slice_pf = j0 == 0 ? pf : nullptr;  // the first pass reads W from memory
+        if (group == kXRows) {
+          slice_dot<kXRows>(w, k, xj, x_stride, slice_pf, pf_rows, part);
+        } else {
+          for (int64_t j = 0; j < group; ++j)
+            slice_dot<1>(w, k, xj + j * x_stride, x_stride, j == 0 ? slice_pf : nullptr, pf_rows, part + j);
+        }
+        for (int64_t j = 0; j < group; ++j)
+          for (int64_t i = 0; i < rows; ++i) emit(j0 + j, n0 + i, part[j][i]);
+      }
+    }
+  });
+}
+
+// The checks both entry points share; returns the bias (contiguous) or an undefined tensor.
+at::Tensor check_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        at::ScalarType dtype, const char* dtype_name, int64_t k_multiple, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == dtype && weight.scalar_type() == dtype, op, ": x and weight must be ", dtype_name);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op, ": bad shapes");
+  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), op, ": rows must be contiguous");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m >= 1 && m <= kMaxRows, op, ": 1 to ", kMaxRows, " rows, got ", m);
+  TORCH_CHECK(k % k_multiple == 0, op, ": K must be a multiple of ", k_multiple, ", got ", k);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dtype && b.numel() == weight.size(0), op, ": bias must be ", dtype_name, " [N]");
+  }
+  return b;
+}
 }  // namespace
 
 bool has_small_linear_f32() { return true; }
 
 at::Tensor small_batch_linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_batch_linear_f32: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "small_batch_linear_f32: x and weight must be float32");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "small_batch_linear_f32: bad shapes");
-  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "small_batch_linear_f32: rows must be contiguous");
+  const at::Tensor b = check_linear(x, weight, bias, at::kFloat, "float32", simd::W, "small_batch_linear_f32");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(m >= 1 && m <= kMaxRows, "small_batch_linear_f32: 1 to ", kMaxRows, " rows, got ", m);
-  TORCH_CHECK(k % simd::W == 0, "small_batch_linear_f32: K must be a multiple of ", simd::W, ", got ", k);
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == n, "small_batch_linear_f32: bias must be float32 [N]");
-  }
   auto out = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
-  // Tasks of 16 rows of W; at least ~64 KiB of W per task so small layers stay on one thread.
-  const int64_t tasks = (n + 15) / 16;
-  const int64_t grain = std::max<int64_t>(1, 65536 / (16 * k * 4));
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin * 16; n0 < std::min(end * 16, n); n0 += kWRows) {
-      const int64_t rows = std::min<int64_t>(kWRows, n - n0);
-      const float* w[kWRows];
-      for (int i = 0; i < kWRows; ++i) w[i] = wp + std::min<int64_t>(n0 + i, n - 1) * k;
-      const int64_t pf_rows = std::max<int64_t>(0, std::min<int64_t>(kWRows, n - n0 - kWRows));
-      const float* pf = pf_rows > 0 ? wp + (n0 + kWRows) * k : nullptr;
-      float part[kXRows][kWRows];
-      for (int64_t j0 = 0; j0 < m; j0 += kXRows) {
-        const int64_t group = std::min<int64_t>(kXRows, m - j0);
-        const float* xj = xp + j0 * x_stride;
-        const float* slice_pf = j0 == 0 ? pf : nullptr;  // the first pass reads W from memory
-        if (group == kXRows) {
-          slice_f32<kXRows>(w, k, xj, x_stride, slice_pf, pf_rows, part);
-        } else {
-          for (int64_t j = 0; j < group; ++j)
-            slice_f32<1>(w, k, xj + j * x_stride, x_stride, j == 0 ? slice_pf : nullptr, pf_rows, part + j);
-        }
-        for (int64_t j = 0; j < group; ++j)
-          for (int64_t i = 0; i < rows; ++i) op[(j0 + j) * n + n0 + i] = part[j][i] + (bp ? bp[n0 + i] : 0.f);
-      }
-    }
+  linear_rows(x.data_ptr<float>(), x.stride(0), m, weight.data_ptr<float>(), k, n,
+              [&](int64_t j, int64_t i, float dot) { op[j * n + i] = dot + (bp ? bp[i] : 0.f); });
+  return out;
+}
+
+#if !defined(__AVX512BF16__)
+bool has_small_linear() { return true; }
+bool small_linear_bf16_dot() { return false; }
+
+// bf16 without vdpbf16ps: x is widened to fp32 once (a few rows), W as it streams.
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor b = check_linear(x, weight, bias, at::kBFloat16, "bf16", 32, "small_batch_linear");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({m, n}, x.options());
+  const auto* bp = b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  linear_rows(xf.data_ptr<float>(), k, m, weight.data_ptr<c10::BFloat16>(), k, n, [&](int64_t j, int64_t i, float dot) {
+    op[j * n + i] = c10::BFloat16(dot + (bp ? static_cast<float>(bp[i]) : 0.f));
   });
   return out;
 }
+#endif
 
 #else
 
 bool has_small_linear_f32() { return false; }
+bool has_small_linear() { return false; }
+bool small_linear_bf16_dot() { return false; }
 
 at::Tensor small_batch_linear_f32(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "small_batch_linear_f32 needs AVX2 + FMA or AVX-512; use F.linear");
+  return {};
+}
+
+at::Tensor small_batch_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "small_batch_linear needs AVX2 + FMA or AVX-512; use F.linear");
   return {};
 }
 

@@ -1,9 +1,10 @@
 """The Llama block's elementwise ops, fused into one-pass kernels for 16-bit activations, and
-its linear layers on CPU (a native kernel up to 128 tokens, pre-blocked bf16 weights above).
+its linear layers on CPU (a native kernel for decode steps; above, pre-blocked bf16 weights with
+AVX512-BF16, fp32 compute without it).
 
 Each function here is the torch expression the model has always used (the same ones transformers
 uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
-when the activation is a bf16 CPU tensor and the kernels are built for an AVX-512 CPU, or from
+when the activation is a bf16 CPU tensor and the kernels are built (AVX2 or AVX-512), or from
 `engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. float32 keeps the torch
 elementwise expressions (bit-comparable with transformers); its linear layers take a native fp32
 kernel up to 64 rows (decode steps: 1.4-4.7x MKL's sgemm on 2 AVX2 cores, sums in another order,
@@ -33,7 +34,7 @@ def _library():
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    """The library where its bf16 fused ops are compiled in (AVX-512), else None."""
+    """The library where its bf16 fused ops are compiled in (AVX2 or AVX-512), else None."""
     kernels = _library()
     return kernels if kernels is not None and kernels.has_fused_ops() else None
 
@@ -73,17 +74,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     SMALL_LINEAR_F32_MAX_ROWS). For 1-128 bf16 rows (a decode step) the native kernel, which streams the
     weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
     (engine/csrc/small_linear_cpu.cpp); for more rows, with
-    `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight."""
+    `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight. On CPUs
+    without AVX512-BF16, bf16 is computed in fp32 (see BF16_WIDENED_KERNEL_MAX_ROWS)."""
     if (x.dtype is torch.float32 and x.device.type == "cpu" and x.dim() == 2
             and 1 <= x.shape[0] <= SMALL_LINEAR_F32_MAX_ROWS and x.shape[1] % 16 == 0 and x.stride(1) == 1
             and weight.dtype is torch.float32 and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.float32) and _small_linear_f32()):
         return _library().small_batch_linear_f32(x, weight, bias)
     native = native_for(x) if x.device.type == "cpu" else None
-    if (native is not None and x.dim() == 2 and 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS
-            and x.shape[1] % 32 == 0 and x.stride(1) == 1 and weight.dtype is torch.bfloat16
-            and weight.is_contiguous() and (bias is None or bias.dtype is torch.bfloat16) and _small_linear()):
-        return native.small_batch_linear(x, weight, bias)
+    if (native is not None and x.dim() == 2 and x.shape[0] >= 1 and x.shape[1] % 32 == 0 and x.stride(1) == 1
+            and weight.dtype is torch.bfloat16 and weight.is_contiguous()
+            and (bias is None or bias.dtype is torch.bfloat16) and _small_linear()):
+        if x.shape[0] <= SMALL_LINEAR_MAX_ROWS or (not _bf16_dot() and x.shape[0] <= BF16_WIDENED_KERNEL_MAX_ROWS):
+            return native.small_batch_linear(x, weight, bias)
+        if not _bf16_dot():  # no bf16 arithmetic here: oneDNN's bf16 GEMM is the slowest way
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     if packed is not None and x.dtype is weight.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -108,6 +113,8 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype is not torch.bfloat16 or weight.dim() != 2
             or os.environ.get("PDSERVE_PREPACK_WEIGHTS", "1") == "0" or not torch.backends.mkldnn.is_available()):
         return None
+    if _small_linear() and not _bf16_dot():  # linear() never uses oneDNN for bf16 here
+        return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
     except (RuntimeError, AttributeError):  # a torch build without the op: plain F.linear
@@ -131,6 +138,27 @@ def _small_linear_f32() -> bool:
 def _small_linear() -> bool:
     kernels = _kernels()
     return kernels is not None and kernels.has_small_linear()
+
+
+def bf16_computed_in_fp32() -> bool:
+    """Whether bf16 linear layers on this CPU run through the native kernels that widen bf16 to
+    fp32 (built, no AVX512-BF16): bf16 is then fast without native bf16 arithmetic."""
+    return _small_linear() and not _bf16_dot()
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_dot() -> bool:
+    """Whether the bf16 kernel multiplies in bf16 (AVX512-BF16); else it widens to fp32 (AVX2)."""
+    return _small_linear() and _kernels().small_linear_bf16_dot()
+
+
+# Without AVX512-BF16 (the bf16 kernel widens W to fp32 as it streams it) bf16 linear layers take
+# the kernel up to this many rows and, above, an fp32 sgemm on widened copies of x and W; never
+# oneDNN's bf16 GEMM, which there took 2.9x (1 row) to 5.1x (256 rows) the kernel's time, and
+# 1.2-4.4x float32 sgemm's. Measured on the 2-vCPU AMD EPYC (AVX2), 2 threads, SmolLM2-135M's
+# linear layers: the kernel ran at ~100 GFLOP/s at 64-1024 rows; widen + sgemm at 55 / 76 / 101 /
+# 117 / 127 GFLOP/s at 64 / 128 / 256 / 512 / 1024 rows.
+BF16_WIDENED_KERNEL_MAX_ROWS = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import transformers
 from torch.nn import functional as F
 
+from engine import cpu_kernels
 from engine.attention.backend import get_attention_backend
 from engine.model import fused_ops
 from engine.model.llama import LlamaForCausalLM
@@ -24,17 +25,15 @@ def native():
     """The kernels module; it must have built wherever a C++ compiler exists (as in CI)."""
     module = fused_ops._kernels()
     if module is None:
-        if shutil.which("c++") and importlib.util.find_spec("ninja") and _avx512():
-            pytest.fail("the fused CPU ops did not build although a compiler and AVX-512 are present")
-        pytest.skip("no compiler or no AVX-512: the model keeps the torch expressions")
+        if shutil.which("c++") and importlib.util.find_spec("ninja") and _simd_cpu():
+            pytest.fail("the fused CPU ops did not build although a compiler and AVX2 + FMA are present")
+        pytest.skip("no compiler or no AVX2 + FMA: the model keeps the torch expressions")
     return module
 
 
-def _avx512() -> bool:
-    try:
-        return " avx512f" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
+def _simd_cpu() -> bool:
+    features = set(cpu_kernels.cpu_features())
+    return "avx512f" in features or {"avx2", "fma", "f16c"} <= features
 
 
 def _torch_rms_norm(x, weight, eps):
@@ -130,8 +129,7 @@ def test_rotary_embedding_rounds_edge_values_like_torch(native):
 @pytest.mark.parametrize("out_features,in_features,bias", [(960, 576, False), (37, 64, True), (16, 1536, False),
                                                          (52, 96, True)])
 def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_features, bias):
-    if not native.has_small_linear():
-        pytest.skip("no AVX512-BF16: linear layers stay on F.linear")
+    assert native.has_small_linear()  # vdpbf16ps with AVX512-BF16, else fp32 compute
     torch.manual_seed(rows + out_features)
     wide = torch.randn(rows, in_features + 32).to(BF16)
     x = wide[:, 16:16 + in_features]  # rows read in place from a strided view
@@ -151,12 +149,29 @@ def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_feat
 
 def test_linear_takes_f_linear_outside_the_small_bf16_case(native):
     weight = torch.randn(48, 64).to(BF16)
-    for x in (torch.randn(fused_ops.SMALL_LINEAR_MAX_ROWS + 1, 64).to(BF16),  # more rows than a small step
-              torch.randn(2, 48).to(BF16)):           # K not a multiple of 32
-        w = weight if x.shape[1] == 64 else torch.randn(48, 48).to(BF16)
-        assert torch.equal(fused_ops.linear(x, w), F.linear(x, w))
+    x = torch.randn(2, 48).to(BF16)  # K not a multiple of 32
+    w48 = torch.randn(48, 48).to(BF16)
+    assert torch.equal(fused_ops.linear(x, w48), F.linear(x, w48))
     with pytest.raises(RuntimeError, match="1 to 256 rows"):
         native.small_batch_linear(torch.randn(257, 64).to(BF16), weight)
+
+
+@pytest.mark.parametrize("rows", [fused_ops.SMALL_LINEAR_MAX_ROWS + 1, fused_ops.BF16_WIDENED_KERNEL_MAX_ROWS + 1])
+def test_bf16_linear_above_a_decode_step(native, rows):
+    """With AVX512-BF16, oneDNN (on the pre-blocked weight where given); without it, never oneDNN's
+    bf16 GEMM (several times slower than fp32 there): the kernel up to its limit, then fp32 sgemm."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576).to(BF16)
+    weight, bias = (torch.randn(200, 576) / 24).to(BF16), torch.randn(200).to(BF16)
+    got = fused_ops.linear(x, weight, bias, packed=fused_ops.prepack_linear_weight(weight))
+    if native.small_linear_bf16_dot():
+        want = F.linear(x, weight, bias)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    elif rows <= fused_ops.BF16_WIDENED_KERNEL_MAX_ROWS:
+        assert fused_ops.prepack_linear_weight(weight) is None  # no second copy of weights it never reads
+        assert torch.equal(got, native.small_batch_linear(x, weight, bias))
+    else:
+        assert torch.equal(got, F.linear(x.float(), weight.float(), bias.float()).to(BF16))
 
 
 @pytest.fixture(scope="module")

@@ -134,20 +134,24 @@ def test_last_layer_on_sampled_rows_only_gives_the_same_logits_and_cache(tiny_pa
     assert not torch.equal(full_cache[:, 5], base[:, 5])  # the unsampled chunk's K/V were stored
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_bf16_on_a_cpu_without_native_bf16_warns_once_at_start(native, tmp_path, monkeypatch, caplog):
-    """bf16 without AVX512-BF16/AMX computes through conversions and is slower than float32: the
-    runner says so (with the CPU's features) instead of running slowly in silence."""
+@pytest.mark.parametrize("native,widened_kernels", [(False, False), (False, True), (True, False)])
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_at_start(native, widened_kernels, tmp_path, monkeypatch,
+                                                              caplog):
+    """bf16 without AVX512-BF16/AMX and without the native kernels that compute it in fp32 goes
+    through oneDNN's conversions and is slower than float32: the runner says so (with the CPU's
+    features) instead of running slowly in silence. With those kernels it is fast: no warning."""
     from engine import cpu_kernels
     from engine.config import CacheConfig, EngineConfig
+    from engine.model import fused_ops
     from engine.model_runner import ModelRunner
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(_tiny("llama-gqa-tied")).save_pretrained(tmp_path)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native)
+    monkeypatch.setattr(fused_ops, "bf16_computed_in_fp32", lambda: widened_kernels)
     config = EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu", cache=CacheConfig(num_blocks=8))
     with caplog.at_level("WARNING", logger="engine.model_runner"):
         ModelRunner(config, resolve_model(str(tmp_path)))
     warnings = [r.getMessage() for r in caplog.records if "without AVX512-BF16" in r.getMessage()]
-    assert len(warnings) == (0 if native else 1)
-    if not native:
+    assert len(warnings) == (0 if native or widened_kernels else 1)
+    if warnings:
         assert "bfloat16" in warnings[0] and "--dtype float32" in warnings[0]
