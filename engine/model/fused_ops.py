@@ -85,9 +85,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (native is not None and x.dim() == 2 and x.shape[0] >= 1 and x.shape[1] % 32 == 0 and x.stride(1) == 1
             and weight.dtype is torch.bfloat16 and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.bfloat16) and _small_linear()):
-        if x.shape[0] <= SMALL_LINEAR_MAX_ROWS or (not _bf16_dot() and x.shape[0] <= BF16_WIDENED_KERNEL_MAX_ROWS):
+        widened = bf16_computed_in_fp32()
+        if x.shape[0] <= (BF16_WIDENED_KERNEL_MAX_ROWS if widened else SMALL_LINEAR_MAX_ROWS):
             return native.small_batch_linear(x, weight, bias)
-        if not _bf16_dot():  # no bf16 arithmetic here: oneDNN's bf16 GEMM is the slowest way
+        if widened:  # no bf16 arithmetic here: oneDNN's bf16 GEMM is the slowest way
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     if packed is not None and x.dtype is weight.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -113,7 +114,7 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype is not torch.bfloat16 or weight.dim() != 2
             or os.environ.get("PDSERVE_PREPACK_WEIGHTS", "1") == "0" or not torch.backends.mkldnn.is_available()):
         return None
-    if _small_linear() and not _bf16_dot():  # linear() never uses oneDNN for bf16 here
+    if bf16_computed_in_fp32():  # linear() never uses oneDNN for bf16 here
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
