@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.config import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, TRANSPORTS
+from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
     serve.add_argument("--routers", type=int, default=1,
                        help="router processes sharing the HTTP port; one that dies is restarted (default 1)")
+    serve.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
+                       help="conditional disaggregation: a decode worker prefills a prompt itself when the prefill "
+                            "worker's queued prompt tokens exceed its own this many times over; inf: never "
+                            "(default: %(default)s)")
     serve.add_argument("--max-migrations", type=int, default=2,
                        help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                             "this many times per request; 0: never (default: %(default)s)")
@@ -147,6 +152,7 @@ def serve_options(args: argparse.Namespace):
                         worker_gpus=args.worker_gpus,
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
+                        local_prefill_weight=args.local_prefill_weight,
                         routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, start_timeout_s=args.worker_start_timeout,

@@ -30,6 +30,7 @@ from typing import Any
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
                             start_or_join, write_state)
 from deploy.config import DEFAULT_CONTROLLER_NAME, ControllerConfig, PoolTargets, WorkerSpec, capacity_shortfall
+from router.config import RouterConfig
 
 logger = logging.getLogger("pdserve")
 
@@ -56,6 +57,7 @@ class ServeOptions:
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining
     local_prefill_threshold: int | None = None
     max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
+    local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
     routers: int = 1  # router processes sharing the HTTP port
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
@@ -86,8 +88,7 @@ class ServeOptions:
             raise ValueError(f"sync_interval_s must be > 0, got {self.sync_interval_s}")
         if not 1 <= self.routers <= 64:
             raise ValueError(f"--routers must be in 1..64, got {self.routers}")
-        if self.max_migrations < 0:
-            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
+        self.router_config(port=self.port)  # bad router options fail here
         if self.model != "default" and not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
                              "a .gguf file, or 'default')")
@@ -110,6 +111,17 @@ class ServeOptions:
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
                           num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0, omp_num_threads=threads,
                           local_prefill_threshold=self.local_prefill_threshold)
+
+    def router_config(self, port: int) -> RouterConfig:
+        try:
+            return RouterConfig(model=self.model, served_model_name=self.served_model_name, host=self.host,
+                                port=port or 1, api_key=self.api_key,
+                                max_model_len=self.engine_options.get("max_model_len"),
+                                block_size=self.engine_options.get("block_size", 16),
+                                max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight)
+        except ValueError as exc:  # its messages start with the field's name: say the flag's
+            field_name, _, rest = str(exc).partition(" ")
+            raise ValueError(f"--{field_name.replace('_', '-')} {rest}") from None
 
     def controller_config(self, worker: WorkerSpec) -> ControllerConfig:
         return ControllerConfig(targets=self.targets, worker=worker, name=self.controller_name,
@@ -159,7 +171,6 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
     from deploy.client import ControllerClient
     from deploy.router_process import RouterSpec
     from deploy.supervisor import RouterStartError, RouterSupervisor
-    from router.config import RouterConfig
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -170,11 +181,7 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
     port = sock.getsockname()[1]
     url = f"http://{_url_host(options.host)}:{port}"
     starting = loop.create_task(client.start())
-    router_config = RouterConfig(model=options.model, served_model_name=options.served_model_name,
-                                 host=options.host, port=port, api_key=options.api_key,
-                                 max_model_len=options.engine_options.get("max_model_len"),
-                                 block_size=options.engine_options.get("block_size", 16),
-                                 max_migrations=options.max_migrations)
+    router_config = options.router_config(port)
     routers = RouterSupervisor(
         RouterSpec(index=0, listen_fd=-1, ready_fd=-1, parent_pid=os.getpid(), ray_address=session["address"],
                    namespace=options.ray.namespace, token_auth=session["token_auth"],

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                    help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                         "this many times per request; 0: never (default: %(default)s)")
+    p.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
+                   help="conditional disaggregation: a decode worker prefills a prompt itself when the prefill "
+                        "worker's queued prompt tokens exceed its own this many times over; inf: never "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -53,7 +57,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key or None, max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,
-        max_migrations=args.max_migrations)
+        max_migrations=args.max_migrations, local_prefill_weight=args.local_prefill_weight)
     if not (config.decode or config.colocated):
         raise ValueError("no worker to send requests to: pass --decode HOST:PORT (with --prefill HOST:PORT) "
                          "or --colocated HOST:PORT")

@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.errors import APIError, invalid_request, overloaded, unavailable, upstream_failed
 from router.metrics import RequestTimer, RouterMetrics
-from router.policies import Policy
+from router.policies import Policy, prefill_locally
 from router.pool import Assignment, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -174,16 +174,20 @@ class Generation:
                 break
             decode = d.decode_policy.choose(candidates, hashes)
             prefill = None
+            num_tokens = len(self.prompt_token_ids) + len(resumed)
             if decode.worker.role == "decode":
                 prefill_candidates = d.pool.routable("prefill")
                 if prefill_candidates:
                     prefill = d.prefill_policy.choose(prefill_candidates, hashes)
-                    d.metrics.routing.labels("prefill", prefill.reason).inc()
-                    d.prefill_policy.record(prefill.worker, hashes)
+                    if prefill_locally(decode, prefill, num_tokens, d.pool.block_size(), d.config.local_prefill_weight):
+                        prefill = None
+                        d.metrics.routing.labels("prefill", "local_queue").inc()
+                    else:
+                        d.metrics.routing.labels("prefill", prefill.reason).inc()
+                        d.prefill_policy.record(prefill.worker, hashes)
             d.metrics.routing.labels("decode", decode.reason).inc()
             d.decode_policy.record(decode.worker, hashes)
-            self.assignment = d.pool.assign(decode.worker, prefill.worker if prefill else None,
-                                             len(self.prompt_token_ids) + len(resumed))
+            self.assignment = d.pool.assign(decode.worker, prefill.worker if prefill else None, num_tokens)
             request = d.wire_request(self, self.assignment.prefill_address, resumed)
             self._call = d.pool.client(decode.worker.address).generate(request)
             self._stream_ended = False

@@ -13,6 +13,8 @@ request is sent, `record` tells the policy where those blocks now live.
   least loaded); otherwise sample two workers and take the less loaded (KV pressure, then
   requests in flight).
 - `RoundRobin`: the baseline, for either role.
+
+`prefill_locally` then decides where the chosen pair runs the prompt (conditional disaggregation).
 """
 from __future__ import annotations
 
@@ -179,6 +181,29 @@ class RoundRobin:
 
     def forget(self, address: str) -> None:
         pass
+
+
+def prefill_locally(decode: Choice, prefill: Choice, num_tokens: int, block_size: int, weight: float) -> bool:
+    """Conditional disaggregation: prefill the prompt (`num_tokens`) on the chosen decode worker
+    itself rather than on the chosen prefill worker?
+
+    Both queues drain prompt tokens at about the same rate (same hardware), so the time to first
+    token is about proportional to the queued prefill tokens ahead plus the prompt's own uncached
+    ones on that side (each choice's `matched_blocks` are cached there). A prefill on the decode
+    worker costs more than its TTFT: its chunks share steps with the running decodes and stretch
+    their inter-token latency, so its tokens count `weight` (>= 1) times. The prompt stays local
+    when that weighted local cost is below the remote one:
+
+        weight * (decode queue + uncached there)  <  prefill queue + uncached there
+
+    With both queues empty and nothing cached this is never true (weight >= 1): an idle pair
+    disaggregates. When the prefill worker falls behind (a burst, a long prompt ahead of short
+    ones, a prefill-heavy load on too few prefill workers), the decode worker takes prompts until
+    its own weighted queue catches up, so neither side idles while the other has a queue.
+    """
+    local = max(0, num_tokens - decode.matched_blocks * block_size)
+    remote = max(0, num_tokens - prefill.matched_blocks * block_size)
+    return weight * (decode.worker.prefill_load_tokens + local) < prefill.worker.prefill_load_tokens + remote
 
 
 def make_prefill_policy(config: RouterConfig) -> Policy:

@@ -88,7 +88,9 @@ class WorkerInfo:
 
 @dataclass
 class Assignment:
-    """One request's place in the pool; releases its load counts exactly once."""
+    """One request's place in the pool; releases its load counts exactly once. Its prompt tokens
+    count as outstanding prefill work on the worker that prefills it: the prefill worker, or the
+    decode (or colocated) worker itself when none is named."""
     pool: "WorkerPool"
     decode: WorkerInfo
     prefill: WorkerInfo | None
@@ -100,10 +102,16 @@ class Assignment:
     def prefill_address(self) -> str:
         return self.prefill.address if self.prefill is not None else ""
 
+    @property
+    def prefilled_on(self) -> WorkerInfo:
+        return self.prefill if self.prefill is not None else self.decode
+
     def prefill_done(self) -> None:
-        if self.prefill is not None and not self._prefill_released:
-            self._prefill_released = True
-            self.prefill.outstanding_prefill_tokens -= self.num_prompt_tokens
+        if self._prefill_released:
+            return
+        self._prefill_released = True
+        self.prefilled_on.outstanding_prefill_tokens -= self.num_prompt_tokens
+        if self.prefill is not None:
             self.prefill.inflight_requests -= 1
             self.pool._maybe_close(self.prefill)
 
@@ -212,8 +220,9 @@ class WorkerPool:
         if prefill is not None:
             prefill.inflight_requests += 1
             prefill.num_routed += 1
-            prefill.outstanding_prefill_tokens += num_prompt_tokens
-        return Assignment(self, decode, prefill, num_prompt_tokens)
+        assignment = Assignment(self, decode, prefill, num_prompt_tokens)
+        assignment.prefilled_on.outstanding_prefill_tokens += num_prompt_tokens
+        return assignment
 
     def _maybe_close(self, worker: WorkerInfo) -> None:
         address = worker.address

@@ -26,6 +26,8 @@ def test_serve_defaults_are_the_embedded_default():
     assert opts.ray.object_store_memory_mb == 150 and opts.engine_options == {}
     assert opts.max_migrations == 2 and options("--max-migrations", "0").max_migrations == 0
     assert opts.routers == 1 and options("--routers", "3").routers == 3
+    assert opts.router_config(port=8000).local_prefill_weight == 2.0
+    assert options("--local-prefill-weight", "inf").router_config(port=8000).local_prefill_weight == float("inf")
 
 
 def test_engine_flags_reach_every_worker():
@@ -47,6 +49,7 @@ def test_engine_flags_reach_every_worker():
     (["--decode", "-1"], "the decode pool size must be an integer >= 0, got -1"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
+    (["--local-prefill-weight", "0.5"], "--local-prefill-weight must be >= 1"),
     (["--routers", "0"], "--routers must be in 1..64, got 0"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
     (["--block-size", "24"], "block_size must be a power of two"),

@@ -5,7 +5,7 @@ import pytest
 
 from engine.block_hash import hash_full_blocks
 from router.config import RouterConfig
-from router.policies import AffinityTable, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin
+from router.policies import AffinityTable, Choice, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin, prefill_locally
 from router.pool import WorkerInfo, WorkerPool
 from tests.router.harness import reply_script, wait_until
 
@@ -119,6 +119,37 @@ def test_conversation_affinity_sends_a_follow_up_turn_back():
     assert policy.choose([d0, d1, d2], hashes(follow_up)).worker is not d2
 
 
+def test_prefill_locally_balances_the_two_queues():
+    (d,), (p,) = workers("decode", 1), workers("prefill", 1)
+    local = lambda n, weight=2.0, d_matched=0, p_matched=0: prefill_locally(  # noqa: E731
+        Choice(d, "power_of_two", d_matched), Choice(p, "load", p_matched), n, 16, weight)
+    assert not local(256)  # both idle: disaggregate
+    p.outstanding_prefill_tokens = 1024  # a long prompt ahead on the prefill worker
+    assert local(90)  # 2 * 90 < 1024 + 90: a short prompt does not queue behind it
+    assert not local(1024)  # 2 * 1024 > 2048
+    d.outstanding_prefill_tokens = 600  # the decode worker's own queue counts twice
+    assert not local(90)
+    p.stats = type("Stats", (), {"prefill_tokens_queued": 4000})()  # the worker's count when larger
+    assert local(90)
+    assert not local(90, weight=float("inf"))  # off
+    p.outstanding_prefill_tokens, p.stats, d.outstanding_prefill_tokens = 0, None, 0
+    assert local(256, weight=1.0, d_matched=8)  # the decode worker holds half the prompt (a second turn)
+    assert not local(256, weight=1.0, d_matched=8, p_matched=8)
+
+
+def test_a_local_prefill_counts_on_the_decode_workers_queue():
+    pool = WorkerPool(RouterConfig(decode=["127.0.0.1:5001"], prefill=["127.0.0.1:5002"]))
+    d, p = pool.get("127.0.0.1:5001"), pool.get("127.0.0.1:5002")
+    local, remote = pool.assign(d, None, 300), pool.assign(d, p, 200)
+    assert (d.outstanding_prefill_tokens, p.outstanding_prefill_tokens) == (300, 200)
+    assert (d.inflight_requests, p.inflight_requests) == (2, 1)
+    local.prefill_done()
+    remote.release()
+    local.release()
+    assert (d.outstanding_prefill_tokens, p.outstanding_prefill_tokens) == (0, 0)
+    assert (d.inflight_requests, p.inflight_requests) == (0, 0)
+
+
 def test_round_robin_cycles_in_address_order():
     policy = RoundRobin()
     ws = workers("decode", 3)
@@ -169,6 +200,9 @@ def test_config_validation():
         RouterConfig(api_key="")
     with pytest.raises(ValueError, match="affinity_min_match_ratio"):
         RouterConfig(affinity_min_match_ratio=1.5)
+    with pytest.raises(ValueError, match="local_prefill_weight must be >= 1"):
+        RouterConfig(local_prefill_weight=0.5)
+    assert RouterConfig(local_prefill_weight=float("inf")).local_prefill_weight == float("inf")
     assert RouterConfig(model="m").served_model_name == "m"
     assert RouterConfig().host == "127.0.0.1"
 
@@ -210,6 +244,25 @@ def test_busy_prefill_worker_is_avoided_for_new_prefixes(make_router, decode, pr
     for i in range(3):
         httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i} fresh", "max_tokens": 2})
     assert {r.prefill_address for r in decode.requests} == {prefills[1].address}
+
+
+def test_decode_worker_prefills_locally_when_the_prefill_pool_is_backed_up(make_router, decode, prefills,
+                                                                           tokenizer):
+    decode.script = reply_script(tokenizer, "ok")
+    for prefill in prefills:
+        prefill.queued_tokens = 50_000  # reported through Stats
+    router = make_router(decode=[decode.address], prefill=[p.address for p in prefills])
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "a fresh prompt", "max_tokens": 2})
+    assert r.status_code == 200
+    assert decode.requests[-1].prefill_address == ""  # no prefill worker named: the decode worker prefills
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'pdserve:routing_decisions_total{reason="local_queue",role="prefill"} 1.0' in metrics
+    for prefill in prefills:
+        prefill.queued_tokens = 0
+    wait_until(lambda: all(router.state.pool.get(p.address).stat("prefill_tokens_queued") == 0 for p in prefills),
+               message="the prefill workers' queues to drain")
+    httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "another prompt", "max_tokens": 2})
+    assert decode.requests[-1].prefill_address in {p.address for p in prefills}
 
 
 def test_colocated_worker_prefills_locally(make_router, decode, prefills, tokenizer):
