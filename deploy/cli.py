@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
     engine.add_argument("--max-step-ms", type=float, default=None,
                         help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
+    engine.add_argument("--max-step-ratio", type=float, default=None,
+                        help="the same, relative: a step with prefill takes at most this many times the decode-only "
+                             "step (decode workers' default 2; inf: off)")
     engine.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
                         help="KV blocks per worker (default: from --kv-cache-memory-gb)")
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
@@ -134,7 +137,7 @@ def serve_options(args: argparse.Namespace):
     from deploy.cluster import RaySettings
     from deploy.serve import ServeOptions
     engine_options = {name: getattr(args, name) for name in
-                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_step_ms", "num_blocks",
+                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_step_ms", "max_step_ratio", "num_blocks",
                        "kv_cache_memory_gb",
                        "max_model_len", "dtype", "preemption_mode", "swap_space_gb", "host_cache_gb")
                       if getattr(args, name) is not None}

@@ -11,6 +11,11 @@ Role = Literal["both", "prefill", "decode"]
 # The one list of worker roles (router, deploy and workers import it); "both": colocated.
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
+# A decode-role worker prefills only what the router keeps local (a short tail, or a prompt the
+# prefill pool is too busy for); its decodes come first, so by default such a step takes at most
+# twice the decode-only step (`SchedulerConfig.max_step_ratio`; `build_engine_config` applies it).
+DECODE_ROLE_MAX_STEP_RATIO = 2.0
+
 # torch is imported where a dtype or a device is resolved, not here: the control plane (deploy,
 # `pdserve status`, the router's spec) reads these configs without loading torch.
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -81,12 +86,21 @@ class SchedulerConfig:
     # While decodes run, cap each step's prefill tokens so the step should take at most this long
     # (engine/step_cost.py learns the cost per token); None: only max_num_batched_tokens caps it.
     max_step_ms: float | None = None
+    # The same, relative: a step with prefill chunks takes at most this many times the decode-only
+    # step (learned). Adapts to the hardware; the decode role's default is DECODE_ROLE_MAX_STEP_RATIO.
+    max_step_ratio: float | None = None
+
+    @property
+    def step_target_set(self) -> bool:
+        return self.max_step_ms is not None or self.max_step_ratio is not None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_step_ms is not None and not self.max_step_ms > 0:
             raise ValueError(f"max_step_ms must be > 0 when set, got {self.max_step_ms}")
+        if self.max_step_ratio is not None and not self.max_step_ratio > 1:
+            raise ValueError(f"max_step_ratio must be > 1 when set, got {self.max_step_ratio}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DECODE_ROLE_MAX_STEP_RATIO, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,6 +31,8 @@ def build_engine_config(model: str = "default", **options) -> EngineConfig:
             known = sorted(set().union(*fields.values()))
             raise ValueError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         groups[owner][key] = value
+    if options.get("role") == "decode" and options.get("max_step_ms") is None and "max_step_ratio" not in options:
+        groups["scheduler"]["max_step_ratio"] = DECODE_ROLE_MAX_STEP_RATIO
     return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
                         scheduler=SchedulerConfig(**groups["scheduler"]), **groups["engine"])
 

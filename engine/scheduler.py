@@ -275,8 +275,9 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
 
         for decodes in (True, False):
-            if not decodes and self.config.max_step_ms is not None and scheduled:
-                cap = self.step_cost.prefill_budget(len(scheduled), self.config.max_step_ms / 1000.0)
+            if not decodes and self.config.step_target_set and scheduled:
+                target_s = None if self.config.max_step_ms is None else self.config.max_step_ms / 1000.0
+                cap = self.step_cost.prefill_budget(len(scheduled), target_s, self.config.max_step_ratio)
                 if cap is not None:
                     budget = min(budget, cap)
             for request in list(self.running):
@@ -311,7 +312,7 @@ class Scheduler:
     def observe_step(self, batch: Batch, seconds: float) -> None:
         """How long the model took for `batch` (the engine times every step it runs); learned
         only when a step-time target is set."""
-        if self.config.max_step_ms is None:
+        if not self.config.step_target_set:
             return
         decodes = sum(1 for seq in batch.seqs if seq.num_new_tokens == 1)
         self.step_cost.observe(decodes, batch.num_tokens - decodes, seconds)

@@ -6,13 +6,17 @@ fitted by exponentially weighted least squares (the last ~`1 / (1 - decay)` step
 three parameters, solved in closed form at each query). The fit adapts as contexts grow, the
 batch mix changes or the machine gets busier.
 
-`prefill_budget(decodes, target_s)` is how many prefill tokens fit next to `decodes` decode
-tokens within `target_s`. Until the model has seen `min_prefill_steps` steps with prefill tokens
+`prefill_budget(decodes, target_s, ratio)` is how many prefill tokens fit next to `decodes`
+decode tokens within `target_s`, and within `ratio` times the decode-only step the model predicts
+(a target relative to the hardware: 2.0 lets prefill chunks at most double the decodes' step,
+on a CPU or a GPU alike); either may be None (or inf): no cap from it. Until the model has seen `min_prefill_steps` steps with prefill tokens
 it answers `probe_tokens` (small chunks it learns from, rather than one unbounded first chunk);
 None when prefill tokens look free (no reason to cap). It is never below `min_tokens`, so a
 prompt always makes progress however slow the decodes are.
 """
 from __future__ import annotations
+
+from math import inf
 
 import numpy as np
 
@@ -44,12 +48,15 @@ class StepCostModel:
         base, per_decode, per_token = np.linalg.solve(self._gram + ridge, self._moment)
         return float(base), float(per_decode), float(per_token)
 
-    def prefill_budget(self, decodes: int, target_s: float) -> int | None:
+    def prefill_budget(self, decodes: int, target_s: float | None, ratio: float | None = None) -> int | None:
         fitted = self.coefficients()
         if fitted is None:
             return self.probe_tokens
         base, per_decode, per_token = fitted
         if per_token <= 0.0:
             return None  # prefill tokens look free here: no reason to cap them
-        room = target_s - max(base, 0.0) - max(per_decode, 0.0) * decodes
-        return max(self.min_tokens, int(room / per_token))
+        decode_s = max(base, 0.0) + max(per_decode, 0.0) * decodes
+        targets = [t for t in (target_s, None if ratio is None else ratio * decode_s) if t is not None and t < inf]
+        if not targets:
+            return None
+        return max(self.min_tokens, int((min(targets) - decode_s) / per_token))

@@ -38,6 +38,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests")
     group.add_argument("--max-step-ms", type=float, default=None,
                        help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
+    group.add_argument("--max-step-ratio", type=float, default=None,
+                       help="the same, relative: a step with prefill takes at most this many times the decode-only "
+                            "step (decode role default 2; inf: off)")
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
@@ -62,7 +65,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as `engine.llm.build_engine_config` keyword options (unset ones left out)."""
     names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
              "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
-             "max_num_seqs": "max_num_seqs", "max_step_ms": "max_step_ms", "max_model_len": "max_model_len",
+             "max_num_seqs": "max_num_seqs", "max_step_ms": "max_step_ms", "max_step_ratio": "max_step_ratio", "max_model_len": "max_model_len",
              "seed": "seed",
              "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "host_cache_gb": "host_cache_gb"}
     options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}

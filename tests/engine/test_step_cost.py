@@ -80,3 +80,37 @@ def test_the_scheduler_caps_prefill_chunks_only_while_decodes_run_and_outputs_ar
 def test_max_step_ms_must_be_positive():
     with pytest.raises(ValueError, match="max_step_ms must be > 0"):
         SchedulerConfig(max_step_ms=0)
+
+
+def test_a_relative_target_caps_prefill_at_a_multiple_of_the_decode_step():
+    model = trained(StepCostModel())
+    # 8 decodes take 2 + 4 = 6 ms; ratio 2 leaves 6 ms for prefill: 6 / 0.05 = 120 tokens
+    assert model.prefill_budget(8, None, ratio=2.0) == pytest.approx(120, abs=12)
+    assert model.prefill_budget(8, 0.010, ratio=2.0) == pytest.approx(80, abs=8)  # the tighter target wins
+    assert model.prefill_budget(8, None, ratio=float("inf")) is None  # inf: off
+    assert model.prefill_budget(8, None, None) is None
+    with pytest.raises(ValueError, match="max_step_ratio must be > 1"):
+        SchedulerConfig(max_step_ratio=1.0)
+
+
+def test_a_decode_role_worker_caps_its_local_prefill_relative_to_its_decodes_by_default():
+    from engine.config import DECODE_ROLE_MAX_STEP_RATIO
+    from engine.llm import build_engine_config
+    assert build_engine_config(role="decode").scheduler.max_step_ratio == DECODE_ROLE_MAX_STEP_RATIO
+    assert build_engine_config(role="decode", max_step_ms=300.0).scheduler.max_step_ratio is None
+    assert build_engine_config(role="decode", max_step_ratio=float("inf")).scheduler.max_step_ratio == float("inf")
+    for role in ("both", "prefill"):
+        assert build_engine_config(role=role).scheduler.step_target_set is False
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_step_ratio=2.0),
+                          CacheConfig(block_size=4), 256, 1024)
+    trained(scheduler.step_cost)
+    runner = FakeModelRunner(256, 4)
+    scheduler.add_request(req("first", 40, 40))
+    step(scheduler, runner)
+    long = req("long", 600, 4)
+    scheduler.add_request(long)
+    cap = scheduler.step_cost.prefill_budget(1, None, 2.0)
+    batch, _ = step(scheduler, runner)
+    assert [s.num_new_tokens for s in batch.seqs if s.request is long] == [cap]
+    run_until_done(scheduler, runner)
+    assert long.output_token_ids == reference_generate(long.prompt_token_ids, 4)
