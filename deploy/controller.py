@@ -413,25 +413,35 @@ class PoolController:
         self._reconcile()  # and saves
 
     async def _poll(self, member: Member) -> None:
+        """One Stats poll. Anything but an answer is a failed poll, a call cancelled under it
+        included (stopping a worker's handle closes its gRPC channel, and gRPC cancels the calls
+        still open on it); only the cancellation of the poll itself propagates."""
         sent = self.clock()
         try:
             stats = await asyncio.wait_for(member.handle.stats(self.config.rpc_timeout_s),
                                            self.config.rpc_timeout_s + 1.0)
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise
+            self._poll_failed(member, "the Stats call was cancelled")
+            return
         except Exception as exc:
-            member.consecutive_failures += 1
-            member.last_error = _describe(exc)
-            if member.healthy and member.consecutive_failures >= self.config.unhealthy_after_failures:
-                member.healthy = False
-                self._event(f"{member.worker_id} at {member.grpc_address} unhealthy: {member.last_error}",
-                            logging.WARNING)
-            if (member.consecutive_failures >= self.config.replace_after_failures
-                    and self._members.get(member.worker_id) is member and member.state != STOPPING):
-                self._stop(member, f"unresponsive for {member.consecutive_failures} polls; replacing it")
+            self._poll_failed(member, _describe(exc))
             return
         if not member.healthy and member.consecutive_failures:
             self._event(f"{member.worker_id} at {member.grpc_address} healthy again")
         member.stats, member.stats_time = stats, sent
         member.healthy, member.consecutive_failures, member.last_error = True, 0, None
+
+    def _poll_failed(self, member: Member, error: str) -> None:
+        member.consecutive_failures += 1
+        member.last_error = error
+        if member.healthy and member.consecutive_failures >= self.config.unhealthy_after_failures:
+            member.healthy = False
+            self._event(f"{member.worker_id} at {member.grpc_address} unhealthy: {error}", logging.WARNING)
+        if (member.consecutive_failures >= self.config.replace_after_failures
+                and self._members.get(member.worker_id) is member and member.state != STOPPING):
+            self._stop(member, f"unresponsive for {member.consecutive_failures} polls; replacing it")
 
     def _check_drains(self) -> None:
         now = self.clock()
@@ -475,6 +485,13 @@ class PoolController:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not merely handed a CancelledError
+    by something it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _describe(exc: BaseException) -> str:

@@ -30,7 +30,9 @@ class FakeHandle:
     reply: dict[str, Any] = field(default_factory=lambda: {"running": 0, "waiting": 0, "kv_blocks_total": 100,
                                                            "kv_blocks_free": 100})  # what Stats answers
     unresponsive: bool = False
+    stats_hang: bool = False  # Stats does not answer; stop() cancels the open calls (see stop())
     stopped_with_grace: float | None = None
+    open_calls: set[asyncio.Future] = field(default_factory=set)
     _released: asyncio.Event = field(default_factory=asyncio.Event)
     _died: asyncio.Future | None = None
 
@@ -59,10 +61,22 @@ class FakeHandle:
     async def stats(self, timeout_s: float) -> dict[str, Any]:
         if self.unresponsive:
             raise ConnectionError("connection refused")
+        if self.stats_hang:
+            call = asyncio.get_running_loop().create_future()
+            self.open_calls.add(call)
+            try:
+                await call
+            finally:
+                self.open_calls.discard(call)
         return dict(self.reply)
 
     async def stop(self, grace_s: float) -> None:
+        """Like `RayWorkerHandle.stop`, which closes its gRPC channel: the calls still open on it
+        are cancelled, and their callers get asyncio.CancelledError (their own task is not
+        being cancelled)."""
         self.stopped_with_grace = grace_s
+        for call in list(self.open_calls):
+            call.cancel()
         if self._died is not None and not self._died.done():
             self._died.set_result("stopped")
 

@@ -223,6 +223,37 @@ async def test_an_unresponsive_worker_turns_unhealthy_then_is_replaced():
     await controller.shutdown()
 
 
+async def test_a_poll_cut_off_by_its_workers_stop_fails_and_health_checks_go_on():
+    # Stopping a dead worker's handle closes its gRPC channel, which cancels a Stats call still
+    # open on it: the poll gets CancelledError. That is one failed poll; it must not end the
+    # health loop, which alone polls workers and finishes drains (a dead loop left a drained
+    # replacement waiting for drain_timeout_s in the end-to-end test).
+    launcher = FakeLauncher()
+    config = ControllerConfig(targets=PoolTargets(1, 2, 0), health_interval_s=0.01)
+    controller = PoolController(config, launcher)  # the real clock: a drain needs a poll sent after it began
+    await controller.start()
+    victim = launcher.of("decode")[0]
+    victim.stats_hang = True
+    await asyncio.wait_for(_until(lambda: victim.open_calls), 30.0)  # a poll of it is in flight
+    victim.die("SIGKILL")
+    await asyncio.wait_for(_until(lambda: victim.stopped), 30.0)  # which cancelled the poll
+    assert not victim.open_calls
+    assert await controller.wait_settled(30.0)
+    replacement = launcher.of("decode")[-1]
+    assert replacement is not victim
+    controller.scale(decode=1, drain=[replacement.address])
+    assert await controller.wait_settled(30.0)  # drained: the health loop still polls
+    assert replacement.stopped
+    assert any(f"{replacement.worker_id} at {replacement.address} stopping: drained" in e["message"]
+               for e in controller.status()["events"])
+    await controller.shutdown()
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
 async def test_a_failing_replacement_backs_off_before_trying_again():
     controller, launcher, clock = make_controller(prefill=1, decode=1, max_start_backoff_s=60.0)
     await controller.start()
