@@ -398,9 +398,16 @@ class PoolController:
     # ---- health and draining -------------------------------------------------------------------
 
     async def _health_loop(self) -> None:
+        """`tick()` every `health_interval_s` until this task is cancelled. Nothing a tick raises
+        ends it, a CancelledError that is not this task's own included: it alone polls workers
+        and finishes drains, so a loop that ended would leave every drain to `drain_timeout_s`."""
         while True:
             try:
                 await self.tick()
+            except asyncio.CancelledError:
+                if _being_cancelled():
+                    raise
+                logger.exception("controller tick failed")
             except Exception:  # a bug in one tick must not end health checking
                 logger.exception("controller tick failed")
             await asyncio.sleep(self.config.health_interval_s)

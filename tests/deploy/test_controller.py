@@ -11,8 +11,8 @@ from tests.deploy.fakes import FakeClock, FakeLauncher, MemoryStore, settle
 
 def make_controller(prefill=1, decode=1, colocated=0, **overrides):
     launcher, clock = FakeLauncher(), FakeClock()
-    config = ControllerConfig(targets=PoolTargets(prefill, decode, colocated), health_interval_s=3600.0,
-                              **overrides)
+    config = ControllerConfig(targets=PoolTargets(prefill, decode, colocated),
+                              **{"health_interval_s": 3600.0, **overrides})
     return PoolController(config, launcher, clock=clock), launcher, clock
 
 
@@ -247,6 +247,27 @@ async def test_a_poll_cut_off_by_its_workers_stop_fails_and_health_checks_go_on(
     assert any(f"{replacement.worker_id} at {replacement.address} stopping: drained" in e["message"]
                for e in controller.status()["events"])
     await controller.shutdown()
+
+
+async def test_the_health_loop_outlives_a_tick_that_raises_until_it_is_cancelled():
+    controller, _, _ = make_controller(health_interval_s=0.01)
+    ticks = []
+
+    async def tick():  # a CancelledError from something the tick awaited, then a bug, then fine
+        ticks.append(len(ticks))
+        if len(ticks) == 1:
+            cut_off = asyncio.get_running_loop().create_future()
+            cut_off.cancel()
+            await cut_off
+        if len(ticks) == 2:
+            raise RuntimeError("a bug in one tick")
+
+    controller.tick = tick
+    await controller.start()
+    await asyncio.wait_for(_until(lambda: len(ticks) >= 3), 30.0)
+    assert not controller._loop_task.done()
+    await controller.shutdown()
+    assert controller._loop_task.cancelled()
 
 
 async def _until(predicate) -> None:
