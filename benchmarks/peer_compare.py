@@ -48,7 +48,10 @@ from benchmarks.serve import BenchConfig, run_benchmark  # noqa: E402
 PDSERVE_SYSTEMS = {
     "pdserve colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1"],
     "pdserve disaggregated": ["--prefill", "1", "--decode", "1", "--colocated", "0"],
+    # as many running sequences as llama-server's 16 slots below (the rest wait, as in its queue)
+    "pdserve colocated 16 seqs": ["--prefill", "0", "--decode", "0", "--colocated", "1", "--max-num-seqs", "16"],
 }
+DEFAULT_SYSTEMS = ("pdserve colocated", "pdserve disaggregated")
 COMMON_SERVE_ARGS = ["--kv-cache-memory-gb", "2"]
 
 
@@ -63,6 +66,42 @@ def machine_facts() -> dict[str, Any]:
     return {"cpu": model, "cpu_features": cpu_kernels.cpu_features(), "kernel_isa": cpu_kernels.isa(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "fp32_matmul_peak_gflops": matmul_peak_gflops(torch.float32)}
+
+
+# Where a pdserve run's CPU time went, by process kind (cmdline substrings, first match wins).
+PROCESS_KINDS = (("router", "router_process"), ("controller", "ControllerActor"), ("workers", "ray::"),
+                 ("ray", "ray/"), ("ray", "raylet"), ("ray", "gcs_server"))
+
+
+def cpu_seconds_by_kind(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `root_pid` (kind "serve") and every descendant, by kind
+    (Linux /proc; processes that already exited are not counted)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = fields
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    pending = [root_pid]
+    while pending:
+        pid = pending.pop()
+        pending += children.get(pid, [])
+        if pid not in stats:
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        kind = "serve" if pid == root_pid else next((k for k, marker in PROCESS_KINDS if marker in cmdline), "other")
+        totals[kind] = totals.get(kind, 0.0) + (int(stats[pid][11]) + int(stats[pid][12])) / tick
+    return totals
 
 
 def run_load(url: str, label: str, load: dict[str, Any], args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -125,21 +164,34 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
              "num_requests": args.rate_requests}]
 
 
-def bench_system(name: str, url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_system(name: str, url: str, args: argparse.Namespace, server_pid: int | None = None) -> list[dict[str, Any]]:
+    """Each load against `url`; with `server_pid` (a pdserve serve process), also the CPU seconds
+    its processes spent on the load, by kind (router, workers, ray, ...)."""
     rows = []
     # Warm-up (first requests compile nothing, but touch every code path and page in the weights).
     run_load(url, f"{name} warm-up", {"max_concurrency": 4, "num_requests": 4}, args, seed=99)
     for i, load in enumerate(loads(args)):
         started = time.monotonic()
+        cpu_before = cpu_seconds_by_kind(server_pid) if server_pid else {}
         result = run_load(url, f"{name} {load['name']}", load, args, seed=i)
         result.update(system=name, load=load["name"], wall_s=time.monotonic() - started)
-        print(f"  {name:24s} {load['name']:16s} {fmt_row(result)}", flush=True)
+        if server_pid:
+            cpu_after = cpu_seconds_by_kind(server_pid)
+            result["cpu_s"] = {kind: round(cpu_after[kind] - cpu_before.get(kind, 0.0), 2) for kind in cpu_after}
+        print(f"  {name:24s} {load['name']:16s} {fmt_row(result)}  cpu s {result.get('cpu_s', '-')}", flush=True)
         rows.append(result)
     return rows
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+def _cpu(seconds: dict[str, float] | None) -> str:
+    if not seconds:
+        return "-"
+    workers, router = seconds.get("workers", 0.0), seconds.get("router", 0.0)
+    return f"{workers:.0f} / {router:.0f} / {sum(seconds.values()) - workers - router:.0f}"
 
 
 def fmt_row(r: dict[str, Any]) -> str:
@@ -155,18 +207,20 @@ def markdown(report: dict[str, Any]) -> str:
              *([f"(rows of an earlier run on {report['previous_machine']['cpu']}: fp32 matmul peak "
                 f"{report['previous_machine']['fp32_matmul_peak_gflops']:.0f} GFLOP/s then)"]
                if "previous_machine" in report else []),
-             "", "| system | load | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
-             "|---|---|---|---|---|---|"]
+             "", "| system | load | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors | CPU s: workers / "
+             "router / rest |", "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['system']} | {r['load']} | {r['total_tok_s']:.1f} | {_ms(r['ttft_p50_ms'])} / "
-                     f"{_ms(r['ttft_p99_ms'])} | {_ms(r['itl_p50_ms'])} / {_ms(r['itl_p99_ms'])} | {r['errors']} |")
+                     f"{_ms(r['ttft_p99_ms'])} | {_ms(r['itl_p50_ms'])} / {_ms(r['itl_p99_ms'])} | {r['errors']} | "
+                     f"{_cpu(r.get('cpu_s'))} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default=",".join(PDSERVE_SYSTEMS),
-                        help="comma-separated pdserve layouts to run (empty: only the peer)")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated pdserve layouts to run, of: {'; '.join(PDSERVE_SYSTEMS)} "
+                             "(empty: only the peer)")
     parser.add_argument("--peer-url", default=None, help="a running OpenAI-compatible server to compare with")
     parser.add_argument("--peer-name", default="peer")
     parser.add_argument("--input-len", type=int, default=256)
@@ -215,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             server = ServeProcess(serve_args, Path(tmp) / f"{name.replace(' ', '-')}.log",
                                   Path(tmp) / f"{name.replace(' ', '-')}.state.json")
             try:
-                report["rows"] += bench_system(name, server.wait_ready(900), args)
+                report["rows"] += bench_system(name, server.wait_ready(900), args, server.popen.pid)
             finally:
                 server.stop()
     if args.peer_url:
