@@ -6,10 +6,14 @@ One worker's lifecycle in the controller (one state per line):
     READY      addresses reported; in the membership the routers sync from; Stats polled
     DRAINING   in the membership with `draining=True`: routers send it nothing new; it leaves
                once every live router reports none of its requests in flight and a later
-               Stats poll says nothing runs or waits on it (or after `drain_timeout_s`)
+               Stats poll says nothing runs or waits on it (or after `drain_timeout_s`, or
+               after `replace_after_failures` failed polls: a drain never waits on a worker
+               that cannot answer)
     STOPPING   out of the membership; its gRPC server stops (grace), then the actor is killed
     (gone)     stopped, dead (its actor died: noticed at once, replaced), failed to start (retried
-               with backoff), or unresponsive for `replace_after_failures` polls (killed, replaced)
+               with backoff), or unresponsive for `replace_after_failures` polls (killed; replaced
+               unless it was draining). A poll without an answer is a failed poll, also one whose
+               call was cancelled under it.
 
 `PoolController` is plain asyncio over a `Launcher` (Ray actors in production, fakes in tests);
 `ControllerActor` is the Ray actor around it, found by name (`pdserve-controller` in namespace
@@ -441,6 +445,9 @@ class PoolController:
         member.healthy, member.consecutive_failures, member.last_error = True, 0, None
 
     def _poll_failed(self, member: Member, error: str) -> None:
+        """Unhealthy after `unhealthy_after_failures` failed polls in a row; stopped after
+        `replace_after_failures` (replaced if READY; a DRAINING one, even one that never
+        answered a poll, leaves as if drained, so no drain waits on a worker that cannot answer)."""
         member.consecutive_failures += 1
         member.last_error = error
         if member.healthy and member.consecutive_failures >= self.config.unhealthy_after_failures:
@@ -448,7 +455,8 @@ class PoolController:
             self._event(f"{member.worker_id} at {member.grpc_address} unhealthy: {error}", logging.WARNING)
         if (member.consecutive_failures >= self.config.replace_after_failures
                 and self._members.get(member.worker_id) is member and member.state != STOPPING):
-            self._stop(member, f"unresponsive for {member.consecutive_failures} polls; replacing it")
+            outcome = "replacing it" if member.state == READY else "its drain ends here"
+            self._stop(member, f"unresponsive for {member.consecutive_failures} polls; {outcome}")
 
     def _check_drains(self) -> None:
         now = self.clock()

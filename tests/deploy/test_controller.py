@@ -29,6 +29,12 @@ def decode_status(controller):
     return worker
 
 
+async def _until(predicate) -> None:
+    """Wait (bound it with asyncio.wait_for) until `predicate()` holds, for a running health loop."""
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
 async def test_start_brings_every_pool_to_its_target():
     controller, launcher, _ = make_controller(prefill=1, decode=2, colocated=1)
     await controller.start()
@@ -270,9 +276,23 @@ async def test_the_health_loop_outlives_a_tick_that_raises_until_it_is_cancelled
     assert controller._loop_task.cancelled()
 
 
-async def _until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.01)
+async def test_a_drained_worker_that_never_answered_a_poll_leaves_after_the_failed_polls():
+    controller, launcher, _ = make_controller(prefill=1, decode=1, unhealthy_after_failures=2,
+                                              replace_after_failures=3)
+    await controller.start()
+    launcher.plan["decode"] = [{"unresponsive": True}]
+    controller.scale(decode=2)
+    await settle()
+    mute = launcher.of("decode")[-1]
+    controller.scale(decode=1, drain=[mute.address])  # drained before any poll reached it
+    for _ in range(3):
+        assert not mute.stopped
+        await controller.tick()
+    await settle()
+    assert mute.stopped and controller.settled() and len(launcher.of("decode")) == 2  # not replaced
+    assert any(f"{mute.worker_id} at {mute.address} stopping: unresponsive for 3 polls; its drain ends here"
+               in e["message"] for e in controller.status()["events"])
+    await controller.shutdown()
 
 
 async def test_a_failing_replacement_backs_off_before_trying_again():
