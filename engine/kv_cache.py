@@ -4,6 +4,9 @@ Layout `[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`; layer 
 `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V), so a (layer, block) pair is
 one contiguous chunk (what kvtransfer moves) and the whole cache is one memory region (what a
 transport registers once).
+
+With tensor parallelism each rank's cache holds only that rank's KV heads: callers pass
+`num_kv_heads` (the model's `shard.num_kv_heads`); the default is all of the model's.
 """
 from __future__ import annotations
 
@@ -36,13 +39,16 @@ class KVCache:
         return int(self.data.shape[1])
 
 
-def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
+                    num_kv_heads: int | None = None) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * itemsize
+    heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return arch.num_hidden_layers * 2 * block_size * heads * arch.head_dim * itemsize
 
 
-def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
-    blocks = memory_bytes // bytes_per_block(arch, block_size, dtype)
+def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, memory_bytes: int,
+                          num_kv_heads: int | None = None) -> int:
+    blocks = memory_bytes // bytes_per_block(arch, block_size, dtype, num_kv_heads)
     if blocks < 2:
         raise ValueError(f"KV cache memory of {memory_bytes / 2**20:.1f} MiB holds fewer than 2 blocks of "
                          f"{block_size} tokens; raise kv_cache_memory_gb or set num_blocks")
@@ -50,11 +56,12 @@ def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.d
 
 
 def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str, shared: bool = False) -> KVCache:
+                      device: torch.device | str, shared: bool = False, num_kv_heads: int | None = None) -> KVCache:
     """A zeroed cache. `shared` (CPU, Linux): allocate it in a memfd, so that a same-host peer
     given the descriptor can map it (kvtransfer's shm mapped path); such memory is in 4 KiB
     pages (shmem), otherwise the CPU cache is advised into transparent huge pages."""
-    shape = (arch.num_hidden_layers, num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+    heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    shape = (arch.num_hidden_layers, num_blocks, 2, block_size, heads, arch.head_dim)
     if shared and torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)

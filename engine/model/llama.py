@@ -5,10 +5,21 @@ embeddings. Inputs are all scheduled tokens of all sequences concatenated (`[num
 layer stores its new keys/values in the paged KV cache and attends through the attention backend
 (see `engine.attention.metadata` for the batch contract). Weights arrive in Hugging Face naming
 and layout; Q/K/V and gate/up are fused into one matmul each.
+
+Tensor parallelism (`tp`, an `engine.parallel.TensorParallelGroup`; None: one process, today's
+code exactly), Megatron-style: the fused QKV and gate/up projections are column-parallel (each
+rank computes its query heads, its KV heads and its slice of the MLP's intermediate columns), and
+o_proj and down_proj are row-parallel (each rank multiplies its slice of the inputs; the partial
+sums are all-reduced, then the bias, if any, is added once). With fewer KV heads than ranks each
+KV head is replicated: a rank holds the one KV head its query heads read. The embedding, the
+norms and the LM head are replicated, so every rank computes the same residual stream and rank 0
+has the full logits (followers skip the LM head: `compute_logits=False`). `TensorParallelShard`
+says what a rank holds; `load_weights` cuts it out of the Hugging Face tensors.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -17,6 +28,56 @@ from engine.attention.metadata import AttentionMetadata
 from engine.model import fused_ops
 from engine.model.arch import ModelArchConfig
 from engine.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallelGroup
+
+
+def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
+    """ValueError naming the numbers unless `size` ranks can split this model's heads and MLP."""
+    heads, kv_heads, inter = arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    problems = []
+    if heads % size:
+        problems.append(f"num_attention_heads ({heads}) is not divisible by it")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"num_key_value_heads ({kv_heads}) neither divides it nor is divisible by it")
+    if inter % size:
+        problems.append(f"intermediate_size ({inter}) is not divisible by it")
+    if problems:
+        valid = [n for n in range(1, heads + 1)
+                 if heads % n == 0 and inter % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+        raise ValueError(f"tensor_parallel_size {size} cannot split {arch.architecture}: "
+                         f"{'; '.join(problems)} (sizes that can: {', '.join(map(str, valid))})")
+
+
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """What one rank holds: query heads `[head_start, head_start + num_heads)`, KV heads
+    `[kv_head_start, kv_head_start + num_kv_heads)` (one replicated head when the model has fewer
+    KV heads than ranks) and the MLP's intermediate columns `[inter_start, inter_start +
+    intermediate_size)`. Rank 0 of 1 holds the whole model."""
+
+    rank: int
+    size: int
+    num_heads: int
+    head_start: int
+    num_kv_heads: int
+    kv_head_start: int
+    intermediate_size: int
+    inter_start: int
+
+    @classmethod
+    def of(cls, arch: ModelArchConfig, rank: int = 0, size: int = 1) -> "TensorParallelShard":
+        check_tensor_parallel(arch, size)
+        heads = arch.num_attention_heads // size
+        if arch.num_key_value_heads >= size:
+            kv_heads, kv_start = arch.num_key_value_heads // size, rank * (arch.num_key_value_heads // size)
+        else:  # replicated: rank r's query heads all read KV head r // (size / num_kv_heads)
+            kv_heads, kv_start = 1, rank // (size // arch.num_key_value_heads)
+        inter = arch.intermediate_size // size
+        return cls(rank, size, heads, rank * heads, kv_heads, kv_start, inter, rank * inter)
 
 
 class RMSNorm(nn.Module):
@@ -43,18 +104,35 @@ class Linear(nn.Linear):
         return fused_ops.linear(x, self.weight, self.bias, self.packed)
 
 
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across the tensor-parallel ranks: each computes a
+    partial sum, all-reduced, then the bias (whole on every rank) is added once. With `tp` None it
+    is a plain `Linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(x)
+        out = self.tp.all_reduce(fused_ops.linear(x, self.weight, None, self.packed))
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, shard: TensorParallelShard,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        self.num_heads = shard.num_heads  # this rank's (all of them without tensor parallelism)
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_proj_bias, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend, rows: torch.Tensor | None = None,
@@ -79,32 +157,37 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(shard.intermediate_size, arch.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, shard: TensorParallelShard,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_index)
+        self.self_attn = LlamaAttention(arch, layer_index, shard, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, shard, tp)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchConfig, max_model_len: int | None = None) -> None:
+    def __init__(self, arch: ModelArchConfig, max_model_len: int | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
+        """`tp`: this rank's tensor-parallel group (None: the whole model in this process);
+        ValueError if its size cannot split the model (`check_tensor_parallel`)."""
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}: pdserve's Llama-family model uses silu")
         self.arch = arch
+        self.shard = TensorParallelShard.of(arch, tp.rank, tp.world_size) if tp is not None else TensorParallelShard.of(arch)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, self.shard, tp) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None  # tied: the embedding's pre-blocked copy
@@ -115,8 +198,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None,
                 logits_meta: AttentionMetadata | None = None,
-                on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None).
+                on_layer_stored: Callable[[int], None] | None = None,
+                compute_logits: bool = True) -> torch.Tensor | None:
+        """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None); None
+        with `compute_logits=False` (a tensor-parallel follower: every layer, no LM head).
 
         With `logits_meta` (one query token per sequence that samples: the last token of each, as
         `logits_indices` lists them), the last layer stores every token's K/V but computes its
@@ -145,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
             if on_layer_stored is not None:
                 on_layer_stored(index)
             hidden = layer.mlp(layer.post_attention_layernorm.add_forward(hidden, residual))
+        if not compute_logits:
+            return None
         hidden = residual + hidden if hidden is not None else residual
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
@@ -168,27 +255,29 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the fused parameters; every parameter must be set.
+        A tensor-parallel rank copies only its shard (`_shard_of`) of each.
 
         Missing or misshapen tensors raise ValueError naming the tensor and both shapes.
         """
         params = dict(self.named_parameters())
         pending = {name: _expected_sources(name, self.arch) for name in params}
+        full_shapes = self.arch.expected_weight_shapes() if self.shard.size > 1 else None
         seen: set[str] = set()
         for hf_name, tensor in weights:
             target = _hf_to_param(hf_name)
             if target is None:
                 continue
-            param_name, offset_fn = target
+            param_name, part = target
             if param_name not in params:
                 if param_name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied: the checkpoint may still carry a copy
                 raise ValueError(f"unexpected tensor {hf_name!r} for {self.arch.architecture}")
+            if full_shapes is not None:
+                _check_shape(hf_name, tensor, full_shapes.get(hf_name, tuple(tensor.shape)), self.arch)
+                tensor = self._shard_of(hf_name, part, tensor)
             param = params[param_name]
-            start, rows = offset_fn(self.arch)
-            dest = param.data if rows is None else param.data.narrow(0, start, rows)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
-                                 f"for {self.arch.architecture} with this config.json")
+            dest = param.data if part is None else param.data.narrow(0, *self._fused_rows(part))
+            _check_shape(hf_name, tensor, tuple(dest.shape), self.arch)
             dest.copy_(tensor.to(dest.dtype))
             seen.add(hf_name)
         missing = sorted(src for sources in pending.values() for src in sources if src not in seen)
@@ -196,28 +285,51 @@ class LlamaForCausalLM(nn.Module):
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing tensors: {shown}")
 
+    def _fused_rows(self, part: str) -> tuple[int, int]:
+        """(first row, rows) of a Hugging Face projection in its fused parameter, on this rank."""
+        head_dim, shard = self.arch.head_dim, self.shard
+        q, kv, inter = shard.num_heads * head_dim, shard.num_kv_heads * head_dim, shard.intermediate_size
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter), "up": (inter, inter)}[part]
 
-def _split_rows(arch: ModelArchConfig, part: str) -> tuple[int, int]:
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv),
-            "gate": (0, arch.intermediate_size), "up": (arch.intermediate_size, arch.intermediate_size)}[part]
+    def _shard_of(self, hf_name: str, part: str | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole Hugging Face tensor: rows of the column-parallel
+        projections (q/k/v by heads, gate/up by intermediate columns), input columns of the
+        row-parallel ones (o_proj, down_proj); the rest (and o_proj's bias) whole."""
+        head_dim, shard = self.arch.head_dim, self.shard
+        if part == "q":
+            return tensor.narrow(0, shard.head_start * head_dim, shard.num_heads * head_dim)
+        if part in ("k", "v"):
+            return tensor.narrow(0, shard.kv_head_start * head_dim, shard.num_kv_heads * head_dim)
+        if part in ("gate", "up"):
+            return tensor.narrow(0, shard.inter_start, shard.intermediate_size)
+        if hf_name.endswith(".o_proj.weight"):
+            return tensor.narrow(1, shard.head_start * head_dim, shard.num_heads * head_dim)
+        if hf_name.endswith(".down_proj.weight"):
+            return tensor.narrow(1, shard.inter_start, shard.intermediate_size)
+        return tensor
+
+
+def _check_shape(hf_name: str, tensor: torch.Tensor, expected: tuple[int, ...], arch: ModelArchConfig) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)} "
+                         f"for {arch.architecture} with this config.json")
 
 
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
 
-def _hf_to_param(hf_name: str):
-    """HF tensor name -> (our parameter name, fn(arch) -> (row offset, rows) or (0, None) for whole)."""
+def _hf_to_param(hf_name: str) -> tuple[str, str | None] | None:
+    """HF tensor name -> (our parameter name, its part of a fused parameter or None for a whole
+    one); None for a tensor that is not a weight."""
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
     name = hf_name.removeprefix("model.")
     for hf_part, (fused, part) in _FUSED.items():
         marker = f".{hf_part}."
         if marker in name:
-            return name.replace(marker, f".{fused}."), (lambda arch, p=part: _split_rows(arch, p))
-    return name, (lambda arch: (0, None))
+            return name.replace(marker, f".{fused}."), part
+    return name, None
 
 
 def _expected_sources(param_name: str, arch: ModelArchConfig) -> list[str]:
