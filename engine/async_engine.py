@@ -133,6 +133,9 @@ class AsyncEngine:
         self._stopped.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
+        close = getattr(self.engine, "close", None)
+        if close is not None and not self._thread.is_alive():  # never under a step still running
+            close()
 
     # ---- engine thread ----------------------------------------------------------------------
 

@@ -118,6 +118,9 @@ class EngineConfig:
     # On CUDA (Triton backend), replay decode-only steps as CUDA graphs (engine/cuda_graphs.py).
     cuda_graphs: bool = True
     seed: int = 0
+    # Processes (one device each on CUDA) that split the model's heads and MLP (engine/parallel.py);
+    # rank 0 is this engine and starts the others (engine/tp_worker.py). 1: one process.
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -126,6 +129,9 @@ class EngineConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         self.device = resolve_device(self.device)
 
     @property

@@ -46,13 +46,16 @@ class LLMEngine:
         `kv_transport(kv_cache, on_transfer_end)` builds the KV connector's sender (prefill role)
         or receiver (decode role) over the runner's `KVCache`, e.g. with `kvtransfer.create_sender`."""
         self.config = config
+        if kv_transport is not None and config.tensor_parallel_size > 1:
+            raise ValueError("KV transfer (disaggregated prefill/decode) with tensor_parallel_size > 1 is not "
+                             "supported yet: each rank holds only its KV heads")
         if runner is None:
             from engine.model.loader import resolve_model
             from engine.model_runner import ModelRunner
             from engine.tokenizer import Tokenizer
             loaded = resolve_model(config.model)
-            runner = ModelRunner(config, loaded)
             tokenizer = tokenizer or Tokenizer.from_pretrained(loaded.model_dir)
+            runner = ModelRunner(config, loaded)  # last: with TP it starts processes (see close())
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
@@ -64,10 +67,14 @@ class LLMEngine:
             self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(), kv_cache.layers,
                                             config.cache.block_size, DEFAULT_HASH_ALGORITHM,
                                             lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set)
-        self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
-                                   role=config.role, kv_connector=self.kv_connector,
-                                   num_swap_slots=getattr(runner, "num_swap_slots", 0),
-                                   num_host_slots=getattr(runner, "num_host_cache_slots", 0))
+        try:
+            self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
+                                       role=config.role, kv_connector=self.kv_connector,
+                                       num_swap_slots=getattr(runner, "num_swap_slots", 0),
+                                       num_host_slots=getattr(runner, "num_host_cache_slots", 0))
+        except BaseException:
+            self.close()
+            raise
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
@@ -159,6 +166,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Release what outlives the object: the model runner's tensor-parallel followers
+        (engine/tp_worker.py). Idempotent; nothing to do without tensor parallelism."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- disaggregation roles (run on the engine thread; see engine/kv_hooks.py) ------------
 

@@ -2,7 +2,9 @@
 
 Prompts are strings, token-id lists or chat message lists (`[{"role": ..., "content": ...}]`).
 Engine options are EngineConfig fields plus the cache and scheduler fields by name, e.g.
-`LLM(block_size=16, num_blocks=512, max_num_batched_tokens=256)`.
+`LLM(block_size=16, num_blocks=512, max_num_batched_tokens=256)`. With
+`tensor_parallel_size=N` the engine starts N-1 follower processes: `close()` the LLM (or use it
+as a context manager) to end them; they also end when this process does.
 """
 from __future__ import annotations
 
@@ -44,6 +46,16 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """End the engine's tensor-parallel followers, if any (idempotent)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

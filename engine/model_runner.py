@@ -3,11 +3,24 @@
 The runner owns the model weights, the KV cache tensors, the attention backend and the sampler;
 it never decides who runs (the scheduler does). Contract: `execute(batch)` returns one
 `SampledToken` for every scheduled sequence whose `sample` flag is set.
+
+Tensor parallelism (`config.tensor_parallel_size` N > 1; engine/parallel.py): the runner of rank 0
+starts N-1 followers (engine/tp_worker.py), each a runner over its shard of the model and its own
+KV cache (this rank's KV heads only, the same block ids on every rank). Step contract: the
+scheduler runs on rank 0 only; before each forward `execute` broadcasts what the followers need
+(`("forward", input ids, positions, query and context lengths, block tables, logits indices,
+sampled rows)`), and `swap` / `offload` / `reload` broadcast their block pairs before copying, so
+every rank's cache sees the same copies in the same order. Followers run `follower_loop()`: the
+same forward without the LM head or sampling (rank 0 samples) and the same copies, until
+`("shutdown",)`, which `close()` sends. A failure during a broadcast or a forward leaves the
+ranks' collectives out of step: the group is then broken, the followers are stopped and every
+later `execute` raises (restart the engine). TP=1 runs without any of this. CUDA graphs are off
+under TP for now (each rank would have to replay its graphs in step).
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,7 +30,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, check_tensor_parallel
 from engine.model.loader import LoadedModel
 from engine.model.rope import RotaryEmbedding
 from engine.sampler import Sampler, SamplingMetadata
@@ -25,15 +38,39 @@ from engine.scheduler import Batch, SampledToken
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallelGroup
+
 _COPY_CHUNK_BLOCKS = 256  # blocks per copy between the device cache and host slots
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, tp: TensorParallelGroup | None = None) -> None:
+        """`tp`: a follower's group (engine/tp_worker.py). Rank 0 passes none and, with
+        `config.tensor_parallel_size > 1`, starts its followers here (ValueError first if the
+        model cannot be split that way)."""
         self.config = config
         self.arch = loaded.arch
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.tp = tp
+        self._followers = None  # rank 0 with TP: engine.tp_worker.Followers
+        self._tp_broken: str | None = None
+        self._threads_before: int | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.arch, config.tensor_parallel_size)
+            from engine.tp_worker import start_tensor_parallel
+            self.tp, self._followers, threads = start_tensor_parallel(config, loaded.model_dir)
+            if self.device.type == "cpu":  # N processes share the cores (restored by close())
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+        try:
+            self._setup(config, loaded)
+        except BaseException:
+            self._stop_followers(graceful=False)
+            raise
+
+    def _setup(self, config: EngineConfig, loaded: LoadedModel) -> None:
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
             from engine import cpu_kernels
             from engine.model import fused_ops
@@ -52,7 +89,8 @@ class ModelRunner:
         self.model = self._build_model(loaded)
         self.backend = get_attention_backend(config.backend_name)
         self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._num_blocks(), self.block_size,
-                                                   self.dtype, self.device, shared=config.cache.shared_memory)
+                                                   self.dtype, self.device, shared=config.cache.shared_memory,
+                                                   num_kv_heads=self.model.shard.num_kv_heads)
         self.kv_layers = self.kv_cache.layers
         self.swap_space = self._allocate_swap_space()
         self.host_cache = self._allocate_host_cache()
@@ -61,7 +99,7 @@ class ModelRunner:
         # one whose plan can be shared by every batch of a bucket. A prefill worker never decodes.
         self.decode_graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton"
-                and config.role != "prefill"):
+                and config.role != "prefill" and self.tp is None):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_layers, self.backend, self.block_size,
                                               self.max_model_len, config.scheduler.max_num_seqs,
                                               self.arch.vocab_size, self.device)
@@ -70,7 +108,7 @@ class ModelRunner:
     def _build_model(self, loaded: LoadedModel) -> LlamaForCausalLM:
         # Built on the meta device so no memory is spent on a random init that the weights overwrite.
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, self.max_model_len)
+            model = LlamaForCausalLM(self.arch, self.max_model_len, tp=self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         if self.device.type == "cpu":
             place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
@@ -89,7 +127,11 @@ class ModelRunner:
             budget = int(free * cache.gpu_memory_utilization)
         else:
             budget = int(cache.kv_cache_memory_gb * 2**30)
-        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget)
+        blocks = num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, self.model.shard.num_kv_heads)
+        if self.tp is not None:  # every rank must have the same blocks: the smallest count
+            import torch.distributed as dist
+            blocks = int(self.tp.all_reduce(torch.tensor([blocks], device=self.device), dist.ReduceOp.MIN).item())
+        return blocks
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +166,7 @@ class ModelRunner:
         """`[layers, slots, ...]`: each slot one KV block of every layer. Plain host memory, whose
         pages are touched only when first written (torch's pinned allocator would round the size
         up to a power of two); the copies go through bounded temporaries (`_copy_blocks`)."""
-        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype)
+        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype, self.model.shard.num_kv_heads)
         slots = int(gib * 2**30) // block_bytes
         if slots < 1:
             raise ValueError(f"{option}={gib} holds no KV block ({block_bytes} bytes each)")
@@ -143,16 +185,81 @@ class ModelRunner:
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy blocks to swap slots (block id, slot) and back (slot, block id), every layer.
         Done before a step's forward; the scheduler never puts both kinds in one step."""
-        self._copy_blocks(self.kv_cache.data, self.swap_space, swap_out)
-        self._copy_blocks(self.swap_space, self.kv_cache.data, swap_in)
+        self._to_followers(("swap", swap_out, swap_in))
+        self._swap(swap_out, swap_in)
 
     def offload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host-cache slots: (block id, slot)."""
-        self._copy_blocks(self.kv_cache.data, self.host_cache, pairs)
+        self._to_followers(("offload", pairs))
+        self._offload(pairs)
 
     def reload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host-cache slots back into device blocks: (slot, block id)."""
+        self._to_followers(("reload", pairs))
+        self._reload(pairs)
+
+    def _swap(self, swap_out, swap_in) -> None:
+        self._copy_blocks(self.kv_cache.data, self.swap_space, swap_out)
+        self._copy_blocks(self.swap_space, self.kv_cache.data, swap_in)
+
+    def _offload(self, pairs) -> None:
+        self._copy_blocks(self.kv_cache.data, self.host_cache, pairs)
+
+    def _reload(self, pairs) -> None:
         self._copy_blocks(self.host_cache, self.kv_cache.data, pairs)
+
+    # ---- tensor parallelism (rank 0's side, then the followers') ----------------------------
+
+    def _to_followers(self, message: tuple) -> None:
+        """Rank 0 with TP: broadcast `message` to the followers; no-op otherwise."""
+        if self.tp is None or self.tp.rank != 0:
+            return
+        if self._tp_broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is down ({self._tp_broken}); restart the engine")
+        try:
+            self.tp.broadcast_object(message)
+        except BaseException as exc:
+            self._break_group(exc)
+            raise
+
+    def _break_group(self, exc: BaseException) -> None:
+        """The ranks' collectives are out of step: stop the followers for good."""
+        log.error("tensor-parallel step failed; stopping the followers: %s: %s", type(exc).__name__, exc)
+        self._tp_broken = f"{type(exc).__name__}: {exc}"
+        self._stop_followers(graceful=False)
+
+    def _stop_followers(self, graceful: bool) -> None:
+        followers, self._followers = self._followers, None
+        if followers is None:
+            return
+        if graceful:
+            try:
+                self.tp.broadcast_object(("shutdown",))
+            except Exception as exc:  # a follower already gone: stop() ends the others
+                log.warning("tensor-parallel shutdown message failed: %s", exc)
+                graceful = False
+        followers.stop(grace_s=10.0 if graceful else 0.0)
+        self.tp.close()
+        self._tp_broken = self._tp_broken or "closed"
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def close(self) -> None:
+        """Rank 0 with TP: end the followers (shutdown message, then terminate after a grace
+        period) and leave the group; idempotent, and a no-op without tensor parallelism."""
+        self._stop_followers(graceful=self._tp_broken is None)
+
+    @torch.inference_mode()
+    def follower_loop(self) -> None:
+        """A follower's life: run what rank 0 broadcasts until `("shutdown",)`."""
+        handlers = {"forward": lambda *args: self._forward_eager(*args, compute_logits=False),
+                    "swap": self._swap, "offload": self._offload, "reload": self._reload}
+        while True:
+            kind, *args = self.tp.broadcast_object()
+            if kind == "shutdown":
+                return
+            handlers[kind](*args)
 
     @torch.inference_mode()
     def execute(self, batch: Batch, on_layer_stored: Callable[[int], None] | None = None) -> dict[str, SampledToken]:
@@ -180,7 +287,15 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
                 sampled_rows.append(row)
-        if (on_layer_stored is None and self.decode_graphs is not None
+        if self.tp is not None:
+            forward = (input_ids, positions, query_lens, seq_lens, block_tables, logits_indices, sampled_rows)
+            self._to_followers(("forward", *forward))
+            try:
+                logits = self._forward_eager(*forward, on_layer_stored)
+            except BaseException as exc:
+                self._break_group(exc)
+                raise
+        elif (on_layer_stored is None and self.decode_graphs is not None
                 and self.decode_graphs.fits(query_lens, seq_lens)):
             logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)
         else:
@@ -203,7 +318,7 @@ class ModelRunner:
         return result
 
     def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
-                       sampled_rows, on_layer_stored=None) -> torch.Tensor:
+                       sampled_rows, on_layer_stored=None, compute_logits: bool = True) -> torch.Tensor | None:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
@@ -214,7 +329,8 @@ class ModelRunner:
             logits_meta = AttentionMetadata.build([1] * len(sampled_rows), [seq_lens[r] for r in sampled_rows],
                                                   [block_tables[r] for r in sampled_rows], self.block_size,
                                                   self.device)
-        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices, logits_meta, on_layer_stored)
+        return self.model(ids, pos, self.kv_layers, meta, self.backend, indices, logits_meta, on_layer_stored,
+                          compute_logits)
 
     def _decode_with_graph(self, input_ids, positions, seq_lens, block_tables, logits_indices) -> torch.Tensor:
         # One token per sequence, so token i is sequence i and its slot follows from its position.
