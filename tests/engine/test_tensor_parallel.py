@@ -1,0 +1,250 @@
+"""Tensor parallelism through the offline API (`LLM(model, tensor_parallel_size=N)`), on CPU with gloo.
+
+Greedy output must be token-identical to one process: the ranks split the heads and the MLP, so
+float32 sums run in another order (the row-parallel partial sums are added by the all-reduce) and
+logits move by a few ulps; greedy tokens compare exactly on these models (and logprobs within
+1e-4). Also: sizes that cannot split a model are refused before any process starts, and no
+follower process outlives its engine (closed, or killed).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.arch import ModelArchConfig
+from engine.model.llama import TensorParallelShard
+from engine.parallel import TensorParallelGroup, host_store
+from tests.engine.tiny_models import save_tiny_model, tiny_config
+
+PROMPTS = [[5, 17, 99, 3], [42] * 23, list(range(1, 40)), [7, 8], [100, 3, 56, 77, 12, 9, 31] * 3]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+SMALL = dict(num_blocks=96, block_size=4, max_num_batched_tokens=32)  # chunked prefill, mixed steps
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """2 shared cores: every rank runs one thread (followers get threads // N, at least 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _children(parent: int | None = None) -> set[int]:
+    """Live pids whose parent is `parent` (default: this process), from /proc."""
+    parent = os.getpid() if parent is None else parent
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if int(ppid) == parent and state != "Z":
+                found.add(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _generate(folder: str, tp: int, prompts=PROMPTS, params=GREEDY, **options):
+    with LLM(folder, tensor_parallel_size=tp, **{**SMALL, **options}) as llm:
+        return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _assert_same(outputs, reference):
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    for out, ref in zip(outputs, reference):
+        torch.testing.assert_close([lp.logprob for lp in out.logprobs], [lp.logprob for lp in ref.logprobs],
+                                   atol=1e-4, rtol=0)
+
+
+# name: (model kind, config overrides, TP size). Heads 4 q / 2 KV unless said.
+CASES = {
+    "gqa-kv-split": ("llama", {}, 2),  # each rank: 2 q heads, 1 KV head
+    "one-kv-head-replicated": ("llama", {"num_key_value_heads": 1}, 2),  # both ranks hold KV head 0
+    "tp4-kv-replicated-in-pairs": ("llama", {}, 4),  # 1 q head each; ranks 0,1 -> KV 0, ranks 2,3 -> KV 1
+    "qwen2-qkv-bias": ("qwen2", {}, 2),  # q/k/v biases sliced with their rows
+    "llama-o-proj-bias-untied": ("llama", {"attention_bias": True, "tie_word_embeddings": False}, 2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    kind, overrides, tp = CASES[request.param]
+    folder = save_tiny_model(tmp_path_factory.mktemp(request.param), tiny_config(kind, **overrides))
+    return folder, tp
+
+
+def test_greedy_output_is_token_identical_to_one_process(case):
+    folder, tp = case
+    reference = _generate(folder, 1)
+    assert len({tuple(o.token_ids) for o in reference}) == len(PROMPTS)  # the model does not just repeat
+    _assert_same(_generate(folder, tp), reference)
+
+
+def test_swap_preemption_and_the_host_cache_tier_copy_every_ranks_kv(tmp_path):
+    """A pool too small for the batch (swap preemption: the KV goes to host slots and back) and a
+    host tier (evicted prefix blocks saved and reloaded): every rank makes the same copies of its
+    own KV heads, so the outputs are the single process's under the same scheduling."""
+    folder = save_tiny_model(tmp_path, tiny_config())
+    options = dict(num_blocks=24, block_size=4, max_num_batched_tokens=32, preemption_mode="swap",
+                   swap_space_gb=0.01, host_cache_gb=0.01)
+    session = [9, 8, 7, 6, 5] * 7
+    filler = list(range(40, 100))
+
+    def scenario(llm):
+        outs = [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)]
+        for turn in range(3):  # the session's blocks are evicted by the filler, then come back
+            outs.append(llm.generate([session], GREEDY, use_tqdm=False)[0].token_ids)
+            session.extend(outs[-1])
+            llm.generate([filler + [turn]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        return outs, llm.engine.scheduler.stats()
+
+    start = list(session)
+    with LLM(folder, **options) as single:
+        expected, _ = scenario(single)
+    session[:] = start
+    with LLM(folder, tensor_parallel_size=2, **options) as parallel:
+        got, stats = scenario(parallel)
+    assert got == expected
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0
+    assert stats.offloaded_blocks > 0 and stats.reloaded_blocks > 0 and stats.host_cache_hits > 0
+
+
+def test_a_size_that_cannot_split_the_model_is_refused_before_any_process_starts(tmp_path):
+    folder = save_tiny_model(tmp_path, tiny_config())  # 4 q heads, 2 KV heads, intermediate 112
+    before = _children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .*num_attention_heads \(4\) is not divisible"
+                                         r".*num_key_value_heads \(2\).*\(sizes that can: 1, 2, 4\)"):
+        LLM(folder, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
+        LLM(folder, tensor_parallel_size=0)
+    assert _children() == before
+
+
+def test_the_default_model_splits_in_3_not_2():
+    """SmolLM2-135M: 9 query heads, 3 KV heads, intermediate 1536: 3 ranks (or 9), never 2."""
+    from engine.model.loader import resolve_model
+    arch = resolve_model("default").arch
+    with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible.*sizes that can: 1, 3\b"):
+        TensorParallelShard.of(arch, 0, 2)
+    shards = [TensorParallelShard.of(arch, r, 3) for r in range(3)]
+    assert [(s.head_start, s.num_heads, s.kv_head_start, s.num_kv_heads, s.inter_start, s.intermediate_size)
+            for s in shards] == [(0, 3, 0, 1, 0, 512), (3, 3, 1, 1, 512, 512), (6, 3, 2, 1, 1024, 512)]
+
+
+def test_kv_heads_are_replicated_to_the_ranks_whose_query_heads_read_them():
+    arch = ModelArchConfig.from_hf_config(tiny_config(num_attention_heads=8, num_key_value_heads=2))
+    shards = [TensorParallelShard.of(arch, r, 4) for r in range(4)]
+    group = arch.num_attention_heads // arch.num_key_value_heads
+    for shard in shards:
+        assert shard.num_kv_heads == 1
+        # every query head of the rank reads this KV head (GQA: head h reads h // group)
+        assert {h // group for h in range(shard.head_start, shard.head_start + shard.num_heads)} == {shard.kv_head_start}
+    assert [s.kv_head_start for s in shards] == [0, 0, 1, 1]
+
+
+def test_followers_are_gone_once_the_llm_is_closed(tmp_path):
+    folder = save_tiny_model(tmp_path, tiny_config())
+    before = _children()
+    llm = LLM(folder, tensor_parallel_size=2, **SMALL)
+    followers = _children() - before
+    assert len(followers) == 1
+    llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    llm.close()
+    llm.close()  # idempotent
+    assert _children() == before
+    assert not any(_alive(pid) for pid in followers)
+    with pytest.raises(RuntimeError, match="tensor-parallel group is down"):
+        llm.engine.runner.execute(_one_seq_batch(llm))
+
+
+def _one_seq_batch(llm):
+    request = llm.engine.make_request([5, 6], GREEDY)
+    llm.engine.scheduler.add_request(request)
+    return llm.engine.scheduler.schedule()
+
+
+def test_followers_exit_when_the_engine_process_is_killed(tmp_path):
+    """No orphans: SIGKILL leaves rank 0 no chance to say shutdown; its followers notice."""
+    folder = save_tiny_model(tmp_path, tiny_config())
+    script = textwrap.dedent(f"""
+        import sys, time, torch
+        torch.set_num_threads(1)
+        from engine import LLM
+        llm = LLM({folder!r}, tensor_parallel_size=2, num_blocks=32, block_size=4)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    project = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=project)
+    try:
+        assert engine.stdout.readline().strip() == "ready"
+        followers = _children(engine.pid)
+        assert len(followers) == 1 and all(_alive(pid) for pid in followers)
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in followers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in followers)
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_group_all_reduce_and_broadcast_object_between_two_ranks():
+    """The group's contract on its own (two ranks as two threads): a sum on every rank, rank 0's
+    objects on the other, small ones in one broadcast and big ones (past the inline buffer) too."""
+    store, address = host_store(2)
+    results: dict[int, list] = {0: [], 1: []}
+    errors = []
+
+    def rank(r: int) -> None:
+        try:
+            group = TensorParallelGroup(r, 2, "cpu", address, store=store if r == 0 else None)
+            results[r].append(group.all_reduce(torch.full((3,), float(r + 1))).tolist())
+            for message in ({"ids": [1, 2, 3]}, ("forward", list(range(20_000))), ("shutdown",)):
+                results[r].append(group.broadcast_object(message if r == 0 else None))
+            group.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert results[0] == results[1] == [[3.0, 3.0, 3.0], {"ids": [1, 2, 3]}, ("forward", list(range(20_000))),
+                                        ("shutdown",)]
+
+
+@pytest.mark.slow
+def test_default_model_tp3_greedy_matches_one_process():
+    """SmolLM2-135M cannot split in 2 (9 query heads): 3 ranks, one KV head each."""
+    with LLM("default") as single:
+        tok = single.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": "Name a fruit that is yellow."}]),
+                   tok.encode("The history of the Roman empire"), tok.encode("Les fleurs du jardin sont")]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+        reference = single.generate(prompts, params, use_tqdm=False)
+    with LLM("default", tensor_parallel_size=3) as parallel:
+        _assert_same(parallel.generate(prompts, params, use_tqdm=False), reference)
