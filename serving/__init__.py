@@ -45,6 +45,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     group.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly, not as CUDA graphs")
+    group.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="processes (one GPU each on CUDA) that split the model's heads and MLP (default 1)")
     group.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
                        help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
     group.add_argument("--swap-space-gb", type=float, default=None, help="host memory for swap preemption (default 4)")
@@ -66,7 +68,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
              "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
              "max_num_seqs": "max_num_seqs", "max_step_ms": "max_step_ms", "max_step_ratio": "max_step_ratio", "max_model_len": "max_model_len",
-             "seed": "seed",
+             "seed": "seed", "tensor_parallel_size": "tensor_parallel_size",
              "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "host_cache_gb": "host_cache_gb"}
     options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
     if args.no_prefix_caching:
