@@ -88,7 +88,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = self._build_model(loaded)
         self.backend = get_attention_backend(config.backend_name)
-        self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._num_blocks(), self.block_size,
+        self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._agree_on_num_blocks(), self.block_size,
                                                    self.dtype, self.device, shared=config.cache.shared_memory,
                                                    num_kv_heads=self.model.shard.num_kv_heads)
         self.kv_layers = self.kv_cache.layers
@@ -104,6 +104,8 @@ class ModelRunner:
                                               self.max_model_len, config.scheduler.max_num_seqs,
                                               self.arch.vocab_size, self.device)
             self.decode_graphs.capture_all()
+        if self.tp is not None:  # every rank has its KV cache and host slots: the engine may start
+            self.tp.all_reduce(torch.zeros(1, device=self.device))
 
     def _build_model(self, loaded: LoadedModel) -> LlamaForCausalLM:
         # Built on the meta device so no memory is spent on a random init that the weights overwrite.
@@ -127,11 +129,16 @@ class ModelRunner:
             budget = int(free * cache.gpu_memory_utilization)
         else:
             budget = int(cache.kv_cache_memory_gb * 2**30)
-        blocks = num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, self.model.shard.num_kv_heads)
-        if self.tp is not None:  # every rank must have the same blocks: the smallest count
-            import torch.distributed as dist
-            blocks = int(self.tp.all_reduce(torch.tensor([blocks], device=self.device), dist.ReduceOp.MIN).item())
-        return blocks
+        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, self.model.shard.num_kv_heads)
+
+    def _agree_on_num_blocks(self) -> int:
+        """This rank's block count; under TP the smallest any rank fits (every rank must have the
+        same block ids), which is also the point where every rank has built its model."""
+        blocks = self._num_blocks()
+        if self.tp is None:
+            return blocks
+        import torch.distributed as dist
+        return int(self.tp.all_reduce(torch.tensor([blocks], device=self.device), dist.ReduceOp.MIN).item())
 
     @property
     def num_blocks(self) -> int:

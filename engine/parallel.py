@@ -42,8 +42,9 @@ import torch.distributed as dist
 HOST = "127.0.0.1"
 # How long a follower may wait for rank 0's next message (an idle server sends none).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
-# A collective inside a forward; a dead peer fails it at once anyway (its sockets close).
-DATA_TIMEOUT = datetime.timedelta(minutes=10)
+# A collective of the model (or of the runner's setup, while the slowest rank loads its weights);
+# a dead peer fails it at once anyway (its sockets close), this bounds a hung one.
+DATA_TIMEOUT = datetime.timedelta(minutes=30)
 STARTUP_TIMEOUT_S = 300.0
 # broadcast_object sends messages up to this size in one broadcast (a decode step's), bigger ones
 # in a second.

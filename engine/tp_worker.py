@@ -38,7 +38,7 @@ class Followers:
 
     def __init__(self, processes: list[subprocess.Popen]) -> None:
         self.processes = processes
-        atexit.register(self.stop)
+        atexit.register(self._at_exit)
 
     @property
     def pids(self) -> list[int]:
@@ -52,10 +52,14 @@ class Followers:
                 raise RuntimeError(f"tensor-parallel follower rank {rank} (pid {process.pid}) exited with code "
                                    f"{code} while starting; its error is on stderr")
 
+    def _at_exit(self) -> None:
+        """The interpreter exits with the engine never closed: no shutdown message will come."""
+        self.stop(grace_s=0.0)
+
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """Wait up to `grace_s` for the followers to exit (after the shutdown message), then
         terminate, then kill; reaps them all. Idempotent."""
-        atexit.unregister(self.stop)
+        atexit.unregister(self._at_exit)
         deadline = time.monotonic() + grace_s
         for process in self.processes:
             try:
