@@ -176,6 +176,23 @@ def test_followers_are_gone_once_the_llm_is_closed(tmp_path):
         llm.engine.runner.execute(_one_seq_batch(llm))
 
 
+def test_a_follower_that_dies_fails_the_step_and_stops_the_group(tmp_path):
+    """The next collective fails at once (gloo: connection closed); that step's requests end with
+    an error, the other followers are stopped and later requests fail fast: no hang, no orphan."""
+    folder = save_tiny_model(tmp_path, tiny_config())
+    before = _children()
+    with LLM(folder, tensor_parallel_size=4, **SMALL) as llm:
+        followers = _children() - before
+        assert len(followers) == 3
+        os.kill(min(followers), signal.SIGKILL)
+        for attempt in range(2):
+            out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+            assert out.finish_reason == "error" and out.error, attempt
+        assert "tensor-parallel group is down" in out.error
+        assert _children() == before
+    llm.engine.scheduler.check_integrity()
+
+
 def _one_seq_batch(llm):
     request = llm.engine.make_request([5, 6], GREEDY)
     llm.engine.scheduler.add_request(request)
