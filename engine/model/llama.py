@@ -157,7 +157,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(shard.intermediate_size, arch.hidden_size, False, tp)
@@ -185,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         if arch.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}: pdserve's Llama-family model uses silu")
         self.arch = arch
-        self.shard = TensorParallelShard.of(arch, tp.rank, tp.world_size) if tp is not None else TensorParallelShard.of(arch)
+        rank, size = (tp.rank, tp.world_size) if tp is not None else (0, 1)
+        self.shard = TensorParallelShard.of(arch, rank, size)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, self.shard, tp) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

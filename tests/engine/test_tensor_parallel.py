@@ -157,8 +157,43 @@ def test_kv_heads_are_replicated_to_the_ranks_whose_query_heads_read_them():
     for shard in shards:
         assert shard.num_kv_heads == 1
         # every query head of the rank reads this KV head (GQA: head h reads h // group)
-        assert {h // group for h in range(shard.head_start, shard.head_start + shard.num_heads)} == {shard.kv_head_start}
+        heads = range(shard.head_start, shard.head_start + shard.num_heads)
+        assert {h // group for h in heads} == {shard.kv_head_start}
     assert [s.kv_head_start for s in shards] == [0, 0, 1, 1]
+
+
+class _Rank:
+    """What the model reads of its group when it is built and loaded (no collective runs)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+
+def test_each_rank_loads_its_slices_of_the_hugging_face_tensors(tmp_path):
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loader import resolve_model
+    loaded = resolve_model(save_tiny_model(tmp_path, tiny_config(attention_bias=True)))
+    hf = dict(loaded.iter_weights())
+    layer = "model.layers.1."
+    for r in range(2):
+        model = LlamaForCausalLM(loaded.arch, tp=_Rank(r, 2))
+        model.load_weights(hf.items())
+        params = dict(model.named_parameters())
+        q, kv, inter = slice(32 * r, 32 * r + 32), slice(16 * r, 16 * r + 16), slice(56 * r, 56 * r + 56)
+        for kind in ("weight", "bias"):  # q: heads 2r, 2r+1; k and v: KV head r
+            expected = torch.cat([hf[f"{layer}self_attn.{p}_proj.{kind}"][rows]
+                                  for p, rows in (("q", q), ("k", kv), ("v", kv))])
+            assert torch.equal(params[f"layers.1.self_attn.qkv_proj.{kind}"], expected)
+        assert torch.equal(params["layers.1.self_attn.o_proj.weight"], hf[f"{layer}self_attn.o_proj.weight"][:, q])
+        assert torch.equal(params["layers.1.self_attn.o_proj.bias"], hf[f"{layer}self_attn.o_proj.bias"])  # whole
+        gate_up = [hf[f"{layer}mlp.{p}_proj.weight"][inter] for p in ("gate", "up")]
+        assert torch.equal(params["layers.1.mlp.gate_up_proj.weight"], torch.cat(gate_up))
+        assert torch.equal(params["layers.1.mlp.down_proj.weight"], hf[f"{layer}mlp.down_proj.weight"][:, inter])
+        assert torch.equal(params["embed_tokens.weight"], hf["model.embed_tokens.weight"])  # replicated
+    # A misshapen tensor is named with the whole model's shape, not the rank's slice.
+    wrong = dict(hf, **{f"{layer}self_attn.k_proj.weight": torch.zeros(48, 64)})
+    with pytest.raises(ValueError, match=r"k_proj.weight.*\(48, 64\), expected \(32, 64\)"):
+        LlamaForCausalLM(loaded.arch, tp=_Rank(1, 2)).load_weights(wrong.items())
 
 
 def test_followers_are_gone_once_the_llm_is_closed(tmp_path):

@@ -36,5 +36,6 @@ def save_tiny_model(folder, config: transformers.PretrainedConfig, seed: int = 0
     model.save_pretrained(folder)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1").save_pretrained(folder)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1")
+    fast.save_pretrained(folder)
     return str(folder)
