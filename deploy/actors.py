@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from deploy.config import ROLES, WorkerSpec
+from deploy.config import NODE_IP_HOST, ROLES, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +46,21 @@ class WorkerActor:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._stopped = asyncio.Event()
         node_ip = ray.util.get_node_ip_address()
-        advertise = node_ip if self.spec.advertise_node_ip else self.spec.host
-        self._worker = await asyncio.to_thread(self._build_worker, advertise)
+        host = node_ip if self.spec.host == NODE_IP_HOST else self.spec.host
+        advertise = node_ip if self.spec.advertise_node_ip else host
+        self._worker = await asyncio.to_thread(self._build_worker, host, advertise)
         server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
         self._worker.add_to_server(server)
-        port = server.add_insecure_port(f"{self.spec.host}:0")
+        port = server.add_insecure_port(f"{host}:0")
         if port == 0:
-            raise RuntimeError(f"the {self.role} worker cannot listen on {self.spec.host}")
+            raise RuntimeError(f"the {self.role} worker cannot listen on {host}")
         await server.start()
         self._server = server
         return {"role": self.role, "grpc_address": f"{advertise}:{port}",
                 "transport_address": self._worker.transport_address,
                 "pid": os.getpid(), "node_ip": node_ip}
 
-    def _build_worker(self, advertise_host: str) -> Any:
+    def _build_worker(self, host: str, advertise_host: str) -> Any:
         import torch
         torch.set_num_threads(self.spec.omp_num_threads)
         options = dict(self.spec.engine_options, device=self.spec.device)
@@ -72,7 +73,7 @@ class WorkerActor:
         connector = KVConnectorConfig(**({} if self.spec.local_prefill_threshold is None
                                          else {"local_prefill_threshold": self.spec.local_prefill_threshold}))
         return DecodeWorker(DecodeWorkerConfig(model=self.spec.model, role=self.role, engine_options=options,
-                                               transport=self.spec.transport, host=self.spec.host,
+                                               transport=self.spec.transport, host=host,
                                                advertise_host=advertise_host, connector=connector))
 
     async def run_until_stopped(self) -> None:
@@ -147,7 +148,8 @@ class RayWorkerHandle:
 
 class RayWorkerLauncher:
     """Creates `WorkerActor`s with their resources: `num_gpus` per worker on GPU, fractional
-    `num_cpus` on CPU, and OMP_NUM_THREADS set in the actor's environment. They are detached
+    `num_cpus` on CPU, the custom resources of the worker's role (which pin a pool to the nodes
+    that have them), and OMP_NUM_THREADS set in the actor's environment. They are detached
     actors named `<controller>:<worker id>`: a controller that dies takes none of them with it,
     and a restarted one finds them by name (`find`); `stop_all` ends every one of them."""
 
@@ -165,7 +167,8 @@ class RayWorkerLauncher:
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
         actor_class = self._actor_class.options(
             name=f"{self.controller_name}:{worker_id}", namespace=self.namespace,
-            num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, max_restarts=0, max_concurrency=1000,
+            num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, resources=self.spec.resources.get(role, {}),
+            max_restarts=0, max_concurrency=1000,
             lifetime="detached", runtime_env={"env_vars": env})
         return RayWorkerHandle(actor_class.remote(role, self.spec), role)
 

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, TRANSPORTS
+from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
+                           parse_resources, pool_flag, pool_name)
 from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -88,10 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
                            help="Ray CPUs each worker holds (default 0.5 on CPU, 1 with a GPU)")
     placement.add_argument("--worker-gpus", type=float, default=None,
                            help="Ray GPUs each cuda worker holds (default 1; 0.5 puts two workers on one GPU)")
+    for role in ROLES:
+        placement.add_argument(pool_flag(role, "resources"), dest=f"{role}_resources", type=_resources_argument,
+                               default=None, metavar="JSON",
+                               help=f"Ray custom resources each {pool_name(role)} worker requires, e.g. "
+                                    "'{\"node_a\": 1}': places the pool on the nodes started with them "
+                                    "(`ray start --resources`)")
     placement.add_argument("--omp-num-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / initial workers, at least 1)")
     placement.add_argument("--worker-host", default=None,
-                           help="where workers listen (default 127.0.0.1 locally, 0.0.0.0 when joining)")
+                           help=f"where workers listen (default 127.0.0.1 locally, 0.0.0.0 when joining; "
+                                f"{NODE_IP_HOST}: the IP of each worker's Ray node)")
     placement.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance (default: all)")
     placement.add_argument("--object-store-mb", type=int, default=150, help="object store of a local instance")
     placement.add_argument("--include-dashboard", action="store_true", help="start Ray's dashboard (local instance)")
@@ -120,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run benchmarks/serve.py against a running server")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _resources_argument(text: str) -> dict[str, float]:
+    try:
+        return parse_resources(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pool_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    return {role: getattr(args, f"{role}_resources") for role in ROLES if getattr(args, f"{role}_resources")}
 
 
 def _add_locator_arguments(parser: argparse.ArgumentParser, with_ray_address: bool = True) -> None:
@@ -152,7 +171,7 @@ def serve_options(args: argparse.Namespace):
                         decode=args.decode, colocated=args.colocated, host=args.host, port=args.port,
                         device=args.device, transport=args.transport, api_key=args.api_key or None,
                         engine_options=engine_options, worker_cpus=args.worker_cpus,
-                        worker_gpus=args.worker_gpus,
+                        worker_gpus=args.worker_gpus, pool_resources=_pool_resources(args),
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
                         local_prefill_weight=args.local_prefill_weight,
@@ -233,8 +252,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("STATE", "state"), ("ADDRESS", "address"), ("PID", "pid"),
-           ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"), ("KV USE", "kv_usage"),
-           ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"))
+           ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"),
+           ("KV USE", "kv_usage"), ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"))
 
 
 def format_status(status: dict[str, Any], events: int = 5) -> str:
@@ -244,7 +263,7 @@ def format_status(status: dict[str, Any], events: int = 5) -> str:
         if key == "healthy":
             return "ok" if value else "down"
         if key == "role":
-            return "colocated" if value == "both" else str(value)
+            return pool_name(value)
         if key == "rss_bytes":
             return f"{value / 2**30:.2f} GiB" if value else "-"
         if key in ("kv_usage", "prefix_cache_hit_rate"):

@@ -5,24 +5,65 @@ actor (it must stay picklable: plain values only).
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import ROLES  # noqa: F401  (re-exported: deploy's modules take it from here)
 TRANSPORTS = ("auto", "ucx", "nccl", "tcp", "shm")
 DEVICES = ("cpu", "cuda")
+NODE_IP_HOST = "node-ip"  # WorkerSpec.host / --worker-host: listen on the IP of the worker's Ray node
 DEFAULT_CONTROLLER_NAME = "pdserve-controller"
 DEFAULT_NAMESPACE = "pdserve"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve and its router processes
+# Ray resources a worker holds through WorkerSpec.num_cpus / num_gpus (or that Ray accounts
+# itself): not accepted among a pool's custom resources.
+RESERVED_RESOURCES = {"CPU": "--worker-cpus", "GPU": "--worker-gpus", "memory": None, "object_store_memory": None}
+RESOURCE_UNITS = 10_000  # Ray counts a resource in units of 1/10,000
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """`--prefill-resources '{"node_a": 1}'`: a JSON object of Ray custom resources, validated."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg}): give an object such as '{{\"node_a\": 1}}'") from None
+    return validate_resources(value)
+
+
+def validate_resources(resources: Any) -> dict[str, float]:
+    """Ray custom resources each worker of a pool requires (name -> quantity > 0); returns them as
+    floats. ValueError names the problem: not an object, a reserved name, a bad quantity."""
+    if not isinstance(resources, dict):
+        raise ValueError(f"must be a JSON object of resource name -> quantity, such as {{\"node_a\": 1}}; "
+                         f"got {json.dumps(resources)}")
+    checked: dict[str, float] = {}
+    for name, quantity in resources.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"resource names must be non-empty strings, got {name!r}")
+        if name in RESERVED_RESOURCES:
+            flag = RESERVED_RESOURCES[name]
+            raise ValueError(f"{name!r} is not a custom resource" + (f": use {flag}" if flag else ""))
+        if isinstance(quantity, bool) or not isinstance(quantity, (int, float)) or not math.isfinite(quantity) \
+                or quantity <= 0:
+            raise ValueError(f"resource {name!r} needs a number > 0, got {json.dumps(quantity)}")
+        if int(quantity * RESOURCE_UNITS) == 0:
+            raise ValueError(f"resource {name!r}: Ray counts fractions down to {1 / RESOURCE_UNITS:g}, got {quantity}")
+        checked[name] = float(quantity)
+    return checked
 
 
 @dataclass
 class WorkerSpec:
     """How to build one worker (engine + gRPC server + KV transport endpoint) inside its actor.
 
-    `host` is where the worker's gRPC server and KV receiver listen; `advertise_node_ip` writes
-    the Ray node's IP into the reported addresses instead (for `host="0.0.0.0"` on multi-node
-    clusters). `num_cpus` / `num_gpus` are the Ray resources each worker actor holds.
+    `host` is where the worker's gRPC server and KV receiver listen (`NODE_IP_HOST`: the IP
+    of the Ray node the worker runs on); `advertise_node_ip` writes the Ray node's IP into the
+    reported addresses instead (for `host="0.0.0.0"` on multi-node clusters). `num_cpus` /
+    `num_gpus` are the Ray resources each worker actor holds; `resources` the Ray custom resources
+    each worker of a role requires, by role (`{"prefill": {"node_a": 1}}` places the prefill pool
+    on the nodes started with `--resources '{"node_a": ...}'`).
     """
     model: str = "default"
     device: str = "cpu"
@@ -32,6 +73,7 @@ class WorkerSpec:
     advertise_node_ip: bool = False
     num_cpus: float = 0.5
     num_gpus: float = 0.0
+    resources: dict[str, dict[str, float]] = field(default_factory=dict)
     omp_num_threads: int = 1
     local_prefill_threshold: int | None = None  # decode workers; None: the worker's default
     log_level: str = "WARNING"
@@ -47,6 +89,16 @@ class WorkerSpec:
             raise ValueError("host must be a non-empty host name or IP address")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus and num_gpus must be >= 0, got {self.num_cpus} and {self.num_gpus}")
+        unknown = sorted(set(self.resources) - set(ROLES))
+        if unknown:
+            raise ValueError(f"resources are by role ({', '.join(ROLES)}), got {', '.join(map(repr, unknown))}")
+        checked = {}
+        for role, resources in self.resources.items():
+            try:
+                checked[role] = validate_resources(resources)
+            except ValueError as exc:
+                raise ValueError(f"{pool_flag(role, 'resources')}: {exc}") from None
+        self.resources = checked
         if self.device == "cuda" and self.num_gpus <= 0:
             raise ValueError("a cuda worker needs num_gpus > 0 (one GPU per worker: num_gpus=1)")
         if self.omp_num_threads < 1:
@@ -68,7 +120,7 @@ class PoolTargets:
     def __post_init__(self) -> None:
         for role, count in self.counts().items():
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                raise ValueError(f"the {_pool_name(role)} pool size must be an integer >= 0, got {count!r}")
+                raise ValueError(f"the {pool_name(role)} pool size must be an integer >= 0, got {count!r}")
         if self.prefill and not self.decode:
             raise ValueError(f"{self.prefill} prefill worker(s) but no decode worker to send their KV to: "
                              "ask for at least one decode worker, or set the prefill pool to 0")
@@ -134,16 +186,30 @@ class ControllerConfig:
 
 def capacity_shortfall(targets: PoolTargets, worker: WorkerSpec, resources: dict[str, float]) -> str | None:
     """Why the pools cannot all be placed on a cluster with these total Ray `resources`, or None.
-    (Workers beyond the capacity wait for resources: on a fixed cluster, forever.)"""
-    workers = sum(targets.counts().values())
+    (Workers beyond the capacity wait for resources: on a fixed cluster, forever.) Custom
+    resources are counted over the whole cluster, not per node."""
+    counts = targets.counts()
+    workers = sum(counts.values())
     needs = {"CPU": workers * worker.num_cpus, "GPU": workers * worker.num_gpus}
     short = [f"{need:g} {name}s (the cluster has {resources.get(name, 0):g})"
              for name, need in needs.items() if need > resources.get(name, 0) + 1e-9]
+    custom: dict[str, float] = {}
+    for role, count in counts.items():
+        for name, quantity in worker.resources.get(role, {}).items():
+            custom[name] = custom.get(name, 0.0) + count * quantity
+    short += [f"{need:g} {name!r} (the cluster has {resources.get(name, 0):g})"
+              for name, need in custom.items() if need > resources.get(name, 0) + 1e-9]
     if not short:
         return None
     return (f"{workers} worker(s) need {' and '.join(short)}; lower the pool sizes, --worker-cpus / "
-            "--worker-gpus, or add nodes")
+            "--worker-gpus / --<pool>-resources, or add nodes")
 
 
-def _pool_name(role: str) -> str:
+def pool_flag(role: str, suffix: str) -> str:
+    """The `pdserve serve` flag of a pool's setting: pool_flag("both", "resources") is --colocated-resources."""
+    return f"--{pool_name(role)}-{suffix}"
+
+
+def pool_name(role: str) -> str:
+    """What users call a role's pool: "colocated" for role "both"."""
     return "colocated" if role == "both" else role

@@ -53,8 +53,10 @@ class ServeOptions:
     engine_options: dict[str, Any] = field(default_factory=dict)
     worker_cpus: float | None = None  # Ray CPUs per worker (default: 0.5 on CPU, 1 with a GPU)
     worker_gpus: float | None = None  # Ray GPUs per cuda worker (default 1; 0.5 puts P and D on one GPU)
+    # by role: Ray custom resources each worker of that pool requires (WorkerSpec.resources)
+    pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     omp_num_threads: int | None = None  # default: this machine's cores / initial workers (>= 1)
-    worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining
+    worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining; node-ip
     local_prefill_threshold: int | None = None
     max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
     local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
@@ -94,7 +96,7 @@ class ServeOptions:
                              "a .gguf file, or 'default')")
         from engine.llm import build_engine_config
         build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
-        self.controller_config(WorkerSpec(model=self.model, transport=self.transport))
+        self.controller_config(WorkerSpec(model=self.model, transport=self.transport, resources=self.pool_resources))
 
     def worker_spec(self, resources: dict[str, float], started_ray: bool) -> WorkerSpec:
         device = self.device
@@ -109,7 +111,8 @@ class ServeOptions:
         return WorkerSpec(model=self.model, device=device, engine_options=dict(self.engine_options),
                           transport=self.transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
-                          num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0, omp_num_threads=threads,
+                          num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0,
+                          resources=self.pool_resources, omp_num_threads=threads,
                           local_prefill_threshold=self.local_prefill_threshold)
 
     def router_config(self, port: int) -> RouterConfig:

@@ -104,6 +104,46 @@ def test_status_table():
     assert lines[4].endswith("decode-3 starting")
 
 
+def test_pool_resources_pin_each_pool_and_reach_its_workers():
+    opts = options("--prefill-resources", '{"node_a": 1}', "--decode-resources", '{"node_b": 0.5, "fast_net": 2}')
+    assert opts.pool_resources == {"prefill": {"node_a": 1.0}, "decode": {"node_b": 0.5, "fast_net": 2.0}}
+    spec = opts.worker_spec({"CPU": 2.0, "node_a": 1.0, "node_b": 1.0}, started_ray=False)
+    assert spec.resources == opts.pool_resources and spec.resources.get("both") is None
+    assert options("--colocated", "1", "--prefill", "0", "--decode", "0", "--colocated-resources",
+                   '{"big_node": 1}').pool_resources == {"both": {"big_node": 1.0}}
+    assert options().pool_resources == {} and options("--prefill-resources", "{}").pool_resources == {}
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--prefill-resources", "node_a", "argument --prefill-resources: not valid JSON"),
+    ("--decode-resources", '["node_b"]', 'must be a JSON object of resource name -> quantity'),
+    ("--prefill-resources", '{"CPU": 2}', "'CPU' is not a custom resource: use --worker-cpus"),
+    ("--colocated-resources", '{"GPU": 1}', "'GPU' is not a custom resource: use --worker-gpus"),
+    ("--decode-resources", '{"node_b": 0}', "resource 'node_b' needs a number > 0, got 0"),
+    ("--decode-resources", '{"node_b": "one"}', 'resource \'node_b\' needs a number > 0, got "one"'),
+    ("--prefill-resources", '{"node_a": 0.00001}', "Ray counts fractions down to 0.0001"),
+])
+def test_bad_pool_resources_fail_when_the_command_line_is_parsed(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", flag, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_worker_spec_checks_resources_by_role():
+    from deploy.config import WorkerSpec
+    with pytest.raises(ValueError, match=r"resources are by role \(prefill, decode, both\), got 'router'"):
+        WorkerSpec(resources={"router": {"node_a": 1}})
+    with pytest.raises(ValueError, match="--colocated-resources: 'memory' is not a custom resource"):
+        WorkerSpec(resources={"both": {"memory": 1}})
+    assert WorkerSpec(resources={"decode": {"node_b": 1}}).resources == {"decode": {"node_b": 1.0}}
+
+
+def test_workers_can_listen_on_their_nodes_ip():
+    spec = options("--worker-host", "node-ip").worker_spec({"CPU": 2.0}, started_ray=False)
+    assert spec.host == "node-ip" and spec.advertise_node_ip is True
+
+
 def test_state_file_round_trip_and_staleness(tmp_path):
     path = tmp_path / "serve.json"
     state = ServeState(pid=os.getpid(), ray_address="127.0.0.1:1234", namespace="pdserve",
@@ -160,10 +200,17 @@ def test_capacity_shortfall_names_what_is_missing():
     cpu = WorkerSpec(num_cpus=0.5)
     assert capacity_shortfall(PoolTargets(1, 3), cpu, {"CPU": 2.0}) is None
     assert capacity_shortfall(PoolTargets(2, 3), cpu, {"CPU": 2.0}) == (
-        "5 worker(s) need 2.5 CPUs (the cluster has 2); lower the pool sizes, --worker-cpus / --worker-gpus, "
-        "or add nodes")
+        "5 worker(s) need 2.5 CPUs (the cluster has 2); lower the pool sizes, --worker-cpus / --worker-gpus / "
+        "--<pool>-resources, or add nodes")
     gpu = WorkerSpec(device="cuda", num_cpus=1, num_gpus=1)
     assert "2 GPUs (the cluster has 1)" in capacity_shortfall(PoolTargets(1, 1), gpu, {"CPU": 16.0, "GPU": 1.0})
+    pinned = WorkerSpec(num_cpus=0.5, resources={"prefill": {"node_a": 1}, "decode": {"node_b": 0.5}})
+    two_nodes = {"CPU": 2.0, "node_a": 1.0, "node_b": 1.0}
+    assert capacity_shortfall(PoolTargets(1, 2), pinned, two_nodes) is None
+    assert capacity_shortfall(PoolTargets(2, 2), pinned, two_nodes) == (
+        "4 worker(s) need 2 'node_a' (the cluster has 1); lower the pool sizes, --worker-cpus / --worker-gpus / "
+        "--<pool>-resources, or add nodes")
+    assert "2 'node_a' (the cluster has 0)" in capacity_shortfall(PoolTargets(2, 1), pinned, {"CPU": 8.0})
 
 
 def test_a_cluster_at_a_loopback_address_is_joined_in_loopback_mode():
