@@ -5,7 +5,7 @@ endpoint) per Ray actor, and the controller's handle on them.
 
     created    the actor process exists, with OMP_NUM_THREADS set before torch loads
     start()    engine built off the event loop; gRPC server listening; returns both addresses
-               (gRPC and KV transport), the process id and the node's IP
+               (gRPC and KV transport), the process id, and the Ray node it runs on (id and IP)
     serving    `run_until_stopped()` stays pending while it serves: the controller's watch call,
                which fails at once when the actor dies
     stop()     gRPC server stopped with a grace period, engine and transport closed
@@ -45,6 +45,7 @@ class WorkerActor:
         logging.basicConfig(level=self.spec.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._stopped = asyncio.Event()
+        node_id = ray.get_runtime_context().get_node_id()
         node_ip = ray.util.get_node_ip_address()
         host = node_ip if self.spec.host == NODE_IP_HOST else self.spec.host
         advertise = node_ip if self.spec.advertise_node_ip else host
@@ -58,7 +59,7 @@ class WorkerActor:
         self._server = server
         return {"role": self.role, "grpc_address": f"{advertise}:{port}",
                 "transport_address": self._worker.transport_address,
-                "pid": os.getpid(), "node_ip": node_ip}
+                "pid": os.getpid(), "node_id": node_id, "node_ip": node_ip}
 
     def _build_worker(self, host: str, advertise_host: str) -> Any:
         import torch

@@ -252,16 +252,20 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("STATE", "state"), ("ADDRESS", "address"), ("PID", "pid"),
-           ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"),
+           ("NODE", "node_id"), ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"),
            ("KV USE", "kv_usage"), ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"))
+NODE_ID_CHARS = 8  # of a Ray node id (56 hex digits) in the table; `--json` has all of it
 
 
 def format_status(status: dict[str, Any], events: int = 5) -> str:
-    """A fixed-width table of the workers, the pool targets, and the last few events."""
+    """A fixed-width table of the workers (NODE: the Ray node each runs on), the pool targets, and
+    the last few events."""
     def cell(key: str, worker: dict[str, Any]) -> str:
         value = worker.get(key)
         if key == "healthy":
             return "ok" if value else "down"
+        if key == "node_id":  # the Ray node: the start of its id, and its IP
+            return f"{value[:NODE_ID_CHARS]}@{worker.get('node_ip') or '?'}" if value else "-"
         if key == "role":
             return pool_name(value)
         if key == "rss_bytes":

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from deploy.config import ROLES, ControllerConfig, PoolTargets, capacity_shortfall
+from deploy.config import ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ class WorkerHandle(Protocol):
     """One launched worker, as the controller drives it."""
 
     async def start(self) -> dict[str, Any]:
-        """Build the engine and serve; return {"grpc_address", "transport_address", "pid", "node_ip"}."""
+        """Build the engine and serve; return {"grpc_address", "transport_address", "pid", "node_id",
+        "node_ip"} (node: the Ray node the worker runs on)."""
 
     async def wait_dead(self) -> str:
         """Return (with a reason) when the worker has died; never returns while it lives."""
@@ -81,7 +82,7 @@ class StateStore(Protocol):
     def clear(self) -> None: ...
 
 
-_SAVED_FIELDS = ("worker_id", "role", "state", "grpc_address", "transport_address", "pid", "node_ip")
+_SAVED_FIELDS = ("worker_id", "role", "state", "grpc_address", "transport_address", "pid", "node_id", "node_ip")
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Member:
     grpc_address: str = ""
     transport_address: str = ""
     pid: int | None = None
+    node_id: str = ""  # the Ray node the worker runs on (hex id) and its IP
     node_ip: str = ""
     healthy: bool = False
     stats: dict[str, Any] | None = None
@@ -199,8 +201,9 @@ class PoolController:
             else:
                 member = Member(saved["worker_id"], saved["role"], handle, state=saved["state"],
                                 grpc_address=saved["grpc_address"], transport_address=saved["transport_address"],
-                                pid=saved["pid"], node_ip=saved["node_ip"], healthy=True, launched_at=now,
-                                ready_at=now, drain_started=now if saved["state"] == DRAINING else None)
+                                pid=saved["pid"], node_id=saved["node_id"], node_ip=saved["node_ip"],
+                                healthy=True, launched_at=now, ready_at=now,
+                                drain_started=now if saved["state"] == DRAINING else None)
                 self._members[member.worker_id] = member
                 self._spawn(self._watch(member))
         for worker_id in self.launcher.live_worker_ids():
@@ -280,9 +283,11 @@ class PoolController:
             queries = m.stat("prefix_cache_queries")
             workers.append({
                 "worker_id": m.worker_id, "role": m.role, "state": m.state, "address": m.grpc_address,
-                "transport_address": m.transport_address, "pid": m.pid, "node_ip": m.node_ip,
-                "healthy": m.healthy, "running": m.stat("running"), "waiting": m.stat("waiting"),
-                "kv_blocks_total": total, "kv_blocks_free": free, "rss_bytes": m.stat("rss_bytes"),
+                "transport_address": m.transport_address, "pid": m.pid, "node_id": m.node_id,
+                "node_ip": m.node_ip, "healthy": m.healthy, "running": m.stat("running"),
+                "waiting": m.stat("waiting"), "kv_blocks_total": total, "kv_blocks_free": free,
+                "kv_bytes_sent": m.stat("kv_bytes_sent"), "kv_bytes_received": m.stat("kv_bytes_received"),
+                "rss_bytes": m.stat("rss_bytes"),
                 "kv_usage": (total - free) / total if total else None,
                 "prefix_cache_hit_rate": m.stat("prefix_cache_hits") / queries if queries else None,
                 "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0))
@@ -334,7 +339,7 @@ class PoolController:
         return sorted(live, key=order)[:count]
 
     def _launch(self, role: str) -> None:
-        worker_id = f"{'colocated' if role == 'both' else role}-{self._next_id}"
+        worker_id = f"{pool_name(role)}-{self._next_id}"
         self._next_id += 1
         member = Member(worker_id, role, self.launcher.launch(role, worker_id), launched_at=self.clock())
         self._members[worker_id] = member
@@ -362,7 +367,7 @@ class PoolController:
             return
         member.grpc_address = info["grpc_address"]
         member.transport_address = info.get("transport_address", "")
-        member.pid, member.node_ip = info.get("pid"), info.get("node_ip", "")
+        member.pid, member.node_id, member.node_ip = info.get("pid"), info.get("node_id", ""), info.get("node_ip", "")
         member.state, member.healthy, member.ready_at = READY, True, self.clock()
         self._backoff.pop(member.role, None)
         self._event(f"{member.worker_id} ready at {member.grpc_address} (pid {member.pid})")

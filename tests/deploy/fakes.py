@@ -25,6 +25,8 @@ class FakeHandle:
     role: str
     worker_id: str
     port: int
+    node_id: str = "ab" * 28  # the Ray node start() reports
+    node_ip: str = "127.0.0.1"
     fail_start: str | None = None  # start() raises ValueError(fail_start)
     hold_start: bool = False  # start() waits until release_start()
     reply: dict[str, Any] = field(default_factory=lambda: {"running": 0, "waiting": 0, "kv_blocks_total": 100,
@@ -47,7 +49,7 @@ class FakeHandle:
             raise ValueError(self.fail_start)
         self._died = asyncio.get_running_loop().create_future()
         return {"role": self.role, "grpc_address": self.address, "transport_address": f"tcp://127.0.0.1:{self.port + 1}",
-                "pid": self.port, "node_ip": "127.0.0.1"}
+                "pid": self.port, "node_id": self.node_id, "node_ip": self.node_ip}
 
     def release_start(self) -> None:
         self._released.set()

@@ -50,6 +50,20 @@ async def test_start_brings_every_pool_to_its_target():
     assert all(h.stopped for h in launcher.handles)
 
 
+async def test_status_shows_each_workers_node_and_kv_bytes_moved():
+    controller, launcher, _ = make_controller(prefill=1, decode=1)
+    launcher.plan["prefill"] = [{"node_id": "a1" * 28, "node_ip": "10.0.0.1"}]
+    launcher.plan["decode"] = [{"node_id": "b2" * 28, "node_ip": "10.0.0.2",
+                                "reply": {"running": 1, "waiting": 0, "kv_bytes_received": 4096}}]
+    await controller.start()
+    await controller.tick()
+    workers = {w["role"]: w for w in controller.status()["workers"]}
+    assert (workers["prefill"]["node_id"], workers["prefill"]["node_ip"]) == ("a1" * 28, "10.0.0.1")
+    assert (workers["decode"]["node_id"], workers["decode"]["node_ip"]) == ("b2" * 28, "10.0.0.2")
+    assert (workers["decode"]["kv_bytes_received"], workers["decode"]["kv_bytes_sent"]) == (4096, 0)
+    await controller.shutdown()
+
+
 async def test_a_failed_start_raises_with_the_workers_reason():
     controller, launcher, _ = make_controller()
     launcher.plan["decode"] = [{"fail_start": "no such model: /nope"}]
@@ -387,6 +401,8 @@ async def test_a_restarted_controller_adopts_its_live_workers_with_the_same_targ
     second = _restarted(first, launcher, clock, store)
     assert await second.recover()
     assert second.membership() == before and second.settled()
+    nodes = [(w["worker_id"], w["node_id"], w["node_ip"]) for w in second.status()["workers"]]
+    assert nodes == [(w["worker_id"], w["node_id"], w["node_ip"]) for w in first.status()["workers"]]
     assert len(launcher.handles) == 4  # nothing relaunched
     assert any("restarted: 4 worker(s) adopted" in e["message"] for e in second.status()["events"])
     # it still replaces a dead worker and scales
