@@ -19,16 +19,18 @@ STARTUP_TIMEOUT_S = 900
 
 
 class Serve:
-    """`python -m deploy.cli serve ...` with its output read by a thread."""
+    """`python -m deploy.cli serve ...` with its output read by a thread. `ray_temp_dir`: the
+    local Ray instance's (None when `args` join a cluster with --ray-address)."""
 
-    def __init__(self, state_file: Path, ray_temp_dir: str, *args: str) -> None:
+    def __init__(self, state_file: Path, ray_temp_dir: str | None, *args: str) -> None:
         self.state_file = state_file
         self.ray_temp_dir = ray_temp_dir
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONUNBUFFERED": "1", "PDSERVE_STATE_FILE": str(state_file)}
+        temp_dir = [] if ray_temp_dir is None else ["--ray-temp-dir", ray_temp_dir]
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "serve", "--port", "0", "--omp-num-threads", "1",
-             "--ray-temp-dir", ray_temp_dir, "--log-level", "info", *args],
+             *temp_dir, "--log-level", "info", *args],
             cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.url: str | None = None  # set by the caller from the ready line
         self.log: list[str] = []
@@ -112,6 +114,14 @@ def start_time(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not exited (an exited child nobody reaped yet is a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def processes_mentioning(text: str) -> list[str]:
