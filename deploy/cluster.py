@@ -71,7 +71,8 @@ def quiet_ray_environment(loopback: bool, token_auth: bool = False) -> None:
 def start_or_join(settings: RaySettings) -> dict[str, Any]:
     """`ray.init` as the settings say; returns {"address", "started", "node_ip", "resources"}."""
     started = settings.address is None
-    quiet_ray_environment(loopback=settings.loopback if started else is_loopback_address(settings.address))
+    address = None if started else resolve_address(settings.address)
+    quiet_ray_environment(loopback=settings.loopback if started else is_loopback_address(address))
     import ray
     if started:
         context = ray.init(num_cpus=settings.num_cpus or os.cpu_count() or 1, num_gpus=settings.num_gpus,
@@ -80,7 +81,7 @@ def start_or_join(settings: RaySettings) -> dict[str, Any]:
                            namespace=settings.namespace, _temp_dir=settings.temp_dir,
                            logging_level=logging.WARNING)
     else:
-        context = ray.init(address=settings.address, namespace=settings.namespace, logging_level=logging.WARNING)
+        context = ray.init(address=address, namespace=settings.namespace, logging_level=logging.WARNING)
     return {"address": context.address_info["gcs_address"], "started": started,
             "node_ip": context.address_info["node_ip_address"], "resources": ray.cluster_resources(),
             "token_auth": os.environ.get(RAY_AUTH_ENV, "").lower() == "token"}
@@ -88,9 +89,23 @@ def start_or_join(settings: RaySettings) -> dict[str, Any]:
 
 def connect(address: str, namespace: str, token_auth: bool = False) -> None:
     """Join a running cluster as a short-lived client (pdserve scale/status)."""
+    address = resolve_address(address)
     quiet_ray_environment(loopback=is_loopback_address(address), token_auth=token_auth)
     import ray
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
+
+
+def resolve_address(address: str) -> str:
+    """`auto` as Ray resolves it: $RAY_ADDRESS, else the address the latest `ray start --head` on
+    this machine recorded (in Ray's temp dir). Resolved here so that a head on 127.0.0.1 is joined
+    in loopback mode: Ray itself would swap 127.0.0.1 for this host's routable IP, where nothing
+    listens. `auto` stays `auto` when neither is there; any other address is returned as is."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    from ray._private.utils import read_ray_address  # Ray's record of its latest head (no public API)
+    return read_ray_address() or address
 
 
 def is_loopback_address(address: str) -> bool:

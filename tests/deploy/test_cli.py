@@ -213,6 +213,19 @@ def test_capacity_shortfall_names_what_is_missing():
     assert "2 'node_a' (the cluster has 0)" in capacity_shortfall(PoolTargets(2, 1), pinned, {"CPU": 8.0})
 
 
+def test_auto_is_resolved_as_ray_does_so_that_a_loopback_head_is_joined_in_loopback_mode(tmp_path, monkeypatch):
+    from deploy.cluster import is_loopback_address, resolve_address
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray records the latest `ray start --head`
+    assert resolve_address("auto") == "auto"  # nothing recorded: Ray's own search decides
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6380")
+    assert resolve_address("auto") == "127.0.0.1:6380" and is_loopback_address(resolve_address("auto"))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert resolve_address("auto") == "10.0.0.5:6379"
+    assert resolve_address("10.0.0.9:6379") == "10.0.0.9:6379"
+
+
 def test_a_cluster_at_a_loopback_address_is_joined_in_loopback_mode():
     from deploy.cluster import is_loopback_address
     assert is_loopback_address("127.0.0.1:6379") and is_loopback_address("localhost:6379")
