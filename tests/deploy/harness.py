@@ -20,13 +20,14 @@ STARTUP_TIMEOUT_S = 900
 
 class Serve:
     """`python -m deploy.cli serve ...` with its output read by a thread. `ray_temp_dir`: the
-    local Ray instance's (None when `args` join a cluster with --ray-address)."""
+    local Ray instance's (None when `args` join a cluster with --ray-address); `env`: more
+    environment for it and the `pdserve` commands."""
 
-    def __init__(self, state_file: Path, ray_temp_dir: str | None, *args: str) -> None:
+    def __init__(self, state_file: Path, ray_temp_dir: str | None, *args: str, env: dict | None = None) -> None:
         self.state_file = state_file
         self.ray_temp_dir = ray_temp_dir
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "PYTHONUNBUFFERED": "1", "PDSERVE_STATE_FILE": str(state_file)}
+                    "PYTHONUNBUFFERED": "1", "PDSERVE_STATE_FILE": str(state_file), **(env or {})}
         temp_dir = [] if ray_temp_dir is None else ["--ray-temp-dir", ray_temp_dir]
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "serve", "--port", "0", "--omp-num-threads", "1",

@@ -33,18 +33,20 @@ START_TIMEOUT_S = 300
 class RayNodes:
     """`resources` per node (the first is the head): `RayNodes([{"node_a": 1}, {"node_b": 1}])`.
     `address` (the GCS), `nodes` (one dict per node, in that order: node_id, node_ip,
-    resources, temp_dir); `stop()` is idempotent and leaves no process of the nodes."""
+    resources, temp_dir), `ray_tmpdir` (with `RAY_TMPDIR` set to it, `ray.init("auto")` finds
+    these nodes, as it finds a `ray start --head`); `stop()` is idempotent and leaves no process
+    of the nodes."""
 
     def __init__(self, resources: list[dict[str, float]], num_cpus: int = 1) -> None:
         from tests.deploy.harness import REPO
         self.marker = uuid.uuid4().hex
-        self._root = tempfile.mkdtemp(prefix="pdn-", dir="/tmp")  # short: Ray's socket paths live below it
-        os.mkdir(f"{self._root}/ray")  # RAY_TMPDIR's ray/ray_current_cluster
-        spec = {"num_cpus": num_cpus, "nodes": [{"resources": r, "temp_dir": f"{self._root}/{index}"}
+        self.ray_tmpdir = tempfile.mkdtemp(prefix="pdn-", dir="/tmp")  # short: Ray's socket paths live below it
+        os.mkdir(f"{self.ray_tmpdir}/ray")  # RAY_TMPDIR's ray/ray_current_cluster
+        spec = {"num_cpus": num_cpus, "nodes": [{"resources": r, "temp_dir": f"{self.ray_tmpdir}/{index}"}
                                                  for index, r in enumerate(resources)]}
         env = {**os.environ, NODES_MARKER: self.marker, "RAY_USAGE_STATS_ENABLED": "0",
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # loopback: Ray binds 127.0.0.1 only
-               "RAY_TMPDIR": self._root,  # Ray's default temp dir (ray_current_cluster): ours, not /tmp/ray
+               "RAY_TMPDIR": self.ray_tmpdir,  # Ray's default temp dir (ray_current_cluster): ours, not /tmp/ray
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         env.pop("RAY_ADDRESS", None)
         self.log: list[str] = []
@@ -96,7 +98,7 @@ class RayNodes:
                 except ProcessLookupError:
                     pass
             time.sleep(0.5)
-        shutil.rmtree(self._root, ignore_errors=True)
+        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
 
 
 def _pids(lines: list[str]) -> list[int]:

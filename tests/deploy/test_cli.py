@@ -89,8 +89,9 @@ def test_status_table():
     status = {"targets": {"prefill": 1, "decode": 2, "both": 0}, "settled": False, "routers": 1,
               "workers": [
                   {"worker_id": "prefill-1", "role": "prefill", "state": "ready", "address": "127.0.0.1:4001",
-                   "pid": 11, "node_id": "0123456789abcdef" * 3 + "01234567", "node_ip": "10.0.0.7", "healthy": True, "running": 1, "waiting": 0, "kv_usage": 0.25,
-                   "prefix_cache_hit_rate": 0.5, "rss_bytes": 3 * 2**29},
+                   "pid": 11, "node_id": "0123456789abcdef" * 3 + "01234567", "node_ip": "10.0.0.7", "healthy": True,
+                   "running": 1, "waiting": 0, "kv_usage": 0.25, "prefix_cache_hit_rate": 0.5,
+                   "rss_bytes": 3 * 2**29},
                   {"worker_id": "decode-3", "role": "decode", "state": "starting", "address": "", "pid": None,
                    "healthy": False, "running": 0, "waiting": 0, "kv_usage": None, "prefix_cache_hit_rate": None}],
               "events": [{"time": 0.0, "message": "decode-3 starting"}]}

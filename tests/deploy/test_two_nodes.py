@@ -1,6 +1,6 @@
 """The multi-node path on one machine: two Ray nodes (node A with the custom resource `node_a`,
-node B with `node_b`; tests/deploy/ray_nodes.py), and `pdserve serve --ray-address` joining them
-with `--prefill-resources '{"node_a": 1}' --decode-resources '{"node_b": 1}'` and workers that
+node B with `node_b`; tests/deploy/ray_nodes.py), and `pdserve serve --ray-address auto` joining
+them with `--prefill-resources '{"node_a": 1}' --decode-resources '{"node_b": 1}'` and workers that
 listen on their node's IP (`--worker-host node-ip`). One cluster for the module:
 
 - the prefill worker runs on node A and the decode worker on node B: by the node ids that
@@ -44,10 +44,11 @@ def nodes():
 def serve(nodes):
     with tempfile.TemporaryDirectory(prefix="pdserve-state-") as state_dir:
         server = Serve(Path(state_dir) / "serve.json", None,
-                       "--ray-address", nodes.address, "--model", "default", "--device", "cpu",
+                       "--ray-address", "auto", "--model", "default", "--device", "cpu",
                        "--kv-cache-memory-gb", KV_CACHE_GB, "--local-prefill-threshold", "0",
                        "--worker-host", "node-ip",
-                       "--prefill-resources", '{"node_a": 1}', "--decode-resources", '{"node_b": 1}')
+                       "--prefill-resources", '{"node_a": 1}', "--decode-resources", '{"node_b": 1}',
+                       env={"RAY_TMPDIR": nodes.ray_tmpdir})  # where `auto` finds the head
         try:
             server.url = server.wait_ready()
             yield server
@@ -74,6 +75,7 @@ def raylet_of(pid: int) -> str:
 
 
 def test_each_pool_runs_on_its_node_and_advertises_the_nodes_ip(serve, nodes):
+    assert f"Ray at {nodes.address};" in "".join(serve.log)  # `auto` found the head on 127.0.0.1
     status = json.loads(serve.cli("status", "--json").stdout)
     assert status["settled"]
     table = serve.cli("status").stdout
