@@ -8,9 +8,14 @@
 #      the plain socket and memcpy), and CUDA caches (against a device copy through CUDA IPC);
 #   3. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
 #      random weights (the default model's GGUF does not travel; speed depends only on the shape);
-#   4. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth).
-# GPU_CHECK_STEPS picks steps (default "tests kvtransfer offline kernels"). ucx needs ucxx: where
-# it is not installed, put the wheels' contents on PYTHONPATH (the README says how).
+#   4. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth);
+#   5. `cluster` (not in the default list: ~4-6 more minutes): `pdserve serve` on the GPU with the
+#      same random model, 1 prefill + 1 decode worker sharing it (--worker-gpus 0.5), over ucx and
+#      tcp, token-exact against one colocated worker, then the serving benchmark (1024 in / 128
+#      out, concurrency 64) of each (benchmarks/cluster_check.py).
+# GPU_CHECK_STEPS picks steps (default "tests kvtransfer offline kernels"; "cluster" alone:
+# GPU_CHECK_STEPS=cluster). ucx needs ucxx: where it is not installed, put the wheels' contents on
+# PYTHONPATH (the README says how); the cluster step skips ucx, saying so, without it.
 # Results go to $OUT when it is set, else to benchmarks/results/gpu_check/ (at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +40,8 @@ PY
 
 STEPS=" ${GPU_CHECK_STEPS:-tests kvtransfer offline kernels} "
 step() { [[ "$STEPS" == *" $1 "* ]]; }
-tests_rc=0 offline_rc=0 kv_rc=0 bench_rc=0
+tests_rc=0 offline_rc=0 kv_rc=0 bench_rc=0 cluster_rc=0
+MODEL_DIR="${TMPDIR:-/tmp}/pdserve-smollm2-random"
 
 if step tests; then
 timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra --timeout=240" \
@@ -58,7 +64,6 @@ kv_rc=${PIPESTATUS[0]}
 fi
 
 if step offline; then
-MODEL_DIR="${TMPDIR:-/tmp}/pdserve-smollm2-random"
 {
   "$PYTHON" benchmarks/random_model.py "$MODEL_DIR" --layers 30 &&
   timeout 200 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --json "$RESULTS/offline_gpu.json" &&
@@ -74,6 +79,15 @@ timeout 100 "$PYTHON" benchmarks/kernel_bench.py --compare-torch --json "$RESULT
 bench_rc=${PIPESTATUS[0]}
 fi
 
+if step cluster; then
+# The script writes the model unless the offline step already did (same folder, same shape), and
+# stops every `pdserve serve` it started, on SIGTERM too (-k: 90 s for that before SIGKILL).
+timeout -k 90 360 "$PYTHON" benchmarks/cluster_check.py --device cuda --transports ucx,tcp \
+  --model-dir "$MODEL_DIR" --json "$RESULTS/cluster.json" --markdown "$RESULTS/cluster.md" \
+  2>&1 | grep -v "Writing model shards" | tee "$RESULTS/cluster.txt"
+cluster_rc=${PIPESTATUS[0]}
+fi
+
 echo "gpu_check ($STEPS): tests rc=$tests_rc, offline rc=$offline_rc, kvtransfer rc=$kv_rc," \
-  "kernel benchmark rc=$bench_rc; results in $RESULTS" | tee -a "$RESULTS/gpu_check.txt"
-[ "$tests_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ] && [ "$kv_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+  "kernel benchmark rc=$bench_rc, cluster rc=$cluster_rc; results in $RESULTS" | tee -a "$RESULTS/gpu_check.txt"
+[ "$tests_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ] && [ "$kv_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$cluster_rc" -eq 0 ]
