@@ -48,7 +48,7 @@ def serve(nodes):
                        "--kv-cache-memory-gb", KV_CACHE_GB, "--local-prefill-threshold", "0",
                        "--worker-host", "node-ip",
                        "--prefill-resources", '{"node_a": 1}', "--decode-resources", '{"node_b": 1}',
-                       env={"RAY_TMPDIR": nodes.ray_tmpdir})  # where `auto` finds the head
+                       env={"RAY_TMPDIR": nodes.ray_tmpdir, "RAY_ADDRESS": ""})  # `auto`: these nodes
         try:
             server.url = server.wait_ready()
             yield server
