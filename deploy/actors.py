@@ -4,7 +4,8 @@ endpoint) per Ray actor, and the controller's handle on them.
 `WorkerActor` lifecycle (one state per line):
 
     created    the actor process exists, with OMP_NUM_THREADS set before torch loads
-    start()    engine built off the event loop; gRPC server listening; returns both addresses
+    start()    engine built off the event loop (tensor parallel N: with its N-1 follower processes,
+               children of this one: engine/tp_worker.py); gRPC server listening; returns both addresses
                (gRPC and KV transport), the process id, and the Ray node it runs on (id and IP)
     serving    `run_until_stopped()` stays pending while it serves: the controller's watch call,
                which fails at once when the actor dies
@@ -63,8 +64,11 @@ class WorkerActor:
 
     def _build_worker(self, host: str, advertise_host: str) -> Any:
         import torch
-        torch.set_num_threads(self.spec.omp_num_threads)
+        # The worker's share, all its ranks together: with TP the engine gives each rank 1/N of it.
+        torch.set_num_threads(self.spec.threads(self.role))
         options = dict(self.spec.engine_options, device=self.spec.device)
+        if self.spec.tp(self.role) > 1:  # rank 0 (this process) starts the N-1 followers as its children
+            options["tensor_parallel_size"] = self.spec.tp(self.role)
         if self.role == "prefill":
             from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
             return PrefillWorker(PrefillWorkerConfig(model=self.spec.model, engine_options=options,
@@ -148,9 +152,11 @@ class RayWorkerHandle:
 
 
 class RayWorkerLauncher:
-    """Creates `WorkerActor`s with their resources: `num_gpus` per worker on GPU, fractional
-    `num_cpus` on CPU, the custom resources of the worker's role (which pin a pool to the nodes
-    that have them), and OMP_NUM_THREADS set in the actor's environment. They are detached
+    """Creates `WorkerActor`s with their resources (`WorkerSpec.actor_options(role)`): `num_gpus`
+    per worker on GPU, fractional `num_cpus` on CPU, both times the worker's tensor-parallel
+    degree (its follower ranks are child processes of the actor, on its node, inside its
+    reservation), the custom resources of the worker's role (which pin a pool to the nodes that
+    have them), and OMP_NUM_THREADS (the worker's thread share) set in the actor's environment. They are detached
     actors named `<controller>:<worker id>`: a controller that dies takes none of them with it,
     and a restarted one finds them by name (`find`); `stop_all` ends every one of them."""
 
@@ -164,11 +170,11 @@ class RayWorkerLauncher:
         import ray
         if self._actor_class is None:
             self._actor_class = ray.remote(WorkerActor)
-        threads = str(self.spec.omp_num_threads)
+        threads = str(self.spec.threads(role))
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
         actor_class = self._actor_class.options(
             name=f"{self.controller_name}:{worker_id}", namespace=self.namespace,
-            num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, resources=self.spec.resources.get(role, {}),
+            **self.spec.actor_options(role),
             max_restarts=0, max_concurrency=1000,
             lifetime="detached", runtime_env={"env_vars": env})
         return RayWorkerHandle(actor_class.remote(role, self.spec), role)

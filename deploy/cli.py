@@ -2,7 +2,8 @@
 
     pdserve serve   [--model default|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
-                    [--api-key KEY] [--routers N] [engine options]  run the cluster until Ctrl-C / SIGTERM
+                    [--api-key KEY] [--routers N] [--tensor-parallel-size N] [engine options]
+                                                               run the cluster until Ctrl-C / SIGTERM
     pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
     pdserve status  [--json] [--events N]
     pdserve bench   ARGS...                                    forwards to benchmarks/serve.py
@@ -96,7 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
                                     "'{\"node_a\": 1}': places the pool on the nodes started with them "
                                     "(`ray start --resources`)")
     placement.add_argument("--omp-num-threads", type=int, default=None,
-                           help="torch threads per worker (default: cores / initial workers, at least 1)")
+                           help="torch threads per worker process, each tensor-parallel rank (default: cores / "
+                                "initial processes, at least 1)")
+    parallel = serve.add_argument_group("tensor parallelism")
+    parallel.add_argument("--tensor-parallel-size", "--colocated-tp", dest="colocated_tp", type=int, default=1,
+                          metavar="N",
+                          help="each colocated worker runs the model on N processes (rank 0 in its Ray actor, N-1 "
+                               "child processes on the same node), holding N x --worker-cpus (CPU) or N GPUs "
+                               "(CUDA, rank r on cuda:r) and N x --omp-num-threads threads; needs --colocated "
+                               "(default 1)")
+    for role in ("prefill", "decode"):
+        parallel.add_argument(pool_flag(role, "tp"), dest=f"{role}_tp", type=int, default=1, metavar="N",
+                              help=f"tensor-parallel degree of the {role} workers: only 1 for now (the KV hand-off "
+                                   "between tensor-parallel ranks is not built); use colocated workers with "
+                                   "--tensor-parallel-size")
     placement.add_argument("--worker-host", default=None,
                            help=f"where workers listen (default 127.0.0.1 locally, 0.0.0.0 when joining; "
                                 f"{NODE_IP_HOST}: the IP of each worker's Ray node)")
@@ -137,6 +151,11 @@ def _resources_argument(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _tensor_parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
+    sizes = {"prefill": args.prefill_tp, "decode": args.decode_tp, "both": args.colocated_tp}
+    return {role: size for role, size in sizes.items() if size != 1}
+
+
 def _pool_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return {role: getattr(args, f"{role}_resources") for role in ROLES if getattr(args, f"{role}_resources")}
 
@@ -172,6 +191,7 @@ def serve_options(args: argparse.Namespace):
                         device=args.device, transport=args.transport, api_key=args.api_key or None,
                         engine_options=engine_options, worker_cpus=args.worker_cpus,
                         worker_gpus=args.worker_gpus, pool_resources=_pool_resources(args),
+                        tensor_parallel_size=_tensor_parallel_sizes(args),
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
                         local_prefill_weight=args.local_prefill_weight,
@@ -251,15 +271,16 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("STATE", "state"), ("ADDRESS", "address"), ("PID", "pid"),
-           ("NODE", "node_id"), ("HEALTH", "healthy"), ("RUNNING", "running"), ("WAITING", "waiting"),
+COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("TP", "tensor_parallel_size"), ("STATE", "state"),
+           ("ADDRESS", "address"), ("PID", "pid"), ("NODE", "node_id"), ("HEALTH", "healthy"),
+           ("RUNNING", "running"), ("WAITING", "waiting"),
            ("KV USE", "kv_usage"), ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"))
 NODE_ID_CHARS = 8  # of a Ray node id (56 hex digits) in the table; `--json` has all of it
 
 
 def format_status(status: dict[str, Any], events: int = 5) -> str:
-    """A fixed-width table of the workers (NODE: the Ray node each runs on), the pool targets, and
-    the last few events."""
+    """A fixed-width table of the workers (TP: each one's tensor-parallel degree; NODE: the Ray
+    node it runs on, with all its ranks), the pool targets, and the last few events."""
     def cell(key: str, worker: dict[str, Any]) -> str:
         value = worker.get(key)
         if key == "healthy":

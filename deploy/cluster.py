@@ -69,7 +69,8 @@ def quiet_ray_environment(loopback: bool, token_auth: bool = False) -> None:
 
 
 def start_or_join(settings: RaySettings) -> dict[str, Any]:
-    """`ray.init` as the settings say; returns {"address", "started", "node_ip", "resources"}."""
+    """`ray.init` as the settings say; returns {"address", "started", "node_ip", "resources" (the
+    cluster's totals), "nodes" (each alive node's resources), "token_auth"}."""
     started = settings.address is None
     address = None if started else resolve_address(settings.address)
     quiet_ray_environment(loopback=settings.loopback if started else is_loopback_address(address))
@@ -84,7 +85,14 @@ def start_or_join(settings: RaySettings) -> dict[str, Any]:
         context = ray.init(address=address, namespace=settings.namespace, logging_level=logging.WARNING)
     return {"address": context.address_info["gcs_address"], "started": started,
             "node_ip": context.address_info["node_ip_address"], "resources": ray.cluster_resources(),
-            "token_auth": os.environ.get(RAY_AUTH_ENV, "").lower() == "token"}
+            "nodes": node_resources(), "token_auth": os.environ.get(RAY_AUTH_ENV, "").lower() == "token"}
+
+
+def node_resources() -> list[dict[str, float]]:
+    """The total Ray resources of each alive node of the cluster this process joined (a worker,
+    with all its tensor-parallel ranks, must fit on one)."""
+    import ray
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
 
 
 def connect(address: str, namespace: str, token_auth: bool = False) -> None:

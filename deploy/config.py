@@ -21,6 +21,10 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve and its 
 # itself): not accepted among a pool's custom resources.
 RESERVED_RESOURCES = {"CPU": "--worker-cpus", "GPU": "--worker-gpus", "memory": None, "object_store_memory": None}
 RESOURCE_UNITS = 10_000  # Ray counts a resource in units of 1/10,000
+# The roles whose workers may run with tensor parallelism. Prefill and decode workers exchange KV
+# through a transport, and the hand-off between TP ranks (each rank's KV heads) is not built yet
+# (issue 23, item 2): the engine refuses a KV transport with TP > 1.
+TENSOR_PARALLEL_ROLES = ("both",)
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -61,9 +65,18 @@ class WorkerSpec:
     `host` is where the worker's gRPC server and KV receiver listen (`NODE_IP_HOST`: the IP
     of the Ray node the worker runs on); `advertise_node_ip` writes the Ray node's IP into the
     reported addresses instead (for `host="0.0.0.0"` on multi-node clusters). `num_cpus` /
-    `num_gpus` are the Ray resources each worker actor holds; `resources` the Ray custom resources
-    each worker of a role requires, by role (`{"prefill": {"node_a": 1}}` places the prefill pool
-    on the nodes started with `--resources '{"node_a": ...}'`).
+    `num_gpus` are the Ray resources of one process of a worker; `resources` the Ray custom
+    resources each worker of a role requires, by role (`{"prefill": {"node_a": 1}}` places the
+    prefill pool on the nodes started with `--resources '{"node_a": ...}'`).
+
+    Tensor parallelism: `tensor_parallel_size` is each role's TP degree N (absent: 1; only
+    colocated workers, role "both", may use N > 1 for now). A worker of TP degree N is its actor
+    (rank 0) plus N-1 follower processes that rank 0 starts as its children (engine/tp_worker.py),
+    so the whole worker runs on one node, and its actor holds the resources of all N ranks:
+    `num_cpus` x N, `num_gpus` x N (whole GPUs: Ray's CUDA_VISIBLE_DEVICES then lists the N
+    devices and rank r uses cuda:r) and `omp_num_threads` x N torch threads, which the engine
+    splits evenly over its ranks. Custom `resources` are per worker, whatever N.
+    `actor_options(role)` and `threads(role)` are that arithmetic, in one place.
     """
     model: str = "default"
     device: str = "cpu"
@@ -74,7 +87,8 @@ class WorkerSpec:
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
-    omp_num_threads: int = 1
+    omp_num_threads: int = 1  # torch threads per process (each TP rank)
+    tensor_parallel_size: dict[str, int] = field(default_factory=dict)  # by role; absent: 1
     local_prefill_threshold: int | None = None  # decode workers; None: the worker's default
     log_level: str = "WARNING"
 
@@ -105,8 +119,44 @@ class WorkerSpec:
             raise ValueError(f"omp_num_threads must be >= 1, got {self.omp_num_threads}")
         if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
-        if "device" in self.engine_options or "role" in self.engine_options:
-            raise ValueError("engine_options must not set device or role: use WorkerSpec.device and the pool role")
+        if {"device", "role", "tensor_parallel_size"} & set(self.engine_options):
+            raise ValueError("engine_options must not set device, role or tensor_parallel_size: use "
+                             "WorkerSpec.device, the pool role and WorkerSpec.tensor_parallel_size")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        unknown = sorted(set(self.tensor_parallel_size) - set(ROLES))
+        if unknown:
+            raise ValueError(f"tensor_parallel_size is by role ({', '.join(ROLES)}), got "
+                             f"{', '.join(map(repr, unknown))}")
+        for role, size in self.tensor_parallel_size.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{tp_flag(role)} must be an integer >= 1, got {size!r}")
+            if size > 1 and role not in TENSOR_PARALLEL_ROLES:
+                raise ValueError(
+                    f"{tp_flag(role)} {size}: {pool_name(role)} workers cannot use tensor parallelism yet (the KV "
+                    "hand-off from prefill to decode between tensor-parallel ranks is not built); serve with "
+                    f"colocated tensor-parallel workers instead: --prefill 0 --decode 0 --colocated K "
+                    f"{tp_flag('both')} {size}")
+            if size > 1 and self.device == "cuda" and self.num_gpus != 1:
+                raise ValueError(f"{tp_flag(role)} {size} on cuda takes one whole GPU per rank ({size} per worker): "
+                                 f"--worker-gpus must be 1 with tensor parallelism, got {self.num_gpus:g}")
+
+    def tp(self, role: str) -> int:
+        """The tensor-parallel degree of a worker of `role` (1: one process)."""
+        return self.tensor_parallel_size.get(role, 1)
+
+    def actor_options(self, role: str) -> dict[str, Any]:
+        """The Ray resources one worker of `role` holds (`ray.remote(...).options(**...)`): those of
+        all its tensor-parallel ranks, which run on the actor's node."""
+        size = self.tp(role)
+        return {"num_cpus": self.num_cpus * size, "num_gpus": self.num_gpus * size,
+                "resources": dict(self.resources.get(role, {}))}
+
+    def threads(self, role: str) -> int:
+        """torch threads of a worker of `role`, all its ranks together (the engine gives each of
+        its N ranks 1/N of them, engine/tp_worker.py)."""
+        return self.omp_num_threads * self.tp(role)
 
 
 @dataclass
@@ -184,30 +234,58 @@ class ControllerConfig:
             raise ValueError(f"max_events must be >= 1, got {self.max_events}")
 
 
-def capacity_shortfall(targets: PoolTargets, worker: WorkerSpec, resources: dict[str, float]) -> str | None:
+def capacity_shortfall(targets: PoolTargets, worker: WorkerSpec, resources: dict[str, float],
+                       nodes: list[dict[str, float]] | None = None) -> str | None:
     """Why the pools cannot all be placed on a cluster with these total Ray `resources`, or None.
-    (Workers beyond the capacity wait for resources: on a fixed cluster, forever.) Custom
-    resources are counted over the whole cluster, not per node."""
+    (Workers beyond the capacity wait for resources: on a fixed cluster, forever.) Each worker
+    holds `worker.actor_options(role)`: a tensor-parallel worker the CPUs and GPUs of all its
+    ranks. Totals (custom resources included) are counted over the whole cluster; with `nodes`
+    (each alive node's resources) a worker must also fit on one node, since all the ranks of a
+    tensor-parallel worker run on its actor's node."""
     counts = targets.counts()
     workers = sum(counts.values())
-    needs = {"CPU": workers * worker.num_cpus, "GPU": workers * worker.num_gpus}
-    short = [f"{need:g} {name}s (the cluster has {resources.get(name, 0):g})"
-             for name, need in needs.items() if need > resources.get(name, 0) + 1e-9]
+    needs: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
     custom: dict[str, float] = {}
     for role, count in counts.items():
-        for name, quantity in worker.resources.get(role, {}).items():
+        options = worker.actor_options(role)
+        needs["CPU"] += count * options["num_cpus"]
+        needs["GPU"] += count * options["num_gpus"]
+        for name, quantity in options["resources"].items():
             custom[name] = custom.get(name, 0.0) + count * quantity
+    short = [f"{need:g} {name}s (the cluster has {resources.get(name, 0):g})"
+             for name, need in needs.items() if need > resources.get(name, 0) + 1e-9]
     short += [f"{need:g} {name!r} (the cluster has {resources.get(name, 0):g})"
               for name, need in custom.items() if need > resources.get(name, 0) + 1e-9]
-    if not short:
+    if short:
+        tp = " / --tensor-parallel-size" if any(worker.tp(role) > 1 for role, count in counts.items() if count) else ""
+        return (f"{workers} worker(s) need {' and '.join(short)}; lower the pool sizes, --worker-cpus / "
+                f"--worker-gpus / --<pool>-resources{tp}, or add nodes")
+    if nodes is None:
         return None
-    return (f"{workers} worker(s) need {' and '.join(short)}; lower the pool sizes, --worker-cpus / "
-            "--worker-gpus / --<pool>-resources, or add nodes")
+    for role, count in counts.items():
+        options = worker.actor_options(role)
+        one = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
+        if count and not any(all(node.get(name, 0) + 1e-9 >= need for name, need in one.items() if need)
+                             for node in nodes):
+            what = " and ".join(f"{need:g} {name}" for name, need in one.items() if need)
+            size = worker.tp(role)
+            ranks = f" (tensor parallel {size}: all its ranks run on its node)" if size > 1 else ""
+            flags = ["--worker-cpus", "--worker-gpus"] + ([tp_flag(role)] if size > 1 else []) \
+                + ([pool_flag(role, "resources")] if options["resources"] else [])
+            return (f"a {pool_name(role)} worker needs {what} on one node{ranks}, and no node of the cluster has "
+                    f"them; lower {' / '.join(flags)}, or add a bigger node")
+    return None
 
 
 def pool_flag(role: str, suffix: str) -> str:
     """The `pdserve serve` flag of a pool's setting: pool_flag("both", "resources") is --colocated-resources."""
     return f"--{pool_name(role)}-{suffix}"
+
+
+def tp_flag(role: str) -> str:
+    """The `pdserve serve` flag of a pool's tensor-parallel degree (--tensor-parallel-size: the
+    colocated pool, the only one that can use TP today)."""
+    return "--tensor-parallel-size" if role == "both" else pool_flag(role, "tp")
 
 
 def pool_name(role: str) -> str:

@@ -283,6 +283,7 @@ class PoolController:
             queries = m.stat("prefix_cache_queries")
             workers.append({
                 "worker_id": m.worker_id, "role": m.role, "state": m.state, "address": m.grpc_address,
+                "tensor_parallel_size": self.config.worker.tp(m.role),
                 "transport_address": m.transport_address, "pid": m.pid, "node_id": m.node_id,
                 "node_ip": m.node_ip, "healthy": m.healthy, "running": m.stat("running"),
                 "waiting": m.stat("waiting"), "kv_blocks_total": total, "kv_blocks_free": free,
@@ -562,7 +563,9 @@ class ControllerActor:
         except ValueError as exc:
             return {"error": str(exc)}
         result: dict[str, Any] = {"targets": targets}
-        shortfall = capacity_shortfall(self.controller.targets, self.config.worker, ray.cluster_resources())
+        from deploy.cluster import node_resources
+        shortfall = capacity_shortfall(self.controller.targets, self.config.worker, ray.cluster_resources(),
+                                       node_resources())
         if shortfall:
             result["warning"] = f"{shortfall}; the workers that do not fit wait until resources free up"
             self.controller._event(result["warning"], logging.WARNING)

@@ -29,7 +29,8 @@ from typing import Any
 
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
                             start_or_join, write_state)
-from deploy.config import DEFAULT_CONTROLLER_NAME, ControllerConfig, PoolTargets, WorkerSpec, capacity_shortfall
+from deploy.config import (DEFAULT_CONTROLLER_NAME, ROLES, ControllerConfig, PoolTargets, WorkerSpec,
+                           capacity_shortfall, tp_flag)
 from router.config import RouterConfig
 
 logger = logging.getLogger("pdserve")
@@ -55,7 +56,9 @@ class ServeOptions:
     worker_gpus: float | None = None  # Ray GPUs per cuda worker (default 1; 0.5 puts P and D on one GPU)
     # by role: Ray custom resources each worker of that pool requires (WorkerSpec.resources)
     pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
-    omp_num_threads: int | None = None  # default: this machine's cores / initial workers (>= 1)
+    omp_num_threads: int | None = None  # per process (TP rank); default: this machine's cores / initial ranks (>= 1)
+    # by role: tensor-parallel degree of each worker of that pool (absent: 1; only "both" may be > 1)
+    tensor_parallel_size: dict[str, int] = field(default_factory=dict)
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining; node-ip
     local_prefill_threshold: int | None = None
     max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
@@ -94,9 +97,18 @@ class ServeOptions:
         if self.model != "default" and not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
                              "a .gguf file, or 'default')")
+        colocated_tp = self.tensor_parallel_size.get("both", 1)
+        if isinstance(colocated_tp, int) and colocated_tp > 1 and not self.colocated:
+            raise ValueError(f"{tp_flag('both')} {colocated_tp} sizes the colocated workers, and --colocated is 0 "
+                             "(prefill and decode workers cannot use tensor parallelism yet): serve with "
+                             f"--prefill 0 --decode 0 --colocated K {tp_flag('both')} {colocated_tp}")
         from engine.llm import build_engine_config
         build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
-        self.controller_config(WorkerSpec(model=self.model, transport=self.transport, resources=self.pool_resources))
+        cuda = self.device == "cuda"  # (auto: checked again once the device is known)
+        self.controller_config(WorkerSpec(model=self.model, transport=self.transport, resources=self.pool_resources,
+                                          tensor_parallel_size=dict(self.tensor_parallel_size),
+                                          device="cuda" if cuda else "cpu",
+                                          num_gpus=(self.worker_gpus or 1.0) if cuda else 0.0))
 
     def worker_spec(self, resources: dict[str, float], started_ray: bool) -> WorkerSpec:
         device = self.device
@@ -105,14 +117,16 @@ class ServeOptions:
         if device == "cuda" and resources.get("GPU", 0) <= 0:
             raise ValueError("--device cuda, but the Ray cluster has no GPU; use --device cpu, or join a cluster "
                              "with GPUs (--ray-address)")
-        workers = self.prefill + self.decode + self.colocated
-        threads = self.omp_num_threads or max(1, (os.cpu_count() or 1) // workers)
+        # Every rank of every worker is a process with its own threads.
+        ranks = sum(count * self.tensor_parallel_size.get(role, 1) for role, count in self.targets.counts().items())
+        threads = self.omp_num_threads or max(1, (os.cpu_count() or 1) // ranks)
         host = self.worker_host or ("127.0.0.1" if started_ray else "0.0.0.0")
         return WorkerSpec(model=self.model, device=device, engine_options=dict(self.engine_options),
                           transport=self.transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
                           num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0,
                           resources=self.pool_resources, omp_num_threads=threads,
+                          tensor_parallel_size=dict(self.tensor_parallel_size),
                           local_prefill_threshold=self.local_prefill_threshold)
 
     def router_config(self, port: int) -> RouterConfig:
@@ -149,12 +163,13 @@ def serve(options: ServeOptions) -> int:
         with stopping:
             session = start_or_join(options.ray)
             spec = options.worker_spec(session["resources"], session["started"])
-            shortfall = capacity_shortfall(options.targets, spec, session["resources"])
+            shortfall = capacity_shortfall(options.targets, spec, session["resources"], session["nodes"])
             if shortfall and session["started"]:
                 raise ServeError(shortfall)
             if shortfall:
                 logger.warning("%s; the workers that do not fit wait until nodes join", shortfall)
             _prepare_model(options.model)
+            _check_model_splits(options.model, spec)
             controller = _create_controller(options.controller_config(spec))
             status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids))
     except (ServeError, ValueError) as exc:
@@ -206,8 +221,10 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
                                            namespace=options.ray.namespace, controller=options.controller_name,
                                            url=url, started_ray=session["started"],
                                            token_auth=session["token_auth"]))
+        colocated_tp = f" (tensor parallel {spec.tp('both')})" if spec.tp("both") > 1 else ""
         print(f"pdserve ready: {url}/v1 (model {options.model}; {options.prefill} prefill, {options.decode} "
-              f"decode, {options.colocated} colocated worker(s) on {spec.device}; {options.routers} router(s); "
+              f"decode, {options.colocated} colocated worker(s){colocated_tp} on {spec.device}; "
+              f"{options.routers} router(s); "
               f"Ray at {session['address']}; `pdserve status` / `pdserve scale`)", flush=True)
         if options.host not in LOOPBACK_HOSTS and options.api_key is None:
             logger.warning("listening on %s without --api-key: anyone who can reach it can use it", options.host)
@@ -268,6 +285,22 @@ def _prepare_model(model: str) -> None:
     started = time.monotonic()
     convert_gguf(path)
     logger.info("converted in %.0f s", time.monotonic() - started)
+
+
+def _check_model_splits(model: str, spec: WorkerSpec) -> None:
+    """ValueError unless the model's heads and MLP split over each pool's tensor-parallel degree
+    (before any worker loads it; the model was just prepared, so this reads only its config)."""
+    sizes = {role: spec.tp(role) for role in ROLES if spec.tp(role) > 1}
+    if not sizes:
+        return
+    from engine.model.llama import check_tensor_parallel
+    from engine.model.loader import resolve_model
+    arch = resolve_model(model).arch
+    for role, size in sizes.items():
+        try:
+            check_tensor_parallel(arch, size)
+        except ValueError as exc:
+            raise ValueError(f"{tp_flag(role)} {size}: {exc}") from None
 
 
 def _create_controller(config: ControllerConfig) -> Any:

@@ -88,19 +88,21 @@ def test_auto_device_takes_one_gpu_per_worker_when_the_cluster_has_gpus():
 def test_status_table():
     status = {"targets": {"prefill": 1, "decode": 2, "both": 0}, "settled": False, "routers": 1,
               "workers": [
-                  {"worker_id": "prefill-1", "role": "prefill", "state": "ready", "address": "127.0.0.1:4001",
-                   "pid": 11, "node_id": "0123456789abcdef" * 3 + "01234567", "node_ip": "10.0.0.7", "healthy": True,
+                  {"worker_id": "prefill-1", "role": "prefill", "tensor_parallel_size": 1, "state": "ready",
+                   "address": "127.0.0.1:4001", "pid": 11, "node_id": "0123456789abcdef" * 3 + "01234567",
+                   "node_ip": "10.0.0.7", "healthy": True,
                    "running": 1, "waiting": 0, "kv_usage": 0.25, "prefix_cache_hit_rate": 0.5,
                    "rss_bytes": 3 * 2**29},
                   {"worker_id": "decode-3", "role": "decode", "state": "starting", "address": "", "pid": None,
                    "healthy": False, "running": 0, "waiting": 0, "kv_usage": None, "prefix_cache_hit_rate": None}],
               "events": [{"time": 0.0, "message": "decode-3 starting"}]}
     lines = format_status(status).splitlines()
-    assert lines[0].split() == ["ID", "ROLE", "STATE", "ADDRESS", "PID", "NODE", "HEALTH", "RUNNING", "WAITING",
-                                "KV", "USE", "PREFIX", "HIT", "RSS"]
-    assert lines[1].split() == ["prefill-1", "prefill", "ready", "127.0.0.1:4001", "11", "01234567@10.0.0.7", "ok",
-                                "1", "0", "25.0%", "50.0%", "1.50", "GiB"]
-    assert lines[2].split() == ["decode-3", "decode", "starting", "-", "-", "-", "down", "0", "0", "-", "-", "-"]
+    assert lines[0].split() == ["ID", "ROLE", "TP", "STATE", "ADDRESS", "PID", "NODE", "HEALTH", "RUNNING",
+                                "WAITING", "KV", "USE", "PREFIX", "HIT", "RSS"]
+    assert lines[1].split() == ["prefill-1", "prefill", "1", "ready", "127.0.0.1:4001", "11", "01234567@10.0.0.7",
+                                "ok", "1", "0", "25.0%", "50.0%", "1.50", "GiB"]
+    assert lines[2].split() == ["decode-3", "decode", "-", "starting", "-", "-", "-", "down", "0", "0", "-", "-",
+                                "-"]
     assert lines[3] == "targets: 1 prefill, 2 decode, 0 colocated (changing); routers: 1"
     assert lines[4].endswith("decode-3 starting")
 
@@ -232,3 +234,121 @@ def test_a_cluster_at_a_loopback_address_is_joined_in_loopback_mode():
     assert is_loopback_address("127.0.0.1:6379") and is_loopback_address("localhost:6379")
     assert is_loopback_address("[::1]:6379")
     assert not is_loopback_address("10.0.0.10:6379") and not is_loopback_address("auto")
+
+
+# ---- tensor parallelism (colocated workers only, for now) ----------------------------------------
+
+def test_tensor_parallel_colocated_workers_hold_the_resources_of_all_their_ranks():
+    opts = options("--prefill", "0", "--decode", "0", "--colocated", "2", "--tensor-parallel-size", "3",
+                   "--omp-num-threads", "2")
+    assert opts.tensor_parallel_size == {"both": 3}
+    spec = opts.worker_spec({"CPU": 8.0}, started_ray=True)
+    assert (spec.tp("both"), spec.tp("prefill"), spec.tp("decode")) == (3, 1, 1)
+    # --worker-cpus and --omp-num-threads are per rank: the actor holds them for its 3 ranks (the engine
+    # then gives each rank a third of the threads: engine/tp_worker.py)
+    assert spec.actor_options("both") == {"num_cpus": 1.5, "num_gpus": 0.0, "resources": {}}
+    assert (spec.omp_num_threads, spec.threads("both")) == (2, 6)
+    assert options("--colocated-tp", "3", "--prefill", "0", "--decode", "0",
+                   "--colocated", "1").tensor_parallel_size == {"both": 3}
+    assert options().tensor_parallel_size == {} and options().worker_spec({"CPU": 2.0}, True).tp("both") == 1
+
+
+def test_the_default_thread_share_counts_every_rank():
+    cores = os.cpu_count() or 1
+    spec = options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "3").worker_spec(
+        {"CPU": 2.0}, started_ray=True)
+    assert spec.omp_num_threads == max(1, cores // 3) and spec.threads("both") == 3 * max(1, cores // 3)
+    mixed = options("--colocated", "1", "--tensor-parallel-size", "2").worker_spec({"CPU": 8.0}, started_ray=True)
+    assert mixed.omp_num_threads == max(1, cores // 4)  # 1 prefill + 1 decode + 2 ranks
+    assert (mixed.threads("prefill"), mixed.threads("both")) == (mixed.omp_num_threads, 2 * mixed.omp_num_threads)
+
+
+def test_a_tensor_parallel_cuda_worker_takes_one_whole_gpu_per_rank():
+    opts = options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2")
+    spec = opts.worker_spec({"CPU": 16.0, "GPU": 4.0}, started_ray=False)
+    assert spec.device == "cuda" and spec.actor_options("both") == {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {}}
+    pinned = options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "4",
+                     "--colocated-resources", '{"big_node": 1}').worker_spec({"GPU": 8.0, "big_node": 1.0}, False)
+    assert pinned.actor_options("both")["resources"] == {"big_node": 1.0}  # custom resources: per worker
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 on cuda takes one whole GPU per rank .*"
+                                         r"--worker-gpus must be 1 with tensor parallelism, got 0.5"):
+        options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2",
+                "--worker-gpus", "0.5").worker_spec({"CPU": 4.0, "GPU": 1.0}, started_ray=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill-tp", "2"], "--prefill-tp 2: prefill workers cannot use tensor parallelism yet (the KV hand-off "
+                            "from prefill to decode between tensor-parallel ranks is not built); serve with "
+                            "colocated tensor-parallel workers instead: --prefill 0 --decode 0 --colocated K "
+                            "--tensor-parallel-size 2"),
+    (["--decode-tp", "3", "--colocated", "1"], "--decode-tp 3: decode workers cannot use tensor parallelism yet"),
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size 3 sizes the colocated workers, and --colocated is 0 "
+                                      "(prefill and decode workers cannot use tensor parallelism yet): serve with "
+                                      "--prefill 0 --decode 0 --colocated K --tensor-parallel-size 3"),
+    (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "0"],
+     "--tensor-parallel-size must be an integer >= 1, got 0"),
+    (["--prefill-tp", "0"], "--prefill-tp must be an integer >= 1, got 0"),
+    (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2", "--device", "cuda",
+      "--worker-gpus", "0.5"], "--worker-gpus must be 1 with tensor parallelism, got 0.5"),
+])
+def test_tensor_parallelism_the_cluster_cannot_run_is_refused_before_anything_starts(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_worker_spec_checks_tensor_parallel_sizes_by_role():
+    from deploy.config import WorkerSpec
+    assert WorkerSpec(tensor_parallel_size={"both": 2}).tp("both") == 2
+    assert WorkerSpec(tensor_parallel_size={"prefill": 1, "decode": 1}).actor_options("decode")["num_cpus"] == 0.5
+    with pytest.raises(ValueError, match=r"tensor_parallel_size is by role \(prefill, decode, both\), got 'router'"):
+        WorkerSpec(tensor_parallel_size={"router": 2})
+    with pytest.raises(ValueError, match="--decode-tp 2: decode workers cannot use tensor parallelism yet"):
+        WorkerSpec(tensor_parallel_size={"decode": 2})
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be an integer >= 1, got True"):
+        WorkerSpec(tensor_parallel_size={"both": True})
+    with pytest.raises(ValueError, match="must not set device, role or tensor_parallel_size"):
+        WorkerSpec(engine_options={"tensor_parallel_size": 2})
+
+
+def test_capacity_counts_every_rank_and_a_worker_must_fit_on_one_node():
+    from deploy.config import PoolTargets, WorkerSpec, capacity_shortfall
+    cpu = WorkerSpec(num_cpus=0.5, tensor_parallel_size={"both": 3})
+    assert capacity_shortfall(PoolTargets(0, 0, 1), cpu, {"CPU": 2.0}, [{"CPU": 2.0}]) is None
+    assert capacity_shortfall(PoolTargets(0, 0, 2), cpu, {"CPU": 2.0}) == (
+        "2 worker(s) need 3 CPUs (the cluster has 2); lower the pool sizes, --worker-cpus / --worker-gpus / "
+        "--<pool>-resources / --tensor-parallel-size, or add nodes")
+    # 1 prefill + 1 decode at 0.5 CPU each and one colocated worker of 3 ranks: 2.5 CPUs
+    assert "2.5 CPUs (the cluster has 2)" in capacity_shortfall(PoolTargets(1, 1, 1), cpu, {"CPU": 2.0})
+    gpu = WorkerSpec(device="cuda", num_cpus=1, num_gpus=1, tensor_parallel_size={"both": 4})
+    two_nodes = [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}]
+    assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 16.0, "GPU": 4.0}) is None  # totals only
+    assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 16.0, "GPU": 4.0}, two_nodes) == (
+        "a colocated worker needs 4 CPU and 4 GPU on one node (tensor parallel 4: all its ranks run on its node), "
+        "and no node of the cluster has them; lower --worker-cpus / --worker-gpus / --tensor-parallel-size, or "
+        "add a bigger node")
+    assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 16.0, "GPU": 6.0},
+                              two_nodes + [{"CPU": 4.0, "GPU": 2.0, "accelerator_type:H200": 1.0}]) is not None
+    assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 24.0, "GPU": 6.0},
+                              two_nodes + [{"CPU": 8.0, "GPU": 4.0}]) is None
+
+
+def test_serve_refuses_a_tensor_parallel_size_that_cannot_split_the_model(monkeypatch):
+    """Checked once the model is prepared, before any worker loads it (SmolLM2-135M's shape: 9
+    query heads, 3 KV heads: TP 3, never 2)."""
+    import engine.model.loader
+    from deploy.config import WorkerSpec
+    from deploy.serve import _check_model_splits
+    from engine.model.arch import ModelArchConfig
+    arch = ModelArchConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    resolved = []
+    monkeypatch.setattr(engine.model.loader, "resolve_model",
+                        lambda model: resolved.append(model) or type("Loaded", (), {"arch": arch})())
+    _check_model_splits("default", WorkerSpec())  # no TP: the model is not even looked at
+    assert resolved == []
+    _check_model_splits("default", WorkerSpec(tensor_parallel_size={"both": 3}))
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 2: tensor_parallel_size 2 cannot split "
+                                         r"LlamaForCausalLM: num_attention_heads \(9\) .*\(sizes that can: 1, 3\)"):
+        _check_model_splits("default", WorkerSpec(tensor_parallel_size={"both": 2}))

@@ -64,6 +64,16 @@ async def test_status_shows_each_workers_node_and_kv_bytes_moved():
     await controller.shutdown()
 
 
+async def test_status_shows_each_workers_tensor_parallel_degree():
+    from deploy.config import WorkerSpec
+    controller, _, _ = make_controller(prefill=1, decode=1, colocated=1,
+                                       worker=WorkerSpec(tensor_parallel_size={"both": 3}))
+    await controller.start()
+    assert sorted((w["role"], w["tensor_parallel_size"]) for w in controller.status()["workers"]) == [
+        ("both", 3), ("decode", 1), ("prefill", 1)]
+    await controller.shutdown()
+
+
 async def test_a_failed_start_raises_with_the_workers_reason():
     controller, launcher, _ = make_controller()
     launcher.plan["decode"] = [{"fail_start": "no such model: /nope"}]
