@@ -157,13 +157,25 @@ def decode_step_vs_bandwidth(llm: LLM, context: int, steps: int) -> dict:
             "fraction_of_bound": bound_s / step_s}
 
 
+def forward_flops(llm: LLM, prompt_len: int, output_len: int) -> float:
+    """FLOPs of one request: every linear layer for each token it computes (the prompt, then each
+    output but the last), causal attention (QK^T and PV) over the context each token sees, and the
+    LM head for each sampled token (the prompt's last and each output)."""
+    arch = llm.engine.runner.arch
+    matmul_params = sum(p.numel() for name, p in llm.engine.runner.model.named_parameters()
+                        if "embed" not in name and "norm" not in name and "lm_head" not in name)
+    tokens = prompt_len + max(output_len - 1, 0)
+    hidden = arch.num_attention_heads * arch.head_dim
+    attention = 2 * 2 * arch.num_hidden_layers * hidden * tokens * (tokens + 1) / 2
+    return 2 * matmul_params * tokens + attention + 2 * arch.vocab_size * arch.hidden_size * max(output_len, 1)
+
+
 def prefill_vs_peak(llm: LLM, tokens: int, dtype: torch.dtype = torch.float32,
                     earlier_peaks: tuple[float, ...] = ()) -> dict:
     """Prefill FLOP/s of one prompt against the matmul peak: the best of a measurement made now and
     `earlier_peaks` (made at the start of the run), so one measurement taken while the machine is
     slow does not make the fraction exceed 1."""
     engine = llm.engine
-    arch = engine.runner.arch
     prompt = [2000 + (i % 7000) for i in range(tokens)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt[:64]], params, use_tqdm=False)  # warm up
@@ -171,13 +183,7 @@ def prefill_vs_peak(llm: LLM, tokens: int, dtype: torch.dtype = torch.float32,
     start = time.perf_counter()
     llm.generate([[t + 1 for t in prompt]], params, use_tqdm=False)  # shifted: no prefix-cache hit
     elapsed = time.perf_counter() - start
-    matmul_params = sum(p.numel() for name, p in engine.runner.model.named_parameters() if "embed" not in name
-                        and "norm" not in name)
-    hidden = arch.num_attention_heads * arch.head_dim
-    attention_flops = 2 * 2 * arch.num_hidden_layers * hidden * tokens * tokens / 2  # QK^T and PV, causal half
-    flops = 2 * matmul_params * tokens + attention_flops
-    if arch.tie_word_embeddings:
-        flops += 2 * arch.vocab_size * arch.hidden_size  # lm_head on the last token only
+    flops = forward_flops(llm, tokens, 1)
     peaks = (*earlier_peaks, matmul_peak_gflops(dtype=dtype, device=str(engine.runner.device)))
     peak = max(peaks)
     return {"tokens": tokens, "seconds": elapsed, "gflops": flops / elapsed / 1e9, "matmul_peak_gflops": peak,
@@ -234,7 +240,11 @@ def main(argv: list[str] | None = None) -> dict:
                "output_tokens": workload.output_tokens, "engine_seconds": engine_s,
                "engine_output_tps": workload.output_tokens / engine_s, "engine_total_tps": total / engine_s,
                "engine_preemptions": preemptions}
-        print(f"{name}: engine {engine_s:.1f} s, {total / engine_s:.1f} total tok/s "
+        flops = sum(forward_flops(llm, len(p), o) for p, o in zip(workload.prompts, workload.output_lens))
+        row.update(engine_gflops=flops / engine_s / 1e9, matmul_peak_gflops=peak_at_start,
+                   fraction_of_matmul_peak=flops / engine_s / 1e9 / peak_at_start)
+        print(f"{name}: engine {engine_s:.1f} s, {total / engine_s:.1f} total tok/s, "
+              f"{row['engine_gflops']:.1f} GFLOP/s = {row['fraction_of_matmul_peak']:.0%} of the matmul peak "
               f"({preemptions} preemptions)", flush=True)
         if hf is not None:
             hf_s = run_transformers(hf, workload)
@@ -257,9 +267,11 @@ def main(argv: list[str] | None = None) -> dict:
 def print_table(results: dict) -> None:
     print(f"\nmodel={results['model']} device={results.get('device', 'cpu')} dtype={results['dtype']} threads={results['threads']} load average before/after "
           f"{results['load_average_before'][0]:.1f}/{results['load_average_after'][0]:.1f}")
-    print(f"{'workload':<8} {'reqs':>5} {'engine out/s':>13} {'engine tot/s':>13} {'hf out/s':>9} {'hf tot/s':>9} {'speedup':>8}")
+    print(f"{'workload':<8} {'reqs':>5} {'engine out/s':>13} {'engine tot/s':>13} {'of peak':>8} {'hf out/s':>9} "
+          f"{'hf tot/s':>9} {'speedup':>8}")
     for name, row in results["workloads"].items():
         print(f"{name:<8} {row['requests']:>5} {row['engine_output_tps']:>13.1f} {row['engine_total_tps']:>13.1f} "
+              f"{row.get('fraction_of_matmul_peak', float('nan')):>8.0%} "
               f"{row.get('transformers_output_tps', float('nan')):>9.1f} {row.get('transformers_total_tps', float('nan')):>9.1f} "
               f"{row.get('speedup', float('nan')):>7.2f}x")
     d, p = results["decode_batch1"], results["prefill"]
