@@ -191,6 +191,18 @@ def offline_text(offline, prompt: str, max_tokens: int, ignore_eos: bool = False
     return offline.tokenizer.decode(output.token_ids)
 
 
+def assert_chats_match_offline(client, offline, chats: list, max_tokens: int) -> None:
+    """Each chat, greedy through the served API, and the first one streamed, give the offline
+    engine's text."""
+    for messages in chats:
+        out = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+                                             temperature=0)
+        assert out.choices[0].message.content == offline_text(offline, messages, max_tokens)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="default", messages=chats[0], max_tokens=max_tokens, temperature=0, stream=True) if chunk.choices)
+    assert streamed == offline_text(offline, chats[0], max_tokens)
+
+
 def ready_workers(status: dict, role: str) -> list[dict]:
     return [w for w in status["workers"] if w["role"] == role and w["state"] == "ready"]
 

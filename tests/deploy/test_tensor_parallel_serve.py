@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.harness import (cluster_fixtures, descendants, offline_text, ready_workers, running,
+from tests.deploy.harness import (assert_chats_match_offline, cluster_fixtures, descendants, ready_workers, running,
                                   stop_and_check_nothing_is_left)
 
 pytestmark = pytest.mark.slow
@@ -64,13 +64,7 @@ def test_the_worker_runs_its_ranks_as_child_processes_with_a_thread_each(serve, 
 
 
 def test_chat_completions_match_the_offline_engine_at_tp_1(client, offline):
-    for messages in CHATS:
-        out = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                             temperature=0)
-        assert out.choices[0].message.content == offline_text(offline, messages, MAX_TOKENS)
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model="default", messages=CHATS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True) if chunk.choices)
-    assert streamed == offline_text(offline, CHATS[0], MAX_TOKENS)
+    assert_chats_match_offline(client, offline, CHATS, MAX_TOKENS)
 
 
 def test_sigint_leaves_no_process_and_no_follower(serve, worker):

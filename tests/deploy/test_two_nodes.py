@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.harness import Serve, offline_text, ready_workers, running, wait_until
+from tests.deploy.harness import Serve, assert_chats_match_offline, ready_workers, running, wait_until
 from tests.deploy.ray_nodes import RayNodes
 
 pytestmark = pytest.mark.slow
@@ -94,13 +94,7 @@ def test_each_pool_runs_on_its_node_and_advertises_the_nodes_ip(serve, nodes):
 
 def test_chat_completions_cross_the_nodes_and_match_the_offline_engine(serve, client, offline):
     before = {w["role"]: w for w in serve.status()["workers"]}
-    for messages in CHATS:
-        out = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                             temperature=0)
-        assert out.choices[0].message.content == offline_text(offline, messages, MAX_TOKENS)
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model="default", messages=CHATS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True) if chunk.choices)
-    assert streamed == offline_text(offline, CHATS[0], MAX_TOKENS)
+    assert_chats_match_offline(client, offline, CHATS, MAX_TOKENS)
 
     def kv_moved():  # Stats are polled every second: wait for a poll after the requests
         workers = {w["role"]: w for w in serve.status()["workers"]}
