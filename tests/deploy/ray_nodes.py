@@ -109,7 +109,6 @@ def _pids(lines: list[str]) -> list[int]:
 
 def _serve_nodes(spec: dict) -> None:
     """The helper process: start the nodes, print their JSON line, hold them until stdin closes."""
-    import ray
     from ray.cluster_utils import Cluster
 
     def node_args(node: dict) -> dict:
