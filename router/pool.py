@@ -44,6 +44,7 @@ class WorkerInfo:
     last_poll_time: float | None = None
     inflight_requests: int = 0  # this router's requests on this worker
     outstanding_prefill_tokens: int = 0  # prompt tokens sent here whose first token has not come back
+    outstanding_at_poll: int = 0  # this router's share of `stats.prefill_tokens_queued` (see prefill_load_tokens)
     num_routed: int = 0  # requests this router has sent here, ever
 
     @property
@@ -64,8 +65,13 @@ class WorkerInfo:
 
     @property
     def prefill_load_tokens(self) -> int:
-        """Queued prefill tokens: this router's outstanding ones or the worker's own count, whichever is larger."""
-        return max(self.outstanding_prefill_tokens, self.stat("prefill_tokens_queued"))
+        """Queued prefill tokens: this router's outstanding ones, exact and current, plus the rest of
+        the worker's own count at the last poll (other routers' work). The polled count alone goes
+        stale as soon as a request it counted finishes its prefill: a sequence of requests would
+        each see the previous one still queued. So this router's outstanding tokens at poll time
+        (the larger of the counts at sending and at answering) come off the polled count."""
+        others = max(0, self.stat("prefill_tokens_queued") - self.outstanding_at_poll)
+        return self.outstanding_prefill_tokens + others
 
     def status(self) -> dict[str, Any]:
         return {"role": self.role, "address": self.address, "healthy": self.healthy, "draining": self.draining,
@@ -261,6 +267,7 @@ class WorkerPool:
             return
         client = self.client(worker.address)
         timeout = self.config.rpc_timeout_s
+        outstanding_at_send = worker.outstanding_prefill_tokens
         try:
             health, stats = await asyncio.gather(client.health(timeout), client.stats(timeout))
         except (grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
@@ -278,6 +285,7 @@ class WorkerPool:
                               at_once=True)
             return
         worker.stats = stats
+        worker.outstanding_at_poll = max(outstanding_at_send, worker.outstanding_prefill_tokens)
         if not health.ok:
             self._poll_failed(worker, "the worker reports it is not ok", at_once=True)
             return

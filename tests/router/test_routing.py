@@ -1,5 +1,7 @@
 """Routing policies (unit, on WorkerInfo objects) and routing through a real router (prefill
 affinity among two prefill workers, load spreading, colocated workers, pool membership)."""
+import asyncio
+
 import httpx
 import pytest
 
@@ -148,6 +150,35 @@ def test_a_local_prefill_counts_on_the_decode_workers_queue():
     local.release()
     assert (d.outstanding_prefill_tokens, p.outstanding_prefill_tokens) == (0, 0)
     assert (d.inflight_requests, p.inflight_requests) == (0, 0)
+
+
+def test_a_polled_queue_does_not_count_this_routers_finished_prefills():
+    """The worker's queued count is a snapshot: the router's own requests in it are already in its
+    outstanding count, and must not keep counting after their prefill is done."""
+    class Client:
+        queued = 0
+
+        async def health(self, timeout):
+            return type("Health", (), {"ok": True, "role": "prefill", "model": "m", "transport_address": ""})()
+
+        async def stats(self, timeout):
+            return type("Stats", (), {"role": "prefill", "prefill_tokens_queued": Client.queued})()
+
+    pool = WorkerPool(RouterConfig(decode=["127.0.0.1:5001"], prefill=["127.0.0.1:5002"]),
+                      client_factory=lambda address, role: Client())
+    d, p = pool.get("127.0.0.1:5001"), pool.get("127.0.0.1:5002")
+    first = pool.assign(d, p, 140)
+    Client.queued = 140  # the worker reports the router's own request
+    asyncio.run(pool.poll_worker(p))
+    assert p.prefill_load_tokens == 140  # counted once
+    first.release()  # its first token came back; the snapshot still shows it queued
+    assert p.prefill_load_tokens == 0
+    Client.queued = 140 + 500  # another router's 500 tokens as well
+    second = pool.assign(d, p, 140)
+    asyncio.run(pool.poll_worker(p))
+    assert p.prefill_load_tokens == 640
+    second.release()
+    assert p.prefill_load_tokens == 500
 
 
 def test_round_robin_cycles_in_address_order():
