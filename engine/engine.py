@@ -44,11 +44,9 @@ class LLMEngine:
                  kv_connector_config: KVConnectorConfig | None = None) -> None:
         """`runner` and `tokenizer` default to the real ones for `config.model`; tests pass fakes.
         `kv_transport(kv_cache, on_transfer_end)` builds the KV connector's sender (prefill role)
-        or receiver (decode role) over the runner's `KVCache`, e.g. with `kvtransfer.create_sender`."""
+        or receiver (decode role) over the runner's `transfer_cache` (its KV cache, or with tensor
+        parallelism rank 0's cache of every head), e.g. with `kvtransfer.create_sender`."""
         self.config = config
-        if kv_transport is not None and config.tensor_parallel_size > 1:
-            raise ValueError("KV transfer (disaggregated prefill/decode) with tensor_parallel_size > 1 is not "
-                             "supported yet: each rank holds only its KV heads")
         if runner is None:
             from engine.model.loader import resolve_model
             from engine.model_runner import ModelRunner
@@ -63,10 +61,11 @@ class LLMEngine:
         self.wakeup = threading.Event()  # set when a KV transfer ends
         self.kv_connector: KVConnector | None = None
         if kv_transport is not None:
-            kv_cache = runner.kv_cache
+            kv_cache = runner.transfer_cache
             self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(), kv_cache.layers,
                                             config.cache.block_size, DEFAULT_HASH_ALGORITHM,
-                                            lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set)
+                                            lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set,
+                                            shards=runner.kv_shards)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                        role=config.role, kv_connector=self.kv_connector,

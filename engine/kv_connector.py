@@ -60,6 +60,16 @@ class KVSenderTransport(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
 
+class KVShards(Protocol):
+    """A tensor-parallel worker's KV heads, spread over its ranks (engine/model_runner.py): the
+    connector's `kv_layers` are rank 0's transfer cache, with every head. Both calls are
+    collectives of the whole group, made between steps."""
+
+    def gather_kv(self, layers: Sequence[int], block_ids: Sequence[int]) -> None: ...
+
+    def scatter_kv(self, block_ids: Sequence[int]) -> None: ...
+
+
 class KVReceiverTransport(Protocol):
     """What the decode side needs of a kvtransfer KVReceiver."""
 
@@ -197,11 +207,16 @@ class _Load:
 
 class KVConnector:
     """`role` "prefill" (the transport is a sender) or "decode" (a receiver). `make_transport`
-    builds it with the connector's `on_transfer_end`; `wakeup` rings the engine thread."""
+    builds it with the connector's `on_transfer_end`; `wakeup` rings the engine thread.
+
+    `shards` (tensor parallelism): `kv_layers` then hold every KV head only once gathered. A
+    prefill gathers each layer group's blocks just before pushing it, after the whole prompt (a
+    gather is a collective, which cannot run inside the ranks' forward); a load scatters its
+    blocks to the ranks once verified."""
 
     def __init__(self, role: str, config: KVConnectorConfig, kv_layers: Sequence[torch.Tensor], block_size: int,
                  hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], Any],
-                 wakeup: Callable[[], None] = lambda: None) -> None:
+                 wakeup: Callable[[], None] = lambda: None, shards: KVShards | None = None) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a KV connector's role is prefill or decode, got {role!r}")
         self.role = role
@@ -209,6 +224,7 @@ class KVConnector:
         self.kv_layers = list(kv_layers)
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
+        self.shards = shards
         self._wakeup = wakeup
         self._lock = threading.Lock()
         self._ended: set[str] = set()  # transfers that ended (I/O thread) or need a look (engine thread)
@@ -248,6 +264,8 @@ class KVConnector:
                 self._open(send)  # push-after-prefill or a hold: nothing was opened yet
             if not self.config.hold_send_s:
                 self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
+            elif self.shards is not None and send.error is None:  # gathered now: the checksum reads it
+                self.shards.gather_kv(range(len(self.kv_layers)), send.src_block_ids)
             send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
             # the tokens whose KV was sent: not the first token, sampled just now
             sent_tokens = request.all_token_ids[:request.num_computed_tokens]
@@ -288,7 +306,7 @@ class KVConnector:
         """Before a forward: what each send may push after it (`seqs`: the batch's ScheduledSeqs).
         Returns the per-layer callback for the model runner, or None when nothing is pushed."""
         self._pushes = []
-        if not self._sends or not self.config.layerwise or self.config.hold_send_s:
+        if not self._sends or not self.config.layerwise or self.config.hold_send_s or self.shards is not None:
             return None
         for seq in seqs:
             send = self._sends.get(seq.request.request_id)
@@ -318,6 +336,8 @@ class KVConnector:
             send.pushed[group_index] = blocks  # "sent": the receiver never gets it
             return
         try:
+            if self.shards is not None:
+                self.shards.gather_kv(self.layer_groups[group_index], send.src_block_ids[:blocks])
             self.transport.send_layers(send.request.request_id, self.layer_groups[group_index], blocks)
             send.pushed[group_index] = blocks
         except (KeyError, ValueError) as exc:  # the transfer ended meanwhile (poll() reports it)
@@ -425,6 +445,8 @@ class KVConnector:
         problem = self._verify(load, status)
         if problem is not None:
             return self._fail_load(load, *problem)
+        if self.shards is not None:
+            self.shards.scatter_kv([block_id for _, block_id in load.plan.blocks_to_fill])
         del self._loads[request_id]
         self.transport.cancel(request_id)  # drops the finished record
         load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,

@@ -16,11 +16,20 @@ same forward without the LM head or sampling (rank 0 samples) and the same copie
 ranks' collectives out of step: the group is then broken, the followers are stopped and every
 later `execute` raises (restart the engine). TP=1 runs without any of this. CUDA graphs are off
 under TP for now (each rank would have to replay its graphs in step).
+
+KV transfer under TP (prefill and decode roles): rank 0 is the worker's one KV endpoint, so the
+KV connector and its transport see `transfer_cache`, a cache with every KV head in the model's
+layout (the same bytes a TP 1 worker holds), whatever this worker's and its peer's TP degrees.
+`gather_kv(layers, block_ids)` fills it from every rank's heads (prefill, before a push) and
+`scatter_kv(block_ids)` hands each rank its heads of received blocks (decode, once verified),
+both collectives broadcast like the copies above. That cache costs rank 0 one more block of
+every head per block id; the block count every rank agrees on accounts for it. Without TP,
+`transfer_cache` is `kv_cache` itself and `kv_shards` is None.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -30,7 +39,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
-from engine.model.llama import LlamaForCausalLM, check_tensor_parallel
+from engine.model.llama import LlamaForCausalLM, TensorParallelShard, check_tensor_parallel
 from engine.model.loader import LoadedModel
 from engine.model.rope import RotaryEmbedding
 from engine.sampler import Sampler, SamplingMetadata
@@ -92,6 +101,10 @@ class ModelRunner:
                                                    self.dtype, self.device, shared=config.cache.shared_memory,
                                                    num_kv_heads=self.model.shard.num_kv_heads)
         self.kv_layers = self.kv_cache.layers
+        self.transfer_cache = self.kv_cache
+        if self._holds_transfer_cache:
+            self.transfer_cache = allocate_kv_cache(self.arch, self.kv_cache.num_blocks, self.block_size, self.dtype,
+                                                    self.device, shared=config.cache.shared_memory)
         self.swap_space = self._allocate_swap_space()
         self.host_cache = self._allocate_host_cache()
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -120,6 +133,17 @@ class ModelRunner:
         model.prepack_linear_weights()
         return model.eval()
 
+    @property
+    def _holds_transfer_cache(self) -> bool:
+        """Rank 0 of a tensor-parallel prefill or decode worker (see the module docstring)."""
+        return self.tp is not None and self.tp.rank == 0 and self.config.role in ("prefill", "decode")
+
+    @property
+    def kv_shards(self) -> "ModelRunner | None":
+        """What the KV connector calls to move heads between `transfer_cache` and the ranks
+        (engine/kv_connector.py `KVShards`); None when `transfer_cache` is `kv_cache`."""
+        return self if self._holds_transfer_cache else None
+
     def _num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
@@ -129,7 +153,8 @@ class ModelRunner:
             budget = int(free * cache.gpu_memory_utilization)
         else:
             budget = int(cache.kv_cache_memory_gb * 2**30)
-        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, self.model.shard.num_kv_heads)
+        heads = self.model.shard.num_kv_heads + (self.arch.num_key_value_heads if self._holds_transfer_cache else 0)
+        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads)
 
     def _agree_on_num_blocks(self) -> int:
         """This rank's block count; under TP the smallest any rank fits (every rank must have the
@@ -205,6 +230,52 @@ class ModelRunner:
         self._to_followers(("reload", pairs))
         self._reload(pairs)
 
+    def gather_kv(self, layers: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Rank 0 with TP: `transfer_cache[layer][block]` = every rank's heads of it, for each
+        given layer and block (before the KV connector pushes them)."""
+        self._collective(self._gather_kv, "gather_kv", list(layers), list(block_ids))
+
+    def scatter_kv(self, block_ids: Sequence[int]) -> None:
+        """Rank 0 with TP: each rank's cache gets its heads of `transfer_cache`'s blocks, every
+        layer (received KV, once verified)."""
+        self._collective(self._scatter_kv, "scatter_kv", list(block_ids))
+
+    def _collective(self, run: Callable[..., None], kind: str, *args) -> None:
+        """Broadcast (`kind`, *args) to the followers, then take part in `run(*args)` with them."""
+        self._to_followers((kind, *args))
+        try:
+            run(*args)
+        except BaseException as exc:
+            self._break_group(exc)
+            raise
+
+    def _gather_kv(self, layers: list[int], block_ids: list[int]) -> None:
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer in layers:
+            shards = self.tp.all_gather(self.kv_layers[layer].index_select(0, index))
+            if self.tp.rank == 0:
+                heads = torch.cat([shards[rank] for rank in self._kv_head_owners()], dim=3)
+                self.transfer_cache.data[layer].index_copy_(0, index, heads)
+
+    def _scatter_kv(self, block_ids: list[int]) -> None:
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        start, count = self.model.shard.kv_head_start, self.model.shard.num_kv_heads
+        for layer in range(self.arch.num_hidden_layers):
+            if self.tp.rank == 0:
+                blocks = self.transfer_cache.data[layer].index_select(0, index)
+            else:
+                shape = (len(block_ids), 2, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
+                blocks = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.tp.broadcast(blocks)
+            self.kv_layers[layer].index_copy_(0, index, blocks[:, :, :, start:start + count].contiguous())
+
+    def _kv_head_owners(self) -> list[int]:
+        """One rank per KV head range, in head order (replicated heads: the first rank holding it)."""
+        owners: dict[int, int] = {}
+        for rank in range(self.tp.world_size):
+            owners.setdefault(TensorParallelShard.of(self.arch, rank, self.tp.world_size).kv_head_start, rank)
+        return [owners[start] for start in sorted(owners)]
+
     def _swap(self, swap_out, swap_in) -> None:
         self._copy_blocks(self.kv_cache.data, self.swap_space, swap_out)
         self._copy_blocks(self.swap_space, self.kv_cache.data, swap_in)
@@ -261,7 +332,8 @@ class ModelRunner:
     def follower_loop(self) -> None:
         """A follower's life: run what rank 0 broadcasts until `("shutdown",)`."""
         handlers = {"forward": lambda *args: self._forward_eager(*args, compute_logits=False),
-                    "swap": self._swap, "offload": self._offload, "reload": self._reload}
+                    "swap": self._swap, "offload": self._offload, "reload": self._reload,
+                    "gather_kv": self._gather_kv, "scatter_kv": self._scatter_kv}
         while True:
             kind, *args = self.tp.broadcast_object()
             if kind == "shutdown":

@@ -9,6 +9,9 @@ Contract:
 - `all_reduce(tensor)`: in-place sum over the ranks, on the tensor's device (gloo on CPU, NCCL on
   CUDA). Every rank calls the same collectives in the same order with the same shapes and dtypes;
   the model's row-parallel layers and the runner's setup do.
+- `all_gather(tensor)` (every rank's tensor, same shape on each) and `broadcast(tensor)` (rank
+  0's, in place): on the data group, like `all_reduce`; the runner moves KV heads with them
+  (rank 0 is a tensor-parallel worker's KV transfer endpoint).
 - `broadcast_object(obj)`: rank 0 passes a picklable object; every rank gets it back (the others
   pass nothing). It always goes through a gloo group on the CPU (small control messages: a step's
   token ids, positions and block tables), whose timeout is long (`CONTROL_TIMEOUT`), so a follower
@@ -104,6 +107,21 @@ class TensorParallelGroup:
         options = dist.AllreduceOptions()
         options.reduceOp = op
         self._data.allreduce([tensor], options).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape and dtype on each), in rank order."""
+        tensor = tensor.contiguous()
+        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._data.allgather([outputs], [tensor]).wait()
+        return outputs
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's (in place; same shape and dtype on each)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        self._data.broadcast([tensor], options).wait()
         return tensor
 
     def broadcast_object(self, obj=None):

@@ -1,0 +1,88 @@
+"""The KV hand-off between engines of different tensor-parallel degrees, on CPU (gloo), over real
+kvtransfer transports: a prefill engine at TP a fills a decode engine at TP b.
+
+Rank 0 of a TP worker is its KV endpoint (engine/model_runner.py): its transfer cache holds every
+KV head in the model's layout, gathered from the ranks before a push and scattered to them after a
+verified load, so any a feeds any b. What must hold: greedy tokens equal to one colocated TP 1
+engine, the KV really came over the wire (no fallback to local prefill, no failure counted), and
+no block stays held on either side.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtransfer
+from tests.engine.kv_pair import PARAMS, Pair, make_engine, prompt
+from tests.engine.tiny_models import save_tiny_model, tiny_config
+
+PROMPTS = [prompt(1, 13), prompt(2, 30), prompt(3, 7)]
+# name: (prefill TP, decode TP, model overrides, transport). The tiny model: 4 query heads, 2 KV heads.
+CASES = {
+    "p2-to-d1": (2, 1, {}, "tcp"),
+    "p1-to-d2": (1, 2, {}, "tcp"),
+    "p2-to-d2-shm": (2, 2, {}, "shm"),
+    "p4-kv-replicated-to-d2": (4, 2, {}, "tcp"),  # prefill ranks 0,1 hold KV head 0; 2,3 head 1
+    "p1-to-d2-one-kv-head": (1, 2, {"num_key_value_heads": 1}, "tcp"),  # both decode ranks hold it
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """2 shared cores: every rank runs one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    made = {}
+
+    def folder(overrides: dict) -> str:
+        key = tuple(sorted(overrides.items()))
+        if key not in made:
+            made[key] = save_tiny_model(tmp_path_factory.mktemp("tiny"), tiny_config(**overrides))
+        return made[key]
+    return folder
+
+
+def _colocated(folder: str) -> dict[str, list[int]]:
+    engine = make_engine(folder, "both")
+    for i, tokens in enumerate(PROMPTS):
+        engine.add(engine.make_request(tokens, PARAMS, f"r{i}"))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_prefill_at_one_degree_fills_decode_at_another_token_exact(name, folders):
+    prefill_tp, decode_tp, overrides, transport = CASES[name]
+    if transport not in kvtransfer.available_transports():
+        pytest.skip(f"{transport} is not available here")
+    folder = folders(overrides)
+    expected = _colocated(folder)
+    pair = Pair(folder, transport, tensor_parallel_size=prefill_tp, decode_options={"tensor_parallel_size": decode_tp})
+    try:
+        for engine, tp in ((pair.prefill, prefill_tp), (pair.decode, decode_tp)):
+            heads = engine.runner.arch.num_key_value_heads
+            assert engine.runner.transfer_cache.data.shape[4] == heads  # the endpoint holds every head
+            assert engine.runner.kv_cache.data.shape[4] == (heads if tp == 1 else max(1, heads // tp))
+        for i, tokens in enumerate(PROMPTS):
+            pair.start(f"r{i}", tokens)
+        deltas = pair.run_prefill(until=lambda ds: sum(d.finished for d in ds) == len(PROMPTS))
+        for i in range(len(PROMPTS)):
+            assert pair.report(f"r{i}", [d for d in deltas if d.request_id == f"r{i}"])
+        tokens, finals = pair.run_decode()
+        assert tokens == expected
+        for i in range(len(PROMPTS)):
+            outcome = finals[f"r{i}:import"]
+            assert outcome.prefilled_remotely and outcome.bytes_received > 0, outcome
+        assert not pair.decode.kv_connector.failures and not pair.prefill.kv_connector.failures
+        pair.assert_nothing_held()
+    finally:
+        pair.close()
