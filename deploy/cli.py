@@ -2,7 +2,8 @@
 
     pdserve serve   [--model default|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
-                    [--api-key KEY] [--routers N] [--tensor-parallel-size N] [engine options]
+                    [--api-key KEY] [--routers N] [--tensor-parallel-size N] [--prefill-tp N] [--decode-tp N]
+                    [engine options]
                                                                run the cluster until Ctrl-C / SIGTERM
     pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
     pdserve status  [--json] [--events N]
@@ -100,17 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help="torch threads per worker process, each tensor-parallel rank (default: cores / "
                                 "initial processes, at least 1)")
     parallel = serve.add_argument_group("tensor parallelism")
-    parallel.add_argument("--tensor-parallel-size", "--colocated-tp", dest="colocated_tp", type=int, default=1,
-                          metavar="N",
-                          help="each colocated worker runs the model on N processes (rank 0 in its Ray actor, N-1 "
-                               "child processes on the same node), holding N x --worker-cpus (CPU) or N GPUs "
-                               "(CUDA, rank r on cuda:r) and N x --omp-num-threads threads; needs --colocated "
-                               "(default 1)")
-    for role in ("prefill", "decode"):
-        parallel.add_argument(pool_flag(role, "tp"), dest=f"{role}_tp", type=int, default=1, metavar="N",
-                              help=f"tensor-parallel degree of the {role} workers: only 1 for now (the KV hand-off "
-                                   "between tensor-parallel ranks is not built); use colocated workers with "
-                                   "--tensor-parallel-size")
+    parallel.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1, metavar="N",
+                          help="every worker runs the model on N processes (rank 0 in its Ray actor, N-1 child "
+                               "processes on the same node), holding N x --worker-cpus (CPU) or N GPUs (CUDA, rank "
+                               "r on cuda:r) and N x --omp-num-threads threads (default 1); a pool's own flag "
+                               "below overrides it")
+    for role in ("prefill", "decode", "both"):
+        parallel.add_argument(pool_flag(role, "tp"), dest=f"{role}_tp", type=int, default=None, metavar="N",
+                              help=f"tensor-parallel degree of the {pool_name(role)} workers (default: "
+                                   "--tensor-parallel-size); prefill and decode degrees may differ")
     placement.add_argument("--worker-host", default=None,
                            help=f"where workers listen (default 127.0.0.1 locally, 0.0.0.0 when joining; "
                                 f"{NODE_IP_HOST}: the IP of each worker's Ray node)")
@@ -152,7 +151,11 @@ def _resources_argument(text: str) -> dict[str, float]:
 
 
 def _tensor_parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
-    sizes = {"prefill": args.prefill_tp, "decode": args.decode_tp, "both": args.colocated_tp}
+    """Each pool's degree: its own flag, else --tensor-parallel-size (checked by WorkerSpec)."""
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {args.tensor_parallel_size}")
+    sizes = {role: getattr(args, f"{role}_tp") for role in ROLES}
+    sizes = {role: args.tensor_parallel_size if size is None else size for role, size in sizes.items()}
     return {role: size for role, size in sizes.items() if size != 1}
 
 

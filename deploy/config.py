@@ -21,10 +21,6 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve and its 
 # itself): not accepted among a pool's custom resources.
 RESERVED_RESOURCES = {"CPU": "--worker-cpus", "GPU": "--worker-gpus", "memory": None, "object_store_memory": None}
 RESOURCE_UNITS = 10_000  # Ray counts a resource in units of 1/10,000
-# The roles whose workers may run with tensor parallelism. Prefill and decode workers exchange KV
-# through a transport, and the hand-off between TP ranks (each rank's KV heads) is not built yet
-# (issue 23, item 2): the engine refuses a KV transport with TP > 1.
-TENSOR_PARALLEL_ROLES = ("both",)
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -69,8 +65,8 @@ class WorkerSpec:
     resources each worker of a role requires, by role (`{"prefill": {"node_a": 1}}` places the
     prefill pool on the nodes started with `--resources '{"node_a": ...}'`).
 
-    Tensor parallelism: `tensor_parallel_size` is each role's TP degree N (absent: 1; only
-    colocated workers, role "both", may use N > 1 for now). A worker of TP degree N is its actor
+    Tensor parallelism: `tensor_parallel_size` is each role's TP degree N (absent: 1); prefill and
+    decode degrees may differ (rank 0 of each is its KV endpoint, engine/model_runner.py). A worker of TP degree N is its actor
     (rank 0) plus N-1 follower processes that rank 0 starts as its children (engine/tp_worker.py),
     so the whole worker runs on one node, and its actor holds the resources of all N ranks:
     `num_cpus` x N, `num_gpus` x N (whole GPUs: Ray's CUDA_VISIBLE_DEVICES then lists the N
@@ -132,12 +128,6 @@ class WorkerSpec:
         for role, size in self.tensor_parallel_size.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{tp_flag(role)} must be an integer >= 1, got {size!r}")
-            if size > 1 and role not in TENSOR_PARALLEL_ROLES:
-                raise ValueError(
-                    f"{tp_flag(role)} {size}: {pool_name(role)} workers cannot use tensor parallelism yet (the KV "
-                    "hand-off from prefill to decode between tensor-parallel ranks is not built); serve with "
-                    f"colocated tensor-parallel workers instead: --prefill 0 --decode 0 --colocated K "
-                    f"{tp_flag('both')} {size}")
             if size > 1 and self.device == "cuda" and self.num_gpus != 1:
                 raise ValueError(f"{tp_flag(role)} {size} on cuda takes one whole GPU per rank ({size} per worker): "
                                  f"--worker-gpus must be 1 with tensor parallelism, got {self.num_gpus:g}")
@@ -283,9 +273,8 @@ def pool_flag(role: str, suffix: str) -> str:
 
 
 def tp_flag(role: str) -> str:
-    """The `pdserve serve` flag of a pool's tensor-parallel degree (--tensor-parallel-size: the
-    colocated pool, the only one that can use TP today)."""
-    return "--tensor-parallel-size" if role == "both" else pool_flag(role, "tp")
+    """The `pdserve serve` flag of a pool's tensor-parallel degree (or --tensor-parallel-size, all pools')."""
+    return pool_flag(role, "tp")
 
 
 def pool_name(role: str) -> str:

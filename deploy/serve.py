@@ -97,11 +97,6 @@ class ServeOptions:
         if self.model != "default" and not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
                              "a .gguf file, or 'default')")
-        colocated_tp = self.tensor_parallel_size.get("both", 1)
-        if isinstance(colocated_tp, int) and colocated_tp > 1 and not self.colocated:
-            raise ValueError(f"{tp_flag('both')} {colocated_tp} sizes the colocated workers, and --colocated is 0 "
-                             "(prefill and decode workers cannot use tensor parallelism yet): serve with "
-                             f"--prefill 0 --decode 0 --colocated K {tp_flag('both')} {colocated_tp}")
         from engine.llm import build_engine_config
         build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
         cuda = self.device == "cuda"  # (auto: checked again once the device is known)

@@ -236,20 +236,22 @@ def test_a_cluster_at_a_loopback_address_is_joined_in_loopback_mode():
     assert not is_loopback_address("10.0.0.10:6379") and not is_loopback_address("auto")
 
 
-# ---- tensor parallelism (colocated workers only, for now) ----------------------------------------
+# ---- tensor parallelism ----------------------------------------------------------------------------
 
 def test_tensor_parallel_colocated_workers_hold_the_resources_of_all_their_ranks():
     opts = options("--prefill", "0", "--decode", "0", "--colocated", "2", "--tensor-parallel-size", "3",
                    "--omp-num-threads", "2")
-    assert opts.tensor_parallel_size == {"both": 3}
+    assert opts.tensor_parallel_size == {"prefill": 3, "decode": 3, "both": 3}  # every pool's
     spec = opts.worker_spec({"CPU": 8.0}, started_ray=True)
-    assert (spec.tp("both"), spec.tp("prefill"), spec.tp("decode")) == (3, 1, 1)
+    assert (spec.tp("both"), spec.tp("prefill"), spec.tp("decode")) == (3, 3, 3)
     # --worker-cpus and --omp-num-threads are per rank: the actor holds them for its 3 ranks (the engine
     # then gives each rank a third of the threads: engine/tp_worker.py)
     assert spec.actor_options("both") == {"num_cpus": 1.5, "num_gpus": 0.0, "resources": {}}
     assert (spec.omp_num_threads, spec.threads("both")) == (2, 6)
     assert options("--colocated-tp", "3", "--prefill", "0", "--decode", "0",
                    "--colocated", "1").tensor_parallel_size == {"both": 3}
+    assert options("--tensor-parallel-size", "3", "--prefill-tp", "1", "--decode-tp", "3").tensor_parallel_size \
+        == {"decode": 3, "both": 3}  # a pool's own flag wins
     assert options().tensor_parallel_size == {} and options().worker_spec({"CPU": 2.0}, True).tp("both") == 1
 
 
@@ -258,7 +260,7 @@ def test_the_default_thread_share_counts_every_rank():
     spec = options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "3").worker_spec(
         {"CPU": 2.0}, started_ray=True)
     assert spec.omp_num_threads == max(1, cores // 3) and spec.threads("both") == 3 * max(1, cores // 3)
-    mixed = options("--colocated", "1", "--tensor-parallel-size", "2").worker_spec({"CPU": 8.0}, started_ray=True)
+    mixed = options("--colocated", "1", "--colocated-tp", "2").worker_spec({"CPU": 8.0}, started_ray=True)
     assert mixed.omp_num_threads == max(1, cores // 4)  # 1 prefill + 1 decode + 2 ranks
     assert (mixed.threads("prefill"), mixed.threads("both")) == (mixed.omp_num_threads, 2 * mixed.omp_num_threads)
 
@@ -270,21 +272,13 @@ def test_a_tensor_parallel_cuda_worker_takes_one_whole_gpu_per_rank():
     pinned = options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "4",
                      "--colocated-resources", '{"big_node": 1}').worker_spec({"GPU": 8.0, "big_node": 1.0}, False)
     assert pinned.actor_options("both")["resources"] == {"big_node": 1.0}  # custom resources: per worker
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 on cuda takes one whole GPU per rank .*"
+    with pytest.raises(ValueError, match=r"--colocated-tp 2 on cuda takes one whole GPU per rank .*"
                                          r"--worker-gpus must be 1 with tensor parallelism, got 0.5"):
-        options("--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2",
+        options("--prefill", "0", "--decode", "0", "--colocated", "1", "--colocated-tp", "2",
                 "--worker-gpus", "0.5").worker_spec({"CPU": 4.0, "GPU": 1.0}, started_ray=True)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prefill-tp", "2"], "--prefill-tp 2: prefill workers cannot use tensor parallelism yet (the KV hand-off "
-                            "from prefill to decode between tensor-parallel ranks is not built); serve with "
-                            "colocated tensor-parallel workers instead: --prefill 0 --decode 0 --colocated K "
-                            "--tensor-parallel-size 2"),
-    (["--decode-tp", "3", "--colocated", "1"], "--decode-tp 3: decode workers cannot use tensor parallelism yet"),
-    (["--tensor-parallel-size", "3"], "--tensor-parallel-size 3 sizes the colocated workers, and --colocated is 0 "
-                                      "(prefill and decode workers cannot use tensor parallelism yet): serve with "
-                                      "--prefill 0 --decode 0 --colocated K --tensor-parallel-size 3"),
     (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "0"],
      "--tensor-parallel-size must be an integer >= 1, got 0"),
     (["--prefill-tp", "0"], "--prefill-tp must be an integer >= 1, got 0"),
@@ -302,9 +296,8 @@ def test_worker_spec_checks_tensor_parallel_sizes_by_role():
     assert WorkerSpec(tensor_parallel_size={"prefill": 1, "decode": 1}).actor_options("decode")["num_cpus"] == 0.5
     with pytest.raises(ValueError, match=r"tensor_parallel_size is by role \(prefill, decode, both\), got 'router'"):
         WorkerSpec(tensor_parallel_size={"router": 2})
-    with pytest.raises(ValueError, match="--decode-tp 2: decode workers cannot use tensor parallelism yet"):
-        WorkerSpec(tensor_parallel_size={"decode": 2})
-    with pytest.raises(ValueError, match="--tensor-parallel-size must be an integer >= 1, got True"):
+    assert WorkerSpec(tensor_parallel_size={"prefill": 2}).actor_options("prefill")["num_cpus"] == 1.0
+    with pytest.raises(ValueError, match="--colocated-tp must be an integer >= 1, got True"):
         WorkerSpec(tensor_parallel_size={"both": True})
     with pytest.raises(ValueError, match="must not set device, role or tensor_parallel_size"):
         WorkerSpec(engine_options={"tensor_parallel_size": 2})
@@ -324,7 +317,7 @@ def test_capacity_counts_every_rank_and_a_worker_must_fit_on_one_node():
     assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 16.0, "GPU": 4.0}) is None  # totals only
     assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 16.0, "GPU": 4.0}, two_nodes) == (
         "a colocated worker needs 4 CPU and 4 GPU on one node (tensor parallel 4: all its ranks run on its node), "
-        "and no node of the cluster has them; lower --worker-cpus / --worker-gpus / --tensor-parallel-size, or "
+        "and no node of the cluster has them; lower --worker-cpus / --worker-gpus / --colocated-tp, or "
         "add a bigger node")
     assert capacity_shortfall(PoolTargets(0, 0, 1), gpu, {"CPU": 16.0, "GPU": 6.0},
                               two_nodes + [{"CPU": 4.0, "GPU": 2.0, "accelerator_type:H200": 1.0}]) is not None
@@ -349,6 +342,6 @@ def test_serve_refuses_a_tensor_parallel_size_that_cannot_split_the_model(monkey
     _check_model_splits("default", WorkerSpec())  # no TP: the model is not even looked at
     assert resolved == []
     _check_model_splits("default", WorkerSpec(tensor_parallel_size={"both": 3}))
-    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 2: tensor_parallel_size 2 cannot split "
+    with pytest.raises(ValueError, match=r"^--colocated-tp 2: tensor_parallel_size 2 cannot split "
                                          r"LlamaForCausalLM: num_attention_heads \(9\) .*\(sizes that can: 1, 3\)"):
         _check_model_splits("default", WorkerSpec(tensor_parallel_size={"both": 2}))

@@ -1,0 +1,48 @@
+"""Prefill and decode pools at different tensor-parallel degrees in the Ray cluster: `pdserve serve
+--prefill 1 --decode 1 --prefill-tp 3` on the default model (SmolLM2-135M: 3 KV heads, so TP 3),
+CPU, one thread per rank. One cluster for the module:
+
+- the prefill worker runs 3 ranks (two follower processes below its actor), the decode worker 1,
+  and `pdserve status` shows each pool's degree;
+- greedy chat completions through the `openai` client equal the offline engine's at TP 1, and
+  their KV crossed from the TP 3 prefill worker (its rank 0 gathers every rank's heads) into the
+  TP 1 decode worker: bytes sent and received grow, and no load failed (a fallback to local
+  prefill would give the same tokens, so it is checked by the failure counters).
+"""
+import httpx
+import pytest
+
+from tests.deploy.harness import assert_chats_match_offline, cluster_fixtures, ready_workers, wait_until
+from tests.deploy.test_tensor_parallel_serve import followers_of
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 64
+MAX_TOKENS = 12
+CHATS = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]]
+
+serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "1", "--prefill-tp", "3")
+
+
+def test_each_pool_runs_its_own_degree(serve):
+    status = serve.status()
+    [prefill], [decode] = ready_workers(status, "prefill"), ready_workers(status, "decode")
+    assert (prefill["tensor_parallel_size"], decode["tensor_parallel_size"]) == (3, 1)
+    assert len(followers_of(prefill["pid"])) == 2 and followers_of(decode["pid"]) == []
+
+
+def test_chats_match_the_offline_engine_with_kv_from_the_tp3_prefill_worker(serve, client, offline):
+    before = {w["role"]: w for w in serve.status()["workers"]}
+    assert_chats_match_offline(client, offline, CHATS, MAX_TOKENS)
+
+    def kv_moved():  # Stats are polled every second: wait for a poll after the requests
+        workers = {w["role"]: w for w in serve.status()["workers"]}
+        grown = (workers["decode"]["kv_bytes_received"] > before["decode"]["kv_bytes_received"]
+                 and workers["prefill"]["kv_bytes_sent"] > before["prefill"]["kv_bytes_sent"])
+        return workers if grown else None
+    wait_until(kv_moved, 60, "the workers to report the KV they moved", interval=0.5)
+    metrics = httpx.get(serve.url + "/metrics").text
+    failures = [line for line in metrics.splitlines() if line.startswith("pdserve:kv_transfer_failures")]
+    assert any('role="decode"' in line for line in failures)
+    assert [line for line in failures if not line.endswith(" 0.0")] == []
