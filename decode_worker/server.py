@@ -160,7 +160,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         return serving.abort(self.engine, request.request_id)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return serving.health(self.role, self.config.model, self.transport_address)
+        return serving.health(self.engine, self.role, self.config.model, self.transport_address)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         received = self.receiver.total_bytes_received if self.receiver is not None else 0

@@ -113,6 +113,8 @@ class AsyncEngine:
             raise RuntimeError(f"engine loop died: {self._died}")
         if self._stopped.is_set():
             raise RuntimeError("engine is shut down")
+        if self.engine.broken is not None:
+            raise RuntimeError(f"engine cannot step: {self.engine.broken}")
 
     def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread; returns a concurrent Future (for stats, admin)."""
@@ -133,9 +135,10 @@ class AsyncEngine:
         self._stopped.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
-        close = getattr(self.engine, "close", None)
-        if close is not None and not self._thread.is_alive():  # never under a step still running
-            close()
+        if self._thread.is_alive():  # never close under a step still running
+            logger.error("the engine thread did not stop within 30 s; its model runner is left running")
+            return
+        self.engine.close()
 
     # ---- engine thread ----------------------------------------------------------------------
 

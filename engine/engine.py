@@ -60,13 +60,13 @@ class LLMEngine:
         self.eos_token_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
         self.wakeup = threading.Event()  # set when a KV transfer ends
         self.kv_connector: KVConnector | None = None
-        if kv_transport is not None:
-            kv_cache = runner.transfer_cache
-            self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(), kv_cache.layers,
-                                            config.cache.block_size, DEFAULT_HASH_ALGORITHM,
-                                            lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set,
-                                            shards=runner.kv_shards)
-        try:
+        try:  # a failure from here on ends the runner's tensor-parallel followers (close())
+            if kv_transport is not None:
+                kv_cache = runner.transfer_cache
+                self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(),
+                                                kv_cache.layers, config.cache.block_size, DEFAULT_HASH_ALGORITHM,
+                                                lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set,
+                                                shards=runner.kv_shards)
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                        role=config.role, kv_connector=self.kv_connector,
                                        num_swap_slots=getattr(runner, "num_swap_slots", 0),
@@ -169,9 +169,13 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives the object: the model runner's tensor-parallel followers
         (engine/tp_worker.py). Idempotent; nothing to do without tensor parallelism."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
+
+    @property
+    def broken(self) -> str | None:
+        """Why this engine cannot run another step (its model runner's tensor-parallel group
+        broke: restart it), or None."""
+        return self.runner.broken
 
     # ---- disaggregation roles (run on the engine thread; see engine/kv_hooks.py) ------------
 

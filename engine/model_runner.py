@@ -23,13 +23,14 @@ layout (the same bytes a TP 1 worker holds), whatever this worker's and its peer
 `gather_kv(layers, block_ids)` fills it from every rank's heads (prefill, before a push) and
 `scatter_kv(block_ids)` hands each rank its heads of received blocks (decode, once verified),
 both collectives broadcast like the copies above. That cache costs rank 0 one more block of
-every head per block id; the block count every rank agrees on accounts for it. Without TP,
-`transfer_cache` is `kv_cache` itself and `kv_shards` is None.
+every head per block id: a block count sized from memory accounts for it, an explicit
+`num_blocks` gets it on top. Without TP, `transfer_cache` is `kv_cache` itself and `kv_shards` is
+None.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from engine.parallel import TensorParallelGroup
 
+T = TypeVar("T")
 _COPY_CHUNK_BLOCKS = 256  # blocks per copy between the device cache and host slots
 
 
@@ -97,8 +99,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = self._build_model(loaded)
         self.backend = get_attention_backend(config.backend_name)
+        # Shared memory is for a same-host KV peer, which maps the cache it transfers: under TP
+        # that is rank 0's transfer cache, never a rank's own.
         self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._agree_on_num_blocks(), self.block_size,
-                                                   self.dtype, self.device, shared=config.cache.shared_memory,
+                                                   self.dtype, self.device,
+                                                   shared=config.cache.shared_memory and self.tp is None,
                                                    num_kv_heads=self.model.shard.num_kv_heads)
         self.kv_layers = self.kv_cache.layers
         self.transfer_cache = self.kv_cache
@@ -241,33 +246,29 @@ class ModelRunner:
         self._collective(self._scatter_kv, "scatter_kv", list(block_ids))
 
     def _collective(self, run: Callable[..., None], kind: str, *args) -> None:
-        """Broadcast (`kind`, *args) to the followers, then take part in `run(*args)` with them."""
-        self._to_followers((kind, *args))
-        try:
-            run(*args)
-        except BaseException as exc:
-            self._break_group(exc)
-            raise
+        """Rank 0 with TP: broadcast (`kind`, *args) to the followers, then take part in
+        `run(*args)`, their collectives, with them."""
+        self._with_followers((kind, *args), lambda: run(*args))
 
     def _gather_kv(self, layers: list[int], block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer in layers:
-            shards = self.tp.all_gather(self.kv_layers[layer].index_select(0, index))
-            if self.tp.rank == 0:
+            shards = self.tp.gather(self.kv_layers[layer].index_select(0, index))
+            if shards is not None:  # rank 0
                 heads = torch.cat([shards[rank] for rank in self._kv_head_owners()], dim=3)
                 self.transfer_cache.data[layer].index_copy_(0, index, heads)
 
     def _scatter_kv(self, block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        start, count = self.model.shard.kv_head_start, self.model.shard.num_kv_heads
+        shape = (len(block_ids), 2, self.block_size, self.model.shard.num_kv_heads, self.arch.head_dim)
+        shards = [TensorParallelShard.of(self.arch, rank, self.tp.world_size) for rank in range(self.tp.world_size)]
         for layer in range(self.arch.num_hidden_layers):
+            parts = None
             if self.tp.rank == 0:
                 blocks = self.transfer_cache.data[layer].index_select(0, index)
-            else:
-                shape = (len(block_ids), 2, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
-                blocks = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.tp.broadcast(blocks)
-            self.kv_layers[layer].index_copy_(0, index, blocks[:, :, :, start:start + count].contiguous())
+                parts = [blocks[:, :, :, s.kv_head_start:s.kv_head_start + s.num_kv_heads] for s in shards]
+            mine = self.tp.scatter(torch.empty(shape, dtype=self.dtype, device=self.device), parts)
+            self.kv_layers[layer].index_copy_(0, index, mine)
 
     def _kv_head_owners(self) -> list[int]:
         """One rank per KV head range, in head order (replicated heads: the first rank holding it)."""
@@ -300,6 +301,19 @@ class ModelRunner:
             self._break_group(exc)
             raise
 
+    def _with_followers(self, message: tuple, run: Callable[[], T]) -> T:
+        """Rank 0 with TP: broadcast `message`, then `run()` (this rank's part of what the
+        followers now do). A failure anywhere between the two (an interrupt included) leaves the
+        ranks' collectives out of step, so it breaks the group."""
+        if self._tp_broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is down ({self._tp_broken}); restart the engine")
+        try:
+            self.tp.broadcast_object(message)
+            return run()
+        except BaseException as exc:
+            self._break_group(exc)
+            raise
+
     def _break_group(self, exc: BaseException) -> None:
         """The ranks' collectives are out of step: stop the followers for good."""
         log.error("tensor-parallel step failed; stopping the followers: %s: %s", type(exc).__name__, exc)
@@ -322,6 +336,11 @@ class ModelRunner:
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+
+    @property
+    def broken(self) -> str | None:
+        """Why this runner cannot run another step (its tensor-parallel group broke), or None."""
+        return self._tp_broken if self._tp_broken not in (None, "closed") else None
 
     def close(self) -> None:
         """Rank 0 with TP: end the followers (shutdown message, then terminate after a grace
@@ -368,12 +387,7 @@ class ModelRunner:
                 sampled_rows.append(row)
         if self.tp is not None:
             forward = (input_ids, positions, query_lens, seq_lens, block_tables, logits_indices, sampled_rows)
-            self._to_followers(("forward", *forward))
-            try:
-                logits = self._forward_eager(*forward, on_layer_stored)
-            except BaseException as exc:
-                self._break_group(exc)
-                raise
+            logits = self._with_followers(("forward", *forward), lambda: self._forward_eager(*forward, on_layer_stored))
         elif (on_layer_stored is None and self.decode_graphs is not None
                 and self.decode_graphs.fits(query_lens, seq_lens)):
             logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)

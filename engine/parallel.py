@@ -9,8 +9,8 @@ Contract:
 - `all_reduce(tensor)`: in-place sum over the ranks, on the tensor's device (gloo on CPU, NCCL on
   CUDA). Every rank calls the same collectives in the same order with the same shapes and dtypes;
   the model's row-parallel layers and the runner's setup do.
-- `all_gather(tensor)` (every rank's tensor, same shape on each) and `broadcast(tensor)` (rank
-  0's, in place): on the data group, like `all_reduce`; the runner moves KV heads with them
+- `gather(tensor)` (every rank's, to rank 0) and `scatter(out, parts)` (rank 0's `parts[r]` into
+  rank r's `out`): on the data group, like `all_reduce`; the runner moves KV heads with them
   (rank 0 is a tensor-parallel worker's KV transfer endpoint).
 - `broadcast_object(obj)`: rank 0 passes a picklable object; every rank gets it back (the others
   pass nothing). It always goes through a gloo group on the CPU (small control messages: a step's
@@ -109,20 +109,24 @@ class TensorParallelGroup:
         self._data.allreduce([tensor], options).wait()
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape and dtype on each), in rank order."""
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0 gets every rank's `tensor` (same shape and dtype on each), in rank order; the
+        others get None."""
         tensor = tensor.contiguous()
-        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._data.allgather([outputs], [tensor]).wait()
-        return outputs
-
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `tensor` into every rank's (in place; same shape and dtype on each)."""
-        options = dist.BroadcastOptions()
+        outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
         options.rootRank = 0
-        options.rootTensor = 0
-        self._data.broadcast([tensor], options).wait()
-        return tensor
+        self._data.gather(outputs, [tensor], options).wait()
+        return outputs[0] if self.rank == 0 else None
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Every rank's `out` = rank 0's `parts[rank]` (rank 0 passes one tensor per rank, each
+        of `out`'s shape and dtype)."""
+        options = dist.ScatterOptions()
+        options.rootRank = 0
+        inputs = [[part.contiguous() for part in parts]] if self.rank == 0 else []
+        self._data.scatter([out], inputs, options).wait()
+        return out
 
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank (others pass nothing)."""

@@ -110,7 +110,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
         return serving.abort(self.engine, request.request_id)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return serving.health("prefill", self.config.model)
+        return serving.health(self.engine, "prefill", self.config.model)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await serving.stats(self.engine, "prefill", context, kv_bytes_sent=self.sender.total_bytes_sent)

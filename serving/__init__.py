@@ -120,8 +120,15 @@ def abort(engine, request_id: str) -> Any:
     return wire.messages().AbortResponse(found=found)
 
 
-def health(role: str, model: str, transport_address: str = "") -> Any:
-    return wire.messages().HealthResponse(ok=True, role=role, model=model, transport_address=transport_address)
+def health(engine, role: str, model: str, transport_address: str = "") -> Any:
+    """ok unless the engine can no longer step (its loop died, it shut down, or its
+    tensor-parallel group broke): the router then stops routing here and the controller replaces it."""
+    try:
+        engine.stats()
+        ok = True
+    except RuntimeError:
+        ok = False
+    return wire.messages().HealthResponse(ok=ok, role=role, model=model, transport_address=transport_address)
 
 
 async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes) -> Any:

@@ -42,6 +42,10 @@ class FakeModelRunner:
         self.swap_slots: dict[int, list[tuple[int, int] | None]] = {}
         self.host_slots: dict[int, list[tuple[int, int] | None]] = {}
         self.batches: list[Batch] = []
+        self.broken: str | None = None
+
+    def close(self) -> None:
+        pass
 
     def _slot(self, block_table: list[int], position: int) -> tuple[int, int]:
         return block_table[position // self.block_size], position % self.block_size

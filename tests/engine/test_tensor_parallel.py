@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
 from engine.model.arch import ModelArchConfig
 from engine.model.llama import TensorParallelShard
 from engine.parallel import TensorParallelGroup, host_store
@@ -225,6 +226,13 @@ def test_a_follower_that_dies_fails_the_step_and_stops_the_group(tmp_path):
             assert out.finish_reason == "error" and out.error, attempt
         assert "tensor-parallel group is down" in out.error
         assert _children() == before
+        assert llm.engine.broken is not None  # a worker's health reports it (AsyncEngine.stats raises)
+        served = AsyncEngine(llm.engine)
+        try:
+            with pytest.raises(RuntimeError, match="engine cannot step: "):
+                served.stats()
+        finally:
+            served.shutdown()
     llm.engine.scheduler.check_integrity()
 
 
