@@ -25,6 +25,7 @@ from typing import Any
 
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
                            parse_resources, pool_flag, pool_name)
+from engine.config import DECODE_ROLE_MAX_STEP_RATIO
 from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
     engine.add_argument("--max-step-ratio", type=float, default=None,
                         help="the same, relative: a step with prefill takes at most this many times the decode-only "
-                             "step (decode workers' default 2; inf: off)")
+                             f"step (decode workers' default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
     engine.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
                         help="KV blocks per worker (default: from --kv-cache-memory-gb)")
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")

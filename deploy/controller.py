@@ -201,7 +201,7 @@ class PoolController:
             else:
                 member = Member(saved["worker_id"], saved["role"], handle, state=saved["state"],
                                 grpc_address=saved["grpc_address"], transport_address=saved["transport_address"],
-                                pid=saved["pid"], node_id=saved["node_id"], node_ip=saved["node_ip"],
+                                pid=saved["pid"], node_id=saved.get("node_id", ""), node_ip=saved.get("node_ip", ""),
                                 healthy=True, launched_at=now, ready_at=now,
                                 drain_started=now if saved["state"] == DRAINING else None)
                 self._members[member.worker_id] = member
@@ -408,14 +408,14 @@ class PoolController:
     # ---- health and draining -------------------------------------------------------------------
 
     async def _health_loop(self) -> None:
-        """`tick()` every `health_interval_s` until this task is cancelled. Nothing a tick raises
-        ends it, a CancelledError that is not this task's own included: it alone polls workers
+        """`tick()` every `health_interval_s` until `shutdown()` cancels it. Nothing a tick raises
+        ends it, a CancelledError from a cancelled gRPC call included: it alone polls workers
         and finishes drains, so a loop that ended would leave every drain to `drain_timeout_s`."""
         while True:
             try:
                 await self.tick()
             except asyncio.CancelledError:
-                if _being_cancelled():
+                if self._closed:  # shutdown() cancels this loop, and nothing else does
                     raise
                 logger.exception("controller tick failed")
             except Exception:  # a bug in one tick must not end health checking
@@ -432,13 +432,13 @@ class PoolController:
     async def _poll(self, member: Member) -> None:
         """One Stats poll. Anything but an answer is a failed poll, a call cancelled under it
         included (stopping a worker's handle closes its gRPC channel, and gRPC cancels the calls
-        still open on it); only the cancellation of the poll itself propagates."""
+        still open on it); only shutdown's cancellation propagates."""
         sent = self.clock()
         try:
             stats = await asyncio.wait_for(member.handle.stats(self.config.rpc_timeout_s),
                                            self.config.rpc_timeout_s + 1.0)
         except asyncio.CancelledError:
-            if _being_cancelled():
+            if self._closed:  # shutdown() cancelled the loop that runs this poll
                 raise
             self._poll_failed(member, "the Stats call was cancelled")
             return
@@ -506,13 +506,6 @@ class PoolController:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-def _being_cancelled() -> bool:
-    """Whether the running task itself is being cancelled (not merely handed a CancelledError
-    by something it awaited)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _describe(exc: BaseException) -> str:

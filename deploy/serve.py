@@ -57,7 +57,7 @@ class ServeOptions:
     # by role: Ray custom resources each worker of that pool requires (WorkerSpec.resources)
     pool_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     omp_num_threads: int | None = None  # per process (TP rank); default: this machine's cores / initial ranks (>= 1)
-    # by role: tensor-parallel degree of each worker of that pool (absent: 1; only "both" may be > 1)
+    # by role: tensor-parallel degree of each worker of that pool (absent: 1)
     tensor_parallel_size: dict[str, int] = field(default_factory=dict)
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining; node-ip
     local_prefill_threshold: int | None = None

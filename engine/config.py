@@ -92,7 +92,8 @@ class SchedulerConfig:
 
     @property
     def step_target_set(self) -> bool:
-        return self.max_step_ms is not None or self.max_step_ratio is not None
+        """Whether prefill chunks are capped by a step target (a ratio of inf caps nothing)."""
+        return self.max_step_ms is not None or self.max_step_ratio not in (None, float("inf"))
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -330,7 +330,10 @@ class ModelRunner:
             except Exception as exc:  # a follower already gone: stop() ends the others
                 log.warning("tensor-parallel shutdown message failed: %s", exc)
                 graceful = False
-        followers.stop(grace_s=10.0 if graceful else 0.0)
+        if graceful:
+            followers.stop()
+        else:
+            followers.stop(grace_s=0.0)
         self.tp.close()
         self._tp_broken = self._tp_broken or "closed"
         if self._threads_before is not None:

@@ -24,8 +24,10 @@ Contract:
 - No global torch.distributed state: the groups are standalone c10d backends over a prefix of one
   store, so an engine with TP coexists with user code that calls `torch.distributed`, and two
   engines in one process each have their own group. `close()` releases them.
-- A rank that dies makes the others' next collective raise (gloo: "Connection closed by peer");
-  the model runner then treats the group as broken (`engine/model_runner.py`).
+- A rank that dies makes the others' next collective raise at once on gloo ("Connection closed by
+  peer"); the model runner then treats the group as broken (`engine/model_runner.py`). NCCL does
+  not notice a dead peer that fast: the others' collective waits until `DATA_TIMEOUT`, when NCCL's
+  watchdog ends the process (not yet checked on GPUs).
 - TP=1 never builds a group: the model and the runner take `tp=None` and run the single-process
   code, with no collective and no extra process.
 
@@ -46,7 +48,7 @@ HOST = "127.0.0.1"
 # How long a follower may wait for rank 0's next message (an idle server sends none).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 # A collective of the model (or of the runner's setup, while the slowest rank loads its weights);
-# a dead peer fails it at once anyway (its sockets close), this bounds a hung one.
+# on gloo a dead peer fails it at once anyway (its sockets close), this bounds a hung one.
 DATA_TIMEOUT = datetime.timedelta(minutes=30)
 STARTUP_TIMEOUT_S = 300.0
 # broadcast_object sends messages up to this size in one broadcast (a decode step's), bigger ones

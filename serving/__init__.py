@@ -21,6 +21,7 @@ import grpc
 
 import wire
 
+from engine.config import DECODE_ROLE_MAX_STEP_RATIO
 from engine.kv_connector import FAULTS
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
     group.add_argument("--max-step-ratio", type=float, default=None,
                        help="the same, relative: a step with prefill takes at most this many times the decode-only "
-                            "step (decode role default 2; inf: off)")
+                            f"step (decode role default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")

@@ -5,13 +5,14 @@ CPU, one thread per rank. One cluster for the module:
 - the prefill worker runs 3 ranks (two follower processes below its actor), the decode worker 1,
   and `pdserve status` shows each pool's degree;
 - greedy chat completions through the `openai` client equal the offline engine's at TP 1, and
-  their KV crossed from the TP 3 prefill worker (its rank 0 gathers every rank's heads) into the
-  TP 1 decode worker: bytes sent and received grow, and no load failed (a fallback to local
-  prefill would give the same tokens, so it is checked by the failure counters).
+  every request's KV crossed from the TP 3 prefill worker (its rank 0 gathers every rank's heads)
+  into the TP 1 decode worker: one transfer per request, none failed, none prefilled locally (a
+  fallback to local prefill would give the same tokens, so the router's counters are checked).
 """
 import httpx
 import pytest
 
+from benchmarks.cluster_check import parse_metrics
 from tests.deploy.harness import assert_chats_match_offline, cluster_fixtures, ready_workers, wait_until
 from tests.deploy.test_tensor_parallel_serve import followers_of
 
@@ -33,16 +34,12 @@ def test_each_pool_runs_its_own_degree(serve):
 
 
 def test_chats_match_the_offline_engine_with_kv_from_the_tp3_prefill_worker(serve, client, offline):
-    before = {w["role"]: w for w in serve.status()["workers"]}
-    assert_chats_match_offline(client, offline, CHATS, MAX_TOKENS)
-
-    def kv_moved():  # Stats are polled every second: wait for a poll after the requests
-        workers = {w["role"]: w for w in serve.status()["workers"]}
-        grown = (workers["decode"]["kv_bytes_received"] > before["decode"]["kv_bytes_received"]
-                 and workers["prefill"]["kv_bytes_sent"] > before["prefill"]["kv_bytes_sent"])
-        return workers if grown else None
-    wait_until(kv_moved, 60, "the workers to report the KV they moved", interval=0.5)
-    metrics = httpx.get(serve.url + "/metrics").text
-    failures = [line for line in metrics.splitlines() if line.startswith("pdserve:kv_transfer_failures")]
-    assert any('role="decode"' in line for line in failures)
-    assert [line for line in failures if not line.endswith(" 0.0")] == []
+    counted = lambda: parse_metrics(httpx.get(serve.url + "/metrics").text)  # noqa: E731
+    before = counted()
+    assert_chats_match_offline(client, offline, CHATS, MAX_TOKENS)  # len(CHATS) + 1 requests
+    # Stats are polled every second: wait for a poll after the requests
+    moved = wait_until(lambda: (lambda now: now if now["kv_transfers"] - before["kv_transfers"] >= len(CHATS) + 1
+                                else None)(counted()), 60, "the KV transfers to be counted", interval=0.5)
+    assert moved["kv_transfers"] - before["kv_transfers"] == len(CHATS) + 1  # every request's KV crossed
+    assert moved["kv_bytes"] > before["kv_bytes"]
+    assert moved["kv_failures"] == 0 and moved["local_prefills"] == before["local_prefills"]

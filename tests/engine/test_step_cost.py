@@ -98,7 +98,8 @@ def test_a_decode_role_worker_caps_its_local_prefill_relative_to_its_decodes_by_
     from engine.llm import build_engine_config
     assert build_engine_config(role="decode").scheduler.max_step_ratio == DECODE_ROLE_MAX_STEP_RATIO
     assert build_engine_config(role="decode", max_step_ms=300.0).scheduler.max_step_ratio is None
-    assert build_engine_config(role="decode", max_step_ratio=float("inf")).scheduler.max_step_ratio == float("inf")
+    off = build_engine_config(role="decode", max_step_ratio=float("inf")).scheduler
+    assert off.max_step_ratio == float("inf") and not off.step_target_set  # nothing capped, nothing learned
     for role in ("both", "prefill"):
         assert build_engine_config(role=role).scheduler.step_target_set is False
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_step_ratio=2.0),

@@ -131,7 +131,7 @@ def test_prefill_locally_balances_the_two_queues():
     assert not local(1024)  # 2 * 1024 > 2048
     d.outstanding_prefill_tokens = 600  # the decode worker's own queue counts twice
     assert not local(90)
-    p.stats = type("Stats", (), {"prefill_tokens_queued": 4000})()  # the worker's count when larger
+    p.stats = type("Stats", (), {"prefill_tokens_queued": 4000})()  # other routers' work, on top
     assert local(90)
     assert not local(90, weight=float("inf"))  # off
     p.outstanding_prefill_tokens, p.stats, d.outstanding_prefill_tokens = 0, None, 0
