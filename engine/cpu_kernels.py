@@ -51,7 +51,7 @@ ISAS = ("auto", "native", "avx2")
 # avx2: any AVX2 + FMA CPU (x86-64-v3), the portable path, the one AVX2-only machines get anyway.
 # Both tuned generically: GCC's -march=native also tunes for the CPU, and its Zen 4 tuning made the
 # fp32 small-batch linear 1.6x slower (64 rows: 4.76 vs 3.03 ms per SmolLM2-135M layer, measured
-# interleaved in one process; a batch-64 decode step 233-268 -> 184-194 ms).
+# interleaved in one process; a batch-64 decode step 268 -> 184-194 ms).
 _MARCH = {"native": ("-march=native", "-mtune=generic"), "avx2": ("-march=x86-64-v3",)}
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)  # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy
