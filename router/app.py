@@ -37,7 +37,8 @@ from router.streaming import OutputAssembler, ResponseContext, collect, sse_even
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (metrics only)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/status", "/metrics")
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+                 "/status", "/metrics")
 
 
 @dataclass
@@ -81,13 +82,14 @@ def create_app(config: RouterConfig, tokenizer: Any = None, pool: WorkerPool | N
     install_error_handlers(app)
     app.add_middleware(_ResponseCounter, metrics=metrics)
     app.include_router(_api_routes(state))
+    app.include_router(_token_routes(state))
     app.include_router(_ops_routes(state))
     return app
 
 
 # ---- /v1 ----------------------------------------------------------------------------------------
 
-def _api_routes(state: RouterState) -> APIRouter:
+def _api_key_check(state: RouterState) -> Callable[[Request], Any]:
     async def require_api_key(request: Request) -> None:
         expected = state.config.api_key
         if expected is None:
@@ -95,8 +97,11 @@ def _api_routes(state: RouterState) -> APIRouter:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
             raise unauthorized()
+    return require_api_key
 
-    api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+def _api_routes(state: RouterState) -> APIRouter:
+    api = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(state))])
 
     @api.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -118,6 +123,45 @@ def _api_routes(state: RouterState) -> APIRouter:
         return await _generate(state, request, "chat")
 
     return api
+
+
+def _token_routes(state: RouterState) -> APIRouter:
+    """`/tokenize` and `/detokenize` (vLLM's endpoints, at the root): the router's own tokenizer
+    and chat template, the same ones a generation request goes through."""
+    tokens = APIRouter(dependencies=[Depends(_api_key_check(state))])
+
+    @tokens.post("/tokenize")
+    async def tokenize(http_request: Request) -> dict[str, Any]:
+        data = await _read_json_body(http_request, state.config.max_request_body_bytes)
+        request = protocol.parse_request(protocol.TokenizeRequest, data)
+        if request.model != state.config.served_model_name:
+            raise model_not_found(request.model, state.config.served_model_name)
+        tokenizer = state.tokenizer
+        if request.messages is not None:
+            try:
+                messages = tools.render_messages(request.messages, None)
+                ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, request.add_generation_prompt)
+            except ValueError as exc:
+                raise invalid_request(str(exc), "messages") from None
+        else:
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = await asyncio.to_thread(tokenizer.encode, request.prompt, add_special)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @tokens.post("/detokenize")
+    async def detokenize(http_request: Request) -> dict[str, Any]:
+        data = await _read_json_body(http_request, state.config.max_request_body_bytes)
+        request = protocol.parse_request(protocol.DetokenizeRequest, data)
+        if request.model != state.config.served_model_name:
+            raise model_not_found(request.model, state.config.served_model_name)
+        bad = next((t for t in request.tokens if t >= state.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise invalid_request(f"token id {bad} is outside the vocabulary (size {state.tokenizer.vocab_size})",
+                                  "tokens")
+        text = await asyncio.to_thread(state.tokenizer.decode, request.tokens, False)
+        return {"prompt": text}
+
+    return tokens
 
 
 async def _generate(state: RouterState, http_request: Request, endpoint: protocol.Endpoint) -> Response:

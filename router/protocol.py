@@ -253,7 +253,36 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse_request(model: type[_GenerationRequest], data: Any) -> _GenerationRequest:
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's shape): a `prompt`, or chat `messages` rendered by the chat template."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: Bool = True  # messages only
+    add_special_tokens: Bool | None = None  # default: true for a prompt (messages: the template adds them)
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid_request("give exactly one of prompt and messages", "prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise invalid_request("add_special_tokens applies to a prompt; the chat template adds them to messages",
+                                  "add_special_tokens")
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids back to text."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: TokenIds
+
+    def check_supported(self) -> None:
+        pass
+
+
+def parse_request(model: type[_GenerationRequest | TokenizeRequest | DetokenizeRequest], data: Any) -> Any:
     """Validate a decoded JSON body against `model`; a 400 naming the first bad field otherwise."""
     if not isinstance(data, dict):
         raise invalid_request(f"the request body must be a JSON object, got {type(data).__name__}")
