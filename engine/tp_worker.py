@@ -7,8 +7,9 @@ its stdin, and joins the group with them. Each follower loads the same model (it
 the same KV cache and runs `ModelRunner.follower_loop()` until rank 0 says shutdown.
 
 No orphans: a follower exits when rank 0 closes the engine (shutdown message, then terminate /
-kill after a grace period), when rank 0's process dies (its parent pid changes; checked every
-`_PARENT_POLL_S`), or when a collective fails because a rank died. At interpreter exit rank 0 stops
+kill after a grace period), when rank 0's process dies (rank 0 keeps the follower's stdin open
+after the config; its end of file wakes a thread blocked reading it), or when a collective fails
+because a rank died. At interpreter exit rank 0 stops
 the followers it still has. Followers ignore SIGINT (a Ctrl-C reaches the whole process group:
 rank 0 decides), write nothing on stdout (a worker's ready line is there) and log to stderr.
 """
@@ -29,7 +30,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_PARENT_POLL_S = 0.5
 _STOP_GRACE_S = 10.0
 
 
@@ -66,6 +66,7 @@ class Followers:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.terminate()
+            _close_quietly(process.stdin)
         for process in self.processes:
             try:
                 process.wait(timeout=2.0)
@@ -101,7 +102,7 @@ def start_tensor_parallel(config, model_dir: str):
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
             processes.append(process)
             process.stdin.write(pickle.dumps(follower_config))
-            process.stdin.close()
+            process.stdin.flush()  # and kept open: its end of file tells the follower rank 0 is gone
         followers = Followers(processes)
     except BaseException:
         for process in processes:
@@ -122,26 +123,32 @@ def _project_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _exit_when_parent_dies() -> int:
-    parent = os.getppid()
+def _close_quietly(stream) -> None:
+    try:
+        stream.close()
+    except OSError:  # the follower is gone and the pipe broken: nothing to tell it
+        pass
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os._exit(1)  # rank 0 is gone: nothing will ever be asked of this rank again
 
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
-    return parent
+def _exit_at_end_of_stdin() -> None:
+    """Rank 0 holds this process's stdin open until it stops it or dies: either way the read
+    below returns, and nothing will ever be asked of this rank again."""
+    def wait() -> None:
+        sys.stdin.buffer.read()
+        os._exit(1)
+
+    threading.Thread(target=wait, name="tp-rank0-gone", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
     rank, world_size, address, threads = int(argv[0]), int(argv[1]), argv[2], int(argv[3])
-    parent = _exit_when_parent_dies()
+    parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
-    config = pickle.loads(sys.stdin.buffer.read())
+    config = pickle.load(sys.stdin.buffer)  # EOFError if rank 0 died before sending it
+    _exit_at_end_of_stdin()
     from engine.model.loader import resolve_model
     from engine.model_runner import ModelRunner
     from engine.parallel import TensorParallelGroup
