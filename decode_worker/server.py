@@ -90,6 +90,12 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
     def add_to_server(self, server: grpc.aio.Server) -> None:
         wire.services().add_DecodeServiceServicer_to_server(self, server)
 
+    def hand_over(self) -> int:
+        """Draining: end every Generate stream now, unfinished, so that each caller (the router)
+        resumes its request on another worker from the tokens it already has; the requests are
+        aborted here as their streams close. Returns how many streams there were."""
+        return self.engine.hand_over()
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()

@@ -87,6 +87,11 @@ class WorkerActor:
             raise RuntimeError("the worker has not been started")
         await self._stopped.wait()
 
+    async def hand_over(self) -> int:
+        """Draining: the worker ends its streams for their callers to resume elsewhere (decode and
+        colocated workers; a prefill worker has none). Returns how many."""
+        return self._worker.hand_over() if self._worker is not None else 0
+
     async def stop(self, grace_s: float) -> None:
         if self._server is not None:
             server, self._server = self._server, None
@@ -136,6 +141,9 @@ class RayWorkerHandle:
             raise RuntimeError("the worker has not reported its address yet")
         message = await self._client.stats(timeout_s)
         return {field.name: value for field, value in message.ListFields()}
+
+    async def hand_over(self) -> int:
+        return await self.actor.hand_over.remote()
 
     async def stop(self, grace_s: float) -> None:
         import ray

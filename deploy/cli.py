@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="conditional disaggregation: a decode worker prefills a prompt itself when the prefill "
                             "worker's queued prompt tokens exceed its own this many times over; inf: never "
                             "(default: %(default)s)")
+    serve.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
+                       help="requests each router process admits at once; more get 429 with Retry-After "
+                            "(default: %(default)s)")
     serve.add_argument("--max-migrations", type=int, default=2,
                        help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                             "this many times per request; 0: never (default: %(default)s)")
@@ -120,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     placement.add_argument("--ray-temp-dir", default=None, help="Ray's temp/session folder for a local instance")
     placement.add_argument("--drain-timeout", type=float, default=120.0,
                            help="longest wait for a draining worker's requests (s)")
+    placement.add_argument("--drain-grace", type=float, default=5.0,
+                           help="a draining decode worker still streaming after this long hands its streams over: "
+                                "the routers resume them on other workers (s; needs --max-migrations > 0; "
+                                "default: %(default)s)")
     placement.add_argument("--worker-start-timeout", type=float, default=900.0, help="model load limit (s)")
     _add_locator_arguments(serve, with_ray_address=False)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -199,9 +206,11 @@ def serve_options(args: argparse.Namespace):
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
                         local_prefill_weight=args.local_prefill_weight,
+                        max_inflight_requests=args.max_inflight_requests,
                         routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
-                        drain_timeout_s=args.drain_timeout, start_timeout_s=args.worker_start_timeout,
+                        drain_timeout_s=args.drain_timeout, drain_grace_s=args.drain_grace,
+                        start_timeout_s=args.worker_start_timeout,
                         log_level=args.log_level.upper())
 
 

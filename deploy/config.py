@@ -191,7 +191,10 @@ class ControllerConfig:
     `unhealthy_after_failures` failed polls in a row mark it unhealthy, `replace_after_failures`
     replace it. A dead actor is noticed at once (its watch call fails) and replaced.
     Draining: a worker leaves after every router reports none of its requests in flight and
-    its own Stats say nothing runs or waits, or after `drain_timeout_s`.
+    its own Stats say nothing runs or waits, or after `drain_timeout_s`. A decode or colocated
+    worker still streaming `drain_grace_s` into its drain hands its streams over (None: never):
+    it ends them unfinished and the routers resume each on another worker (their migration), so
+    a drain under load takes seconds; `pdserve serve` turns this off with `--max-migrations 0`.
     """
     targets: PoolTargets = field(default_factory=PoolTargets)
     worker: WorkerSpec = field(default_factory=WorkerSpec)
@@ -203,6 +206,7 @@ class ControllerConfig:
     replace_after_failures: int = 10
     start_timeout_s: float = 900.0
     drain_timeout_s: float = 120.0
+    drain_grace_s: float | None = 5.0
     stop_grace_s: float = 5.0
     router_stale_after_s: float = 10.0
     max_start_backoff_s: float = 60.0
@@ -215,6 +219,8 @@ class ControllerConfig:
                      "router_stale_after_s", "max_start_backoff_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_grace_s is not None and not self.drain_grace_s >= 0:
+            raise ValueError(f"drain_grace_s must be >= 0 when set, got {self.drain_grace_s}")
         if self.stop_grace_s < 0:
             raise ValueError(f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
         if self.unhealthy_after_failures < 1 or self.replace_after_failures < self.unhealthy_after_failures:

@@ -4,11 +4,12 @@ One worker's lifecycle in the controller (one state per line):
 
     STARTING   actor launched; engine loading; gRPC server not yet reported (not routable)
     READY      addresses reported; in the membership the routers sync from; Stats polled
-    DRAINING   in the membership with `draining=True`: routers send it nothing new; it leaves
-               once every live router reports none of its requests in flight and a later
-               Stats poll says nothing runs or waits on it (or after `drain_timeout_s`, or
-               after `replace_after_failures` failed polls: a drain never waits on a worker
-               that cannot answer)
+    DRAINING   in the membership with `draining=True`: routers send it nothing new; a decode
+               or colocated worker still streaming after `drain_grace_s` hands its streams
+               over (the routers resume them elsewhere); it leaves once every live router
+               reports none of its requests in flight and a later Stats poll says nothing runs
+               or waits on it (or after `drain_timeout_s`, or after `replace_after_failures`
+               failed polls: a drain never waits on a worker that cannot answer)
     STOPPING   out of the membership; its gRPC server stops (grace), then the actor is killed
     (gone)     stopped, dead (its actor died: noticed at once, replaced), failed to start (retried
                with backoff), or unresponsive for `replace_after_failures` polls (killed; replaced
@@ -57,6 +58,9 @@ class WorkerHandle(Protocol):
     async def stats(self, timeout_s: float) -> dict[str, Any]:
         """The worker's Stats as a dict (WorkerStats fields); raises when it does not answer."""
 
+    async def hand_over(self) -> int:
+        """Draining: end the worker's streams so their callers resume them elsewhere; how many."""
+
     async def stop(self, grace_s: float) -> None:
         """Stop serving (open calls get `grace_s`), then end the worker for good. Idempotent."""
 
@@ -104,6 +108,7 @@ class Member:
     launched_at: float = 0.0
     ready_at: float | None = None
     drain_started: float | None = None
+    handed_over: bool = False  # its streams were handed over (drain_grace_s)
     routers_clear_at: float | None = None  # first time every live router reported nothing in flight
     start_task: asyncio.Task | None = None
 
@@ -318,6 +323,7 @@ class PoolController:
                     if len(live) == target:
                         break
                     member.state, member.drain_started, member.routers_clear_at = READY, None, None
+                    member.handed_over = False
                     live.append(member)
                     self._event(f"{member.worker_id} at {member.grpc_address} kept: the pool grew again")
                 missing = target - len(live)
@@ -472,6 +478,11 @@ class PoolController:
                 self._stop(member, f"drain timed out after {self.config.drain_timeout_s:.0f} s "
                                    f"({member.load} request(s) still on it)")
                 continue
+            grace = self.config.drain_grace_s
+            if (grace is not None and not member.handed_over and member.role != "prefill"
+                    and now - member.drain_started >= grace):
+                member.handed_over = True
+                self._spawn(self._hand_over(member))
             if not all(self._router_released(router, member.grpc_address) for router in routers.values()):
                 member.routers_clear_at = None
                 continue
@@ -480,6 +491,17 @@ class PoolController:
             fresh = member.stats_time is not None and member.stats_time > member.routers_clear_at
             if fresh and member.load == 0:
                 self._stop(member, "drained")
+
+    async def _hand_over(self, member: Member) -> None:
+        try:
+            streams = await asyncio.wait_for(member.handle.hand_over(), self.config.rpc_timeout_s)
+        except Exception as exc:  # it may be dying; the drain ends at its timeout or failed polls
+            self._event(f"{member.worker_id} at {member.grpc_address}: handing its streams over failed: "
+                        f"{_describe(exc)}", logging.WARNING)
+            return
+        if streams:
+            self._event(f"{member.worker_id} at {member.grpc_address} handed {streams} stream(s) over "
+                        f"after a {self.config.drain_grace_s:g} s drain grace")
 
     @staticmethod
     def _router_released(router: _RouterReport, address: str) -> bool:

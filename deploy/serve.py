@@ -63,6 +63,7 @@ class ServeOptions:
     local_prefill_threshold: int | None = None
     max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
     local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
+    max_inflight_requests: int = RouterConfig.max_inflight_requests  # per router process
     routers: int = 1  # router processes sharing the HTTP port
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
@@ -70,6 +71,7 @@ class ServeOptions:
     sync_interval_s: float = 0.5
     health_interval_s: float = 1.0
     drain_timeout_s: float = 120.0
+    drain_grace_s: float = 5.0  # then a draining decode worker hands its streams over (with migrations)
     start_timeout_s: float = 900.0
     log_level: str = "INFO"
 
@@ -130,15 +132,19 @@ class ServeOptions:
                                 port=port or 1, api_key=self.api_key,
                                 max_model_len=self.engine_options.get("max_model_len"),
                                 block_size=self.engine_options.get("block_size", 16),
-                                max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight)
+                                max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight,
+                                max_inflight_requests=self.max_inflight_requests)
         except ValueError as exc:  # its messages start with the field's name: say the flag's
             field_name, _, rest = str(exc).partition(" ")
             raise ValueError(f"--{field_name.replace('_', '-')} {rest}") from None
 
     def controller_config(self, worker: WorkerSpec) -> ControllerConfig:
+        # Handing streams over relies on the routers resuming them: not without migrations.
+        grace = self.drain_grace_s if self.max_migrations > 0 else None
         return ControllerConfig(targets=self.targets, worker=worker, name=self.controller_name,
                                 namespace=self.ray.namespace, health_interval_s=self.health_interval_s,
-                                drain_timeout_s=self.drain_timeout_s, start_timeout_s=self.start_timeout_s)
+                                drain_timeout_s=self.drain_timeout_s, drain_grace_s=grace,
+                                start_timeout_s=self.start_timeout_s)
 
 
 class ServeError(Exception):

@@ -25,6 +25,9 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Put on a stream by `hand_over()`: it ends without its finished delta (see RequestStream).
+_HANDED_OVER = object()
+
 
 @dataclass
 class _Stream:
@@ -100,6 +103,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
+
+    def hand_over(self) -> int:
+        """End every open stream now, without its finished delta: a draining worker's callers
+        resume their requests elsewhere. Each request is aborted (its blocks freed) as its reader
+        closes the stream. Returns how many streams were open."""
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _HANDED_OVER)
+        return len(streams)
 
     def stats(self):
         """`LLMEngine.stats()` as of the end of the last step (or inbox drain), without waiting
@@ -257,7 +270,8 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """The deltas of one request, as an async iterator that ends after the finished delta.
+    """The deltas of one request, as an async iterator that ends after the finished delta (or
+    earlier, unfinished, when the engine hands its streams over: `AsyncEngine.hand_over`).
 
     An exception the engine thread delivers (e.g. an invalid request) is raised to the reader.
     `close(abort=True)` aborts the request unless its finished delta was read.
@@ -268,15 +282,19 @@ class RequestStream:
         self.request_id = request_id
         self._stream = stream
         self.finished = False
+        self.handed_over = False
         self._closed = False
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> StreamDelta:
-        if self.finished:
+        if self.finished or self.handed_over:
             raise StopAsyncIteration
         delta = await self._stream.queue.get()
+        if delta is _HANDED_OVER:
+            self.handed_over = True
+            raise StopAsyncIteration
         if isinstance(delta, BaseException):
             raise delta
         self.finished = delta.finished

@@ -71,6 +71,10 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
     def add_to_server(self, server: grpc.aio.Server) -> None:
         wire.services().add_PrefillServiceServicer_to_server(self, server)
 
+    def hand_over(self) -> int:
+        """Draining: nothing to hand over (a prefill ends with its prompt, within the drain)."""
+        return 0
+
     async def close(self) -> None:
         self.engine.shutdown()
         self.sender.close()

@@ -5,11 +5,13 @@ A `Generation` is one request's life on the cluster, as the router sees it:
     NEW        admitted (counts against max_inflight_requests), no worker chosen yet
     STARTING   decode (+ prefill) worker chosen, Generate opened, waiting for the first chunk;
                a decode worker that does not answer (UNAVAILABLE) is marked unhealthy and the
-               request goes to another one (max_dispatch_retries times)
+               request goes to another one (max_dispatch_retries times), as it does when the
+               stream ends before its first chunk (a draining worker handing its streams over)
     STREAMING  chunks flow; `cancel()` (client gone) or `abort()` (stop string) end it early.
                If the decode worker fails mid-stream (UNAVAILABLE, the stream ends before a
-               finish reason, or the worker stops answering health polls while the stream is
-               silent: a hung process), it is marked unhealthy and the generation MIGRATES: back to
+               finish reason: also a draining worker handing its streams over, or the worker
+               stops answering health polls while the stream is silent: a hung process), it is
+               marked unhealthy and the generation MIGRATES: back to
                STARTING on another worker with the prompt plus the tokens already delivered as
                `num_resumed_tokens`, which the engine counts as outputs (max_tokens, penalties,
                seeded draws by output position), so the client's stream simply goes on with the
@@ -205,9 +207,11 @@ class Generation:
                 d.pool.mark_unhealthy(decode.worker.address, f"Generate failed: {detail}")
                 tried.add(decode.worker.address)
                 continue
-            if chunk is None:
-                raise upstream_failed(f"decode worker {decode.worker.address} closed the stream "
-                                      "before sending a token")
+            if chunk is None:  # e.g. a draining worker handed its streams over: try another one
+                self.assignment.release()
+                last_error = f"{decode.worker.address}: it closed the stream before sending a token"
+                tried.add(decode.worker.address)
+                continue
             return chunk
         detail = f" (last error: {last_error})" if last_error else ""
         raise unavailable(f"no decode worker could take the request{detail}", d.config.retry_after_s)

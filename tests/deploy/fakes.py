@@ -34,6 +34,7 @@ class FakeHandle:
     unresponsive: bool = False
     stats_hang: bool = False  # Stats does not answer; stop() cancels the open calls (see stop())
     stopped_with_grace: float | None = None
+    hand_overs: int = 0  # hand_over() calls
     open_calls: set[asyncio.Future] = field(default_factory=set)
     _released: asyncio.Event = field(default_factory=asyncio.Event)
     _died: asyncio.Future | None = None
@@ -71,6 +72,12 @@ class FakeHandle:
             finally:
                 self.open_calls.discard(call)
         return dict(self.reply)
+
+    async def hand_over(self) -> int:
+        """Its streams end (their requests are aborted): nothing runs any more."""
+        self.hand_overs += 1
+        streams, self.reply = self.reply["running"], {**self.reply, "running": 0}
+        return streams
 
     async def stop(self, grace_s: float) -> None:
         """Like `RayWorkerHandle.stop`, which closes its gRPC channel: the calls still open on it

@@ -28,6 +28,8 @@ def test_serve_defaults_are_the_embedded_default():
     assert opts.routers == 1 and options("--routers", "3").routers == 3
     assert opts.router_config(port=8000).local_prefill_weight == 2.0
     assert options("--local-prefill-weight", "inf").router_config(port=8000).local_prefill_weight == float("inf")
+    assert opts.router_config(port=8000).max_inflight_requests == 1024
+    assert options("--max-inflight-requests", "8").router_config(port=8000).max_inflight_requests == 8
 
 
 def test_engine_flags_reach_every_worker():

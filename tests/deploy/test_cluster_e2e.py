@@ -7,8 +7,9 @@ order, driven by the official `openai` client and the `pdserve scale/status` com
   undisturbed run, requests are served while it is away, and it is back (`pdserve status`
   answers) within 60 s with the same targets and workers (adopted, not relaunched); afterwards a
   killed decode worker is still replaced and scaling still works;
-- the decode pool goes 1 -> 2 -> 1 while a stream runs on the worker that is drained: the stream
-  completes with the offline engine's tokens, and the drain ends only after it;
+- the decode pool goes 1 -> 2 -> 1 while a stream runs on the worker that is drained: the drain
+  hands the stream over at once (`--drain-grace 0`), the router resumes it on the other worker,
+  and it completes with the offline engine's tokens;
 - a killed decode worker (the only one): its stream ends with a clear error, the pool is back at
   size with a new worker (`pdserve status`), and requests are served again;
 - SIGKILL of a router process while 8 streams run: its streams end with a clean connection error,
@@ -37,9 +38,10 @@ LONG_STREAM_TOKENS = 600
 STREAM_TOKENS = 48
 ROUTER_STREAM_TOKENS = 160
 
-# --drain-timeout: the drain test checks that a drain waits for its stream, however slow the machine.
+# --drain-grace 0: a drained worker hands its streams over at once, so the drain test sees it
+# whatever the machine's speed (--drain-timeout: nor does the drain time out first).
 serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "2", "--routers", "2",
-                                          "--drain-timeout", "900")
+                                          "--drain-timeout", "900", "--drain-grace", "0")
 
 
 def router_workers(serve) -> list[dict]:
@@ -161,19 +163,17 @@ def test_decode_pool_scales_up_and_down_while_a_stream_runs(serve, client, offli
     wait_until(lambda: any(w["address"] == second["address"] and w["healthy"] for w in router_workers(serve)),
                60, "the router to route to the new decode worker")
 
-    drain_issued = time.monotonic()
     assert not stream.done.is_set(), "the stream ended before the drain began; make LONG_STREAM_TOKENS larger"
     serve.cli("scale", "--decode", "1", "--drain", first["address"])  # waits for the drain
-    scaled_down = time.monotonic()
-    assert stream.done.is_set() and stream.finished_at <= scaled_down  # the drain waited for the stream
-    assert stream.finished_at > drain_issued
+    assert stream.done.wait(600), "the handed-over stream never finished"
     assert stream.error is None, f"the stream failed: {stream.error!r}"
     assert stream.text == offline_text(offline, STORY, LONG_STREAM_TOKENS, ignore_eos=True)
 
     status = serve.status()
     assert [w["address"] for w in ready_workers(status, "decode")] == [second["address"]]
-    assert any(f"{first['worker_id']} at {first['address']} stopping: drained" in e["message"]
-               for e in status["events"])
+    events = [e["message"] for e in status["events"]]
+    assert any(f"{first['worker_id']} at {first['address']} handed 1 stream(s) over" in e for e in events), events
+    assert any(f"{first['worker_id']} at {first['address']} stopping: drained" in e for e in events), events
     wait_until(lambda: first["address"] not in {w["address"] for w in router_workers(serve)}, 60,
                "the router to drop the drained worker")
     out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)

@@ -192,6 +192,46 @@ async def test_a_drain_that_times_out_stops_the_worker_anyway():
     await controller.shutdown()
 
 
+async def test_a_decode_worker_still_streaming_after_the_grace_hands_its_streams_over():
+    controller, launcher, clock = make_controller(prefill=2, decode=2, drain_grace_s=5.0)
+    await controller.start()
+    victim = launcher.of("decode")[0]
+    victim.reply = {"running": 3, "waiting": 0}
+    busy_prefill = launcher.of("prefill")[0]
+    busy_prefill.reply = {"running": 1, "waiting": 0}
+    controller.router_sync("r1", {victim.address: {"inflight": 3, "draining": False}})
+    controller.scale(prefill=1, decode=1, drain=[victim.address, busy_prefill.address])
+    await controller.tick()
+    await settle()
+    assert victim.hand_overs == 0  # within the grace: the streams may finish there
+    clock.advance(5.0)
+    await controller.tick()
+    await settle()
+    assert victim.hand_overs == 1 and busy_prefill.hand_overs == 0  # a prefill worker's prompts just end
+    assert any(f"{victim.address} handed 3 stream(s) over after a 5 s drain grace" in e["message"]
+               for e in controller.status()["events"])
+    controller.router_sync("r1", {victim.address: {"inflight": 0, "draining": True}})  # resumed elsewhere
+    for _ in range(2):  # the routers are clear, then a poll sent after that shows nothing running
+        clock.advance(1.0)
+        await controller.tick()
+        await settle()
+    assert victim.stopped and victim.hand_overs == 1
+    await controller.shutdown()
+
+
+async def test_without_a_grace_a_drain_waits_for_its_streams():
+    controller, launcher, clock = make_controller(prefill=1, decode=2, drain_grace_s=None)
+    await controller.start()
+    victim = launcher.of("decode")[0]
+    victim.reply = {"running": 2, "waiting": 0}
+    controller.scale(decode=1, drain=[victim.address])
+    clock.advance(60.0)
+    await controller.tick()
+    await settle()
+    assert victim.hand_overs == 0 and not victim.stopped
+    await controller.shutdown()
+
+
 async def test_growing_again_takes_back_a_draining_worker_instead_of_starting_one():
     controller, launcher, _ = make_controller(prefill=1, decode=2)
     await controller.start()

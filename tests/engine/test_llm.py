@@ -240,6 +240,37 @@ def test_async_engine_streams_and_aborts(llm, prompts, reference):
         engine.shutdown()
 
 
+def test_hand_over_ends_every_open_stream_unfinished_and_frees_its_blocks(llm, prompts):
+    """A draining worker's streams end without a finish (the router resumes them elsewhere)."""
+    engine = AsyncEngine(llm.engine)
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def read(prompt, started):
+        got = []
+        async for delta in engine.generate(prompt, long):
+            got += delta.new_token_ids
+            started.set()
+            assert not delta.finished
+        return got
+
+    async def main():
+        started = [asyncio.Event(), asyncio.Event()]
+        readers = [asyncio.ensure_future(read(p, e)) for p, e in zip(prompts[:2], started)]
+        await asyncio.gather(*(e.wait() for e in started))
+        assert engine.hand_over() == 2
+        got = await asyncio.wait_for(asyncio.gather(*readers), 30)
+        await asyncio.sleep(0.2)  # the aborts reach the engine thread
+        return got
+
+    try:
+        got = asyncio.run(main())
+        assert all(0 < len(tokens) < 500 for tokens in got)
+        stats = engine.call(lambda e: e.scheduler.stats()).result(timeout=30)
+        assert stats.running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+    finally:
+        engine.shutdown()
+
+
 def test_async_engine_stats_answer_at_once_while_the_engine_thread_is_busy(llm, prompts):
     """Health polls read a snapshot the engine thread publishes, never waiting behind a step; a
     request's counters are in it before its first token reaches the caller."""
