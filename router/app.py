@@ -132,10 +132,7 @@ def _token_routes(state: RouterState) -> APIRouter:
 
     @tokens.post("/tokenize")
     async def tokenize(http_request: Request) -> dict[str, Any]:
-        data = await _read_json_body(http_request, state.config.max_request_body_bytes)
-        request = protocol.parse_request(protocol.TokenizeRequest, data)
-        if request.model != state.config.served_model_name:
-            raise model_not_found(request.model, state.config.served_model_name)
+        request = await _parse_body(state, http_request, protocol.TokenizeRequest)
         tokenizer = state.tokenizer
         if request.messages is not None:
             try:
@@ -150,10 +147,7 @@ def _token_routes(state: RouterState) -> APIRouter:
 
     @tokens.post("/detokenize")
     async def detokenize(http_request: Request) -> dict[str, Any]:
-        data = await _read_json_body(http_request, state.config.max_request_body_bytes)
-        request = protocol.parse_request(protocol.DetokenizeRequest, data)
-        if request.model != state.config.served_model_name:
-            raise model_not_found(request.model, state.config.served_model_name)
+        request = await _parse_body(state, http_request, protocol.DetokenizeRequest)
         bad = next((t for t in request.tokens if t >= state.tokenizer.vocab_size), None)
         if bad is not None:
             raise invalid_request(f"token id {bad} is outside the vocabulary (size {state.tokenizer.vocab_size})",
@@ -166,11 +160,8 @@ def _token_routes(state: RouterState) -> APIRouter:
 
 async def _generate(state: RouterState, http_request: Request, endpoint: protocol.Endpoint) -> Response:
     timer = state.metrics.start_request()
-    data = await _read_json_body(http_request, state.config.max_request_body_bytes)
     model_cls = protocol.CompletionRequest if endpoint == "completions" else protocol.ChatCompletionRequest
-    request = protocol.parse_request(model_cls, data)
-    if request.model != state.config.served_model_name:
-        raise model_not_found(request.model, state.config.served_model_name)
+    request = await _parse_body(state, http_request, model_cls)
     prompt_token_ids = await _prompt_token_ids(state, request)
     max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
     if request.has_constraint():
@@ -210,6 +201,15 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         watcher.stop()
+
+
+async def _parse_body(state: RouterState, http_request: Request, model_cls: type) -> Any:
+    """The request body validated as `model_cls` (400s naming the field), for the served model (404)."""
+    data = await _read_json_body(http_request, state.config.max_request_body_bytes)
+    request = protocol.parse_request(model_cls, data)
+    if request.model != state.config.served_model_name:
+        raise model_not_found(request.model, state.config.served_model_name)
+    return request
 
 
 async def _read_json_body(request: Request, limit: int) -> Any:

@@ -31,13 +31,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprob
 SMALL = dict(num_blocks=96, block_size=4, max_num_batched_tokens=32)  # chunked prefill, mixed steps
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """2 shared cores: every rank runs one thread (followers get threads // N, at least 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/engine/conftest.py
 
 
 def _children(parent: int | None = None) -> set[int]:

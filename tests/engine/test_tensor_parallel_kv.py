@@ -10,7 +10,6 @@ no block stays held on either side.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import kvtransfer
 from tests.engine.kv_pair import PARAMS, Pair, make_engine, prompt
@@ -27,13 +26,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """2 shared cores: every rank runs one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")
