@@ -403,7 +403,7 @@ class ModelRunner:
         sampling = SamplingMetadata.build(
             [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests], self.vocab_size, self.device,
-            grammars=[r.grammar for r in requests])
+            grammars=[r.grammar for r in requests], banned=[_banned_now(r) for r in requests])
         out = self.sampler(logits, sampling)
         result = {}
         for i, request in enumerate(requests):
@@ -436,3 +436,12 @@ class ModelRunner:
         if len(logits_indices) == len(input_ids):
             return logits
         return logits.index_select(0, torch.tensor(logits_indices, dtype=torch.int64, device=self.device))
+
+
+def _banned_now(request) -> list[int]:
+    """The tokens `request` may not sample at this step: its EOS and stop token ids until it has
+    `min_tokens` outputs (resumed tokens count: they are outputs)."""
+    params = request.sampling_params
+    if len(request.output_token_ids) >= params.min_tokens:
+        return []
+    return sorted(set(request.eos_token_ids) | set(params.stop_token_ids))

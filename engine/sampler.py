@@ -16,6 +16,8 @@ Contract:
   depends on sort order.
 - Structured output: a row with a grammar first has the tokens its grammar does not allow set to
   -inf (engine/structured_output.py); everything after sees only the allowed tokens.
+- Logit bias (after the penalties): each row's `logit_bias` is added to its tokens' logits, and
+  the tokens it may not sample yet (`banned`: EOS and stop token ids before `min_tokens`) get -inf.
 - Logprobs are of the model's raw distribution (log_softmax of the unprocessed logits, before
   penalties and grammar masks).
 """
@@ -83,12 +85,15 @@ class SamplingMetadata:
     vocab_size: int
     token_bitmask: torch.Tensor | None = None  # int32 [n, ceil(vocab / 32)] allowed tokens; None: no grammar
     bitmask_rows: list[int] | None = None  # the rows that have a grammar
+    bias_positions: torch.Tensor | None = None  # int64 flat (row * vocab + token); None: no bias, nothing banned
+    bias_values: torch.Tensor | None = None  # float32, added there (-inf: banned)
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], vocab_size: int, device,
-              grammars: list | None = None) -> "SamplingMetadata":
-        """`grammars`: per row, its `GrammarState` or None (structured output)."""
+              grammars: list | None = None, banned: list[list[int]] | None = None) -> "SamplingMetadata":
+        """`grammars`: per row, its `GrammarState` or None (structured output). `banned`: per row,
+        the tokens it may not sample at this step (min_tokens: EOS and stop token ids)."""
         num_seqs = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == num_seqs):
             raise ValueError(f"got {num_seqs} sampling params, {len(prompt_token_ids)} prompts and "
@@ -112,6 +117,7 @@ class SamplingMetadata:
                    top_k=None, max_top_k=0, top_p=None, min_p=None, seeded_uniforms=None,
                    penalties=penalties, num_logprobs=num_logprobs, max_num_logprobs=max_num_logprobs,
                    vocab_size=vocab_size)
+        meta.bias_positions, meta.bias_values = _build_bias(params, banned, vocab_size, device)
         grammar_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
         if grammar_rows:
             meta.token_bitmask = allocate_bitmask(num_seqs, vocab_size)
@@ -139,6 +145,27 @@ class SamplingMetadata:
                         for p, out, g in zip(params, output_token_ids, greedy)]
             meta.seeded_uniforms = row_tensor(uniforms, torch.float32)
         return meta
+
+
+def _build_bias(params: list[SamplingParams], banned: list[list[int]] | None, vocab_size: int,
+                device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Flat positions and additions for every row's logit bias and banned tokens (ids outside the
+    vocabulary are ignored: the router refuses them, a padded vocabulary has none)."""
+    positions: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            if token < vocab_size:
+                positions.append(row * vocab_size + token)
+                values.append(float(bias))
+        for token in (banned[row] if banned else ()):
+            if token < vocab_size:
+                positions.append(row * vocab_size + token)
+                values.append(float("-inf"))
+    if not positions:
+        return None, None
+    return (torch.tensor(positions, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def _build_penalties(params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -203,7 +230,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != meta.num_seqs:
             raise ValueError(f"logits must be [num_seqs={meta.num_seqs}, vocab], got {tuple(logits.shape)}")
         logits = logits.float()
-        if (meta.penalties is not None or meta.token_bitmask is not None) and meta.vocab_size != logits.shape[1]:
+        sparse = meta.penalties is not None or meta.token_bitmask is not None or meta.bias_positions is not None
+        if sparse and meta.vocab_size != logits.shape[1]:
             raise ValueError(f"sampling metadata was built for a vocabulary of "
                              f"{meta.vocab_size}, the logits have {logits.shape[1]}")
         penalized = logits
@@ -212,6 +240,10 @@ class Sampler:
             apply_bitmask(penalized, meta.token_bitmask, meta.bitmask_rows)
         if meta.penalties is not None:
             penalized = apply_penalties(penalized, meta.penalties)
+        if meta.bias_positions is not None:
+            if penalized is logits:
+                penalized = logits.clone()  # the raw logits stay for logprobs
+            penalized.view(-1).index_add_(0, meta.bias_positions, meta.bias_values)
         if meta.all_greedy:
             tokens = penalized.argmax(dim=-1)
         else:

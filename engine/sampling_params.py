@@ -29,12 +29,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrained decoding (JSON, JSON Schema, regex, choice, EBNF): engine/structured_output.py
     structured_output: StructuredOutput | None = None
+    # Added to a token's logit before sampling (OpenAI's logit_bias: -100 bans it, +100 forces it)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's min_tokens)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
         if self.top_k == 0:
             self.top_k = -1
         checks = [
@@ -52,6 +57,11 @@ class SamplingParams:
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
             (self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
              "structured_output must be an engine.StructuredOutput"),
+            (all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids >= 0"),
+            (all(-100.0 <= float(b) <= 100.0 for b in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "min_tokens must be an integer in [0, max_tokens]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -163,6 +163,10 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     model_cls = protocol.CompletionRequest if endpoint == "completions" else protocol.ChatCompletionRequest
     request = await _parse_body(state, http_request, model_cls)
     prompt_token_ids = await _prompt_token_ids(state, request)
+    outside = [t for t in request.logit_bias_ids if t >= state.tokenizer.vocab_size]
+    if outside:
+        raise invalid_request(f"logit_bias token id {outside[0]} is outside the vocabulary "
+                              f"(size {state.tokenizer.vocab_size})", "logit_bias")
     max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
     if request.has_constraint():
         params = await asyncio.to_thread(request.sampling_params, max_tokens, logprobs)

@@ -56,7 +56,8 @@ class _GenerationRequest(BaseModel):
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Number] | None = None  # token id (a decimal string, as OpenAI sends it) -> bias
+    min_tokens: Int32 = 0  # vLLM's extension: no EOS / stop token id before this many tokens
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     cache_salt: str | None = None
@@ -67,8 +68,9 @@ class _GenerationRequest(BaseModel):
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise invalid_request(f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
-        if self.logit_bias:
-            raise invalid_request("logit_bias is not supported by this server", "logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise invalid_request(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
         if self.cache_salt is not None and not self.cache_salt:
@@ -90,7 +92,8 @@ class _GenerationRequest(BaseModel):
                                   ignore_eos=self.ignore_eos, logprobs=logprobs,
                                   skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
-                                  structured_output=constraint, **values)
+                                  structured_output=constraint, logit_bias=self.logit_bias_ids,
+                                  min_tokens=self.min_tokens, **values)
         except ValueError as exc:
             message = str(exc)
             first_word = message.split(" ", 1)[0]
@@ -99,6 +102,11 @@ class _GenerationRequest(BaseModel):
                 param = "stop"
             raise invalid_request(message, param) from exc
 
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` by integer token id (its keys were checked by `check_supported`)."""
+        return {int(key): float(bias) for key, bias in (self.logit_bias or {}).items()}
 
     def _stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

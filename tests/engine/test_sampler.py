@@ -41,6 +41,36 @@ def test_greedy_rows_in_a_mixed_batch_take_argmax():
     assert [out.token_ids[i] for i in (0, 2, 4)] == [argmax[i] for i in (0, 2, 4)]
 
 
+def test_logit_bias_and_banned_tokens_per_row_leave_the_raw_logprobs():
+    logits = random_logits(3)
+    best = logits.argmax(-1).tolist()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    params = [SamplingParams(temperature=0.0, logit_bias={best[0]: -100.0}, logprobs=1),
+              SamplingParams(temperature=0.0, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0.0)]
+    meta = SamplingMetadata.build(params, [[], [], []], [[], [], []], VOCAB, "cpu", banned=[[], [], [best[2]]])
+    out = Sampler()(logits, meta)
+    assert out.token_ids == [second[0], 7, second[2]]  # banned: the next best; +100 forces
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0] == pytest.approx(float(raw[second[0]]), abs=1e-5)  # of the unbiased distribution
+    assert build([SamplingParams()] * 2).bias_positions is None  # nothing to add: no work
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    from engine.model_runner import _banned_now
+    from engine.request import Request
+    params = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[9])
+    request = Request("r", [1, 2], params, eos_token_ids={0})
+    assert _banned_now(request) == [0, 9]
+    request.append_output(5)
+    request.append_output(6)
+    assert _banned_now(request) == []
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, max_tokens\]"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101.0})
+
+
 def test_top_k_one_is_greedy():
     logits = random_logits(32, seed=1)
     out = Sampler(seed=5)(logits, build([SamplingParams(temperature=2.0, top_k=1)] * 32))

@@ -257,6 +257,29 @@ def test_logprobs_from_real_workers(client, offline):
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the sampled token is the top one
 
 
+def test_logit_bias_bans_or_forces_a_token_and_min_tokens_delays_eos(client, offline):
+    tokenizer = offline.tokenizer
+    _, output = offline_greedy(offline, PLAIN, max_tokens=3)
+    first = output.token_ids[0]
+    top = client.completions.create(model="default", prompt=PLAIN, max_tokens=1, temperature=0, logprobs=2)
+    ranked = sorted(top.choices[0].logprobs.top_logprobs[0].items(), key=lambda item: -item[1])
+    assert ranked[0][0] == tokenizer.decode([first])
+    banned = client.completions.create(model="default", prompt=PLAIN, max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert banned.choices[0].text == ranked[1][0]  # the next-best token
+    forced_id = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(model="default", prompt=PLAIN, max_tokens=3, temperature=0.8, seed=5,
+                                       logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == tokenizer.decode([forced_id] * 3)
+    short = client.chat.completions.create(model="default", messages=CHAT, max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop"  # EOS well before 64 tokens
+    n = short.usage.completion_tokens
+    longer = client.chat.completions.create(model="default", messages=CHAT, max_tokens=64, temperature=0,
+                                            extra_body={"min_tokens": n + 4})
+    assert longer.usage.completion_tokens >= n + 4
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
 def test_shared_prefix_goes_to_one_prefill_worker_and_hits_its_cache(client, cluster):
     document = "A shared report on river ecology, water quality and fish populations. " * 10
     before = prefill_status(cluster)
