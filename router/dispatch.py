@@ -2,7 +2,8 @@
 
 A `Generation` is one request's life on the cluster, as the router sees it:
 
-    NEW        admitted (counts against max_inflight_requests), no worker chosen yet
+    NEW        admitted (counts against max_inflight_requests; beyond it a 429 whose Retry-After
+               is the wait for a slot at the recent finish rate), no worker chosen yet
     STARTING   decode (+ prefill) worker chosen, Generate opened, waiting for the first chunk;
                a decode worker that does not answer (UNAVAILABLE) is marked unhealthy and the
                request goes to another one (max_dispatch_retries times), as it does when the
@@ -24,7 +25,10 @@ Every path ends in CLOSED exactly once (the HTTP layer calls `close()` in a `fin
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import math
+import time
 from typing import Any, Sequence
 
 import grpc
@@ -38,6 +42,9 @@ from router.policies import Policy, prefill_locally
 from router.pool import Assignment, WorkerPool
 
 logger = logging.getLogger(__name__)
+
+DRAIN_WINDOW_S = 30.0  # the finish rate behind a full router's Retry-After is measured over this
+MAX_RETRY_AFTER_S = 60
 
 
 class ClientGone(Exception):
@@ -76,6 +83,7 @@ class Dispatcher:
         self.decode_policy = decode_policy
         self.metrics = metrics
         self.inflight = 0
+        self._finished: collections.deque[float] = collections.deque()  # when requests closed (monotonic)
         self._background: set[asyncio.Task] = set()
         self._live: set[Generation] = set()
         pool.removal_listeners.extend([prefill_policy.forget, decode_policy.forget])
@@ -94,11 +102,24 @@ class Dispatcher:
             raise unavailable("no healthy decode worker is available; try again shortly", self.config.retry_after_s)
         if self.inflight >= self.config.max_inflight_requests:
             raise overloaded(f"the router already has {self.inflight} requests in flight "
-                             f"(max_inflight_requests={self.config.max_inflight_requests})", self.config.retry_after_s)
+                             f"(max_inflight_requests={self.config.max_inflight_requests})",
+                             self.admission_retry_after(time.monotonic()))
         self.inflight += 1
         generation = Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
         self._live.add(generation)
         return generation
+
+    def admission_retry_after(self, now: float) -> int:
+        """Retry-After for a request refused because the router is full: the seconds until a
+        slot frees at the rate requests finished over the last DRAIN_WINDOW_S (1 to
+        MAX_RETRY_AFTER_S), or `retry_after_s` when none finished (nothing to go by)."""
+        finished = self._finished
+        while finished and finished[0] < now - DRAIN_WINDOW_S:
+            finished.popleft()
+        if not finished:
+            return self.config.retry_after_s
+        rate = len(finished) / max(1.0, now - finished[0])
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(1.0 / rate)))
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
@@ -306,6 +327,7 @@ class Generation:
         self._closed = True
         d = self.dispatcher
         d.inflight -= 1
+        d._finished.append(time.monotonic())
         d._live.discard(self)
         if self._call is not None and not self._stream_ended:
             self._call.cancel()

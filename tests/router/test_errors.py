@@ -245,6 +245,19 @@ def test_router_inflight_limit_is_a_429(make_router, decode, loop, tokenizer):
     assert httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"}).status_code == 200
 
 
+def test_a_full_routers_retry_after_follows_the_rate_requests_finish(make_router, decode):
+    dispatcher = make_router(decode=[decode.address]).state.dispatcher
+    now = 1000.0
+    assert dispatcher.admission_retry_after(now) == 1  # nothing finished yet: the configured default
+    dispatcher._finished.extend([now - 20.0, now - 10.0])  # 2 in 20 s: a slot every 10 s
+    assert dispatcher.admission_retry_after(now) == 10
+    dispatcher._finished.extend([now - 1.0] * 38)  # 40 in 20 s: a slot every half second
+    assert dispatcher.admission_retry_after(now) == 1
+    assert dispatcher.admission_retry_after(now + 31.0) == 1  # all older than the window: the default
+    dispatcher._finished.append(now - 29.0)
+    assert dispatcher.admission_retry_after(now) == 29  # one in 29 s
+
+
 def test_dead_decode_worker_is_retried_on_another(make_router, decode, loop, tokenizer):
     decode.script = reply_script(tokenizer, "ok")
     # Round robin takes the dead worker ("127.0.0.1:1" sorts first) for the first request; no
