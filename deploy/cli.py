@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
                        help="requests each router process admits at once; more get 429 with Retry-After "
                             "(default: %(default)s)")
+    serve.add_argument("--batch-share", type=float, default=RouterConfig.batch_share,
+                       help="the share of --max-inflight-requests that requests of priority > 0 may hold, so a "
+                            "flood of them leaves room for the rest (default: %(default)s)")
     serve.add_argument("--max-migrations", type=int, default=2,
                        help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                             "this many times per request; 0: never (default: %(default)s)")
@@ -206,7 +209,7 @@ def serve_options(args: argparse.Namespace):
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
                         local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
                         local_prefill_weight=args.local_prefill_weight,
-                        max_inflight_requests=args.max_inflight_requests,
+                        max_inflight_requests=args.max_inflight_requests, batch_share=args.batch_share,
                         routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, drain_grace_s=args.drain_grace,

@@ -64,6 +64,7 @@ class ServeOptions:
     max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
     local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
     max_inflight_requests: int = RouterConfig.max_inflight_requests  # per router process
+    batch_share: float = RouterConfig.batch_share  # of it, for requests of priority > 0
     routers: int = 1  # router processes sharing the HTTP port
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
@@ -133,7 +134,7 @@ class ServeOptions:
                                 max_model_len=self.engine_options.get("max_model_len"),
                                 block_size=self.engine_options.get("block_size", 16),
                                 max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight,
-                                max_inflight_requests=self.max_inflight_requests)
+                                max_inflight_requests=self.max_inflight_requests, batch_share=self.batch_share)
         except ValueError as exc:  # its messages start with the field's name: say the flag's
             field_name, _, rest = str(exc).partition(" ")
             raise ValueError(f"--{field_name.replace('_', '-')} {rest}") from None

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-request-body-bytes", type=int, default=RouterConfig.max_request_body_bytes)
     p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests)
+    p.add_argument("--batch-share", type=float, default=RouterConfig.batch_share,
+                   help="the share of --max-inflight-requests that priority > 0 requests may hold")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=RouterConfig.prefill_policy)
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=RouterConfig.decode_policy)
     p.add_argument("--stats-interval", type=float, default=RouterConfig.stats_interval_s,
@@ -56,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode=_addresses(args.decode), colocated=_addresses(args.colocated), host=args.host, port=args.port,
         api_key=args.api_key or None, max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
+        batch_share=args.batch_share,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,
         max_migrations=args.max_migrations, local_prefill_weight=args.local_prefill_weight)
     if not (config.decode or config.colocated):

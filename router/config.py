@@ -39,6 +39,9 @@ class RouterConfig:
     max_model_len: int | None = None  # None: the tokenizer's (the model's) context length
     max_request_body_bytes: int = 8 * 2**20
     max_inflight_requests: int = 1024  # beyond it: 429 with Retry-After
+    # Requests of priority > 0 (the "batch" class; lower is more important, as in vLLM) may hold
+    # at most this share of max_inflight_requests, so a flood of them leaves room for the rest.
+    batch_share: float = 0.75
     retry_after_s: int = 1
     prefill_policy: str = "prefix_affinity"
     decode_policy: str = "power_of_two"
@@ -109,6 +112,8 @@ class RouterConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0.0 < self.batch_share <= 1.0:
+            raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name in ("affinity_max_imbalance_tokens", "affinity_max_imbalance_requests", "max_dispatch_retries",

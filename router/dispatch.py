@@ -2,8 +2,9 @@
 
 A `Generation` is one request's life on the cluster, as the router sees it:
 
-    NEW        admitted (counts against max_inflight_requests; beyond it a 429 whose Retry-After
-               is the wait for a slot at the recent finish rate), no worker chosen yet
+    NEW        admitted (counts against max_inflight_requests, and a priority > 0 request against
+               its class's batch_share of it; beyond either a 429 whose Retry-After is the wait
+               for a slot at the recent finish rate), no worker chosen yet
     STARTING   decode (+ prefill) worker chosen, Generate opened, waiting for the first chunk;
                a decode worker that does not answer (UNAVAILABLE) is marked unhealthy and the
                request goes to another one (max_dispatch_retries times), as it does when the
@@ -83,6 +84,8 @@ class Dispatcher:
         self.decode_policy = decode_policy
         self.metrics = metrics
         self.inflight = 0
+        self.inflight_batch = 0  # of them, priority > 0 (see RouterConfig.batch_share)
+        self.batch_limit = max(1, int(config.max_inflight_requests * config.batch_share))
         self._finished: collections.deque[float] = collections.deque()  # when requests closed (monotonic)
         self._background: set[asyncio.Task] = set()
         self._live: set[Generation] = set()
@@ -100,11 +103,20 @@ class Dispatcher:
         """Admit a request (429 when the router is full, 503 when no worker can serve it)."""
         if not self.pool.routable("decode", "both"):
             raise unavailable("no healthy decode worker is available; try again shortly", self.config.retry_after_s)
+        priority_class = "batch" if priority > 0 else "interactive"
+        message = None
         if self.inflight >= self.config.max_inflight_requests:
-            raise overloaded(f"the router already has {self.inflight} requests in flight "
-                             f"(max_inflight_requests={self.config.max_inflight_requests})",
-                             self.admission_retry_after(time.monotonic()))
+            message = (f"the router already has {self.inflight} requests in flight "
+                       f"(max_inflight_requests={self.config.max_inflight_requests})")
+        elif priority_class == "batch" and self.inflight_batch >= self.batch_limit:
+            message = (f"the router already has {self.inflight_batch} requests of priority > 0 in flight, their "
+                       f"share of the limit (batch_share={self.config.batch_share:g} of max_inflight_requests="
+                       f"{self.config.max_inflight_requests}); priority <= 0 requests are still admitted")
+        if message is not None:
+            self.metrics.shed.labels(priority_class).inc()
+            raise overloaded(message, self.admission_retry_after(time.monotonic()))
         self.inflight += 1
+        self.inflight_batch += priority_class == "batch"
         generation = Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
         self._live.add(generation)
         return generation
@@ -327,6 +339,7 @@ class Generation:
         self._closed = True
         d = self.dispatcher
         d.inflight -= 1
+        d.inflight_batch -= self.priority > 0
         d._finished.append(time.monotonic())
         d._live.discard(self)
         if self._call is not None and not self._stream_ended:

@@ -55,6 +55,9 @@ class RouterMetrics:
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes moved into decode workers.", registry=r)
         self.routing = Counter("pdserve:routing_decisions", "Worker choices, by role and reason.",
                                ["role", "reason"], registry=r)
+        self.shed = Counter("pdserve:requests_shed", "Requests refused with 429 because the router was full, "
+                            "by priority class (interactive: priority <= 0; batch: > 0).", ["priority_class"],
+                            registry=r)
         self.migrations = Counter("pdserve:request_migrations",
                                   "Generations resumed on another decode worker after theirs failed mid-stream.",
                                   registry=r)

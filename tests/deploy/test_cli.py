@@ -30,6 +30,9 @@ def test_serve_defaults_are_the_embedded_default():
     assert options("--local-prefill-weight", "inf").router_config(port=8000).local_prefill_weight == float("inf")
     assert opts.router_config(port=8000).max_inflight_requests == 1024
     assert options("--max-inflight-requests", "8").router_config(port=8000).max_inflight_requests == 8
+    assert options("--batch-share", "0.5").router_config(port=8000).batch_share == 0.5
+    with pytest.raises(ValueError, match=r"--batch-share must be in \(0, 1\], got 0.0"):
+        options("--batch-share", "0").router_config(port=8000)
 
 
 def test_engine_flags_reach_every_worker():

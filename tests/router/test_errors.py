@@ -245,6 +245,24 @@ def test_router_inflight_limit_is_a_429(make_router, decode, loop, tokenizer):
     assert httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"}).status_code == 200
 
 
+def test_priority_over_0_requests_hold_at_most_their_share_and_leave_room_for_the_rest(make_router, decode, tokenizer):
+    router = make_router(decode=[decode.address], max_inflight_requests=4, batch_share=0.5)
+    decode.script = lambda request: [*reply_script(tokenizer, "a")(request)[:1], Hang()]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", router.url + COMPLETIONS, json={**body, "priority": 10}) as first, \
+            httpx.stream("POST", router.url + COMPLETIONS, json={**body, "priority": 10}) as second:
+        assert first.status_code == second.status_code == 200
+        shed = httpx.post(router.url + COMPLETIONS, json={**body, "stream": False, "priority": 10})
+        error = error_of(shed, 429)
+        assert "2 requests of priority > 0 in flight" in error["message"] and "retry-after" in shed.headers
+        with httpx.stream("POST", router.url + COMPLETIONS, json={**body, "priority": 0}) as interactive:
+            assert interactive.status_code == 200  # the rest of the limit is theirs
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'pdserve:requests_shed_total{priority_class="batch"} 1.0' in metrics
+    wait_until(lambda: router.state.dispatcher.inflight == 0, message="the held requests to be released")
+    assert router.state.dispatcher.inflight_batch == 0
+
+
 def test_a_full_routers_retry_after_follows_the_rate_requests_finish(make_router, decode):
     dispatcher = make_router(decode=[decode.address]).state.dispatcher
     now = 1000.0
