@@ -125,13 +125,21 @@ class Dispatcher:
         """Retry-After for a request refused because the router is full: the seconds until a
         slot frees at the rate requests finished over the last DRAIN_WINDOW_S (1 to
         MAX_RETRY_AFTER_S), or `retry_after_s` when none finished (nothing to go by)."""
-        finished = self._finished
-        while finished and finished[0] < now - DRAIN_WINDOW_S:
-            finished.popleft()
+        finished = self._forget_finished_before(now - DRAIN_WINDOW_S)
         if not finished:
             return self.config.retry_after_s
         rate = len(finished) / max(1.0, now - finished[0])
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(1.0 / rate)))
+
+    def record_finished(self, now: float) -> None:
+        self._forget_finished_before(now - DRAIN_WINDOW_S).append(now)
+
+    def _forget_finished_before(self, horizon: float) -> collections.deque[float]:
+        """`_finished` without its entries older than `horizon` (so it stays the window's size)."""
+        finished = self._finished
+        while finished and finished[0] < horizon:
+            finished.popleft()
+        return finished
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
@@ -340,7 +348,7 @@ class Generation:
         d = self.dispatcher
         d.inflight -= 1
         d.inflight_batch -= self.priority > 0
-        d._finished.append(time.monotonic())
+        d.record_finished(time.monotonic())
         d._live.discard(self)
         if self._call is not None and not self._stream_ended:
             self._call.cancel()
