@@ -290,7 +290,8 @@ def run_status(args: argparse.Namespace) -> int:
 COLUMNS = (("ID", "worker_id"), ("ROLE", "role"), ("TP", "tensor_parallel_size"), ("STATE", "state"),
            ("ADDRESS", "address"), ("PID", "pid"), ("NODE", "node_id"), ("HEALTH", "healthy"),
            ("RUNNING", "running"), ("WAITING", "waiting"),
-           ("KV USE", "kv_usage"), ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"))
+           ("KV USE", "kv_usage"), ("PREFIX HIT", "prefix_cache_hit_rate"), ("RSS", "rss_bytes"),
+           ("WEIGHTS", "weight_bytes"))
 NODE_ID_CHARS = 8  # of a Ray node id (56 hex digits) in the table; `--json` has all of it
 
 
@@ -305,7 +306,7 @@ def format_status(status: dict[str, Any], events: int = 5) -> str:
             return f"{value[:NODE_ID_CHARS]}@{worker.get('node_ip') or '?'}" if value else "-"
         if key == "role":
             return pool_name(value)
-        if key == "rss_bytes":
+        if key in ("rss_bytes", "weight_bytes"):
             return f"{value / 2**30:.2f} GiB" if value else "-"
         if key in ("kv_usage", "prefix_cache_hit_rate"):
             return "-" if value is None else f"{100 * value:.1f}%"

@@ -293,7 +293,7 @@ class PoolController:
                 "node_ip": m.node_ip, "healthy": m.healthy, "running": m.stat("running"),
                 "waiting": m.stat("waiting"), "kv_blocks_total": total, "kv_blocks_free": free,
                 "kv_bytes_sent": m.stat("kv_bytes_sent"), "kv_bytes_received": m.stat("kv_bytes_received"),
-                "rss_bytes": m.stat("rss_bytes"),
+                "rss_bytes": m.stat("rss_bytes"), "weight_bytes": m.stat("weight_bytes"),
                 "kv_usage": (total - free) / total if total else None,
                 "prefix_cache_hit_rate": m.stat("prefix_cache_hits") / queries if queries else None,
                 "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0))

@@ -53,7 +53,9 @@ ISAS = ("auto", "native", "avx2")
 # fp32 small-batch linear 1.6x slower (64 rows: 4.76 vs 3.03 ms per SmolLM2-135M layer, measured
 # interleaved in one process; a batch-64 decode step 268 -> 184-194 ms).
 _MARCH = {"native": ("-march=native", "-mtune=generic"), "avx2": ("-march=x86-64-v3",)}
-_CFLAGS = ("-O3", "-fopenmp")
+# -ffp-contract=off: a product followed by a sum stays two roundings (GCC would otherwise fuse the
+# intrinsics' vector mul and add into an FMA), so the float32 fused ops round as torch does.
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)  # torch's parallel_for is OpenMP here; linking libgomp by soname reuses torch's copy
 
 

@@ -171,6 +171,11 @@ class ModelRunner:
         return int(self.tp.all_reduce(torch.tensor([blocks], device=self.device), dist.ReduceOp.MIN).item())
 
     @property
+    def weight_bytes(self) -> int:
+        """This process's weights in memory, pre-blocked copies included (`pdserve status`)."""
+        return self.model.weight_bytes
+
+    @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 

@@ -140,7 +140,8 @@ async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes
     except RuntimeError as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size,
-                                rss_bytes=resident_bytes(), **kv_bytes)
+                                rss_bytes=resident_bytes(), weight_bytes=engine.engine.runner.weight_bytes,
+                                **kv_bytes)
 
 
 def resident_bytes() -> int:

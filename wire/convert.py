@@ -111,7 +111,8 @@ def producer_report_from_wire(response: Any, want_logprobs: bool) -> ProducerRep
 
 
 def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, block_size: int,
-                         kv_bytes_sent: int = 0, kv_bytes_received: int = 0, rss_bytes: int = 0) -> Any:
+                         kv_bytes_sent: int = 0, kv_bytes_received: int = 0, rss_bytes: int = 0,
+                         weight_bytes: int = 0) -> Any:
     """`stats` is engine.scheduler.SchedulerStats; requests waiting for their KV count as waiting."""
     return messages().WorkerStats(
         role=role, running=stats.running, waiting=stats.waiting + stats.waiting_for_kv,
@@ -122,4 +123,5 @@ def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, bloc
         prompt_tokens_computed=stats.prompt_tokens_computed, decode_tokens=stats.decode_tokens,
         block_size=block_size, host_cache_blocks_total=stats.host_cache_slots,
         host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits,
-        kv_transfer_failures=stats.kv_transfer_failures, rss_bytes=rss_bytes)
+        kv_transfer_failures=stats.kv_transfer_failures, rss_bytes=rss_bytes,
+        weight_bytes=weight_bytes)

@@ -112,6 +112,7 @@ inline F load(const c10::BFloat16* p) { return load_bf16(p); }
 inline F load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, F x) { _mm512_storeu_ps(p, x); }
 inline void store_n(float* p, F x, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), x); }
+inline F load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
 inline float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
 inline F exp(F x) { return exp16(x); }
 inline F hsum(const F* v) { return hsum16(v); }  // lane i = the sum of v[i]'s lanes
@@ -142,6 +143,11 @@ inline F load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32: wid
 }
 inline F load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+inline F load_n(const float* p, int64_t n) {
+  alignas(32) float lanes[8] = {};
+  std::memcpy(lanes, p, n * sizeof(float));
+  return _mm256_load_ps(lanes);
+}
 inline void store_n(float* p, F x, int64_t n) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, x);

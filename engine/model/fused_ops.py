@@ -1,17 +1,16 @@
-"""The Llama block's elementwise ops, fused into one-pass kernels for 16-bit activations, and
-its linear layers on CPU (a native kernel for decode steps; above, pre-blocked bf16 weights with
-AVX512-BF16, fp32 compute without it).
+"""The Llama block's elementwise ops, fused into one-pass kernels, and its linear layers on CPU
+(a native kernel for decode steps; above, pre-blocked bf16 weights with AVX512-BF16, fp32
+compute without it).
 
 Each function here is the torch expression the model has always used (the same ones transformers
 uses, rounding included), and takes the one-pass kernel from `engine/csrc/fused_ops_cpu.cpp`
-when the activation is a bf16 CPU tensor and the kernels are built (AVX2 or AVX-512), or from
-`engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. float32 keeps the torch
-elementwise expressions (bit-comparable with transformers); its linear layers take a native fp32
-kernel up to 64 rows (decode steps: 1.4-4.7x MKL's sgemm on 2 AVX2 cores, sums in another order,
-so a few float32 ulps from F.linear). `PDSERVE_FUSED_OPS=0` keeps every torch expression. In
-bf16, RoPE and the SiLU-and-mul product are bit-identical to the torch path; RMSNorm's sum of
-squares and SiLU's exp are evaluated differently and can move a value by one bf16 ulp
-(tests/engine/test_fused_ops.py).
+when the activation is a bf16 or float32 CPU tensor and the kernels are built (AVX2 or AVX-512),
+or from `engine/model/triton_ops.py` when it is a bf16/fp16 CUDA tensor. RoPE and the SiLU-and-mul
+product are bit-identical to the torch path; RMSNorm's sum of squares and SiLU's exp are
+evaluated differently and can move a value by one ulp of the dtype (tests/engine/test_fused_ops.py).
+float32 linear layers take a native fp32 kernel up to 64 rows (decode steps: 1.4-4.7x MKL's sgemm
+on 2 AVX2 cores, sums in another order, so a few float32 ulps from F.linear).
+`PDSERVE_FUSED_OPS=0` keeps every torch expression (and F.linear) where the kernels would apply.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def _library():
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    """The library where its bf16 fused ops are compiled in (AVX2 or AVX-512), else None."""
+    """The library where its fused ops are compiled in (AVX2 or AVX-512), else None."""
     kernels = _library()
     return kernels if kernels is not None and kernels.has_fused_ops() else None
 
@@ -51,10 +50,10 @@ def _triton_kernels():
 
 
 def native_for(x: torch.Tensor):
-    """The kernels for activation `x` (native CPU ones for bf16 on CPU, Triton ones for bf16/fp16
-    on CUDA), or None: use the torch expression."""
+    """The kernels for activation `x` (native CPU ones for bf16 and float32 on CPU, Triton ones for
+    bf16/fp16 on CUDA), or None: use the torch expression."""
     if x.device.type == "cpu":
-        return _kernels() if x.dtype is torch.bfloat16 else None
+        return _kernels() if x.dtype in (torch.bfloat16, torch.float32) else None
     if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
         return _triton_kernels()
     return None
@@ -71,13 +70,15 @@ SMALL_LINEAR_MAX_ROWS = 128
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear. For 1-64 float32 rows the native fp32 kernel (AVX2 or AVX-512; see
-    SMALL_LINEAR_F32_MAX_ROWS). For 1-128 bf16 rows (a decode step) the native kernel, which streams the
+    SMALL_LINEAR_F32_MAX_ROWS), 1-16 when `packed` is given (PACKED_F32_MIN_ROWS), and oneDNN on the
+    pre-blocked copy above. For 1-128 bf16 rows (a decode step) the native kernel, which streams the
     weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
     (engine/csrc/small_linear_cpu.cpp); for more rows, with
     `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight. On CPUs
     without AVX512-BF16, bf16 is computed in fp32 (see BF16_WIDENED_KERNEL_MAX_ROWS)."""
     if (x.dtype is torch.float32 and x.device.type == "cpu" and x.dim() == 2
-            and 1 <= x.shape[0] <= SMALL_LINEAR_F32_MAX_ROWS and x.shape[1] % 16 == 0 and x.stride(1) == 1
+            and 1 <= x.shape[0] < (PACKED_F32_MIN_ROWS if packed is not None else SMALL_LINEAR_F32_MAX_ROWS + 1)
+            and x.shape[1] % 16 == 0 and x.stride(1) == 1
             and weight.dtype is torch.float32 and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.float32) and _small_linear_f32()):
         return _library().small_batch_linear_f32(x, weight, bias)
@@ -101,20 +102,23 @@ _PACK_BATCH_HINT = 128
 
 
 def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a bf16 CPU linear weight [N, K], for `linear(..., packed=)`; None
-    where it does not apply (other devices and dtypes, no oneDNN, `PDSERVE_PREPACK_WEIGHTS=0`).
+    """oneDNN's blocked copy of a bf16 or float32 CPU linear weight [N, K], for `linear(...,
+    packed=)`; None where it does not apply (other devices and dtypes, no oneDNN, bf16 on a CPU
+    without AVX512-BF16, `PDSERVE_PREPACK_WEIGHTS=0`).
 
     F.linear hands oneDNN the plain weight, which it re-blocks on every call: a full extra pass
     over weights that do not fit in cache. With the copy made once, a bf16 linear layer runs
     1.2-2x faster at 8-256 rows and ~5% faster at 2048 (2-core Zen 4), with bit-identical results
-    (both are oneDNN's bf16 GEMM). The cost is a second copy of the weights in memory; the plain
-    one stays for the small-batch kernel. float32 keeps F.linear, whose MKL GEMM is what
-    transformers' float32 outputs are compared against.
+    (both are oneDNN's bf16 GEMM). In float32 oneDNN on the blocked copy is 1.13-1.15x MKL's sgemm
+    (F.linear) at 64-2048 rows and ~1.15x the native kernel at 64 (see PACKED_F32_MIN_ROWS); its
+    sums run in another order, a few ulps from F.linear. The cost is a second copy of the weights
+    in memory (`LlamaForCausalLM.weight_bytes` counts it); the plain one stays for the small-batch
+    kernel.
     """
-    if (weight.device.type != "cpu" or weight.dtype is not torch.bfloat16 or weight.dim() != 2
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2
             or os.environ.get("PDSERVE_PREPACK_WEIGHTS", "1") == "0" or not torch.backends.mkldnn.is_available()):
         return None
-    if bf16_computed_in_fp32():  # linear() never uses oneDNN for bf16 here
+    if weight.dtype is torch.bfloat16 and bf16_computed_in_fp32():  # linear() never uses oneDNN for bf16 here
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
@@ -127,6 +131,11 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 # threads 1.4-4.7x MKL's sgemm at 4-64 rows (sgemm moved the weights at 1.5-5 GB/s there); at 1
 # thread 1.8-2.3x at 4 rows, 1.0-1.5x at 32, 0.8-1.2x at 64. Above 64 sgemm is the better one.
 SMALL_LINEAR_F32_MAX_ROWS = 64
+# With a pre-blocked float32 weight, oneDNN takes over from the native kernel at this many rows.
+# Measured on the 2-vCPU Zen 4, SmolLM2-135M decode steps at 256-400 tokens of context, both ways
+# interleaved in one process: 1 and 4 sequences 23 / 21 ms with the kernel, 33 / 26 ms with oneDNN;
+# 16 even (52-56 ms); 64 sequences 138-154 ms with oneDNN from 9 or 17 rows, 150-189 ms without.
+PACKED_F32_MIN_ROWS = 17
 
 
 @functools.lru_cache(maxsize=1)

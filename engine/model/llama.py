@@ -95,7 +95,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that may carry a pre-blocked copy of its weight for CPU bf16 matmuls
+    """nn.Linear that may carry a pre-blocked copy of its weight for CPU bf16 / float32 matmuls
     (`fused_ops.prepack_linear_weight`; set by `LlamaForCausalLM.prepack_linear_weights`)."""
 
     packed: torch.Tensor | None = None
@@ -244,14 +244,21 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_linear_weights(self) -> bool:
         """Give every linear layer (and a tied LM head) a pre-blocked copy of its weight where
-        `fused_ops.prepack_linear_weight` applies (bf16 on CPU); call after the weights are loaded.
-        Returns whether it applied."""
+        `fused_ops.prepack_linear_weight` applies (bf16 with AVX512-BF16, and float32, on CPU); call
+        after the weights are loaded. Returns whether it applied."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
             module.packed = fused_ops.prepack_linear_weight(module.weight)
         if self.lm_head is None:
             self.lm_head_packed = fused_ops.prepack_linear_weight(self.embed_tokens.weight)
         return all(m.packed is not None for m in linears)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this process holds: the parameters and their pre-blocked copies."""
+        packed = [m.packed for m in self.modules() if isinstance(m, Linear)] + [self.lm_head_packed]
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(p.numel() * p.element_size() for p in packed if p is not None))
 
     # ---- weights ---------------------------------------------------------------------------
 

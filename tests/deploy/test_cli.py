@@ -97,17 +97,17 @@ def test_status_table():
                    "address": "127.0.0.1:4001", "pid": 11, "node_id": "0123456789abcdef" * 3 + "01234567",
                    "node_ip": "10.0.0.7", "healthy": True,
                    "running": 1, "waiting": 0, "kv_usage": 0.25, "prefix_cache_hit_rate": 0.5,
-                   "rss_bytes": 3 * 2**29},
+                   "rss_bytes": 3 * 2**29, "weight_bytes": 2**29},
                   {"worker_id": "decode-3", "role": "decode", "state": "starting", "address": "", "pid": None,
                    "healthy": False, "running": 0, "waiting": 0, "kv_usage": None, "prefix_cache_hit_rate": None}],
               "events": [{"time": 0.0, "message": "decode-3 starting"}]}
     lines = format_status(status).splitlines()
     assert lines[0].split() == ["ID", "ROLE", "TP", "STATE", "ADDRESS", "PID", "NODE", "HEALTH", "RUNNING",
-                                "WAITING", "KV", "USE", "PREFIX", "HIT", "RSS"]
+                                "WAITING", "KV", "USE", "PREFIX", "HIT", "RSS", "WEIGHTS"]
     assert lines[1].split() == ["prefill-1", "prefill", "1", "ready", "127.0.0.1:4001", "11", "01234567@10.0.0.7",
-                                "ok", "1", "0", "25.0%", "50.0%", "1.50", "GiB"]
+                                "ok", "1", "0", "25.0%", "50.0%", "1.50", "GiB", "0.50", "GiB"]
     assert lines[2].split() == ["decode-3", "decode", "-", "starting", "-", "-", "-", "down", "0", "0", "-", "-",
-                                "-"]
+                                "-", "-"]
     assert lines[3] == "targets: 1 prefill, 2 decode, 0 colocated (changing); routers: 1"
     assert lines[4].endswith("decode-3 starting")
 

@@ -1,6 +1,6 @@
-"""The fused bf16 elementwise kernels (engine/csrc/fused_ops_cpu.cpp) against the torch expressions
-they replace, op by op and through a whole model; the float32 elementwise path left untouched, and
-the float32 small-batch linear kernel against F.linear."""
+"""The fused elementwise kernels (engine/csrc/fused_ops_cpu.cpp), bf16 and float32, against the torch
+expressions they replace, op by op and through a whole model, and the float32 small-batch linear
+kernel against F.linear."""
 import importlib.util
 import shutil
 
@@ -207,6 +207,25 @@ def test_small_batch_linear_f32_matches_f_linear(library, rows, out_features, in
         assert torch.equal(fused_ops.linear(x, weight, b), F.linear(x, weight, b))
 
 
+@pytest.mark.parametrize("rows", [1, fused_ops.PACKED_F32_MIN_ROWS - 1, fused_ops.PACKED_F32_MIN_ROWS, 64, 300])
+def test_float32_linear_with_a_pre_blocked_weight(library, rows):
+    """With oneDNN's blocked copy: the native kernel below PACKED_F32_MIN_ROWS rows (bit for bit),
+    oneDNN from there, within float32 summation-order noise of F.linear either way."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576)
+    weight, bias = torch.randn(200, 576) / 24, torch.randn(200)
+    packed = fused_ops.prepack_linear_weight(weight)
+    if packed is None:
+        pytest.skip("torch built without oneDNN: float32 linear layers keep one copy of their weights")
+    assert packed.shape == weight.shape
+    got = fused_ops.linear(x, weight, bias, packed=packed)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    if rows < fused_ops.PACKED_F32_MIN_ROWS:
+        assert torch.equal(got, library.small_batch_linear_f32(x, weight, bias))
+    else:
+        assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+
+
 def test_float32_linear_takes_f_linear_where_the_kernel_does_not_apply(library):
     weight = torch.randn(40, 56)
     x = torch.randn(2, 56)  # K not a multiple of 16
@@ -217,16 +236,43 @@ def test_float32_linear_takes_f_linear_where_the_kernel_does_not_apply(library):
         library.small_batch_linear_f32(torch.randn(2, 64).to(BF16), torch.randn(8, 64))
 
 
-def test_float32_keeps_the_torch_expressions(native):
-    """float32 must stay bit-comparable with transformers: no native op is taken for it."""
-    x = torch.randn(4, 64)
-    assert fused_ops.native_for(x) is None and fused_ops.native_for(x.to(BF16)) is native
-    weight = torch.rand(64) + 0.5
-    assert torch.equal(fused_ops.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5))
-    residual = torch.randn(4, 64)
-    expected = residual + x
-    normed = fused_ops.add_rms_norm_(x, residual, weight, 1e-5)
-    assert torch.equal(residual, expected) and torch.equal(normed, _torch_rms_norm(expected, weight, 1e-5))
+def _within_float32_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
+    """float32 values at most `ulps` steps apart (same sign: compare the bit patterns as integers)."""
+    assert got.dtype is want.dtype is torch.float32 and bool((got.sign() * want.sign() >= 0).all())
+    diff = (got.view(torch.int32).to(torch.int64) - want.view(torch.int32).to(torch.int64)).abs()
+    assert int(diff.max()) <= ulps, f"{int(diff.max())} float32 ulps apart"
+
+
+def test_float32_takes_the_fused_ops_within_a_few_ulps_of_torch(native):
+    """float32 activations take the same kernels: RoPE and the SiLU product bit-identical to the
+    torch expressions (no product fused into a sum), RMSNorm and SiLU's exp within a few ulps."""
+    torch.manual_seed(3)
+    assert fused_ops.native_for(torch.randn(4, 64)) is native and fused_ops.native_for(torch.randn(4, 64).half()) is None
+    for hidden in (576, 72, 5):
+        x = torch.randn(21, hidden) * 3
+        weight = torch.rand(hidden) + 0.5
+        _within_float32_ulps(fused_ops.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5), 4)
+        residual = torch.randn(21, hidden)
+        expected = residual + x
+        normed = fused_ops.add_rms_norm_(x, residual, weight, 1e-5)
+        assert torch.equal(residual, expected)
+        _within_float32_ulps(normed, _torch_rms_norm(expected, weight, 1e-5), 4)
+    gate_up = torch.randn(19, 2 * 1536) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=3e-7, atol=1e-30)
+    rope = RotaryEmbedding(64, 2048, 10000.0, None)
+    qkv = torch.randn(29, 15 * 64)
+    query, key = qkv[:, :9 * 64].view(29, 9, 64), qkv[:, 9 * 64:12 * 64].view(29, 3, 64)
+    positions = torch.randint(0, 2048, (29,))
+    got_q, got_k = fused_ops.rotary(positions, query, key, rope.cos_cache, rope.sin_cache)
+    cos = rope.cos_cache.index_select(0, positions)[:, None, :]
+    sin = rope.sin_cache.index_select(0, positions)[:, None, :]
+    assert torch.equal(got_q, query * cos + fused_ops._rotate_half(query) * sin)
+    assert torch.equal(got_k, key * cos + fused_ops._rotate_half(key) * sin)
+    with pytest.raises(RuntimeError, match="both be bf16 or both float32"):
+        native.rotary_embedding(positions, query, key.to(BF16), rope.cos_cache, rope.sin_cache)
+    with pytest.raises(RuntimeError, match="in the activation's dtype"):
+        native.rms_norm(x, weight.to(BF16), 1e-5)
 
 
 def test_a_bf16_model_gives_the_same_tokens_with_and_without_the_fused_ops(native, tmp_path, monkeypatch):

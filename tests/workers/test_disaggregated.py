@@ -266,19 +266,23 @@ def test_prefill_worker_refuses_bad_requests(cluster, llm):
     assert "address is empty" in ask([5] * 20, address="")
 
 
-# Resident memory beyond the weights and the KV cache: the interpreter, torch, gRPC, the tokenizer
-# and the allocator's cached activations after the tests above (measured: see the test's output).
+# Resident memory beyond the weights (their pre-blocked copies included) and the KV cache: the
+# interpreter, torch, gRPC, the tokenizer and the allocator's cached activations after the tests
+# above (measured: see the test's output).
 WORKER_MEMORY_OVERHEAD_BYTES = 1 << 30
 
 
 def test_each_workers_memory_is_weights_plus_kv_cache_plus_a_bounded_overhead(cluster, bytes_per_block):
-    """After the requests above: a worker's RSS (its Stats) stays within the weights (float32), its KV
-    cache, its host cache tier and WORKER_MEMORY_OVERHEAD_BYTES."""
+    """After the requests above: a worker's RSS (its Stats) stays within its weights (float32, and
+    their pre-blocked copy where oneDNN is there: `weight_bytes`), its KV cache, its host cache tier
+    and WORKER_MEMORY_OVERHEAD_BYTES."""
     import math
     loaded = resolve_model("default")
-    weights = 4 * sum(math.prod(shape) for shape in loaded.weight_shapes().values())
+    params = 4 * sum(math.prod(shape) for shape in loaded.weight_shapes().values())
     for worker in [cluster["prefill"], cluster["colocated"], *cluster["decode"].values(), cluster["tiered"]]:
         stats = worker.stats()
+        weights = stats.weight_bytes
+        assert params <= weights <= 2 * params  # the parameters, and at most one blocked copy of each
         budget = weights + stats.kv_blocks_total * bytes_per_block + stats.host_cache_blocks_total * bytes_per_block
         overhead = stats.rss_bytes - weights - stats.kv_blocks_total * bytes_per_block
         print(f"{worker.grpc_address}: rss {stats.rss_bytes / 2**20:.0f} MiB, overhead {overhead / 2**20:.0f} MiB")
