@@ -6,8 +6,9 @@ and one decode worker answer, or one colocated worker does), `GET /metrics` (Pro
 `GET /status` (each worker's health and load, freshly polled).
 
 A generation request: read the body (size-capped) -> validate (400/404) -> tokenize -> admit
-(429/503) -> `Generation.start()` picks workers and waits for the first token (so worker-side
-refusals still become proper HTTP statuses) -> stream SSE or collect one body. A client that
+(429/503; each of `n` / `best_of` sequences, router/choices.py) -> `Generation.start()` picks
+workers and waits for the first token (so worker-side refusals still become proper HTTP
+statuses) -> stream SSE or collect one body. A client that
 disconnects at any point cancels its Generate stream, and the decode worker frees the blocks.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router import protocol, tools
+from router.choices import Choices, candidate_params
 from router.config import RouterConfig
 from router.dispatch import ClientGone, Dispatcher
 from router.errors import (context_length_exceeded, install_error_handlers, invalid_request,
@@ -33,7 +35,7 @@ from router.logprobs import TokenText
 from router.metrics import RouterMetrics
 from router.policies import make_decode_policy, make_prefill_policy
 from router.pool import WorkerPool
-from router.streaming import OutputAssembler, ResponseContext, collect, sse_events
+from router.streaming import ChoiceStream, OutputAssembler, ResponseContext, collect, sse_events
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (metrics only)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -174,19 +176,22 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
         params = request.sampling_params(max_tokens, logprobs)
 
     request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
-    generation = state.dispatcher.generation(request_id, prompt_token_ids, params, timer,
-                                             request.cache_salt, request.priority)
-    watcher = _DisconnectWatcher(http_request, generation.cancel)
+    keep, count = request.num_choices, request.num_candidates
+    sequence_params = candidate_params(params, count, keep)
+    choices = Choices(state.dispatcher, request_id, prompt_token_ids, sequence_params, timer,
+                      request.cache_salt, request.priority)
+    watcher = _DisconnectWatcher(http_request, choices.cancel)
     try:
-        first_chunk = await generation.start()
+        first_chunks = await choices.start()
     except BaseException as exc:
         watcher.stop()
-        generation.close("abort" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+        choices.close("abort" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
         if isinstance(exc, ClientGone):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
 
-    assembler = OutputAssembler(state.tokenizer, prompt_token_ids, params)
+    streams = [ChoiceStream(index, generation, OutputAssembler(state.tokenizer, prompt_token_ids, p), chunk)
+               for index, (generation, p, chunk) in enumerate(zip(choices.generations, sequence_params, first_chunks))]
     context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
                               want_logprobs=params.logprobs is not None,
                               include_usage=request.include_usage_in_stream,
@@ -194,13 +199,13 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     if request.stream:
         async def body():
             try:
-                async for piece in sse_events(context, generation, assembler, first_chunk):
+                async for piece in sse_events(context, streams):
                     yield piece
             finally:
                 watcher.stop()
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        return JSONResponse(await collect(context, generation, assembler, first_chunk))
+        return JSONResponse(await collect(context, streams, keep if keep < count else None))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:

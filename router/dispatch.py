@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.errors import APIError, invalid_request, overloaded, unavailable, upstream_failed
 from router.metrics import RequestTimer, RouterMetrics
-from router.policies import Policy, prefill_locally
+from router.policies import Choice, Policy, prefill_locally
 from router.pool import Assignment, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -198,11 +198,14 @@ class Generation:
     def prefill_address(self) -> str | None:
         return self.assignment.prefill_address if self.assignment else None
 
-    async def start(self) -> Any:
-        """Choose workers, open Generate and return the first TokenChunk (see the module docstring)."""
-        return await self._dispatch(set())
+    async def start(self, beside: str | None = None) -> Any:
+        """Choose workers, open Generate and return the first TokenChunk (see the module docstring).
+        `beside`: a decode worker whose prefix cache already holds this prompt (another choice of
+        the same `n > 1` request): the request goes there and prefills there, reading the prompt's
+        full blocks from that cache, while the worker is routable."""
+        return await self._dispatch(set(), beside)
 
-    async def _dispatch(self, tried: set[str]) -> Any:
+    async def _dispatch(self, tried: set[str], beside: str | None = None) -> Any:
         """Open Generate on a worker not in `tried` (resuming after `self.delivered`); returns the
         first TokenChunk."""
         d = self.dispatcher
@@ -215,10 +218,11 @@ class Generation:
             candidates = [w for w in d.pool.routable("decode", "both") if w.address not in tried]
             if not candidates:
                 break
-            decode = d.decode_policy.choose(candidates, hashes)
+            sibling = next((w for w in candidates if w.address == beside), None) if attempt == 0 else None
+            decode = Choice(sibling, "sibling") if sibling else d.decode_policy.choose(candidates, hashes)
             prefill = None
             num_tokens = len(self.prompt_token_ids) + len(resumed)
-            if decode.worker.role == "decode":
+            if decode.worker.role == "decode" and sibling is None:
                 prefill_candidates = d.pool.routable("prefill")
                 if prefill_candidates:
                     prefill = d.prefill_policy.choose(prefill_candidates, hashes)

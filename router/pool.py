@@ -80,6 +80,8 @@ class WorkerInfo:
                 "kv_blocks_total": self.stat("kv_blocks_total"), "kv_blocks_free": self.stat("kv_blocks_free"),
                 "kv_blocks_cached": self.stat("kv_blocks_cached"), "block_size": self.stat("block_size"),
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "prefix_cache_hits": self.stat("prefix_cache_hits"),
+                "prompt_tokens_computed": self.stat("prompt_tokens_computed"),
                 "prefill_tokens_queued": self.stat("prefill_tokens_queued"),
                 "num_preemptions": self.stat("num_preemptions"),
                 "host_cache_blocks_total": self.stat("host_cache_blocks_total"),

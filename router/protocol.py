@@ -5,7 +5,8 @@ Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, 
 `include_stop_str_in_output`, `cache_salt`, `priority`, and `structured_outputs` for regex,
 choice and grammar constraints next to OpenAI's `response_format`). Unknown fields are ignored,
 as OpenAI clients send ones that a server may not know. Values outside what this server supports
-(n > 1, echo, suffix, logit_bias) are refused with a 400 that says so. Tools: router/tools.py. Sampling ranges are
+(echo, suffix, n or best_of above MAX_CHOICES) are refused with a 400 that says so. `n > 1` and
+`best_of` are served by the router (router/choices.py). Tools: router/tools.py. Sampling ranges are
 the engine's (`engine.sampling_params.SamplingParams`), and so is the check of a constraint
 (`engine.structured_output.StructuredOutput`: a schema, regex or grammar that does not parse is a
 400 naming the problem).
@@ -29,6 +30,10 @@ UInt32 = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
 TokenIds = list[UInt32]
+
+# Most choices one request may ask for (n, or best_of candidates): each is a sequence on a decode
+# worker, admitted as a request of its own.
+MAX_CHOICES = 16
 
 
 class StreamOptions(BaseModel):
@@ -66,8 +71,8 @@ class _GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice or grammar
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise invalid_request(f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise invalid_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise invalid_request(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
@@ -75,6 +80,15 @@ class _GenerationRequest(BaseModel):
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
         if self.cache_salt is not None and not self.cache_salt:
             raise invalid_request("cache_salt must be a non-empty string when set", "cache_salt")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences to generate: n, or best_of (completions) to keep the n most likely of."""
+        return self.num_choices
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -194,10 +208,19 @@ class CompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.echo:
             raise invalid_request("echo is not supported by this server", "echo")
-        if self.best_of not in (None, 1):
-            raise invalid_request(f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        if self.best_of is not None:
+            if not self.num_choices <= self.best_of <= MAX_CHOICES:
+                raise invalid_request(f"best_of must be in [n, {MAX_CHOICES}] (n={self.num_choices}), got {self.best_of}",
+                                      "best_of")
+            if self.stream and self.best_of > self.num_choices:
+                raise invalid_request("best_of > n cannot be streamed: the best choices are known only at the end",
+                                      "best_of")
         if self.suffix:
             raise invalid_request("suffix is not supported by this server", "suffix")
+
+    @property
+    def num_candidates(self) -> int:
+        return self.best_of or self.num_choices
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: text or token ids."""
@@ -333,29 +356,31 @@ def model_card(name: str, max_model_len: int | None, created: int) -> dict[str, 
 Endpoint = Literal["completions", "chat"]
 
 
-def completion_body(endpoint: Endpoint, request_id: str, model: str, created: int, text: str,
-                    finish_reason: str | None, logprobs: Any, usage: dict[str, Any],
-                    tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole (non-streaming) response; a chat reply that calls a tool has no content."""
+def completion_choice(endpoint: Endpoint, index: int, text: str, finish_reason: str | None, logprobs: Any,
+                      tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a whole response; a chat reply that calls a tool has no content."""
     if endpoint == "completions":
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        message: dict[str, Any] = {"role": "assistant", "content": None if tool_call else text}
-        if tool_call:
-            message["tool_calls"] = [tool_call]
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "chat.completion"
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice],
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": None if tool_call else text}
+    if tool_call:
+        message["tool_calls"] = [tool_call]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(endpoint: Endpoint, request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+                    usage: dict[str, Any]) -> dict[str, Any]:
+    """The whole (non-streaming) response, its choices built by `completion_choice`."""
+    obj = "text_completion" if endpoint == "completions" else "chat.completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices,
             "usage": usage}
 
 
 def stream_chunk(endpoint: Endpoint, request_id: str, model: str, created: int, text: str | None,
                  finish_reason: str | None, logprobs: Any = None, first: bool = False,
-                 tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One SSE chunk with a choice (`text` None: the chunk only carries the finish reason)."""
+                 tool_call: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One SSE chunk with choice `index` (`text` None: the chunk only carries the finish reason)."""
     if endpoint == "completions":
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -363,7 +388,7 @@ def stream_chunk(endpoint: Endpoint, request_id: str, model: str, created: int, 
             delta["content"] = text
         if tool_call is not None:
             delta["tool_calls"] = [{"index": 0, **tool_call}]
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
 

@@ -5,14 +5,15 @@ character), applies stop strings (`engine.detokenizer.IncrementalDetokenizer`), 
 tokens. When a stop string matches, the request is over for the client even though the worker
 would go on: the caller aborts the worker (`Generation.abort`).
 
-`sse_events` and `collect` drive a started `Generation` to its end and render it as SSE lines
-or as one response body. With tools (router/tools.py), an output that is a tool call is never
+`sse_events` and `collect` drive a response's started choices (`ChoiceStream`: a `Generation`
+each; several with `n` > 1) to their end and render them as SSE lines or as one response body. With tools (router/tools.py), an output that is a tool call is never
 streamed as content: its text is held until it can be told apart from a plain answer, and a
 complete call is sent as `tool_calls` at the end (finish_reason "tool_calls", or "stop" when
 `tool_choice` named the function, as OpenAI does); a call cut by max_tokens is sent as text.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
@@ -138,61 +139,146 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def sse_events(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
-                     first_chunk: Any) -> AsyncIterator[str]:
-    """The SSE body: chunks as text becomes final, then usage (if asked), then `data: [DONE]`.
-    A failure after the stream began is sent as an `{"error": ...}` event before [DONE]."""
-    finish_reason = "abort"  # unless the stream completes: the client went away
+@dataclass
+class ChoiceStream:
+    """One choice of a response: its Generation (started: `first_chunk` is its first TokenChunk)
+    and its output. A request with `n` > 1 (or `best_of`) has one per sequence
+    (router/choices.py)."""
+    index: int
+    generation: Generation
+    assembler: OutputAssembler
+    first_chunk: Any
+    finish_reason: str = "abort"  # what close() reports unless the choice completes (the client went away)
+
+    def close(self) -> None:
+        self.generation.close(self.finish_reason, self.assembler.output_token_ids, self.assembler.num_cached_tokens)
+
+
+def usage(choices: Sequence[ChoiceStream]) -> dict[str, Any]:
+    """Usage of a whole response: the prompt once (prefilled once), every choice's tokens."""
+    first = choices[0].assembler
+    return protocol.usage_dict(first.num_prompt_tokens, sum(c.assembler.num_completion_tokens for c in choices),
+                               first.num_cached_tokens)
+
+
+async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIterator[dict[str, Any]]:
+    """One choice's stream chunks: text as it becomes final, except what may still turn out to be
+    a tool call, which is held (with its logprobs) until that is known."""
+    args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
+    assembler, index = choice.assembler, choice.index
+    if ctx.endpoint == "chat":
+        yield protocol.stream_chunk(*args, "" if ctx.tool_plan is None else None, None, first=True, index=index)
+    sent, held = 0, []
+    try:
+        async for event in drive(choice.generation, assembler, choice.first_chunk):
+            held.extend(event.logprob_entries)
+            if event.finish_reason:
+                call, reason = ctx.tool_result(assembler)
+                rest = "" if call is not None else assembler.text[sent:]
+                text = rest if rest or ctx.endpoint == "completions" else None
+                logprobs = ctx.logprobs(held, sent) if held and call is None else None
+                yield protocol.stream_chunk(*args, text, reason, logprobs, tool_call=call, index=index)
+            elif ctx.streams_text(assembler.text) and (len(assembler.text) > sent or held):
+                yield protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, sent), index=index)
+                sent, held = len(assembler.text), []
+    except APIError:
+        choice.finish_reason = "error"
+        raise
+    choice.finish_reason = ctx.tool_result(assembler)[1] or "error"
+
+
+async def _interleaved(ctx: ResponseContext, choices: Sequence[ChoiceStream]) -> AsyncIterator[dict[str, Any]]:
+    """Every choice's chunks as they come (one choice: its own stream, no task). The first failure
+    (APIError, ClientGone) is raised here and ends the others."""
+    if len(choices) == 1:
+        async for chunk in _choice_chunks(ctx, choices[0]):
+            yield chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: ChoiceStream) -> None:
+        try:
+            async for chunk in _choice_chunks(ctx, choice):
+                queue.put_nowait(chunk)
+            queue.put_nowait(done)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse_events(ctx: ResponseContext, choices: Sequence[ChoiceStream]) -> AsyncIterator[str]:
+    """The SSE body: each choice's chunks as its text becomes final (choices interleaved, told
+    apart by `index`), then usage (if asked), then `data: [DONE]`. A failure after the stream
+    began is sent as an `{"error": ...}` event before [DONE]."""
     args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
     try:
-        if ctx.endpoint == "chat":
-            yield sse(protocol.stream_chunk(*args, "" if ctx.tool_plan is None else None, None, first=True))
         try:
-            # Text is sent as it becomes final, except what may still turn out to be a tool call,
-            # which is held (with its logprobs) until that is known.
-            sent, held = 0, []
-            async for event in drive(generation, assembler, first_chunk):
-                held.extend(event.logprob_entries)
-                if event.finish_reason:
-                    call, reason = ctx.tool_result(assembler)
-                    rest = "" if call is not None else assembler.text[sent:]
-                    text = rest if rest or ctx.endpoint == "completions" else None
-                    logprobs = ctx.logprobs(held, sent) if held and call is None else None
-                    yield sse(protocol.stream_chunk(*args, text, reason, logprobs, tool_call=call))
-                elif ctx.streams_text(assembler.text) and (len(assembler.text) > sent or held):
-                    yield sse(protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, sent)))
-                    sent, held = len(assembler.text), []
+            async for chunk in _interleaved(ctx, choices):
+                yield sse(chunk)
         except APIError as exc:
-            finish_reason = "error"
             yield sse(exc.body())
             yield sse("[DONE]")
             return
-        finish_reason = ctx.tool_result(assembler)[1] or "error"
         if ctx.include_usage:
-            yield sse(protocol.usage_chunk(*args, assembler.usage))
+            yield sse(protocol.usage_chunk(*args, usage(choices)))
         yield sse("[DONE]")
     except ClientGone:
         return
     finally:
-        generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
+        for choice in choices:
+            choice.close()
 
 
-async def collect(ctx: ResponseContext, generation: Generation, assembler: OutputAssembler,
-                  first_chunk: Any) -> dict[str, Any]:
-    """The whole (non-streaming) response body; APIError / ClientGone propagate."""
-    finish_reason = "abort"
+async def _collect_choice(ctx: ResponseContext, choice: ChoiceStream) -> list[Any]:
+    """Drive one choice to its end; its logprob entries."""
     entries: list[Any] = []
     try:
-        try:
-            async for event in drive(generation, assembler, first_chunk):
-                entries.extend(event.logprob_entries)
-        except APIError:
-            finish_reason = "error"
-            raise
-        finish_reason = ctx.tool_result(assembler)[1] or "error"
+        async for event in drive(choice.generation, choice.assembler, choice.first_chunk):
+            entries.extend(event.logprob_entries)
+    except APIError:
+        choice.finish_reason = "error"
+        raise
+    choice.finish_reason = ctx.tool_result(choice.assembler)[1] or "error"
+    return entries
+
+
+async def collect(ctx: ResponseContext, choices: Sequence[ChoiceStream], keep: int | None = None) -> dict[str, Any]:
+    """The whole (non-streaming) response body; APIError / ClientGone propagate. With `keep`
+    below the number of choices (`best_of`), the `keep` with the highest cumulative logprob (their
+    generations must have asked for logprobs), best first."""
+    tasks = [asyncio.ensure_future(_collect_choice(ctx, choice)) for choice in choices]
+    try:
+        entries = await asyncio.gather(*tasks)
     finally:
-        generation.close(finish_reason, assembler.output_token_ids, assembler.num_cached_tokens)
-    call, reported_finish = ctx.tool_result(assembler)
-    logprobs = ctx.logprobs(entries, 0) if call is None else None
-    return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, assembler.text,
-                                    reported_finish, logprobs, assembler.usage, call)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for choice in choices:
+            choice.close()
+    ranked = list(zip(choices, entries))
+    if keep is not None and keep < len(ranked):
+        ranked = sorted(ranked, key=lambda pair: -sum(entry.logprob for entry in pair[1]))[:keep]
+    body_choices = []
+    for index, (choice, choice_entries) in enumerate(ranked):
+        call, reported_finish = ctx.tool_result(choice.assembler)
+        logprobs = ctx.logprobs(choice_entries, 0) if call is None else None
+        body_choices.append(protocol.completion_choice(ctx.endpoint, index if keep is not None else choice.index,
+                                                       choice.assembler.text, reported_finish, logprobs, call))
+    return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, body_choices,
+                                    usage(choices))

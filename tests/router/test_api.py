@@ -237,3 +237,53 @@ def test_worker_error_before_any_token_is_an_http_error(router, decode, tokenize
     assert r.status_code == 502
     assert "model step failed" in r.json()["error"]["message"]
     assert router.state.dispatcher.inflight == 0
+
+
+def test_n_choices_are_sequences_of_their_own_started_beside_the_first(client, decode, tokenizer):
+    """n=3: three Generate requests, ids `<id>-i`, seeds seed + i; the first is prefilled on a
+    prefill worker, the other two on the first one's decode worker (no prefill address), after
+    the first one's first token. Streamed chunks carry their choice's index; usage counts the
+    prompt once and every choice's tokens."""
+    replies = {5: "one fish", 6: "two fish red", 7: "blue fish ok go"}
+    scripts = {seed: reply_script(tokenizer, text) for seed, text in replies.items()}
+    decode.script = lambda request: scripts[request.sampling.seed](request)
+    before = len(decode.requests)
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=1.0,
+                                    seed=5, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == list(replies.values())
+    sent = decode.requests[before:]
+    assert sorted(r.request_id for r in sent) == [f"{out.id}-{i}" for i in range(3)]
+    assert sent[0].request_id == f"{out.id}-0" and sent[0].prefill_address
+    assert [r.prefill_address for r in sent[1:]] == ["", ""]
+    assert sorted(r.sampling.seed for r in sent) == [5, 6, 7]
+    prompt_len = len(tokenizer.encode("Once upon a time"))
+    completion = sum(len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in replies.values())
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_len, completion)
+
+    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=1.0,
+                                       seed=5, n=3, stream=True, stream_options={"include_usage": True})
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+        usage = chunk.usage or usage
+    assert texts == list(replies.values()) and finishes == ["stop"] * 3
+    assert usage.completion_tokens == completion
+
+
+def test_best_of_keeps_the_candidate_with_the_highest_cumulative_logprob(client, decode, tokenizer):
+    """The fake worker's logprobs fall with each token (-0.5, -1.5, ...), so the shortest reply is
+    the most likely. The workers are asked for the sampled token's logprob (logprobs=0) although
+    the client did not ask, and the response carries none."""
+    replies = {1: "a much longer reply here", 2: "ok", 3: "medium reply"}
+    scripts = {seed: reply_script(tokenizer, text, per_chunk=64) for seed, text in replies.items()}
+    decode.script = lambda request: scripts[request.sampling.seed](request)
+    before = len(decode.requests)
+    out = client.completions.create(model="tiny", prompt="Pick one", max_tokens=40, temperature=1.0, seed=1,
+                                    n=1, best_of=3)
+    assert [(c.index, c.text, c.logprobs) for c in out.choices] == [(0, "ok", None)]
+    assert all(r.sampling.HasField("logprobs") and r.sampling.logprobs == 0 for r in decode.requests[before:])
+    assert out.usage.completion_tokens == sum(len(tokenizer.encode(t, add_special_tokens=False)) + 1
+                                              for t in replies.values())

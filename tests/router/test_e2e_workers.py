@@ -280,6 +280,80 @@ def test_logit_bias_bans_or_forces_a_token_and_min_tokens_delays_eos(client, off
     assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
 
 
+STORY = LONG_PREFIX + "Now tell me a short story about a lighthouse."
+
+
+def _texts(response) -> list[str]:
+    assert [choice.index for choice in response.choices] == list(range(len(response.choices)))
+    return [choice.text for choice in response.choices]
+
+
+def test_n_choices_prefill_the_prompt_once_and_share_its_blocks(client, cluster, offline):
+    """n=4: one prefill on a prefill worker, one KV transfer; the other three choices start on the
+    same decode worker and read the prompt's full blocks from its prefix cache. Greedy choices are
+    identical (and equal the offline engine's output)."""
+    [reference] = offline.generate(STORY, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                   use_tqdm=False)
+    expected = offline.tokenizer.decode(reference.token_ids)
+    prefill_before, decode_before = prefill_status(cluster), decode_status(cluster)
+    out = client.completions.create(model="default", prompt=STORY, max_tokens=8, temperature=0, n=4,
+                                    extra_body={"ignore_eos": True})
+    prefill_after, decode_after = prefill_status(cluster), decode_status(cluster)
+    assert _texts(out) == [expected] * 4
+    assert out.usage.completion_tokens == 4 * 8
+    prompt_len = out.usage.prompt_tokens
+    routed = sum(prefill_after[a]["router_num_routed"] - prefill_before[a]["router_num_routed"] for a in prefill_after)
+    computed = sum(prefill_after[a]["prompt_tokens_computed"] - prefill_before[a]["prompt_tokens_computed"]
+                   for a in prefill_after)
+    assert routed == 1 and 0 < computed <= prompt_len  # prefilled once (minus what that worker had cached)
+    full_block_tokens = (prompt_len - 1) // 16 * 16
+    hits = decode_after["prefix_cache_hits"] - decode_before["prefix_cache_hits"]
+    assert hits >= 3 * full_block_tokens  # the three later choices shared the transferred blocks
+    recomputed = decode_after["prompt_tokens_computed"] - decode_before["prompt_tokens_computed"]
+    assert recomputed <= 3 * (prompt_len - full_block_tokens)  # each only its last partial block
+    assert decode_after["running"] == 0 and decode_after["kv_blocks_free"] == decode_after["kv_blocks_total"]
+
+
+def test_seeded_n_choices_are_reproducible_streamed_or_not_and_in_any_batch(client):
+    """Choice i samples with seed + i: the four differ, and the same four come back on every run,
+    streamed (interleaved by index) or not, alone or beside other traffic."""
+    def ask(**extra):
+        return client.completions.create(model="default", prompt=PLAIN, max_tokens=12, temperature=1.0, seed=77,
+                                         n=4, **extra)
+    first = _texts(ask())
+    assert len(set(first)) > 1
+    assert _texts(ask()) == first
+    background = threading.Thread(target=lambda: client.completions.create(
+        model="default", prompt=STORY, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}), daemon=True)
+    background.start()
+    pieces = [""] * 4
+    finish = [None] * 4
+    usage = None
+    for chunk in ask(stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+        usage = chunk.usage or usage
+    background.join(timeout=600)
+    assert pieces == first and finish == ["length"] * 4
+    assert usage.completion_tokens == 4 * 12
+    chat = client.chat.completions.create(model="default", messages=CHAT, max_tokens=6, temperature=1.0, seed=9, n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and all(c.message.content for c in chat.choices)
+
+
+def test_best_of_returns_the_most_likely_of_its_candidates(client):
+    """best_of=3, n=1 draws the same three candidates as n=3 with the same seed (seed + i) and
+    returns the one with the highest cumulative logprob; usage counts all three."""
+    candidates = client.completions.create(model="default", prompt=PLAIN, max_tokens=6, temperature=1.0, seed=3,
+                                           n=3, logprobs=0)
+    scores = [sum(choice.logprobs.token_logprobs) for choice in candidates.choices]
+    best = client.completions.create(model="default", prompt=PLAIN, max_tokens=6, temperature=1.0, seed=3,
+                                     n=1, extra_body={"best_of": 3})
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == candidates.choices[scores.index(max(scores))].text
+    assert best.usage.completion_tokens == 3 * 6
+
+
 def test_shared_prefix_goes_to_one_prefill_worker_and_hits_its_cache(client, cluster):
     document = "A shared report on river ecology, water quality and fish populations. " * 10
     before = prefill_status(cluster)
