@@ -30,7 +30,7 @@ None.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blo
 from engine.model.llama import LlamaForCausalLM, TensorParallelShard, check_tensor_parallel
 from engine.model.loader import LoadedModel
 from engine.model.rope import RotaryEmbedding
+from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import Batch, SampledToken
 
@@ -382,8 +383,14 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled_seqs = []
         sampled_rows: list[int] = []  # their indices in batch.seqs
+        prompt_rows: list[tuple[Any, int]] = []  # (request, position p): the row predicting prompt token p + 1
+        prompt_indices: list[int] = []  # those rows' indices in input_ids
         for row, seq in enumerate(batch.seqs):
             end = seq.start + seq.num_new_tokens
+            if seq.request.needs_prompt_logprobs:
+                for p in range(seq.start, min(end, seq.request.num_prompt_tokens - 1)):
+                    prompt_rows.append((seq.request, p))
+                    prompt_indices.append(len(input_ids) + p - seq.start)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start, end))
             query_lens.append(seq.num_new_tokens)
@@ -393,15 +400,20 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
                 sampled_rows.append(row)
+        # Rows beyond the sampled ones need the last layer for every token (no row trimming).
+        indices, trim_rows = (logits_indices + prompt_indices, None) if prompt_rows else (logits_indices, sampled_rows)
         if self.tp is not None:
-            forward = (input_ids, positions, query_lens, seq_lens, block_tables, logits_indices, sampled_rows)
+            forward = (input_ids, positions, query_lens, seq_lens, block_tables, indices, trim_rows)
             logits = self._with_followers(("forward", *forward), lambda: self._forward_eager(*forward, on_layer_stored))
-        elif (on_layer_stored is None and self.decode_graphs is not None
+        elif (on_layer_stored is None and not prompt_rows and self.decode_graphs is not None
                 and self.decode_graphs.fits(query_lens, seq_lens)):
             logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)
         else:
-            logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
-                                         sampled_rows, on_layer_stored)
+            logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, indices,
+                                         trim_rows, on_layer_stored)
+        if prompt_rows:
+            _record_prompt_logprobs(prompt_rows, logits[len(logits_indices):])
+            logits = logits[:len(logits_indices)]
         if not sampled_seqs:
             return {}
         requests = [seq.request for seq in sampled_seqs]
@@ -425,7 +437,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
         logits_meta = None
-        if 0 < len(logits_indices) < len(input_ids):
+        if sampled_rows is not None and 0 < len(logits_indices) < len(input_ids):
             # Each sampled token is its sequence's last: the last layer computes only those rows.
             logits_meta = AttentionMetadata.build([1] * len(sampled_rows), [seq_lens[r] for r in sampled_rows],
                                                   [block_tables[r] for r in sampled_rows], self.block_size,
@@ -441,6 +453,25 @@ class ModelRunner:
         if len(logits_indices) == len(input_ids):
             return logits
         return logits.index_select(0, torch.tensor(logits_indices, dtype=torch.int64, device=self.device))
+
+
+def _record_prompt_logprobs(rows: list[tuple[Any, int]], logits: torch.Tensor) -> None:
+    """Append to each request's `prompt_logprobs` the raw model logprob of prompt token p + 1 at
+    row (request, p), with the top `prompt_logprobs` tokens there; positions already recorded (a
+    prompt recomputed after preemption) are skipped."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor([request.prompt_token_ids[p + 1] for request, p in rows], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = max(request.sampling_params.prompt_logprobs for request, _ in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    top_values = top_values.tolist() if k else None
+    top_ids = top_ids.tolist() if k else None
+    for i, (request, p) in enumerate(rows):
+        if len(request.prompt_logprobs) != p + 1:
+            continue
+        want = request.sampling_params.prompt_logprobs
+        top = list(zip(top_ids[i][:want], top_values[i][:want])) if want else []
+        request.prompt_logprobs.append(TokenLogprob(request.prompt_token_ids[p + 1], chosen[i], top))
 
 
 def _banned_now(request) -> list[int]:

@@ -29,6 +29,9 @@ class StreamDelta:
     # (KVImportOutcome).
     kv_send: Any = None
     kv_import: Any = None
+    # With SamplingParams.prompt_logprobs, on the delta of the first output token: one entry per
+    # prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -40,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
 
     @property
@@ -51,6 +55,8 @@ class RequestOutput:
         self.text += delta.new_text
         if want_logprobs:
             self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason

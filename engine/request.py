@@ -77,6 +77,9 @@ class Request:
         self.output_token_ids: list[int] = []
         # One entry per output token (the runner's SampledToken: token_id, logprob, top_logprobs).
         self.output_logprobs: list[Any] = []
+        # With sampling_params.prompt_logprobs: entry p for prompt token p (a TokenLogprob; None for
+        # the first token, which nothing predicts), appended by the model runner as prefill goes.
+        self.prompt_logprobs: list[Any] | None = None if sampling_params.prompt_logprobs is None else [None]
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.priority = priority
@@ -118,6 +121,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still missing (their tokens must be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -25,6 +25,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    # The prompt's tokens' logprobs, each given the tokens before it (None: none; k: plus the top
+    # k at each position). The whole prompt is computed (no prefix-cache hits) where it is prefilled.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained decoding (JSON, JSON Schema, regex, choice, EBNF): engine/structured_output.py
@@ -52,6 +55,7 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),

@@ -338,13 +338,15 @@ class Scheduler:
             if blocked and fresh:
                 index += 1
                 continue
-            prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request) if fresh else ([], 0)
+            # A request that still needs its prompt's logprobs computes the whole prompt.
+            lookup = fresh and not request.needs_prompt_logprobs
+            prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request) if lookup else ([], 0)
             host_hits = 0
             if request.swap_slots:  # swapped out: its computed tokens come back, the cache first
                 prefix_blocks = prefix_blocks[:request.num_computed_tokens // self.block_manager.block_size]
                 computed = request.num_computed_tokens
             elif fresh:
-                host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
+                host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks)) if lookup else 0
                 num_hit += host_hits * self.block_manager.block_size
                 computed = num_hit
             else:
@@ -534,6 +536,9 @@ class Scheduler:
         if self.role == "prefill":
             raise ValueError("a prefill-role scheduler does not import KV")
         self._validate(request)
+        if request.needs_prompt_logprobs:
+            raise ValueError("prompt_logprobs are computed where the prompt is prefilled: send this request "
+                             "without a prefill worker")
         prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
         host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
         # The imported KV covers every token so far: the prompt, and a resumed request's outputs.

@@ -351,3 +351,31 @@ def test_async_engine_survives_a_cancelled_call(llm, prompts, reference):
         assert asyncio.run(collect()) == reference[0]
     finally:
         engine.shutdown()
+
+
+def test_prompt_logprobs_match_transformers_with_chunks_and_a_cached_prefix(prompts):
+    """prompt_logprobs: entry p is log P(prompt[p] | prompt[:p]) of the raw model, within 1e-4 of
+    transformers' in fp32, with the top k at each position; the prompt is computed whole even when
+    the prefix cache holds it (a second request with the same prefix), and in chunks of 16 tokens."""
+    llm = LLM("default", max_num_batched_tokens=16, num_blocks=256)  # every prompt prefilled in chunks
+    prompt = prompts[0] + prompts[3]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("default").model_dir,
+                                                           torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    warm = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+    assert warm.prompt_logprobs is None
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3), use_tqdm=False)
+    assert out.num_cached_tokens == 0  # not read from the prefix cache the first request filled
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p in range(1, len(prompt)):
+        entry = entries[p]
+        assert entry.token_id == prompt[p]
+        assert entry.logprob == pytest.approx(float(want[p - 1, prompt[p]]), abs=1e-4)
+        top_values, top_ids = want[p - 1].topk(3)
+        assert [t for t, _ in entry.top_logprobs] == top_ids.tolist()
+        assert [v for _, v in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=1e-4)
+    _assert_clean(llm.engine)
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=21)
