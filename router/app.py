@@ -170,10 +170,14 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
         raise invalid_request(f"logit_bias token id {outside[0]} is outside the vocabulary "
                               f"(size {state.tokenizer.vocab_size})", "logit_bias")
     max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
+    # echo with max_tokens 0 (the prompt's logprobs only): one token is generated and not returned
+    echo = bool(getattr(request, "echo", False))
+    no_output = echo and max_tokens == 0
+    generated = 1 if no_output else max_tokens
     if request.has_constraint():
-        params = await asyncio.to_thread(request.sampling_params, max_tokens, logprobs)
+        params = await asyncio.to_thread(request.sampling_params, generated, logprobs)
     else:
-        params = request.sampling_params(max_tokens, logprobs)
+        params = request.sampling_params(generated, logprobs)
 
     request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
     keep, count = request.num_choices, request.num_candidates
@@ -195,7 +199,9 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
                               want_logprobs=params.logprobs is not None,
                               include_usage=request.include_usage_in_stream,
-                              tool_plan=getattr(request, "tool_plan", None))
+                              tool_plan=getattr(request, "tool_plan", None),
+                              echo=echo, prompt=_prompt_text(state, request, prompt_token_ids) if echo else "",
+                              no_output=no_output, want_prompt_logprobs=request.prompt_logprobs is not None)
     if request.stream:
         async def body():
             try:
@@ -266,6 +272,12 @@ async def _prompt_token_ids(state: RouterState, request: Any) -> list[int]:
             f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
             f"{len(token_ids)} tokens, leaving no room to generate. Shorten the {param}.", param)
     return token_ids
+
+
+def _prompt_text(state: RouterState, request: Any, prompt_token_ids: list[int]) -> str:
+    """What echo returns: a text prompt as sent, token ids decoded."""
+    prompt = request.single_prompt()
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_token_ids, False)
 
 
 def _max_tokens(state: RouterState, request: Any, num_prompt_tokens: int) -> int:

@@ -222,7 +222,8 @@ class Generation:
             decode = Choice(sibling, "sibling") if sibling else d.decode_policy.choose(candidates, hashes)
             prefill = None
             num_tokens = len(self.prompt_token_ids) + len(resumed)
-            if decode.worker.role == "decode" and sibling is None:
+            # prompt_logprobs are computed where the prompt is prefilled: on the decode worker here.
+            if decode.worker.role == "decode" and sibling is None and self.params.prompt_logprobs is None:
                 prefill_candidates = d.pool.routable("prefill")
                 if prefill_candidates:
                     prefill = d.prefill_policy.choose(prefill_candidates, hashes)

@@ -5,8 +5,9 @@ Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, 
 `include_stop_str_in_output`, `cache_salt`, `priority`, and `structured_outputs` for regex,
 choice and grammar constraints next to OpenAI's `response_format`). Unknown fields are ignored,
 as OpenAI clients send ones that a server may not know. Values outside what this server supports
-(echo, suffix, n or best_of above MAX_CHOICES) are refused with a 400 that says so. `n > 1` and
-`best_of` are served by the router (router/choices.py). Tools: router/tools.py. Sampling ranges are
+(suffix, n or best_of above MAX_CHOICES, echo or prompt_logprobs with stream) are refused with a
+400 that says so. `n > 1` and `best_of` are served by the router (router/choices.py); `echo` and
+vLLM's `prompt_logprobs` by the worker that prefills the prompt (router/streaming.py renders them). Tools: router/tools.py. Sampling ranges are
 the engine's (`engine.sampling_params.SamplingParams`), and so is the check of a constraint
 (`engine.structured_output.StructuredOutput`: a schema, regex or grammar that does not parse is a
 400 naming the problem).
@@ -63,6 +64,7 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     logit_bias: dict[str, Number] | None = None  # token id (a decimal string, as OpenAI sends it) -> bias
     min_tokens: Int32 = 0  # vLLM's extension: no EOS / stop token id before this many tokens
+    prompt_logprobs: Int32 | None = None  # vLLM's extension: each prompt token's logprob, plus the top k
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     cache_salt: str | None = None
@@ -76,6 +78,9 @@ class _GenerationRequest(BaseModel):
         for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise invalid_request(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid_request("prompt_logprobs is not supported with stream yet; send stream: false",
+                                  "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
         if self.cache_salt is not None and not self.cache_salt:
@@ -107,7 +112,8 @@ class _GenerationRequest(BaseModel):
                                   skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   structured_output=constraint, logit_bias=self.logit_bias_ids,
-                                  min_tokens=self.min_tokens, **values)
+                                  min_tokens=self.min_tokens, prompt_logprobs=self.engine_prompt_logprobs,
+                                  **values)
         except ValueError as exc:
             message = str(exc)
             first_word = message.split(" ", 1)[0]
@@ -116,6 +122,11 @@ class _GenerationRequest(BaseModel):
                 param = "stop"
             raise invalid_request(message, param) from exc
 
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs: what was asked for (and, with echo, the output's logprobs k)."""
+        return self.prompt_logprobs
 
     @property
     def logit_bias_ids(self) -> dict[int, float]:
@@ -206,8 +217,11 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise invalid_request("echo is not supported by this server", "echo")
+        if self.echo and self.stream:
+            raise invalid_request("echo is not supported with stream yet; send stream: false", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid_request("max_tokens must be at least 1 (0 only with echo: the prompt's logprobs, no "
+                                  "completion)", "max_tokens")
         if self.best_of is not None:
             if not self.num_choices <= self.best_of <= MAX_CHOICES:
                 raise invalid_request(f"best_of must be in [n, {MAX_CHOICES}] (n={self.num_choices}), got {self.best_of}",
@@ -221,6 +235,12 @@ class CompletionRequest(_GenerationRequest):
     @property
     def num_candidates(self) -> int:
         return self.best_of or self.num_choices
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: text or token ids."""

@@ -41,6 +41,8 @@ class OutputAssembler:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self._want_logprobs = params.logprobs is not None
         self._per_token = bool(params.stop)  # to know exactly which token completed a stop string
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_logprobs: list[Any] = []  # wire TokenLogprobs of prompt tokens 1.. (with prompt_logprobs)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.output_token_ids: list[int] = []
@@ -63,6 +65,8 @@ class OutputAssembler:
         if chunk.finish_reason and chunk.finish_reason not in FINISH_REASONS:
             raise upstream_failed(f"the decode worker sent an unknown finish reason {chunk.finish_reason!r}")
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = list(chunk.prompt_logprobs)
         token_ids = list(chunk.token_ids)
         final = bool(chunk.finish_reason)
         groups = [[t] for t in token_ids] if self._per_token and token_ids else [token_ids]
@@ -97,6 +101,10 @@ class ResponseContext:
     want_logprobs: bool = False
     include_usage: bool = False
     tool_plan: ToolPlan | None = None
+    echo: bool = False  # completions: the prompt (`prompt`) comes first in the text and logprobs
+    prompt: str = ""
+    no_output: bool = False  # echo with max_tokens 0: the generated token is not returned
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field on each choice
 
     def tool_result(self, assembler: "OutputAssembler") -> tuple[dict[str, Any] | None, str | None]:
         """(the tool call, the finish reason to report) for a finished output; no call when the
@@ -154,11 +162,11 @@ class ChoiceStream:
         self.generation.close(self.finish_reason, self.assembler.output_token_ids, self.assembler.num_cached_tokens)
 
 
-def usage(choices: Sequence[ChoiceStream]) -> dict[str, Any]:
+def usage(choices: Sequence[ChoiceStream], no_output: bool = False) -> dict[str, Any]:
     """Usage of a whole response: the prompt once (prefilled once), every choice's tokens."""
     first = choices[0].assembler
-    return protocol.usage_dict(first.num_prompt_tokens, sum(c.assembler.num_completion_tokens for c in choices),
-                               first.num_cached_tokens)
+    completion = 0 if no_output else sum(c.assembler.num_completion_tokens for c in choices)
+    return protocol.usage_dict(first.num_prompt_tokens, completion, first.num_cached_tokens)
 
 
 async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIterator[dict[str, Any]]:
@@ -276,9 +284,39 @@ async def collect(ctx: ResponseContext, choices: Sequence[ChoiceStream], keep: i
         ranked = sorted(ranked, key=lambda pair: -sum(entry.logprob for entry in pair[1]))[:keep]
     body_choices = []
     for index, (choice, choice_entries) in enumerate(ranked):
-        call, reported_finish = ctx.tool_result(choice.assembler)
-        logprobs = ctx.logprobs(choice_entries, 0) if call is None else None
-        body_choices.append(protocol.completion_choice(ctx.endpoint, index if keep is not None else choice.index,
-                                                       choice.assembler.text, reported_finish, logprobs, call))
+        assembler = choice.assembler
+        call, reported_finish = ctx.tool_result(assembler)
+        text = "" if ctx.no_output else assembler.text
+        shown = [] if ctx.no_output else choice_entries
+        if ctx.echo:
+            logprobs = echo_logprobs(ctx, assembler, shown) if ctx.want_logprobs else None
+            text = ctx.prompt + text
+        else:
+            logprobs = ctx.logprobs(shown, 0) if call is None else None
+        body = protocol.completion_choice(ctx.endpoint, index if keep is not None else choice.index, text,
+                                          "length" if ctx.no_output else reported_finish, logprobs, call)
+        if ctx.want_prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, assembler)
+        body_choices.append(body)
     return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, body_choices,
-                                    usage(choices))
+                                    usage(choices, ctx.no_output))
+
+
+def echo_logprobs(ctx: ResponseContext, assembler: OutputAssembler, entries: list[Any]) -> dict[str, Any]:
+    """Completions' `logprobs` with echo: the prompt's tokens first (the first one has no logprob:
+    nothing predicts it), then the output's, text offsets running through both."""
+    first = ctx.token_text.token_str(assembler.prompt_token_ids[0])
+    prompt = completion_logprobs(ctx.token_text, assembler.prompt_logprobs, len(first))
+    output = completion_logprobs(ctx.token_text, entries, len(ctx.prompt))
+    head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    return {key: head[key] + prompt[key] + output[key] for key in head}
+
+
+def prompt_logprobs_field(token_text: TokenText, assembler: OutputAssembler) -> list[Any]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {"logprob",
+    "decoded_token"}} for the prompt's token and the top k there."""
+    def item(token_id: int, logprob: float) -> tuple[str, dict[str, Any]]:
+        return str(token_id), {"logprob": logprob, "decoded_token": token_text.token_str(token_id)}
+
+    return [None] + [dict([item(entry.token_id, entry.logprob), *(item(t.token_id, t.logprob) for t in entry.top)])
+                     for entry in assembler.prompt_logprobs]

@@ -34,6 +34,9 @@ def chunk_from_delta(delta: StreamDelta, want_logprobs: bool) -> Any:
     if want_logprobs:
         chunk.logprobs.extend(token_logprob_to_wire(lp.token_id, lp.logprob, lp.top_logprobs)
                               for lp in delta.new_logprobs)
+    if delta.prompt_logprobs is not None:
+        chunk.prompt_logprobs.extend(token_logprob_to_wire(lp.token_id, lp.logprob, lp.top_logprobs)
+                                     for lp in delta.prompt_logprobs[1:])
     outcome = delta.kv_import
     if outcome is not None:
         chunk.kv_bytes_received = outcome.bytes_received

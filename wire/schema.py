@@ -53,6 +53,8 @@ def sampling_to_wire(params: SamplingParams) -> Any:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     constraint = params.structured_output
     if constraint is not None:
         message.structured_output.CopyFrom(pb.StructuredOutput(kind=constraint.kind, spec=constraint.spec,
@@ -76,5 +78,6 @@ def sampling_from_wire(message: Any) -> SamplingParams:
         seed=int(message.seed) if message.HasField("seed") else None,
         stop_token_ids=[int(t) for t in message.stop_token_ids], ignore_eos=bool(message.ignore_eos),
         logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
+        prompt_logprobs=int(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None,
         structured_output=constraint, logit_bias={int(t): float(b) for t, b in message.logit_bias.items()},
         min_tokens=int(message.min_tokens))

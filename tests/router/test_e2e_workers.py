@@ -354,6 +354,41 @@ def test_best_of_returns_the_most_likely_of_its_candidates(client):
     assert best.usage.completion_tokens == 3 * 6
 
 
+def test_echo_and_prompt_logprobs_match_transformers(client, cluster, offline):
+    """echo with logprobs and max_tokens 0 (what evaluation harnesses send for a loglikelihood):
+    the prompt back, each prompt token's logprob (the first: none) within 1e-4 of transformers'
+    in fp32, no completion. vLLM's prompt_logprobs field likewise, beside a completion. Both are
+    computed where the prompt is prefilled: on the decode worker (no KV transfer)."""
+    import torch
+    import transformers
+    from engine.model.loader import resolve_model
+    ids = offline.tokenizer.encode(PLAIN)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("default").model_dir,
+                                                           torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [float(want[p - 1, ids[p]]) for p in range(1, len(ids))]
+    prefill_before = prefill_status(cluster)
+    out = client.completions.create(model="default", prompt=PLAIN, max_tokens=0, echo=True, logprobs=1,
+                                    temperature=0)
+    choice = out.choices[0]
+    assert choice.text == PLAIN and out.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert "".join(choice.logprobs.tokens) == PLAIN
+    with_output = client.completions.create(model="default", prompt=PLAIN, max_tokens=4, temperature=0,
+                                            extra_body={"prompt_logprobs": 2})
+    entries = with_output.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for p, entry in enumerate(entries[1:], start=1):
+        assert entry[str(ids[p])]["logprob"] == pytest.approx(expected[p - 1], abs=1e-4)
+        top = want[p - 1].topk(2).indices.tolist()
+        assert all(str(t) in entry for t in top)
+    assert with_output.choices[0].text == offline_greedy(offline, PLAIN, max_tokens=4)[0]
+    prefill_after = prefill_status(cluster)
+    assert all(prefill_after[a]["router_num_routed"] == prefill_before[a]["router_num_routed"] for a in prefill_after)
+
+
 def test_shared_prefix_goes_to_one_prefill_worker_and_hits_its_cache(client, cluster):
     document = "A shared report on river ecology, water quality and fish populations. " * 10
     before = prefill_status(cluster)
