@@ -5,8 +5,7 @@ Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, 
 `include_stop_str_in_output`, `cache_salt`, `priority`, and `structured_outputs` for regex,
 choice and grammar constraints next to OpenAI's `response_format`). Unknown fields are ignored,
 as OpenAI clients send ones that a server may not know. Values outside what this server supports
-(suffix, n or best_of above MAX_CHOICES, echo or prompt_logprobs with stream) are refused with a
-400 that says so. `n > 1` and `best_of` are served by the router (router/choices.py); `echo` and
+(suffix, n or best_of above MAX_CHOICES) are refused with a 400 that says so. `n > 1` and `best_of` are served by the router (router/choices.py); `echo` and
 vLLM's `prompt_logprobs` by the worker that prefills the prompt (router/streaming.py renders them). Tools: router/tools.py. Sampling ranges are
 the engine's (`engine.sampling_params.SamplingParams`), and so is the check of a constraint
 (`engine.structured_output.StructuredOutput`: a schema, regex or grammar that does not parse is a
@@ -78,9 +77,6 @@ class _GenerationRequest(BaseModel):
         for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise invalid_request(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
-        if self.prompt_logprobs is not None and self.stream:
-            raise invalid_request("prompt_logprobs is not supported with stream yet; send stream: false",
-                                  "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
         if self.cache_salt is not None and not self.cache_salt:
@@ -217,8 +213,6 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.stream:
-            raise invalid_request("echo is not supported with stream yet; send stream: false", "echo")
         if self.max_tokens == 0 and not self.echo:
             raise invalid_request("max_tokens must be at least 1 (0 only with echo: the prompt's logprobs, no "
                                   "completion)", "max_tokens")

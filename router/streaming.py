@@ -122,8 +122,8 @@ class ResponseContext:
     def logprobs(self, entries: list[Any], text_offset: int) -> Any:
         if not self.want_logprobs:
             return None
-        if self.endpoint == "completions":
-            return completion_logprobs(self.token_text, entries, text_offset)
+        if self.endpoint == "completions":  # offsets in the returned text: after an echoed prompt
+            return completion_logprobs(self.token_text, entries, text_offset + len(self.prompt))
         return chat_logprobs(self.token_text, entries)
 
 
@@ -174,12 +174,26 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
     a tool call, which is held (with its logprobs) until that is known."""
     args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
     assembler, index = choice.assembler, choice.index
-    if ctx.endpoint == "chat":
-        yield protocol.stream_chunk(*args, "" if ctx.tool_plan is None else None, None, first=True, index=index)
+    prompt_entries = list(choice.first_chunk.prompt_logprobs)
+    if ctx.endpoint == "chat" or ctx.echo or ctx.want_prompt_logprobs:
+        # First: the assistant role (chat), the echoed prompt (completions), the prompt's logprobs.
+        echoed = ctx.prompt if ctx.echo else ("" if ctx.endpoint == "completions" else None)
+        logprobs = (echo_logprobs(ctx, assembler.prompt_token_ids, prompt_entries, [])
+                    if ctx.echo and ctx.want_logprobs else None)
+        if ctx.endpoint == "chat" and ctx.tool_plan is None:
+            echoed = ""
+        chunk = protocol.stream_chunk(*args, echoed, None, logprobs, first=ctx.endpoint == "chat", index=index)
+        if ctx.want_prompt_logprobs:
+            chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, prompt_entries)
+        yield chunk
     sent, held = 0, []
     try:
         async for event in drive(choice.generation, assembler, choice.first_chunk):
             held.extend(event.logprob_entries)
+            if ctx.no_output:  # echo with max_tokens 0: the prompt alone
+                if event.finish_reason:
+                    yield protocol.stream_chunk(*args, "", "length", None, index=index)
+                continue
             if event.finish_reason:
                 call, reason = ctx.tool_result(assembler)
                 rest = "" if call is not None else assembler.text[sent:]
@@ -289,34 +303,37 @@ async def collect(ctx: ResponseContext, choices: Sequence[ChoiceStream], keep: i
         text = "" if ctx.no_output else assembler.text
         shown = [] if ctx.no_output else choice_entries
         if ctx.echo:
-            logprobs = echo_logprobs(ctx, assembler, shown) if ctx.want_logprobs else None
+            logprobs = (echo_logprobs(ctx, assembler.prompt_token_ids, assembler.prompt_logprobs, shown)
+                        if ctx.want_logprobs else None)
             text = ctx.prompt + text
         else:
             logprobs = ctx.logprobs(shown, 0) if call is None else None
         body = protocol.completion_choice(ctx.endpoint, index if keep is not None else choice.index, text,
                                           "length" if ctx.no_output else reported_finish, logprobs, call)
         if ctx.want_prompt_logprobs:
-            body["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, assembler)
+            body["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, assembler.prompt_logprobs)
         body_choices.append(body)
     return protocol.completion_body(ctx.endpoint, ctx.request_id, ctx.model, ctx.created, body_choices,
                                     usage(choices, ctx.no_output))
 
 
-def echo_logprobs(ctx: ResponseContext, assembler: OutputAssembler, entries: list[Any]) -> dict[str, Any]:
+def echo_logprobs(ctx: ResponseContext, prompt_token_ids: Sequence[int], prompt_entries: Sequence[Any],
+                  entries: Sequence[Any]) -> dict[str, Any]:
     """Completions' `logprobs` with echo: the prompt's tokens first (the first one has no logprob:
-    nothing predicts it), then the output's, text offsets running through both."""
-    first = ctx.token_text.token_str(assembler.prompt_token_ids[0])
-    prompt = completion_logprobs(ctx.token_text, assembler.prompt_logprobs, len(first))
+    nothing predicts it; the others are `prompt_entries`), then the output's `entries`, text
+    offsets running through both."""
+    first = ctx.token_text.token_str(prompt_token_ids[0])
+    prompt = completion_logprobs(ctx.token_text, prompt_entries, len(first))
     output = completion_logprobs(ctx.token_text, entries, len(ctx.prompt))
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     return {key: head[key] + prompt[key] + output[key] for key in head}
 
 
-def prompt_logprobs_field(token_text: TokenText, assembler: OutputAssembler) -> list[Any]:
+def prompt_logprobs_field(token_text: TokenText, entries: Sequence[Any]) -> list[Any]:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {"logprob",
     "decoded_token"}} for the prompt's token and the top k there."""
     def item(token_id: int, logprob: float) -> tuple[str, dict[str, Any]]:
         return str(token_id), {"logprob": logprob, "decoded_token": token_text.token_str(token_id)}
 
     return [None] + [dict([item(entry.token_id, entry.logprob), *(item(t.token_id, t.logprob) for t in entry.top)])
-                     for entry in assembler.prompt_logprobs]
+                     for entry in entries]

@@ -385,6 +385,16 @@ def test_echo_and_prompt_logprobs_match_transformers(client, cluster, offline):
         top = want[p - 1].topk(2).indices.tolist()
         assert all(str(t) in entry for t in top)
     assert with_output.choices[0].text == offline_greedy(offline, PLAIN, max_tokens=4)[0]
+    # streamed: the echoed prompt (with its logprobs and prompt_logprobs) first, then the completion
+    chunks = list(client.completions.create(model="default", prompt=PLAIN, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=1, stream=True, extra_body={"prompt_logprobs": 2}))
+    first = chunks[0].choices[0]
+    assert first.text == PLAIN and first.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    streamed = [e and {k: v["logprob"] for k, v in e.items()} for e in first.model_extra["prompt_logprobs"]]
+    whole = [e and {k: v["logprob"] for k, v in e.items()} for e in entries]
+    assert streamed[0] is None and len(streamed) == len(whole)
+    assert all(s.keys() == w.keys() and s == pytest.approx(w, abs=1e-4) for s, w in zip(streamed[1:], whole[1:]))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PLAIN + with_output.choices[0].text
     prefill_after = prefill_status(cluster)
     assert all(prefill_after[a]["router_num_routed"] == prefill_before[a]["router_num_routed"] for a in prefill_after)
 
