@@ -7,6 +7,8 @@ order, driven by the official `openai` client and the `pdserve scale/status` com
   undisturbed run, requests are served while it is away, and it is back (`pdserve status`
   answers) within 60 s with the same targets and workers (adopted, not relaunched); afterwards a
   killed decode worker is still replaced and scaling still works;
+- 16 live streams on two decode workers, one drained: `pdserve scale` returns within 10 s and
+  every stream ends with the undisturbed text;
 - the decode pool goes 1 -> 2 -> 1 while a stream runs on the worker that is drained: the drain
   hands the stream over at once (`--drain-grace 0`), the router resumes it on the other worker,
   and it completes with the offline engine's tokens;
@@ -146,6 +148,44 @@ def test_after_the_restart_a_killed_worker_is_replaced_and_scaling_works(serve, 
     assert status["settled"] and len(ready_workers(status, "decode")) == 1
     out = client.completions.create(model="default", prompt=PLAIN, max_tokens=8, temperature=0)
     assert out.choices[0].text == offline_text(offline, PLAIN, 8)
+
+
+DRAIN_STREAMS = 16
+DRAIN_STREAM_TOKENS = 160
+DRAIN_BOUND_S = 10.0  # issue 27: a scale-down under 16 live streams completes within 10 s
+
+
+def test_scale_down_under_16_live_streams_hands_them_over_in_seconds(serve, client, offline):
+    """Two decode workers share 16 live streams; draining one hands its streams to the other
+    and `pdserve scale` returns within DRAIN_BOUND_S; every stream ends with the text of an
+    undisturbed run (the offline engine's)."""
+    serve.cli("scale", "--decode", "2")
+    decode = ready_workers(serve.status(), "decode")
+    assert len(decode) == 2
+    wait_until(lambda: sum(w["role"] == "decode" and w["healthy"] for w in router_workers(serve)) == 2,
+               60, "the router to route to both decode workers")
+    prompts = [f"{STORY} {word}" for word in ("a baker", "a smith", "a weaver", "a miller", "a potter", "a tailor",
+                                              "a farmer", "a fisher", "a hunter", "a healer", "a scribe", "a cooper",
+                                              "a mason", "a carter", "a brewer", "a tanner")][:DRAIN_STREAMS]
+    expected = {p: offline_text(offline, p, DRAIN_STREAM_TOKENS, ignore_eos=True) for p in prompts}
+    streams = [Stream(client, p, DRAIN_STREAM_TOKENS) for p in prompts]
+    assert all(s.first.wait(300) for s in streams) and all(s.error is None for s in streams)
+    victim = max(decode, key=lambda w: next(r["running"] for r in router_workers(serve) if r["address"] == w["address"]))
+    assert not any(s.done.is_set() for s in streams), "streams ended before the drain; make them longer"
+    started = time.monotonic()
+    serve.cli("scale", "--decode", "1", "--drain", victim["address"])  # returns once the drain is done
+    took = time.monotonic() - started
+    for prompt, stream in zip(prompts, streams):
+        assert stream.done.wait(600) and stream.error is None, f"a stream failed: {stream.error!r}"
+        assert stream.text == expected[prompt]
+    status = serve.status()
+    remaining = [w["address"] for w in ready_workers(status, "decode")]
+    assert len(remaining) == 1 and victim["address"] not in remaining
+    handed = [e["message"] for e in status["events"] if "stream(s) over" in e["message"]
+              and victim["address"] in e["message"]]
+    print(f"scale-down under {DRAIN_STREAMS} streams: {took:.1f} s; {handed}")
+    assert handed, "the drained worker handed no stream over"
+    assert took <= DRAIN_BOUND_S
 
 
 def test_decode_pool_scales_up_and_down_while_a_stream_runs(serve, client, offline):
