@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.engine.tiny_models import save_tiny_model, tiny_config
-from tests.router.harness import free_socket, wait_until
-from tests.router.test_e2e_workers import Process
+from tests.router.harness import wait_until
+from tests.router.processes import Process, grpc_address, start_router
 
 pytestmark = pytest.mark.slow
 
@@ -38,25 +38,10 @@ def server(tmp_path_factory):
                       "--block-size", "16", "--max-model-len", "1024", "--max-num-seqs", "64"])
     processes = [worker]
     try:
-        ready = worker.wait_for("READY ")
-        address = dict(part.split("=", 1) for part in ready.split()[1:])["grpc"]
-        sock = free_socket()
-        port = sock.getsockname()[1]
-        sock.close()
-        router = Process(["-m", "router", "--model", folder, "--served-model-name", "tiny", "--colocated", address,
-                          "--port", str(port), "--max-inflight-requests", str(MAX_INFLIGHT),
-                          "--batch-share", str(BATCH_SHARE), "--stats-interval", "0.5", "--log-level", "warning"])
+        address = grpc_address(worker)
+        router, url = start_router("--model", folder, "--served-model-name", "tiny", "--colocated", address,
+                                   "--max-inflight-requests", str(MAX_INFLIGHT), "--batch-share", str(BATCH_SHARE))
         processes.append(router)
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            if router.popen.poll() is not None:
-                raise AssertionError("the router exited:\n" + "".join(router.log[-40:]))
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-        wait_until(healthy, timeout=300, message="the router to report healthy")
         yield url
     finally:
         for process in reversed(processes):

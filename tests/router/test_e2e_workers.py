@@ -8,27 +8,20 @@ the decode worker (seen through the router's /status); structured output (JSON S
 obeys its constraint across the prefill/decode split and matches the offline engine.
 """
 import json
-import os
-import queue
 import re
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.router.harness import free_socket, wait_until
+from tests.router.harness import wait_until
+from tests.router.processes import REPO, Process, grpc_address, start_router
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 512
-STARTUP_TIMEOUT_S = 600
 
 if not (REPO / "decode_worker" / "__main__.py").exists() or not (REPO / "prefill_worker" / "__main__.py").exists():
     pytest.skip("the workers (python -m prefill_worker / decode_worker) are not in this tree yet",
@@ -42,55 +35,8 @@ LONG_PREFIX = ("Here is a long document that several questions will share as the
 NEW_TOKENS = 24
 
 
-class Process:
-    """A child process whose stdout is read by a thread; `wait_for(prefix)` returns the first
-    line starting with `prefix`."""
-
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        self.args = args
-        self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, prefix: str, timeout: float = STARTUP_TIMEOUT_S) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-                continue
-            if line.startswith(prefix):
-                return line.strip()
-        raise AssertionError(f"{' '.join(self.args)} did not print {prefix!r}; output:\n{''.join(self.log[-40:])}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-
-
 def start_worker(module: str, *extra: str) -> Process:
     return Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS), *extra])
-
-
-def grpc_address(process: Process) -> str:
-    """Waits for the worker's `READY grpc=HOST:PORT ...` line."""
-    ready = process.wait_for("READY ")
-    return dict(part.split("=", 1) for part in ready.split()[1:])["grpc"]
 
 
 @pytest.fixture(scope="module")
@@ -103,23 +49,9 @@ def cluster():
                       start_worker("decode_worker", "--local-prefill-threshold", "0")]
         prefill_addresses = [grpc_address(p) for p in processes[:2]]
         decode_address = grpc_address(processes[2])
-        sock = free_socket()
-        port = sock.getsockname()[1]
-        sock.close()
-        router = Process(["-m", "router", "--model", "default", "--prefill", ",".join(prefill_addresses),
-                          "--decode", decode_address, "--port", str(port), "--stats-interval", "0.5",
-                          "--log-level", "warning"])
+        router, url = start_router("--model", "default", "--prefill", ",".join(prefill_addresses),
+                                   "--decode", decode_address)
         processes.append(router)
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            if router.popen.poll() is not None:
-                raise AssertionError("the router exited:\n" + "".join(router.log[-40:]))
-            try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.TransportError:
-                return False
-        wait_until(healthy, timeout=STARTUP_TIMEOUT_S, message="the router to report healthy")
         yield {"url": url, "decode": decode_address, "prefill": prefill_addresses}
     finally:
         for process in reversed(processes):
