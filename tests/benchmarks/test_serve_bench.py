@@ -6,16 +6,12 @@ against a live pdserve (a prefill worker, a decode worker and the router as subp
 default model) and checks that every metric is present and consistent with the server's usage.
 """
 import asyncio
-import contextlib
 import json
 import math
-import os
-import queue
 import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,6 +21,7 @@ import pytest
 from benchmarks.serve import (SLO, BenchConfig, RequestResult, arrival_offsets, distribution, percentile,
                               run_benchmark, send_request, summarize)
 from benchmarks.workloads import COMMON_WORDS, WorkloadConfig, build_workload
+from tests.router.processes import Process, grpc_address, start_router
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -249,67 +246,16 @@ def test_failed_requests_carry_a_clear_error(body, status, message):
 
 # ---- against a live pdserve ---------------------------------------------------------------------
 
-class _Process:
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        self.args = args
-        self.popen = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def ready_address(self, timeout: float = 600) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-                continue
-            if line.startswith("READY "):
-                return dict(part.split("=", 1) for part in line.split()[1:])["grpc"]
-        raise AssertionError(f"{self.args} did not get ready:\n{''.join(self.log[-30:])}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-
-
 @pytest.fixture(scope="module")
 def live_pdserve():
-    processes: list[_Process] = []
+    processes: list[Process] = []
     try:
         worker_args = ["--model", "default", "--port", "0", "--num-blocks", "512"]
-        processes += [_Process(["-m", "prefill_worker", *worker_args]),
-                      _Process(["-m", "decode_worker", *worker_args, "--local-prefill-threshold", "32"])]
-        prefill, decode = (p.ready_address() for p in processes)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        router = _Process(["-m", "router", "--model", "default", "--prefill", prefill, "--decode", decode,
-                           "--port", str(port), "--log-level", "warning"])
+        processes += [Process(["-m", "prefill_worker", *worker_args]),
+                      Process(["-m", "decode_worker", *worker_args, "--local-prefill-threshold", "32"])]
+        prefill, decode = (grpc_address(p) for p in processes)
+        router, url = start_router("--model", "default", "--prefill", prefill, "--decode", decode)
         processes.append(router)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            assert router.popen.poll() is None, "the router exited:\n" + "".join(router.log[-30:])
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the router never became healthy"
-            time.sleep(0.5)
         yield url
     finally:
         for process in reversed(processes):
