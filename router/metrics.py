@@ -132,6 +132,8 @@ _WORKER_GAUGES = (
     ("host_cache_hit_tokens", "Prompt tokens copied back from the host tier instead of recomputed (cumulative).",
      lambda w: w.stat("host_cache_hits")),
     ("router_inflight_requests", "This router's requests on the worker.", lambda w: w.inflight_requests),
+    ("resident_bytes", "The worker process's resident memory.", lambda w: w.stat("rss_bytes")),
+    ("weight_bytes", "Of it, the model's weights (pre-blocked copies included).", lambda w: w.stat("weight_bytes")),
 )
 
 

@@ -72,5 +72,7 @@ def test_worker_gauges(router, decode, prefills):
     assert value(samples, "pdserve:worker_kv_blocks_free", **labels) == 64
     assert value(samples, "pdserve:worker_kv_blocks_cached", **labels) == 3
     assert value(samples, "pdserve:worker_prefix_cache_hit_rate", **labels) == 0.25
+    assert value(samples, "pdserve:worker_resident_bytes", **labels) == 3 << 30
+    assert value(samples, "pdserve:worker_weight_bytes", **labels) == 1 << 30
     for prefill in prefills:
         assert value(samples, "pdserve:worker_healthy", worker=prefill.address, role="prefill") == 1
