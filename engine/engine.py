@@ -351,9 +351,9 @@ class LLMEngine:
             delta.num_prompt_tokens = request.num_prompt_tokens
             if request.kv_import is not None and (out.new_token_ids or out.finished):
                 delta.kv_import, request.kv_import = request.kv_import, None
-            first_tokens = request.num_output_tokens - request.num_resumed_tokens == len(out.new_token_ids)
-            if request.prompt_logprobs is not None and out.new_token_ids and first_tokens:
-                delta.prompt_logprobs = list(request.prompt_logprobs)
+            if (request.prompt_logprobs is not None and out.new_token_ids
+                    and request.num_output_tokens - request.num_resumed_tokens == len(out.new_token_ids)):
+                delta.prompt_logprobs = list(request.prompt_logprobs)  # on the first output token's delta
         detok = self._detokenizers.get(out.request_id)
         if detok is not None:
             if out.new_token_ids or out.finished:

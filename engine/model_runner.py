@@ -463,14 +463,12 @@ def _record_prompt_logprobs(rows: list[tuple[Any, int]], logits: torch.Tensor) -
     targets = torch.tensor([request.prompt_token_ids[p + 1] for request, p in rows], device=logprobs.device)
     chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     k = max(request.sampling_params.prompt_logprobs for request, _ in rows)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    top_values = top_values.tolist() if k else None
-    top_ids = top_ids.tolist() if k else None
+    top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))  # k = 0: empty rows
     for i, (request, p) in enumerate(rows):
         if len(request.prompt_logprobs) != p + 1:
             continue
         want = request.sampling_params.prompt_logprobs
-        top = list(zip(top_ids[i][:want], top_values[i][:want])) if want else []
+        top = list(zip(top_ids[i][:want], top_values[i][:want]))
         request.prompt_logprobs.append(TokenLogprob(request.prompt_token_ids[p + 1], chosen[i], top))
 
 

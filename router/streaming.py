@@ -176,13 +176,15 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
     assembler, index = choice.assembler, choice.index
     prompt_entries = list(choice.first_chunk.prompt_logprobs)
     if ctx.endpoint == "chat" or ctx.echo or ctx.want_prompt_logprobs:
-        # First: the assistant role (chat), the echoed prompt (completions), the prompt's logprobs.
-        echoed = ctx.prompt if ctx.echo else ("" if ctx.endpoint == "completions" else None)
+        # First: the assistant role (chat), the echoed prompt (completions; "" without echo), the
+        # prompt's logprobs.
+        if ctx.endpoint == "chat":
+            text = "" if ctx.tool_plan is None else None
+        else:
+            text = ctx.prompt
         logprobs = (echo_logprobs(ctx, assembler.prompt_token_ids, prompt_entries, [])
                     if ctx.echo and ctx.want_logprobs else None)
-        if ctx.endpoint == "chat" and ctx.tool_plan is None:
-            echoed = ""
-        chunk = protocol.stream_chunk(*args, echoed, None, logprobs, first=ctx.endpoint == "chat", index=index)
+        chunk = protocol.stream_chunk(*args, text, None, logprobs, first=ctx.endpoint == "chat", index=index)
         if ctx.want_prompt_logprobs:
             chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, prompt_entries)
         yield chunk
