@@ -25,7 +25,7 @@ from typing import Any
 
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
                            parse_resources, pool_flag, pool_name)
-from engine.config import DECODE_ROLE_MAX_STEP_RATIO
+from engine.config import DECODE_ROLE_MAX_STEP_RATIO, add_speculative_arguments, speculative_options
 from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host-cache-gb", type=float, default=None,
                         help="host memory per worker for the prefix cache's second tier (KV offload of idle "
                              "sessions); default 0, off")
+    add_speculative_arguments(engine)
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
     serve.add_argument("--routers", type=int, default=1,
@@ -197,6 +198,7 @@ def serve_options(args: argparse.Namespace):
         engine_options["enable_prefix_caching"] = False
     if args.no_cuda_graphs:
         engine_options["cuda_graphs"] = False
+    engine_options.update(speculative_options(args))
     ray_settings = RaySettings(address=args.ray_address, namespace=args.namespace, num_cpus=args.num_cpus,
                                object_store_memory_mb=args.object_store_mb, include_dashboard=args.include_dashboard,
                                temp_dir=args.ray_temp_dir)

@@ -108,6 +108,67 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
 
+# Speculative decoding methods (engine/speculative.py); a draft model would be the next one.
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py), off unless `speculative_method` is set. The
+    field names are also the flat options of `build_engine_config` and `LLM(...)`."""
+    speculative_method: str | None = None  # None: off; "ngram": prompt lookup in the request's own tokens
+    num_speculative_tokens: int = 4  # draft tokens per decode step, at most
+    prompt_lookup_min: int = 2  # n-gram: the shortest suffix of the tokens so far that may match
+    prompt_lookup_max: int = 4  # n-gram: the longest (tried first)
+    # No drafts in a step with more decodes than this (None: always): at large batches a CPU step
+    # is compute-bound, and verifying k extra tokens per sequence costs more than it saves.
+    speculative_disable_by_batch_size: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None: off), "
+                             f"got {self.speculative_method!r}")
+        checks = [
+            (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+             "num_speculative_tokens must be an integer in [1, 16]"),
+            (isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+             "prompt_lookup_min must be an integer >= 1"),
+            (isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+             "prompt_lookup_max must be an integer >= prompt_lookup_min"),
+            (self.speculative_disable_by_batch_size is None or self.speculative_disable_by_batch_size >= 1,
+             "speculative_disable_by_batch_size must be >= 1 when set"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def add_speculative_arguments(group) -> None:
+    """The speculative-decoding flags of every command that starts workers (an argparse group)."""
+    group.add_argument("--speculative", dest="speculative_method", choices=SPECULATIVE_METHODS, default=None,
+                       help="speculative decoding on decode and colocated workers; ngram: draft tokens looked up "
+                            "in the request's own prompt and output (default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="draft tokens per decode step, at most (default 4)")
+    group.add_argument("--prompt-lookup-min", type=int, default=None,
+                       help="ngram: shortest suffix that may match (default 2)")
+    group.add_argument("--prompt-lookup-max", type=int, default=None,
+                       help="ngram: longest suffix tried first (default 4)")
+    group.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                       help="no drafts in a step with more decodes than this (default: always draft)")
+
+
+def speculative_options(args) -> dict:
+    """The flags of `add_speculative_arguments` that were given, as engine options."""
+    names = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "speculative_disable_by_batch_size")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 @dataclass
 class EngineConfig:
     model: str = "default"
@@ -124,6 +185,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -70,7 +70,8 @@ class LLMEngine:
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                        role=config.role, kv_connector=self.kv_connector,
                                        num_swap_slots=getattr(runner, "num_swap_slots", 0),
-                                       num_host_slots=getattr(runner, "num_host_cache_slots", 0))
+                                       num_host_slots=getattr(runner, "num_host_cache_slots", 0),
+                                       speculative=config.speculative)
         except BaseException:
             self.close()
             raise
@@ -357,8 +358,7 @@ class LLMEngine:
         detok = self._detokenizers.get(out.request_id)
         if detok is not None:
             if out.new_token_ids or out.finished:
-                change = detok.add_tokens(out.new_token_ids, final=out.finished)
-                delta.new_text = change.new_text
+                change = self._detokenize(detok, delta, request)
                 if change.stopped and not out.finished:
                     # A stop string matched: end the request now (frees its blocks).
                     self.scheduler.abort(out.request_id)
@@ -366,3 +366,24 @@ class LLMEngine:
             if delta.finished:
                 del self._detokenizers[out.request_id]
         return delta
+
+    @staticmethod
+    def _detokenize(detok: IncrementalDetokenizer, delta: StreamDelta, request: Request | None):
+        """Add the delta's tokens to its text. With stop strings, several tokens (a speculative
+        step's) go in one at a time, and those after the one that completes a stop string are
+        dropped from the delta, as if they had never been sampled."""
+        token_ids = delta.new_token_ids
+        if len(token_ids) < 2 or request is None or not request.sampling_params.stop:
+            change = detok.add_tokens(token_ids, final=delta.finished)
+            delta.new_text = change.new_text
+            return change
+        text = ""
+        for index, token_id in enumerate(token_ids):
+            change = detok.add_tokens([token_id], final=delta.finished and index == len(token_ids) - 1)
+            text += change.new_text
+            if change.stopped:
+                del token_ids[index + 1:]
+                del delta.new_logprobs[index + 1:]
+                break
+        delta.new_text = text
+        return change

@@ -1,8 +1,8 @@
 """The offline API: `LLM(model="default").generate(prompts, sampling_params)`.
 
 Prompts are strings, token-id lists or chat message lists (`[{"role": ..., "content": ...}]`).
-Engine options are EngineConfig fields plus the cache and scheduler fields by name, e.g.
-`LLM(block_size=16, num_blocks=512, max_num_batched_tokens=256)`. With
+Engine options are EngineConfig fields plus the cache, scheduler and speculative fields by name,
+e.g. `LLM(block_size=16, num_blocks=512, max_num_batched_tokens=256, speculative_method="ngram")`. With
 `tensor_parallel_size=N` the engine starts N-1 follower processes: `close()` the LLM (or use it
 as a context manager) to end them; they also end when this process does.
 """
@@ -13,19 +13,21 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from engine.config import DECODE_ROLE_MAX_STEP_RATIO, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DECODE_ROLE_MAX_STEP_RATIO, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 def build_engine_config(model: str = "default", **options) -> EngineConfig:
-    """Sort flat keyword options into EngineConfig / CacheConfig / SchedulerConfig; unknown names raise."""
-    groups = {name: {} for name in ("engine", "cache", "scheduler")}
+    """Sort flat keyword options into EngineConfig / CacheConfig / SchedulerConfig /
+    SpeculativeConfig; unknown names raise."""
+    groups = {name: {} for name in ("engine", "cache", "scheduler", "speculative")}
     fields = {
-        "engine": {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model"},
+        "engine": {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "speculative", "model"},
         "cache": {f.name for f in dataclasses.fields(CacheConfig)},
         "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+        "speculative": {f.name for f in dataclasses.fields(SpeculativeConfig)},
     }
     for key, value in options.items():
         owner = next((group for group, names in fields.items() if key in names), None)
@@ -36,7 +38,8 @@ def build_engine_config(model: str = "default", **options) -> EngineConfig:
     if options.get("role") == "decode" and options.get("max_step_ms") is None and "max_step_ratio" not in options:
         groups["scheduler"]["max_step_ratio"] = DECODE_ROLE_MAX_STEP_RATIO
     return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
-                        scheduler=SchedulerConfig(**groups["scheduler"]), **groups["engine"])
+                        scheduler=SchedulerConfig(**groups["scheduler"]),
+                        speculative=SpeculativeConfig(**groups["speculative"]), **groups["engine"])
 
 
 class LLM:

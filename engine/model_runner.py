@@ -1,8 +1,10 @@
 """Turns a scheduled `Batch` into tensors, runs the model forward and samples.
 
 The runner owns the model weights, the KV cache tensors, the attention backend and the sampler;
-it never decides who runs (the scheduler does). Contract: `execute(batch)` returns one
-`SampledToken` for every scheduled sequence whose `sample` flag is set.
+it never decides who runs (the scheduler does). Contract: `execute(batch)` returns, for every
+scheduled sequence whose `sample` flag is set, its new tokens: one `SampledToken`, or for a decode
+with a draft (speculative decoding, engine/speculative.py) the accepted draft tokens and one more.
+A draft's positions run as one-query attention rows, one per position, like ordinary decodes.
 
 Tensor parallelism (`config.tensor_parallel_size` N > 1; engine/parallel.py): the runner of rank 0
 starts N-1 followers (engine/tp_worker.py), each a runner over its shard of the model and its own
@@ -46,6 +48,7 @@ from engine.model.rope import RotaryEmbedding
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import Batch, SampledToken
+from engine.speculative import accepted_length
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +372,8 @@ class ModelRunner:
             handlers[kind](*args)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch, on_layer_stored: Callable[[int], None] | None = None) -> dict[str, SampledToken]:
+    def execute(self, batch: Batch,
+                on_layer_stored: Callable[[int], None] | None = None) -> dict[str, list[SampledToken]]:
         """Run the batch's forward and sampling (its swaps, `swap()`, are the caller's, first).
         `on_layer_stored(i)` is called once layer i's K/V of every token is in the cache (the KV
         connector's layer-wise push); such a step runs eagerly."""
@@ -382,11 +386,26 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampled_seqs = []
-        sampled_rows: list[int] = []  # their indices in batch.seqs
+        sampled_rows: list[int] = []  # their attention rows (indices in query_lens)
+        # Per logits row: (seq, j) samples the seq's output position after its first j draft tokens.
+        sample_rows: list[tuple[Any, int]] = []
         prompt_rows: list[tuple[Any, int]] = []  # (request, position p): the row predicting prompt token p + 1
         prompt_indices: list[int] = []  # those rows' indices in input_ids
-        for row, seq in enumerate(batch.seqs):
+        for seq in batch.seqs:
             end = seq.start + seq.num_new_tokens
+            if seq.draft_token_ids:  # one attention row per position, each sampled
+                for j, token in enumerate(seq.token_ids):
+                    position = seq.start + j
+                    input_ids.append(token)
+                    positions.append(position)
+                    query_lens.append(1)
+                    seq_lens.append(position + 1)
+                    block_tables.append(seq.block_table[:position // self.block_size + 1])
+                    logits_indices.append(len(input_ids) - 1)
+                    sampled_rows.append(len(query_lens) - 1)
+                    sample_rows.append((seq, j))
+                sampled_seqs.append(seq)
+                continue
             if seq.request.needs_prompt_logprobs:
                 for p in range(seq.start, min(end, seq.request.num_prompt_tokens - 1)):
                     prompt_rows.append((seq.request, p))
@@ -399,7 +418,8 @@ class ModelRunner:
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
-                sampled_rows.append(row)
+                sampled_rows.append(len(query_lens) - 1)
+                sample_rows.append((seq, 0))
         # Rows beyond the sampled ones need the last layer for every token (no row trimming).
         indices, trim_rows = (logits_indices + prompt_indices, None) if prompt_rows else (logits_indices, sampled_rows)
         if self.tp is not None:
@@ -416,18 +436,26 @@ class ModelRunner:
             logits = logits[:len(logits_indices)]
         if not sampled_seqs:
             return {}
-        requests = [seq.request for seq in sampled_seqs]
+        # Row (seq, j) is sampled as the ordinary decode after the draft's first j tokens would be.
+        requests = [seq.request for seq, _ in sample_rows]
+        outputs = [seq.request.output_token_ids + seq.draft_token_ids[:j] if j else seq.request.output_token_ids
+                   for seq, j in sample_rows]
         sampling = SamplingMetadata.build(
-            [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests], self.vocab_size, self.device,
-            grammars=[r.grammar for r in requests], banned=[_banned_now(r) for r in requests])
+            [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests], outputs,
+            self.vocab_size, self.device, grammars=[r.grammar for r in requests],
+            banned=[_banned_now(r, len(out)) for r, out in zip(requests, outputs)])
         out = self.sampler(logits, sampling)
+        tokens = [SampledToken(token_id=out.token_ids[i],
+                               logprob=out.logprobs[i] if out.logprobs is not None else None,
+                               top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
+                  for i in range(len(sample_rows))]
         result = {}
-        for i, request in enumerate(requests):
-            result[request.request_id] = SampledToken(
-                token_id=out.token_ids[i],
-                logprob=out.logprobs[i] if out.logprobs is not None else None,
-                top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
+        row = 0
+        for seq in sampled_seqs:
+            rows = 1 + len(seq.draft_token_ids)
+            keep = accepted_length(seq.draft_token_ids, out.token_ids[row:row + rows]) if rows > 1 else 1
+            result[seq.request.request_id] = tokens[row:row + keep]
+            row += rows
         return result
 
     def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
@@ -472,10 +500,10 @@ def _record_prompt_logprobs(rows: list[tuple[Any, int]], logits: torch.Tensor) -
         request.prompt_logprobs.append(TokenLogprob(request.prompt_token_ids[p + 1], chosen[i], top))
 
 
-def _banned_now(request) -> list[int]:
-    """The tokens `request` may not sample at this step: its EOS and stop token ids until it has
-    `min_tokens` outputs (resumed tokens count: they are outputs)."""
+def _banned_now(request, num_outputs: int) -> list[int]:
+    """The tokens `request` may not sample after `num_outputs` outputs: its EOS and stop token ids
+    until it has `min_tokens` (resumed tokens count: they are outputs)."""
     params = request.sampling_params
-    if len(request.output_token_ids) >= params.min_tokens:
+    if num_outputs >= params.min_tokens:
         return []
     return sorted(set(request.eos_token_ids) | set(params.stop_token_ids))

@@ -36,6 +36,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's min_tokens)
     min_tokens: int = 0
+    # With speculative decoding on (engine/speculative.py): False keeps this request's decodes
+    # to one token per step (its output is the same either way; only its speed differs)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +69,7 @@ class SamplingParams:
              "logit_bias values must be in [-100, 100]"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
              "min_tokens must be an integer in [0, max_tokens]"),
+            (isinstance(self.speculative, bool), "speculative must be true or false"),
         ]
         for ok, message in checks:
             if not ok:

@@ -2,10 +2,12 @@
 
 Contract (DESIGN.md, "Inside the engine"): `schedule() -> Batch`, the model runner turns the batch
 into tensors and returns one `SampledToken` per seq with `sample=True`, then
-`update(batch, sampled) -> list[StepOutput]`. There is no prefill/decode phase: every running
+`update(batch, sampled) -> list[StepOutput]`; `sampled` maps each such request to its new tokens
+(one, or with a draft the accepted draft tokens and one more). There is no prefill/decode phase: every running
 request has `num_computed_tokens` catching up with `num_tokens`. Per step:
 
-    1. running decodes (one token each; a block boundary takes a new block),
+    1. running decodes (one token each; a block boundary takes a new block), then, with
+       speculative decoding (engine/speculative.py), their draft tokens from what is left,
     2. running prefill chunks (the rest of the budget),
     3. waiting requests in priority order (prefix-cache match first), while the token budget
        (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; a
@@ -32,7 +34,10 @@ Conventions and choices beyond the shared contract:
 - priority: a LOWER value is MORE important; equal priorities are first-come-first-served.
 - a generation stops with "length" at `min(max_model_len, num_blocks * block_size)` tokens, so a
   request alone always fits in the cache (no endless self-preemption).
-- `Batch.seqs` puts every decode (one token that samples) before every prefill chunk.
+- `Batch.seqs` puts every decode (one token that samples) before every prefill chunk; a decode
+  with a draft (`ScheduledSeq.draft_token_ids`) runs 1 + k tokens and comes after the plain
+  decodes. After its step the request has `num_computed_tokens == num_tokens - 1` again: the
+  rejected draft tokens' slots hold KV that nothing counts as computed.
 - `StepOutput.new_logprobs[i]` is the runner's `SampledToken` for `new_token_ids[i]`;
   `StepOutput.error` carries the message of an "error" finish.
 - prefill role: a request is admitted with blocks for its whole prompt (it never needs more, so it
@@ -55,9 +60,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.block_manager import BlockManager
-from engine.config import ROLES, CacheConfig, SchedulerConfig
+from engine.config import ROLES, CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_hooks import ImportPlan, KVCacheFullError, SchedulerConnector
 from engine.request import Request, RequestStatus
+from engine.speculative import Proposer, build_proposer
 from engine.step_cost import StepCostModel
 
 __all__ = ["Batch", "ImportPlan", "KVCacheFullError", "SampledToken", "ScheduledSeq", "Scheduler",
@@ -69,11 +75,21 @@ class ScheduledSeq:
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
     num_new_tokens: int  # run request.all_token_ids[start:start + num_new_tokens] this step
-    sample: bool  # start + num_new_tokens == request.num_tokens: this step's logits give the next token
+    sample: bool  # the last real token is in this step: its logits give the next token
+    # Speculative decoding: tokens guessed to follow the request's last one, run after it (counted
+    # in num_new_tokens); each of their positions is sampled too (engine/speculative.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+        """The tokens this step runs: the request's, then the draft."""
+        end = self.start + self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.all_token_ids[self.start:end] + self.draft_token_ids
+
+    @property
+    def is_plain_decode(self) -> bool:
+        """One token, sampled, no draft."""
+        return self.sample and self.num_new_tokens == 1
 
     @property
     def block_table(self) -> list[int]:
@@ -140,6 +156,10 @@ class SchedulerStats:
     host_cache_hits: int = 0  # prompt tokens restored from the host tier (cumulative; in prefix_cache_hits too)
     offloaded_blocks: int = 0  # cached blocks saved to the host tier on eviction (cumulative)
     reloaded_blocks: int = 0  # blocks copied back from the host tier (cumulative)
+    # speculative decoding (cumulative): verified drafts, their tokens, and how many were accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # filled by LLMEngine.stats() from its KV connector: failed transfers by reason (cumulative)
     kv_transfer_failures: dict = field(default_factory=dict)
 
@@ -147,7 +167,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, role: str = "both", kv_connector: SchedulerConnector | None = None,
-                 num_swap_slots: int = 0, num_host_slots: int = 0) -> None:
+                 num_swap_slots: int = 0, num_host_slots: int = 0,
+                 speculative: SpeculativeConfig | None = None, proposer: Proposer | None = None) -> None:
+        """`speculative`: speculative decoding's config (off when None or not enabled); its
+        drafts come from `proposer`, by default the one the config names."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if scheduler_config.preemption_mode not in ("recompute", "swap"):
@@ -168,6 +191,11 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                           num_host_slots=num_host_slots)
         self.max_sequence_tokens = min(max_model_len, num_blocks * cache_config.block_size)
+        # Speculative decoding: a prefill-role worker samples one token per request, never drafts.
+        self.speculative = speculative if speculative is not None and speculative.enabled and role != "prefill" else None
+        self.proposer = None
+        if self.speculative is not None:
+            self.proposer = proposer or build_proposer(self.speculative)
 
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []  # same order; the last one is the first to be preempted
@@ -190,6 +218,9 @@ class Scheduler:
         self._prompt_tokens_computed = 0
         self._decode_tokens = 0
         self._imported_tokens = 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted_tokens = 0
 
     # ---- queues ----------------------------------------------------------------------------
 
@@ -275,6 +306,8 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
 
         for decodes in (True, False):
+            if not decodes and self.proposer is not None:
+                budget = self._add_drafts(scheduled, budget)
             if not decodes and self.config.step_target_set and scheduled:
                 target_s = None if self.config.max_step_ms is None else self.config.max_step_ms / 1000.0
                 cap = self.step_cost.prefill_budget(len(scheduled), target_s, self.config.max_step_ratio)
@@ -304,7 +337,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
 
-        seqs = sorted(scheduled.values(), key=lambda s: not (s.sample and s.num_new_tokens == 1))
+        seqs = sorted(scheduled.values(), key=lambda s: not s.is_plain_decode)
         offloads, reloads = self.block_manager.take_host_copies()
         return Batch(seqs=seqs, num_tokens=sum(s.num_new_tokens for s in seqs), preempted_ids=preempted,
                      swap_out=self._swap_out, swap_in=self._swap_in, kv_offload=offloads, kv_reload=reloads)
@@ -314,13 +347,39 @@ class Scheduler:
         only when a step-time target is set."""
         if not self.config.step_target_set:
             return
-        decodes = sum(1 for seq in batch.seqs if seq.num_new_tokens == 1)
+        decodes = sum(1 for seq in batch.seqs if seq.is_plain_decode)
         self.step_cost.observe(decodes, batch.num_tokens - decodes, seconds)
 
     def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Host-tier copies queued outside `schedule()` (a decode-role import's allocation): the
         caller must do them (offloads, then reloads) before anything writes into those blocks."""
         return self.block_manager.take_host_copies()
+
+    def _add_drafts(self, scheduled: dict[str, ScheduledSeq], budget: int) -> int:
+        """Speculative decoding: extend this step's decodes with draft tokens, within the budget;
+        returns the budget left. A draft stops at max_tokens and at the context's end, and is
+        dropped when its KV slots are not free (it never preempts)."""
+        config = self.speculative
+        decodes = [seq for seq in scheduled.values() if seq.is_plain_decode]
+        if (budget <= 0 or not decodes or (config.speculative_disable_by_batch_size is not None
+                                           and len(decodes) > config.speculative_disable_by_batch_size)):
+            return budget
+        decodes = [seq for seq in decodes
+                   if seq.request.sampling_params.speculative and seq.request.grammar is None]
+        limits = [max(0, min(config.num_speculative_tokens,
+                             seq.request.sampling_params.max_tokens - seq.request.num_output_tokens - 1,
+                             self.max_sequence_tokens - seq.request.num_tokens)) for seq in decodes]
+        for seq, draft in zip(decodes, self.proposer.propose([seq.request for seq in decodes], limits)):
+            draft = list(draft[:budget])
+            request = seq.request
+            if not draft or not self.block_manager.allocate_slots(request, request.num_tokens + len(draft)):
+                continue
+            seq.draft_token_ids = draft
+            seq.num_new_tokens += len(draft)
+            budget -= len(draft)
+            if budget == 0:
+                break
+        return budget
 
     def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -408,8 +467,9 @@ class Scheduler:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def update(self, batch: Batch, sampled: dict[str, SampledToken]) -> list[StepOutput]:
-        """Advance every scheduled seq by its tokens, append sampled tokens, finish stopped requests.
+    def update(self, batch: Batch, sampled: dict[str, list[SampledToken]]) -> list[StepOutput]:
+        """Advance every scheduled seq by its tokens, append sampled tokens (up to the first that
+        stops the request), finish stopped requests.
 
         Seqs whose request finished (e.g. was aborted) since `schedule()` are skipped.
         """
@@ -425,20 +485,43 @@ class Scheduler:
             prompt_part = max(0, min(end, request.num_prompt_tokens) - seq.start)
             self._prompt_tokens_computed += prompt_part
             self._decode_tokens += seq.num_new_tokens - prompt_part
-            request.num_computed_tokens = end
-            self.block_manager.cache_computed_blocks(request)
             if not seq.sample:
+                request.num_computed_tokens = end
+                self.block_manager.cache_computed_blocks(request)
                 continue
-            token = sampled.get(request.request_id)
-            if token is None:
-                raise ValueError(f"the runner returned no sampled token for request {request.request_id}")
-            request.append_output(token.token_id, token)
-            reason, error = self._after_token(request, token.token_id)
+            tokens = self._verified(seq, sampled.get(request.request_id))
+            new: list[SampledToken] = []
+            reason = error = None
+            for token in tokens:
+                request.append_output(token.token_id, token)
+                new.append(token)
+                reason, error = self._after_token(request, token.token_id)
+                if reason is not None:
+                    break
+            # What the step computed: every real token, and the accepted draft tokens (the last
+            # new token is not computed yet). Without a draft that is `end`.
+            request.num_computed_tokens = request.num_tokens - 1
+            self.block_manager.cache_computed_blocks(request)
             if reason is not None:
                 reason, error = self._finish(request, reason, error)
-            outputs.append(StepOutput(request.request_id, [token.token_id], [token], reason is not None, reason,
+            outputs.append(StepOutput(request.request_id, [t.token_id for t in new], new, reason is not None, reason,
                                       request.num_cached_tokens, error))
         return outputs
+
+    def _verified(self, seq: ScheduledSeq, tokens: list[SampledToken] | None) -> list[SampledToken]:
+        """The runner's new tokens for a sampled seq, checked against its draft; counts the draft."""
+        request_id, draft = seq.request.request_id, seq.draft_token_ids
+        if not tokens:
+            raise ValueError(f"the runner returned no sampled token for request {request_id}")
+        accepted = len(tokens) - 1
+        if accepted > len(draft) or [t.token_id for t in tokens[:accepted]] != draft[:accepted]:
+            raise ValueError(f"the runner returned {len(tokens)} tokens for request {request_id}, which are not "
+                             f"an accepted prefix of its {len(draft)}-token draft and one more")
+        if draft:
+            self._spec_drafts += 1
+            self._spec_draft_tokens += len(draft)
+            self._spec_accepted_tokens += accepted
+        return tokens
 
     def _after_token(self, request: Request, token_id: int) -> tuple[str | None, str | None]:
         """(finish reason, error) once `token_id` was appended; (None, None) to go on."""
@@ -616,7 +699,9 @@ class Scheduler:
             host_cache_slots=host.num_slots if host else 0, host_cache_used=host.num_used if host else 0,
             # every host-hit block is copied back exactly once
             host_cache_hits=host.reloaded_blocks * bm.block_size if host else 0,
-            offloaded_blocks=host.offloaded_blocks if host else 0, reloaded_blocks=host.reloaded_blocks if host else 0)
+            offloaded_blocks=host.offloaded_blocks if host else 0, reloaded_blocks=host.reloaded_blocks if host else 0,
+            spec_drafts=self._spec_drafts, spec_draft_tokens=self._spec_draft_tokens,
+            spec_accepted_tokens=self._spec_accepted_tokens)
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status

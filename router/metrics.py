@@ -134,6 +134,16 @@ _WORKER_GAUGES = (
     ("router_inflight_requests", "This router's requests on the worker.", lambda w: w.inflight_requests),
     ("resident_bytes", "The worker process's resident memory.", lambda w: w.stat("rss_bytes")),
     ("weight_bytes", "Of it, the model's weights (pre-blocked copies included).", lambda w: w.stat("weight_bytes")),
+    ("spec_decode_acceptance_rate", "Speculative decoding: draft tokens accepted / verified (cumulative; 0 before "
+     "any draft).", lambda w: w.spec_acceptance_rate or 0.0),
+)
+
+# Speculative decoding counters per worker (vLLM's names, pdserve's prefix): tokens per step of a
+# request with a draft = 1 + accepted / drafts.
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Drafts verified (one per decode step of a request that had one).", "spec_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_accepted_tokens"),
 )
 
 
@@ -158,6 +168,11 @@ class _PoolCollector:
             for reason in FAILURE_REASONS:
                 failures.add_metric([worker.address, worker.role, reason], float(counts.get(reason, 0)))
         yield failures
+        for name, help_text, stat in _SPEC_COUNTERS:
+            family = CounterMetricFamily(f"pdserve:{name}", help_text, labels=["worker", "role"])
+            for worker in workers:
+                family.add_metric([worker.address, worker.role], float(worker.stat(stat)))
+            yield family
 
     def describe(self):
         return []

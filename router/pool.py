@@ -64,6 +64,12 @@ class WorkerInfo:
         return self.stat("prefix_cache_hits") / queries if queries else None
 
     @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Speculative decoding: draft tokens accepted / verified (None before any draft)."""
+        drafted = self.stat("spec_draft_tokens")
+        return self.stat("spec_accepted_tokens") / drafted if drafted else None
+
+    @property
     def prefill_load_tokens(self) -> int:
         """Queued prefill tokens: this router's outstanding ones, exact and current, plus the rest of
         the worker's own count at the last poll (other routers' work). The polled count alone goes
@@ -88,6 +94,9 @@ class WorkerInfo:
                 "host_cache_blocks_used": self.stat("host_cache_blocks_used"),
                 "host_cache_hits": self.stat("host_cache_hits"),
                 "kv_bytes_sent": self.stat("kv_bytes_sent"), "kv_bytes_received": self.stat("kv_bytes_received"),
+                "spec_drafts": self.stat("spec_drafts"), "spec_draft_tokens": self.stat("spec_draft_tokens"),
+                "spec_accepted_tokens": self.stat("spec_accepted_tokens"),
+                "spec_acceptance_rate": self.spec_acceptance_rate,
                 "router_inflight_requests": self.inflight_requests,
                 "router_outstanding_prefill_tokens": self.outstanding_prefill_tokens,
                 "router_num_routed": self.num_routed,

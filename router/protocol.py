@@ -64,6 +64,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Number] | None = None  # token id (a decimal string, as OpenAI sends it) -> bias
     min_tokens: Int32 = 0  # vLLM's extension: no EOS / stop token id before this many tokens
     prompt_logprobs: Int32 | None = None  # vLLM's extension: each prompt token's logprob, plus the top k
+    speculative: Bool = True  # pdserve's: false keeps this request out of speculative decoding
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     cache_salt: str | None = None
@@ -109,7 +110,7 @@ class _GenerationRequest(BaseModel):
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   structured_output=constraint, logit_bias=self.logit_bias_ids,
                                   min_tokens=self.min_tokens, prompt_logprobs=self.engine_prompt_logprobs,
-                                  **values)
+                                  speculative=self.speculative, **values)
         except ValueError as exc:
             message = str(exc)
             first_word = message.split(" ", 1)[0]

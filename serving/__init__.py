@@ -21,7 +21,7 @@ import grpc
 
 import wire
 
-from engine.config import DECODE_ROLE_MAX_STEP_RATIO
+from engine.config import DECODE_ROLE_MAX_STEP_RATIO, add_speculative_arguments, speculative_options
 from engine.kv_connector import FAULTS
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-cache-gb", type=float, default=None,
                        help="host memory for the prefix cache's second tier: evicted KV blocks are kept there and "
                             "copied back on a later hit (idle agent sessions); default 0, off")
+    add_speculative_arguments(group)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["enable_prefix_caching"] = False
     if getattr(args, "no_cuda_graphs", False):
         options["cuda_graphs"] = False
+    options.update(speculative_options(args))
     return options
 
 

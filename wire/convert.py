@@ -127,4 +127,5 @@ def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, bloc
         block_size=block_size, host_cache_blocks_total=stats.host_cache_slots,
         host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits,
         kv_transfer_failures=stats.kv_transfer_failures, rss_bytes=rss_bytes,
-        weight_bytes=weight_bytes)
+        weight_bytes=weight_bytes, spec_drafts=stats.spec_drafts, spec_draft_tokens=stats.spec_draft_tokens,
+        spec_accepted_tokens=stats.spec_accepted_tokens)

@@ -48,7 +48,8 @@ def sampling_to_wire(params: SamplingParams) -> Any:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_p=params.min_p, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos, logit_bias=params.logit_bias, min_tokens=params.min_tokens)
+        ignore_eos=params.ignore_eos, logit_bias=params.logit_bias, min_tokens=params.min_tokens,
+        no_speculation=not params.speculative)
     if params.seed is not None:
         message.seed = params.seed
     if params.logprobs is not None:
@@ -80,4 +81,4 @@ def sampling_from_wire(message: Any) -> SamplingParams:
         logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
         prompt_logprobs=int(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None,
         structured_output=constraint, logit_bias={int(t): float(b) for t, b in message.logit_bias.items()},
-        min_tokens=int(message.min_tokens))
+        min_tokens=int(message.min_tokens), speculative=not message.no_speculation)

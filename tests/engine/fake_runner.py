@@ -7,7 +7,9 @@ reused while still needed is an AssertionError naming the request. The next toke
 deterministic function of the context read from the cache, so `reference_generate` gives what an
 unconstrained run must produce. Swap preemption's copies move slot contents to and from host
 swap slots before the step runs, as the real runner does, and so do the host cache tier's
-offloads (first) and reloads (last).
+offloads (first) and reloads (last). A decode with a draft (speculative decoding) writes its
+draft tokens too, samples every position and keeps what `engine.speculative.accepted_length`
+accepts, as the real runner does.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.request import Request
 from engine.scheduler import Batch, SampledToken, Scheduler, StepOutput
+from engine.speculative import accepted_length
 
 VOCAB_SIZE = 1000
 
@@ -55,14 +58,17 @@ class FakeModelRunner:
             block, slot = self._slot(block_table, start + offset)
             self.slots[block][slot] = (token, start + offset)
 
-    def read_context(self, request: Request, end: int) -> list[int]:
+    def read_context(self, request: Request, end: int, draft: list[int] = ()) -> list[int]:
+        """The tokens at positions < end, read through the block table (positions past the
+        request's tokens hold `draft`)."""
+        expected = request.all_token_ids + list(draft)
         context = []
         for position in range(end):
             block, slot = self._slot(request.block_ids, position)
             entry = self.slots[block][slot]
-            if entry is None or entry[1] != position or entry[0] != request.all_token_ids[position]:
+            if entry is None or entry[1] != position or entry[0] != expected[position]:
                 raise AssertionError(f"request {request.request_id}: KV at position {position} (block {block}) "
-                                     f"is {entry}, expected token {request.all_token_ids[position]}")
+                                     f"is {entry}, expected token {expected[position]}")
             context.append(entry[0])
         return context
 
@@ -82,7 +88,7 @@ class FakeModelRunner:
             table = [0] * index + [block_id]
             self.write(table, tokens, start)
 
-    def execute(self, batch: Batch, on_layer_stored=None) -> dict[str, SampledToken]:
+    def execute(self, batch: Batch, on_layer_stored=None) -> dict[str, list[SampledToken]]:
         self.batches.append(batch)
         assert not (batch.swap_out and batch.swap_in), "swap-outs and swap-ins in one step"
         self.offload(batch.kv_offload)
@@ -96,16 +102,23 @@ class FakeModelRunner:
         assert batch.num_tokens == sum(seq.num_new_tokens for seq in batch.seqs)
         for seq in batch.seqs:
             request, end = seq.request, seq.start + seq.num_new_tokens
+            draft = seq.draft_token_ids
+            real_end = end - len(draft)
             assert seq.start == request.num_computed_tokens and seq.num_new_tokens >= 1
-            assert end <= request.num_tokens and seq.sample == (end == request.num_tokens)
+            assert real_end <= request.num_tokens and seq.sample == (real_end == request.num_tokens)
+            assert not draft or real_end - seq.start == 1, "a draft follows anything but a decode"
             assert len(seq.block_table) * self.block_size >= end, f"{request.request_id}: block table too short"
-            assert seq.token_ids == request.all_token_ids[seq.start:end]
+            assert seq.token_ids == request.all_token_ids[seq.start:real_end] + draft
             self.write(seq.block_table, seq.token_ids, seq.start)
         sampled = {}
         for seq in batch.seqs:
-            context = self.read_context(seq.request, seq.start + seq.num_new_tokens)
+            draft = seq.draft_token_ids
+            context = self.read_context(seq.request, seq.start + seq.num_new_tokens, draft)
             if seq.sample:
-                sampled[seq.request.request_id] = SampledToken(next_token(context, self.vocab_size), logprob=-1.0)
+                real_end = len(context) - len(draft)
+                tokens = [next_token(context[:real_end + j], self.vocab_size) for j in range(len(draft) + 1)]
+                keep = accepted_length(draft, tokens)
+                sampled[seq.request.request_id] = [SampledToken(t, logprob=-1.0) for t in tokens[:keep]]
         return sampled
 
 
@@ -130,7 +143,7 @@ def check_batch(batch: Batch, scheduler: Scheduler) -> None:
     assert batch.num_tokens <= scheduler.config.max_num_batched_tokens
     assert len(batch.seqs) <= scheduler.config.max_num_seqs
     assert scheduler.num_running <= scheduler.config.max_num_seqs
-    kinds = [seq.sample and seq.num_new_tokens == 1 for seq in batch.seqs]
+    kinds = [seq.is_plain_decode for seq in batch.seqs]
     assert kinds == sorted(kinds, reverse=True), "a prefill chunk is scheduled before a decode"
 
 

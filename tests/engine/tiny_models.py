@@ -23,8 +23,9 @@ def tiny_config(kind: str = "llama", **overrides) -> transformers.PretrainedConf
     return transformers.LlamaConfig(**common)
 
 
-def save_tiny_model(folder, config: transformers.PretrainedConfig, seed: int = 0) -> str:
-    """Write a random model of `config` and the tokenizer into `folder`; returns it as a string."""
+def save_tiny_model(folder, config: transformers.PretrainedConfig, seed: int = 0, edit=None) -> str:
+    """Write a random model of `config` and the tokenizer into `folder`; returns it as a string.
+    `edit(model)`, under no_grad, may set weights of its own before the model is saved."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(seed)
@@ -33,6 +34,8 @@ def save_tiny_model(folder, config: transformers.PretrainedConfig, seed: int = 0
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(std=0.5)
+        if edit is not None:
+            edit(model)
     model.save_pretrained(folder)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
