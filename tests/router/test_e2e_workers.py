@@ -1,6 +1,8 @@
 """End to end with real processes: a prefill worker, a decode worker and the router
 (`python -m router`) on the default model, driven by the official `openai` client.
 
+The decode worker runs n-gram speculative decoding (`--speculative ngram`) and the offline
+engine does not, so every comparison below also checks that speculation changes no output.
 Greedy outputs must be identical to the offline engine (`engine.LLM`), including non-ASCII
 text; a repeated prefix reports cached tokens; a client that disconnects frees its blocks on
 the decode worker (seen through the router's /status); structured output (JSON Schema through
@@ -46,7 +48,7 @@ def cluster():
         # two prefill workers (routing between them is tested); threshold 0: every prompt is
         # prefilled on a prefill worker and its KV transferred to the decode worker
         processes += [start_worker("prefill_worker"), start_worker("prefill_worker"),
-                      start_worker("decode_worker", "--local-prefill-threshold", "0")]
+                      start_worker("decode_worker", "--local-prefill-threshold", "0", "--speculative", "ngram")]
         prefill_addresses = [grpc_address(p) for p in processes[:2]]
         decode_address = grpc_address(processes[2])
         router, url = start_router("--model", "default", "--prefill", ",".join(prefill_addresses),
@@ -210,6 +212,53 @@ def test_logit_bias_bans_or_forces_a_token_and_min_tokens_delays_eos(client, off
                                             extra_body={"min_tokens": n + 4})
     assert longer.usage.completion_tokens >= n + 4
     assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+COPY_CHAT = [{"role": "user", "content": 'Repeat exactly: {"id": 7, "name": "Ada", "tags": ["x", "y"], "ok": true}'}]
+
+
+def _spec_counters(cluster) -> tuple[int, int, float]:
+    """The decode worker's (draft tokens, accepted tokens, acceptance rate) on the router's /metrics."""
+    values = {}
+    worker = 'worker="{}"'.format(cluster["decode"])
+    for line in httpx.get(cluster["url"] + "/metrics").text.splitlines():
+        for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                     "worker_spec_decode_acceptance_rate"):
+            if line.startswith(f"pdserve:{name}{{") and worker in line:
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return (int(values["spec_decode_num_draft_tokens_total"]), int(values["spec_decode_num_accepted_tokens_total"]),
+            values["worker_spec_decode_acceptance_rate"])
+
+
+def test_speculative_decoding_keeps_the_output_and_reports_its_acceptance(client, cluster, offline):
+    """A chat that copies its prompt: the decode worker's drafts are mostly accepted (seen on
+    /metrics), the text is the offline engine's (which does not speculate), streamed or not; a
+    request with `speculative: false` gets the same text and drafts nothing."""
+    [reference] = offline.generate(COPY_CHAT, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    expected = offline.tokenizer.decode(reference.token_ids, skip_special_tokens=True)
+    drafted, accepted, _ = _spec_counters(cluster)
+    out = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0)
+    assert out.choices[0].message.content == expected
+    assert out.usage.completion_tokens == len(reference.token_ids)
+    wait_until(lambda: _spec_counters(cluster)[0] > drafted, message="the decode worker's drafts on /metrics")
+    drafted_after, accepted_after, rate = _spec_counters(cluster)
+    assert accepted_after - accepted > (drafted_after - drafted) / 2 and rate > 0
+    stream = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0,
+                                            stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+    before = _decode_stats(cluster).spec_draft_tokens
+    opted_out = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0,
+                                               extra_body={"speculative": False})
+    assert opted_out.choices[0].message.content == expected
+    assert _decode_stats(cluster).spec_draft_tokens == before
+
+
+def _decode_stats(cluster):
+    """The decode worker's own Stats (exact, not the router's last poll)."""
+    import grpc
+    import wire
+    with grpc.insecure_channel(cluster["decode"]) as channel:
+        return wire.services().DecodeServiceStub(channel).Stats(wire.messages().StatsRequest(), timeout=30)
 
 
 STORY = LONG_PREFIX + "Now tell me a short story about a lighthouse."

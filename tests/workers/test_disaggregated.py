@@ -1,7 +1,11 @@
 """Prefill + decode workers as separate processes: token-exact against the colocated worker and
 the offline engine over every kvtransfer transport, prefix-cache hits on the prefill worker,
 follow-up turns that move only the missing blocks (also when the decode worker's copy of the
-history waited in its host cache tier), conditional disaggregation, bad requests."""
+history waited in its host cache tier), conditional disaggregation, bad requests.
+
+The colocated worker runs n-gram speculative decoding (`--speculative ngram`), the decode workers
+and the offline engine do not: its greedy outputs equal the offline engine's, and its seeded
+samples and logprobs equal a disaggregated run's."""
 import random
 
 import grpc
@@ -25,7 +29,7 @@ TIERED_BLOCKS = 16
 
 @pytest.fixture(scope="module")
 def cluster():
-    specs = [("prefill", ENGINE), ("decode", ENGINE + ["--role", "both"])]
+    specs = [("prefill", ENGINE), ("decode", ENGINE + ["--role", "both", "--speculative", "ngram"])]
     specs += [("decode", ENGINE + ["--transport", t, "--local-prefill-threshold", str(THRESHOLD)]) for t in TRANSPORTS]
     # a decode worker whose pool holds one conversation, with a host cache tier behind it
     specs.append(("decode", ["--num-blocks", str(TIERED_BLOCKS), "--host-cache-gb", "0.2", "--transport", "tcp",
@@ -94,7 +98,9 @@ def test_colocated_and_disaggregated_match_offline(cluster, llm):
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
                for c in ("Name a fruit that is yellow.", "Écris un mot en français.")]
     prompts.append(tok.encode("Les fleurs du jardin sont belles au printemps, quand le soleil revient et que"))
+    prompts.append(tok.encode("one two three four five one two three four five one two three four"))
     decode = cluster["decode"][TRANSPORTS[0]]
+    drafts_before = cluster["colocated"].stats().spec_draft_tokens
     for index, prompt in enumerate(prompts):
         reference = offline(llm, prompt, 24)
         colocated = generate(cluster["colocated"], f"colo-{index}", prompt, params=sampling(24))
@@ -103,15 +109,20 @@ def test_colocated_and_disaggregated_match_offline(cluster, llm):
         assert disaggregated.token_ids == reference
         assert not colocated.first.prefilled_remotely
         assert disaggregated.first.prefilled_remotely
+    stats = cluster["colocated"].stats()
+    assert stats.spec_draft_tokens > drafts_before and stats.spec_accepted_tokens > 0  # it did speculate
 
 
-def test_seeded_sampling_and_logprobs_match_colocated(cluster):
+@pytest.mark.parametrize("repetitive", [False, True])
+def test_seeded_sampling_and_logprobs_match_colocated(cluster, llm, repetitive):
     """The prefill worker samples output position 0, the decode worker the rest: a seeded
-    request gives the same tokens (and logprobs) as on one colocated engine."""
-    prompt = random_prompt(7, 40)
+    request gives the same tokens (and logprobs) as on one colocated engine, which speculates
+    (on the repetitive prompt, with drafts mostly accepted)."""
+    prompt = llm.tokenizer.encode("red green blue " * 12) if repetitive else random_prompt(7, 40)
     params = sampling(16, temperature=0.9, seed=1234, logprobs=2, top_p=0.95)
-    colocated = generate(cluster["colocated"], "seeded-colo", prompt, params=params)
-    disaggregated = generate(cluster["decode"][TRANSPORTS[0]], "seeded-pd", prompt, cluster["prefill"], params=params)
+    colocated = generate(cluster["colocated"], f"seeded-colo-{repetitive}", prompt, params=params)
+    disaggregated = generate(cluster["decode"][TRANSPORTS[0]], f"seeded-pd-{repetitive}", prompt, cluster["prefill"],
+                             params=params)
     assert disaggregated.first.prefilled_remotely
     assert disaggregated.token_ids == colocated.token_ids
     colo_lp = [lp for chunk in colocated.chunks for lp in chunk.logprobs]
