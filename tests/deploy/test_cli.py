@@ -38,11 +38,15 @@ def test_serve_defaults_are_the_embedded_default():
 def test_engine_flags_reach_every_worker():
     opts = options("--block-size", "32", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
                    "--kv-cache-blocks", "300", "--max-model-len", "1024", "--no-prefix-caching", "--no-cuda-graphs",
-                   "--preemption-mode", "swap", "--swap-space-gb", "2", "--host-cache-gb", "8")
+                   "--preemption-mode", "swap", "--swap-space-gb", "2", "--host-cache-gb", "8",
+                   "--speculative", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1",
+                   "--prompt-lookup-max", "5", "--speculative-disable-by-batch-size", "16")
     assert opts.engine_options == {"block_size": 32, "max_num_batched_tokens": 512, "max_num_seqs": 8,
                                    "num_blocks": 300, "max_model_len": 1024, "enable_prefix_caching": False,
                                    "cuda_graphs": False, "preemption_mode": "swap", "swap_space_gb": 2.0,
-                                   "host_cache_gb": 8.0}
+                                   "host_cache_gb": 8.0, "speculative_method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 5,
+                                   "speculative_disable_by_batch_size": 16}
     spec = opts.worker_spec({"CPU": 2.0}, started_ray=True)
     assert spec.engine_options == opts.engine_options and spec.model == "default"
 

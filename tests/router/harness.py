@@ -224,7 +224,8 @@ class FakeDecodeWorker:
                                            kv_blocks_total=self.num_blocks, kv_blocks_free=free,
                                            kv_blocks_cached=3, prefix_cache_queries=100, prefix_cache_hits=25,
                                            block_size=BLOCK_SIZE, kv_transfer_failures=self.kv_transfer_failures,
-                                           rss_bytes=3 << 30, weight_bytes=1 << 30)
+                                           rss_bytes=3 << 30, weight_bytes=1 << 30, spec_drafts=10,
+                                           spec_draft_tokens=40, spec_accepted_tokens=30)
 
 
 class FakePrefillWorker:

@@ -72,6 +72,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
      "outside the vocabulary"),
     (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens]"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "speculative": "no"}, "speculative", "valid boolean"),
     (COMPLETIONS, {"model": "tiny", "prompt": ["a", "b"]}, "prompt", "exactly one prompt"),
     (COMPLETIONS, {"model": "tiny", "prompt": ""}, "prompt", "the prompt is empty"),
     (COMPLETIONS, {"model": "tiny", "prompt": [5, 99999]}, "prompt", "outside the vocabulary"),

@@ -74,5 +74,9 @@ def test_worker_gauges(router, decode, prefills):
     assert value(samples, "pdserve:worker_prefix_cache_hit_rate", **labels) == 0.25
     assert value(samples, "pdserve:worker_resident_bytes", **labels) == 3 << 30
     assert value(samples, "pdserve:worker_weight_bytes", **labels) == 1 << 30
+    assert value(samples, "pdserve:spec_decode_num_drafts_total", **labels) == 10
+    assert value(samples, "pdserve:spec_decode_num_draft_tokens_total", **labels) == 40
+    assert value(samples, "pdserve:spec_decode_num_accepted_tokens_total", **labels) == 30
+    assert value(samples, "pdserve:worker_spec_decode_acceptance_rate", **labels) == 0.75
     for prefill in prefills:
         assert value(samples, "pdserve:worker_healthy", worker=prefill.address, role="prefill") == 1
