@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -61,9 +60,7 @@ def machine_facts() -> dict[str, Any]:
 
     from benchmarks.offline import matmul_peak_gflops
     from engine import cpu_kernels
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cpu_features": cpu_kernels.cpu_features(), "kernel_isa": cpu_kernels.isa(),
+    return {"cpu": cpu_kernels.cpu_model(), "cpu_features": cpu_kernels.cpu_features(), "kernel_isa": cpu_kernels.isa(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "fp32_matmul_peak_gflops": matmul_peak_gflops(torch.float32)}
 

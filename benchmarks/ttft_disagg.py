@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 
 import wire  # noqa: E402
+from engine.cpu_kernels import cpu_model  # noqa: E402
 
 ENGINE = ["--model", "default", "--host", "127.0.0.1", "--port", "0", "--num-blocks", "800",
           "--log-level", "WARNING"]
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
                     prompt = [rng.randrange(100, 40000) for _ in range(length)]
                     samples[name][length].append(ttft(decode, prompt, worker, f"{name}-{length}-{repeat}"))
         report = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                  "cpu_model": _cpu_model(), "repeats": args.repeats, "threads": args.threads, "results": {}}
+                  "cpu_model": cpu_model(), "repeats": args.repeats, "threads": args.threads, "results": {}}
         print(f"{'system':<26}" + "".join(f"{n:>16}" for n in args.lengths))
         for name in systems:
             row = {}
@@ -126,18 +127,6 @@ def main(argv=None) -> None:
     finally:
         for worker in workers:
             worker.stop()
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                isa = "AVX512-BF16" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
-                return f"{line.split(':', 1)[1].strip()} ({isa})"
-    except OSError:
-        pass
-    return platform.machine()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ workloads are conversations of one turn.
   agent         conversations of `agent_turns` turns: a long system prompt with a tool schema that
                 every conversation shares, then per turn a tool result and a short reply, with an
                 exponential think time between a reply and the next turn
+  code_edit     a Python function (seeded, 12-24 lines) and a small edit to make (rename a variable):
+                the answer repeats most of the code, what speculative decoding by prompt lookup is for
+  json_echo     a JSON record (seeded) to return with one field changed: an answer that copies its prompt
 
 Text is drawn from common English words, each of which is one token in the usual BPE
 vocabularies (SmolLM2's included), so a prompt of N words is close to N tokens; the server's
@@ -23,7 +26,7 @@ import math
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("random", "chat", "interference", "agent")
+WORKLOADS = ("random", "chat", "interference", "agent", "code_edit", "json_echo")
 
 COMMON_WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
@@ -102,12 +105,15 @@ class WorkloadConfig:
     agent_reply_tokens: int = 16
     agent_think_time_s: float = 0.5
     agent_shared_system_prompt: bool = True
+    # code_edit and json_echo: the answer's budget (the edited code or record, and some words)
+    edit_output_len: int = 320
+    json_output_len: int = 224
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "input_len", "output_len", "chat_input_median", "chat_input_max",
                     "chat_output_median", "chat_output_max", "short_input_len", "short_output_len",
                     "long_input_len", "long_output_len", "long_every", "agent_turns", "agent_system_tokens",
-                    "agent_tool_result_tokens", "agent_reply_tokens")
+                    "agent_tool_result_tokens", "agent_reply_tokens", "edit_output_len", "json_output_len")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -126,7 +132,9 @@ class WorkloadConfig:
                      self.long_input_len + self.long_output_len, self.short_input_len + self.short_output_len)),
                  "agent": ("the agent's last turn (system + turns x (tool result + reply))",
                            self.agent_system_tokens + self.agent_turns * (self.agent_tool_result_tokens
-                                                                          + self.agent_reply_tokens + 16))}
+                                                                          + self.agent_reply_tokens + 16)),
+                 "code_edit": ("the function twice (prompt and answer)", 2 * self.edit_output_len),
+                 "json_echo": ("the record twice (prompt and answer)", 2 * self.json_output_len)}
         what, tokens = sizes[workload]
         if tokens > self.max_model_len - 32:
             raise ValueError(f"{what} is about {tokens} tokens, more than the context allows "
@@ -158,7 +166,8 @@ def build_workload(name: str, num_requests: int, config: WorkloadConfig | None =
     config = config or WorkloadConfig()
     config.check_fits(name)
     rng = random.Random(seed)
-    builders = {"random": _random, "chat": _chat, "interference": _interference, "agent": _agent}
+    builders = {"random": _random, "chat": _chat, "interference": _interference, "agent": _agent,
+                "code_edit": _code_edit, "json_echo": _json_echo}
     return builders[name](num_requests, config, rng)
 
 
@@ -237,3 +246,65 @@ def _agent(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
                     f"{num_conversations} conversations x {config.agent_turns} turns: shared system prompt + tool "
                     f"schema ~{config.agent_system_tokens} tokens, tool results ~{config.agent_tool_result_tokens}, "
                     f"replies {config.agent_reply_tokens}, think time mean {config.agent_think_time_s} s")
+
+
+_NAMES = ("total", "count", "items", "value", "result", "index", "offset", "record", "buffer", "limit", "price",
+          "weight", "score", "name", "path", "line", "size", "state", "queue", "batch")
+_VERBS = ("load", "parse", "merge", "update", "compute", "filter", "collect", "render", "check", "build")
+
+
+def python_function(rng: random.Random) -> tuple[str, list[str]]:
+    """A seeded Python function of 12-24 lines; returns it and the local names it uses."""
+    names = rng.sample(_NAMES, 6)
+    data, acc, item, key, limit, out = names
+    lines = [f"def {rng.choice(_VERBS)}_{rng.choice(_NAMES)}({data}, {limit}={rng.randint(2, 64)}):",
+             f'    """Return the {acc} of every {item} in {data} up to {limit}."""',
+             f"    {acc} = 0", f"    {out} = []"]
+    while len(lines) < rng.randint(12, 24) - 3:
+        kind = rng.randrange(4)
+        if kind == 0:
+            lines += [f"    for {item} in {data}:", f"        if {item}.{key} > {limit}:", "            continue",
+                      f"        {acc} += {item}.{key} * {rng.randint(2, 9)}"]
+        elif kind == 1:
+            lines += [f"    if {acc} > {limit}:", f"        {out}.append({acc})", f"        {acc} = {acc} // 2"]
+        elif kind == 2:
+            lines += [f"    {key} = [{item}.{rng.choice(_NAMES)} for {item} in {data} if {item}]"]
+        else:
+            lines += [f"    while len({out}) < {limit} and {acc}:", f"        {out}.append({acc} % {rng.randint(3, 17)})",
+                      f"        {acc} -= 1"]
+    lines += [f"    {out}.sort()", f"    return {acc}, {out}"]
+    return "\n".join(lines) + "\n", [data, acc, item, limit, out]
+
+
+def _code_edit(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
+    conversations = []
+    for i in range(n):
+        code, names = python_function(rng)
+        old = rng.choice(names)
+        new = f"{old}_{rng.choice(_NAMES)}"
+        content = (f"Rename the variable `{old}` to `{new}` in this function. Reply with the whole function "
+                   f"and nothing else.\n\n```python\n{code}```")
+        conversations.append(_single(i, content, config.edit_output_len, len(code) // 3, "code_edit"))
+    return Workload("code_edit", conversations, f"{n} requests: rename a variable in a 12-24 line Python "
+                                                f"function, up to {config.edit_output_len} tokens out")
+
+
+def json_record(rng: random.Random) -> dict:
+    text = TextMaker(rng)
+    return {"id": rng.randint(1000, 99999), "name": text.words(2).rstrip("."), "status": "active",
+            "owner": {"user": rng.choice(_NAMES), "team": rng.choice(_NAMES), "level": rng.randint(1, 9)},
+            "tags": rng.sample(_NAMES, 4), "scores": [rng.randint(0, 100) for _ in range(5)],
+            "created": f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+            "note": text.words(rng.randint(6, 14))}
+
+
+def _json_echo(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
+    import json
+    conversations = []
+    for i in range(n):
+        record = json.dumps(json_record(rng), indent=2)
+        content = ('Return this JSON object with "status" set to "archived" and everything else unchanged. '
+                   f"Reply with the JSON only.\n\n{record}")
+        conversations.append(_single(i, content, config.json_output_len, len(record) // 3, "json_echo"))
+    return Workload("json_echo", conversations, f"{n} requests: return a JSON record with one field changed, "
+                                                f"up to {config.json_output_len} tokens out")

@@ -89,6 +89,22 @@ def cpu_features() -> list[str]:
             if f in flags]
 
 
+def cpu_model() -> str:
+    """This CPU's model name (for benchmark reports), with the widest of its vector ISAs."""
+    name = None
+    try:
+        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), None)
+    except OSError:
+        pass
+    if name is None:
+        import platform
+        name = platform.processor() or platform.machine()
+    features = cpu_features()
+    widest = "AVX512-BF16" if "avx512_bf16" in features else "AVX-512" if "avx512f" in features else "AVX2"
+    return f"{name} ({widest})"
+
+
 def _compile_flags() -> list[str]:
     return [*_CFLAGS, *_MARCH[isa()]]
 

@@ -81,6 +81,28 @@ def test_agent_conversations_share_the_system_prompt_and_think_between_turns():
     assert private.conversations[0].system_prompt != private.conversations[1].system_prompt
 
 
+def test_copying_workloads_hold_what_the_answer_repeats():
+    """code_edit: a Python function (it compiles) and a variable of it to rename; json_echo: a JSON
+    record (it parses) with the field to change. Seeded like the others."""
+    import ast
+    import json
+    import re
+    code_edit = build_workload("code_edit", 4, WorkloadConfig(edit_output_len=100), seed=2)
+    assert code_edit.num_requests == 4 and code_edit.conversations == build_workload(
+        "code_edit", 4, WorkloadConfig(edit_output_len=100), seed=2).conversations
+    for conversation in code_edit.conversations:
+        turn = conversation.turns[0]
+        old = re.match(r"Rename the variable `(\w+)` to `(\w+)`", turn.content).group(1)
+        code = turn.content.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        tree = ast.parse(code)
+        assert old in {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} | {
+            arg.arg for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) for arg in node.args.args}
+        assert turn.max_tokens == 100 and turn.tag == "code_edit"
+    for conversation in build_workload("json_echo", 3, seed=5).conversations:
+        record = json.loads(conversation.turns[0].content.split("\n\n", 1)[1])
+        assert record["status"] == "active" and conversation.turns[0].max_tokens == WorkloadConfig().json_output_len
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"input_len": 0}, "input_len must be a positive integer"),
     ({"long_every": 1}, "long_every must be >= 2"),
