@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 if TYPE_CHECKING:
     from engine.config import SpeculativeConfig
@@ -61,14 +60,21 @@ class NgramProposer:
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         tokens = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
         length = len(tokens)
-        # Windows of tokens[:-1] end before the last token: every match has a continuation.
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(tokens[:length - 1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        # Where the last token occurred before (an occurrence at the end has no continuation),
+        # then which of those the previous tokens extend, one suffix length at a time.
+        ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+        matching = np.ones(ends.size, dtype=bool)
+        best = int(ends[-1]) if ends.size and self.min_n <= 1 else None
+        for back in range(1, min(self.max_n, length - 1)):
+            matching &= (ends >= back) & (tokens[np.maximum(ends - back, 0)] == tokens[length - 1 - back])
+            hits = np.flatnonzero(matching)
+            if not hits.size:
+                break
+            if back + 1 >= self.min_n:
+                best = int(ends[hits[-1]])  # the most recent occurrence of the longest suffix so far
+        if best is None:
+            return []
+        return tokens[best + 1:best + 1 + k].tolist()
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:
