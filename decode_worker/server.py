@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -171,3 +171,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         received = self.receiver.total_bytes_received if self.receiver is not None else 0
         return await serving.stats(self.engine, self.role, context, kv_bytes_received=received)
+
+    async def KVEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for batch in serving.kv_events(self.engine, context):
+            yield batch

@@ -7,6 +7,11 @@ no request at all) until a command arrives, a KV transfer ends (`LLMEngine.wakeu
 deadline passes. The thread also publishes a snapshot of the engine's counters after every
 step, which `stats()` returns at once: a health poll never waits behind a long prefill. Each request gets an asyncio queue; a caller that stops iterating (client disconnect,
 cancellation) aborts its request, which frees its blocks at the next step boundary.
+
+KV-cache events (engine/kv_events.py; `cache.kv_events` on): after every step and command the
+thread takes the engine's new events and publishes them as one numbered batch to every
+`subscribe_kv_events()` feed. A feed starts with a snapshot taken on the engine thread between two
+batches, so snapshot + batches is exactly the cache's history from then on.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.engine import LLMEngine, Prompt
+from engine.kv_events import KVEventBatch
 from engine.outputs import StreamDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -47,6 +53,9 @@ class AsyncEngine:
         self._died: BaseException | None = None
         self._aborts_before_add: set[str] = set()  # engine thread: aborted while its stream waits for the add
         self._snapshot = engine.stats()  # (SchedulerStats, queued prompt tokens), replaced whole
+        self._kv_feeds: set[KVEventFeed] = set()
+        self._kv_lock = threading.Lock()
+        self._kv_seq = 0  # the last published batch (engine thread)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -113,6 +122,26 @@ class AsyncEngine:
         for stream in streams:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _HANDED_OVER)
         return len(streams)
+
+    async def subscribe_kv_events(self, max_pending: int = 1024) -> "KVEventFeed":
+        """A feed of this engine's KV-cache events: a snapshot, then every batch. ValueError
+        when the engine does not record them (`cache.kv_events` off)."""
+        self._check_alive()
+        if not self.engine.config.cache.kv_events:
+            raise ValueError("this engine does not record KV-cache events (cache.kv_events is off)")
+        feed = KVEventFeed(self, asyncio.get_running_loop(), max_pending)
+
+        def register(engine: LLMEngine) -> None:
+            self._publish_kv_events()  # what happened before goes to the feeds that were there
+            feed._offer(KVEventBatch(self._kv_seq, time.time(), engine.kv_snapshot(), snapshot=True))
+            with self._kv_lock:
+                self._kv_feeds.add(feed)
+        await asyncio.wrap_future(self.call(register))
+        return feed
+
+    def _unsubscribe(self, feed: "KVEventFeed") -> None:
+        with self._kv_lock:
+            self._kv_feeds.discard(feed)
 
     def stats(self):
         """`LLMEngine.stats()` as of the end of the last step (or inbox drain), without waiting
@@ -237,7 +266,20 @@ class AsyncEngine:
                 self._deliver(final, request_id)
 
     def _refresh_snapshot(self) -> None:
+        """After each step and command: the stats snapshot, and the KV events it caused."""
         self._snapshot = self.engine.stats()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if not events:
+            return
+        self._kv_seq += 1
+        batch = KVEventBatch(self._kv_seq, time.time(), events)
+        with self._kv_lock:
+            feeds = list(self._kv_feeds)
+        for feed in feeds:
+            feed._offer(batch)
 
     def _wait_for_work(self, timeout: float) -> None:
         deadline = self.engine.next_deadline()
@@ -266,6 +308,10 @@ class AsyncEngine:
                 ids = list(self._streams)
             for request_id in ids:
                 self._deliver(RuntimeError(f"engine loop died: {exc}"), request_id)
+            with self._kv_lock:
+                feeds, self._kv_feeds = list(self._kv_feeds), set()
+            for feed in feeds:
+                feed._fail(RuntimeError(f"engine loop died: {exc}"))
             self._fail_inbox()
 
 
@@ -305,3 +351,59 @@ class RequestStream:
             return
         self._closed = True
         self._engine._close_stream(self.request_id, abort and not self.finished)
+
+
+class KVEventsOverflow(RuntimeError):
+    """A KV event feed's reader fell too far behind; it must subscribe again (a new snapshot)."""
+
+
+class KVEventFeed:
+    """One subscriber's KV event batches (engine/kv_events.py), as an async iterator: the
+    snapshot first, then every published batch in order. A reader more than `max_pending`
+    batches behind gets `KVEventsOverflow` instead of unbounded memory; a dead engine ends the
+    feed with RuntimeError. `close()` unsubscribes."""
+
+    def __init__(self, engine: AsyncEngine, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._max_pending = max_pending
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._ended = False
+
+    def _offer(self, batch: KVEventBatch) -> None:
+        """Engine thread: queue a batch, or end the feed when its reader is too far behind."""
+        with self._lock:
+            if self._ended:
+                return
+            self._pending += 1
+            overflow = self._pending > self._max_pending
+        if overflow:
+            self._fail(KVEventsOverflow(f"the reader fell more than {self._max_pending} batches behind"))
+            return
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._engine._unsubscribe(self)
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, error)
+
+    def __aiter__(self) -> "KVEventFeed":
+        return self
+
+    async def __anext__(self) -> KVEventBatch:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        with self._lock:
+            self._pending -= 1
+        return item
+
+    def close(self) -> None:
+        with self._lock:
+            self._ended = True
+        self._engine._unsubscribe(self)

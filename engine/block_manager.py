@@ -18,6 +18,10 @@ first, and a lookup that misses on the device goes on in the host tier; the bloc
 are allocated like new ones and filled by a copy from host memory (`allocate_slots(...,
 host_hits=...)`), then registered in the device cache at once. The copies are queued in the host
 cache and taken by the scheduler (`take_host_copies`).
+
+KV events (engine/kv_events.py, with `record_kv_events`): every block that joins or leaves the
+device cache or the host tier is recorded, in order, for `take_kv_events`; `kv_snapshot` gives
+the whole state as events.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from collections import OrderedDict
 
 from engine.block_hash import DEFAULT_HASH_ALGORITHM, BlockHash, hash_block
 from engine.host_cache import HostCache
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine.request import Request
 
 BlockContent = tuple  # (parent hash | None, extra key | None, token ids tuple)
@@ -32,7 +37,8 @@ BlockContent = tuple  # (parent hash | None, extra key | None, token ids tuple)
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_algorithm: str = DEFAULT_HASH_ALGORITHM, num_host_slots: int = 0) -> None:
+                 hash_algorithm: str = DEFAULT_HASH_ALGORITHM, num_host_slots: int = 0,
+                 record_kv_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -50,7 +56,9 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._holders: dict[str, Request] = {}
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already in the cache
-        self.host_cache = HostCache(num_host_slots) if num_host_slots > 0 and enable_prefix_caching else None
+        self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
+        self.host_cache = (HostCache(num_host_slots, self._kv_events)
+                           if num_host_slots > 0 and enable_prefix_caching else None)
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -153,7 +161,9 @@ class BlockManager:
         if self._block_hash[block_id] is None and block_hash not in self._cached:
             self._cached[block_hash] = block_id
             self._block_hash[block_id] = block_hash
-            self._block_content[block_id] = self._content(request, index)
+            self._block_content[block_id] = content = self._content(request, index)
+            if self._kv_events is not None:
+                self._kv_events.append(_stored(block_hash, content, "device"))
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -214,6 +224,8 @@ class BlockManager:
         if block_hash is not None:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
+                if self._kv_events is not None:
+                    self._kv_events.append(BlockRemoved((block_hash,), "device", "evicted" if keep_on_host else "cleared"))
                 if keep_on_host and self.host_cache is not None:
                     self.host_cache.save(block_hash, self._block_content[block_id], block_id)
             self._block_hash[block_id] = None
@@ -245,6 +257,24 @@ class BlockManager:
                 dropped += 1
         return dropped
 
+    # ---- KV events -------------------------------------------------------------------------
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, in order ([] when not recording)."""
+        if not self._kv_events:
+            return []
+        events = list(self._kv_events)
+        self._kv_events.clear()  # in place: the host tier appends to the same list
+        return events
+
+    def kv_snapshot(self) -> list[KVEvent]:
+        """The cache's whole state as events: AllBlocksCleared, then each cached block per tier."""
+        events: list[KVEvent] = [AllBlocksCleared()]
+        events += [_stored(h, self._block_content[b], "device") for h, b in self._cached.items()]
+        if self.host_cache is not None:
+            events += [_stored(h, content, "host") for h, content in self.host_cache.entries()]
+        return events
+
     # ---- invariants ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -275,3 +305,8 @@ class BlockManager:
             raise AssertionError("free + referenced blocks != total")
         if self.host_cache is not None:
             self.host_cache.check_integrity()
+
+
+def _stored(block_hash: BlockHash, content: BlockContent, tier: str) -> BlockStored:
+    parent, _, token_ids = content
+    return BlockStored((block_hash,), parent, tuple(token_ids), len(token_ids), tier)

@@ -63,6 +63,9 @@ class CacheConfig:
     # CPU: allocate the KV cache in shared memory (a memfd) that a same-host KV receiver can map;
     # prefill workers set it so kvtransfer's shm transport copies blocks out in one memcpy.
     shared_memory: bool = False
+    # Record KV-cache events (engine/kv_events.py) for `AsyncEngine.subscribe_kv_events`; the
+    # workers turn it on (their routers follow the events), the offline engine leaves it off.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

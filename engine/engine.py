@@ -249,6 +249,14 @@ class LLMEngine:
             stats = dataclasses.replace(stats, kv_transfer_failures=dict(self.kv_connector.failures))
         return stats, queued
 
+    def take_kv_events(self):
+        """KV-cache events since the last call (engine/kv_events.py; [] unless `cache.kv_events`)."""
+        return self.scheduler.block_manager.take_kv_events()
+
+    def kv_snapshot(self):
+        """The prefix cache's whole state as KV-cache events (a subscriber's first batch)."""
+        return self.scheduler.block_manager.kv_snapshot()
+
     def next_deadline(self) -> float | None:
         """When a step must run even if nothing else happens (a KV lease or transfer timeout)."""
         return self.kv_connector.next_deadline() if self.kv_connector is not None else None

@@ -22,15 +22,19 @@ engine right after a decode-role import allocates blocks):
   the cache (the scheduler's caller, in `LLMEngine.step` and `LLMEngine.add_imported`); when
   every slot is pinned, an evicted block is simply not saved.
 The tier is inclusive: a reloaded block keeps its host copy, so evicting it again costs no copy.
+With a `kv_events` list, every entry saved or dropped appends its event (engine/kv_events.py).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Hashable
 
+from engine.kv_events import BlockRemoved, BlockStored, KVEvent
+
 
 class HostCache:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, kv_events: list[KVEvent] | None = None) -> None:
+        """`kv_events`: where to record what the tier stores and drops (None: nowhere)."""
         if num_slots < 1:
             raise ValueError(f"a host cache needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -42,6 +46,7 @@ class HostCache:
         self._reloads: list[tuple[int, int]] = []
         self.offloaded_blocks = 0  # cumulative
         self.reloaded_blocks = 0  # cumulative
+        self._kv_events = kv_events
 
     @property
     def num_used(self) -> int:
@@ -57,7 +62,7 @@ class HostCache:
         if slot is not None:  # a colliding hash: the newer content replaces it, unless being read
             if slot in self._pinned:
                 return
-            self._drop(block_hash)
+            self._drop(block_hash, "replaced")
         slot = self._take_slot()
         if slot is None:
             return
@@ -66,6 +71,9 @@ class HostCache:
         self._pinned.add(slot)
         self._offloads.append((block_id, slot))
         self.offloaded_blocks += 1
+        if self._kv_events is not None:
+            parent, _, token_ids = content
+            self._kv_events.append(BlockStored((block_hash,), parent, tuple(token_ids), len(token_ids), "host"))
 
     def lookup(self, block_hash: bytes, content: Hashable) -> int | None:
         """The slot holding this block's KV, or None (a hash whose content differs is a miss)."""
@@ -98,21 +106,27 @@ class HostCache:
     def clear(self) -> None:
         """Forget every entry (queued copies stay: they may already be depended on)."""
         for block_hash in [h for h, slot in self._lru.items() if slot not in self._pinned]:
-            self._drop(block_hash)
+            self._drop(block_hash, "cleared")
+
+    def entries(self) -> list[tuple[bytes, Hashable]]:
+        """(hash, content key) of every block the tier holds, least recently used first."""
+        return [(block_hash, self._content[slot]) for block_hash, slot in self._lru.items()]
 
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
         for block_hash, slot in self._lru.items():  # least recently used first
             if slot not in self._pinned:
-                self._drop(block_hash)
+                self._drop(block_hash, "evicted")
                 return self._free.pop()
         return None
 
-    def _drop(self, block_hash: bytes) -> None:
+    def _drop(self, block_hash: bytes, reason: str) -> None:
         slot = self._lru.pop(block_hash)
         del self._content[slot]
         self._free.append(slot)
+        if self._kv_events is not None:
+            self._kv_events.append(BlockRemoved((block_hash,), "host", reason))
 
     def check_integrity(self) -> None:
         slots = list(self._lru.values())

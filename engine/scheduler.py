@@ -189,7 +189,7 @@ class Scheduler:
         self.kv_connector = kv_connector
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          num_host_slots=num_host_slots)
+                                          num_host_slots=num_host_slots, record_kv_events=cache_config.kv_events)
         self.max_sequence_tokens = min(max_model_len, num_blocks * cache_config.block_size)
         # Speculative decoding: a prefill-role worker samples one token per request, never drafts.
         self.speculative = speculative if speculative is not None and speculative.enabled and role != "prefill" else None

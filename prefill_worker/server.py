@@ -17,7 +17,7 @@ first, then frees the blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -118,3 +118,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await serving.stats(self.engine, "prefill", context, kv_bytes_sent=self.sender.total_bytes_sent)
+
+    async def KVEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for batch in serving.kv_events(self.engine, context):
+            yield batch

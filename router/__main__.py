@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conditional disaggregation: a decode worker prefills a prompt itself when the prefill "
                         "worker's queued prompt tokens exceed its own this many times over; inf: never "
                         "(default: %(default)s)")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="do not follow the workers' KV-cache events; route on what this router sent where "
+                        "(an estimate: it cannot see evictions, host-tier copies or other routers' requests)")
+    p.add_argument("--host-hit-cost", type=float, default=RouterConfig.host_hit_cost,
+                   help="what a host-tier KV hit costs next to recomputing the block, in [0, 1] (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -60,7 +65,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
         batch_share=args.batch_share,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,
-        max_migrations=args.max_migrations, local_prefill_weight=args.local_prefill_weight)
+        max_migrations=args.max_migrations, local_prefill_weight=args.local_prefill_weight,
+        kv_events=not args.no_kv_events, host_hit_cost=args.host_hit_cost)
     if not (config.decode or config.colocated):
         raise ValueError("no worker to send requests to: pass --decode HOST:PORT (with --prefill HOST:PORT) "
                          "or --colocated HOST:PORT")

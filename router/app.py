@@ -67,7 +67,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None, pool: WorkerPool | N
                          "set max_model_len (--max-model-len)")
     pool = pool or WorkerPool(config)
     metrics = RouterMetrics(pool)
-    dispatcher = Dispatcher(config, pool, make_prefill_policy(config), make_decode_policy(config), metrics)
+    index = pool.kv_index if config.kv_events else None
+    dispatcher = Dispatcher(config, pool, make_prefill_policy(config, index), make_decode_policy(config, index),
+                            metrics)
     state = RouterState(config, tokenizer, max_model_len, pool, metrics, dispatcher, TokenText(tokenizer),
                         protocol.now())
 

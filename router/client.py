@@ -1,8 +1,8 @@
 """gRPC clients for the workers: one `grpc.aio` channel and stub per worker address.
 
 The router talks to decode and colocated workers through `DecodeService` (Generate, Abort,
-Health, Stats) and to prefill workers only through `PrefillService` Health/Stats (the decode
-worker is the one that calls `Prefill`).
+Health, Stats, KVEvents) and to prefill workers only through `PrefillService` Health, Stats and
+KVEvents (the decode worker is the one that calls `Prefill`).
 """
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ class WorkerClient:
         if self.role == "prefill":
             raise ValueError(f"worker {self.address} is a prefill worker; Generate goes to a decode worker")
         return self._stub.Generate(request, wait_for_ready=False)
+
+    def kv_events(self) -> grpc.aio.UnaryStreamCall:
+        """Open the worker's KVEvents stream: a snapshot batch, then one batch per change."""
+        return self._stub.KVEvents(self.messages.KVEventsRequest(), wait_for_ready=False)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -48,8 +48,16 @@ class RouterConfig:
     # KV block size used for prefix-affinity hashes until a worker reports its own.
     block_size: int = 16
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM
-    # Per worker, how many recently routed block hashes the affinity tables remember.
+    # Per worker, how many routed block hashes not yet reported by its KV events the index keeps.
     affinity_capacity_blocks: int = 65536
+    # Follow every worker's KV-cache events (KVEvents stream) into the routing index; off: route on
+    # what this router sent where (an estimate that cannot see evictions or other routers).
+    kv_events: bool = True
+    # While a worker's events flow, a block routed there counts as cached for this long before
+    # its report arrives (a burst sharing a prefix lands together).
+    kv_pending_ttl_s: float = 10.0
+    # What a host-tier hit costs next to recomputing the block (it is copied back to the device).
+    host_hit_cost: float = 0.25
     # Prefix affinity yields to load when the preferred worker has this many more queued
     # prefill tokens than the least loaded one.
     affinity_max_imbalance_tokens: int = 16384
@@ -108,6 +116,7 @@ class RouterConfig:
                     "affinity_capacity_blocks": self.affinity_capacity_blocks,
                     "unhealthy_after_failures": self.unhealthy_after_failures,
                     "stats_interval_s": self.stats_interval_s, "rpc_timeout_s": self.rpc_timeout_s,
+                    "kv_pending_ttl_s": self.kv_pending_ttl_s,
                     "retry_after_s": self.retry_after_s}
         for name, value in positive.items():
             if not value > 0:
@@ -122,6 +131,6 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.local_prefill_weight >= 1.0:  # below 1, an idle pair would prefill everything locally
             raise ValueError(f"local_prefill_weight must be >= 1 (inf: off), got {self.local_prefill_weight}")
-        for name in ("affinity_min_match_ratio", "kv_free_low_watermark"):
+        for name in ("affinity_min_match_ratio", "kv_free_low_watermark", "host_hit_cost"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")

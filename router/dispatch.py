@@ -232,8 +232,10 @@ class Generation:
                         d.metrics.routing.labels("prefill", "local_queue").inc()
                     else:
                         d.metrics.routing.labels("prefill", prefill.reason).inc()
+                        d.metrics.routing_hits.labels("prefill", _hit_tier(prefill)).inc()
                         d.prefill_policy.record(prefill.worker, hashes)
             d.metrics.routing.labels("decode", decode.reason).inc()
+            d.metrics.routing_hits.labels("decode", _hit_tier(decode)).inc()
             d.decode_policy.record(decode.worker, hashes)
             self.assignment = d.pool.assign(decode.worker, prefill.worker if prefill else None, num_tokens)
             request = d.wire_request(self, self.assignment.prefill_address, resumed)
@@ -363,3 +365,8 @@ class Generation:
                 sequence = self.prompt_token_ids + list(output_token_ids)
                 d.decode_policy.record(self.assignment.decode, d.block_hashes(sequence, self.cache_salt))
         self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)
+
+
+def _hit_tier(choice: Choice) -> str:
+    """The deepest tier the chosen worker holds the prompt's prefix in."""
+    return "host" if choice.match.host else "device" if choice.match.device else "none"

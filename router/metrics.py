@@ -55,6 +55,9 @@ class RouterMetrics:
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes moved into decode workers.", registry=r)
         self.routing = Counter("pdserve:routing_decisions", "Worker choices, by role and reason.",
                                ["role", "reason"], registry=r)
+        self.routing_hits = Counter("pdserve:routing_cache_hits", "Routed requests by role and the deepest tier "
+                                    "of their cached prefix on the chosen worker (none, device, host).",
+                                    ["role", "tier"], registry=r)
         self.shed = Counter("pdserve:requests_shed", "Requests refused with 429 because the router was full, "
                             "by priority class (interactive: priority <= 0; batch: > 0).", ["priority_class"],
                             registry=r)
@@ -168,6 +171,11 @@ class _PoolCollector:
             for reason in FAILURE_REASONS:
                 failures.add_metric([worker.address, worker.role, reason], float(counts.get(reason, 0)))
         yield failures
+        index = GaugeMetricFamily("pdserve:kv_index_blocks", "Blocks in this router's KV index, by tier "
+                                  "(reported device / host, routed and not yet reported: pending).", labels=["tier"])
+        for tier in ("device", "host", "pending"):
+            index.add_metric([tier], float(self._pool.kv_index.size(tier)))
+        yield index
         for name, help_text, stat in _SPEC_COUNTERS:
             family = CounterMetricFamily(f"pdserve:{name}", help_text, labels=["worker", "role"])
             for worker in workers:

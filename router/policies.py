@@ -1,11 +1,14 @@
 """Routing policies: which prefill worker and which decode worker serve a request.
 
 Both kinds take the routable candidates and the prompt's chained block hashes (the same ones
-the engine computes, `engine.block_hash`) and return a `Choice` (the worker and why). After the
-request is sent, `record` tells the policy where those blocks now live.
+the engine computes, `engine.block_hash`) and return a `Choice` (the worker, why, and what of
+the prompt is cached there). What is cached where comes from the `KVIndex` (router/kv_index.py):
+the workers' KV events, exact and per tier, plus what was routed and not yet reported. After
+the request is sent, `record` tells the index where those blocks will live.
 
-- `PrefixAffinityPrefill`: the worker that recently prefilled the longest run of the prompt's
-  blocks wins, when that run covers at least `affinity_min_match_ratio` of them and the worker
+- `PrefixAffinityPrefill`: the worker with the longest cached run of the prompt's blocks wins
+  (a host-tier block counts `1 - host_hit_cost` of a device one: it is copied back, not
+  recomputed), when that run covers at least `affinity_min_match_ratio` of them and the worker
   is not more than `affinity_max_imbalance_tokens` queued prefill tokens behind the least
   loaded one; otherwise the least loaded (queued prefill tokens, then requests sent).
 - `PowerOfTwoDecode`: conversation affinity first (the worker that holds most of this prompt's
@@ -19,56 +22,24 @@ request is sent, `record` tells the policy where those blocks now live.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.block_hash import BlockHash
 from router.config import RouterConfig
+from router.kv_index import KVIndex, Match
 from router.pool import WorkerInfo
 
 
 @dataclass(frozen=True)
 class Choice:
     worker: WorkerInfo
-    reason: str  # "prefix_affinity", "conversation_affinity", "load", "power_of_two", "round_robin"
-    matched_blocks: int = 0
+    reason: str  # "prefix_affinity", "conversation_affinity", "load", "power_of_two", "round_robin", "sibling"
+    match: Match = field(default_factory=Match)  # the prompt's blocks cached there, by tier
 
-
-class AffinityTable:
-    """Per worker, the block hashes recently routed to it, oldest forgotten first (bounded)."""
-
-    def __init__(self, capacity_blocks: int) -> None:
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        self.capacity_blocks = capacity_blocks
-        self._tables: dict[str, OrderedDict[BlockHash, None]] = {}
-
-    def record(self, address: str, hashes: Sequence[BlockHash]) -> None:
-        table = self._tables.setdefault(address, OrderedDict())
-        for block_hash in hashes:
-            table[block_hash] = None
-            table.move_to_end(block_hash)
-        while len(table) > self.capacity_blocks:
-            table.popitem(last=False)
-
-    def matched_blocks(self, address: str, hashes: Sequence[BlockHash]) -> int:
-        """How many of the leading `hashes` this worker has (the chain stops at the first miss)."""
-        table = self._tables.get(address)
-        if not table:
-            return 0
-        count = 0
-        for block_hash in hashes:
-            if block_hash not in table:
-                break
-            count += 1
-        return count
-
-    def forget(self, address: str) -> None:
-        self._tables.pop(address, None)
-
-    def size(self, address: str) -> int:
-        return len(self._tables.get(address, ()))
+    @property
+    def matched_blocks(self) -> int:
+        return self.match.blocks
 
 
 class Policy(Protocol):
@@ -84,25 +55,31 @@ class Policy(Protocol):
         """The worker left the pool."""
 
 
-def _best_match(table: AffinityTable, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash],
-                min_ratio: float) -> tuple[list[WorkerInfo], int]:
-    """The candidates sharing the longest cached run of `hashes`, if it is long enough to count."""
+def _best_match(index: KVIndex, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash],
+                min_ratio: float, host_weight: float) -> tuple[list[WorkerInfo], dict[str, Match]]:
+    """The candidates with the most valuable cached run of `hashes` (a host-tier block is worth
+    `host_weight` of a device one: it is copied back, not recomputed), if it is long enough to
+    count; and every candidate's match."""
     if not hashes:
-        return [], 0
-    matches = {w.address: table.matched_blocks(w.address, hashes) for w in candidates}
-    best = max(matches.values())
+        return [], {}
+    matches = {w.address: index.match(w.address, hashes) for w in candidates}
+    value = {address: m.device + host_weight * m.host for address, m in matches.items()}
+    best = max(value.values())
     if best == 0 or best / len(hashes) < min_ratio:
-        return [], 0
-    return [w for w in candidates if matches[w.address] == best], best
+        return [], matches
+    return [w for w in candidates if value[w.address] == best], matches
 
 
 class PrefixAffinityPrefill:
     name = "prefix_affinity"
 
-    def __init__(self, config: RouterConfig) -> None:
-        self.table = AffinityTable(config.affinity_capacity_blocks)
+    def __init__(self, config: RouterConfig, index: KVIndex | None = None) -> None:
+        """`index`: the pool's (the workers' KV events); a private one holds only what this
+        policy routed (the estimate)."""
+        self.index = index if index is not None else _estimate_index(config)
         self.min_match_ratio = config.affinity_min_match_ratio
         self.max_imbalance_tokens = config.affinity_max_imbalance_tokens
+        self.host_weight = 1.0 - config.host_hit_cost
 
     @staticmethod
     def _load(worker: WorkerInfo) -> tuple[int, int, int]:
@@ -110,27 +87,29 @@ class PrefixAffinityPrefill:
 
     def choose(self, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash]) -> Choice:
         least_loaded = min(candidates, key=self._load)
-        preferred, matched = _best_match(self.table, candidates, hashes, self.min_match_ratio)
+        preferred, matches = _best_match(self.index, candidates, hashes, self.min_match_ratio, self.host_weight)
         if preferred:
             worker = min(preferred, key=self._load)
             if worker.prefill_load_tokens - least_loaded.prefill_load_tokens <= self.max_imbalance_tokens:
-                return Choice(worker, "prefix_affinity", matched)
-        return Choice(least_loaded, "load")
+                return Choice(worker, "prefix_affinity", matches[worker.address])
+        return Choice(least_loaded, "load", matches.get(least_loaded.address, Match()))
 
     def record(self, worker: WorkerInfo, hashes: Sequence[BlockHash]) -> None:
-        self.table.record(worker.address, hashes)
+        self.index.note_routed(worker.address, hashes)
 
     def forget(self, address: str) -> None:
-        self.table.forget(address)
+        self.index.forget(address)
 
 
 class PowerOfTwoDecode:
     name = "power_of_two"
 
-    def __init__(self, config: RouterConfig) -> None:
-        self.table = AffinityTable(config.affinity_capacity_blocks)
+    def __init__(self, config: RouterConfig, index: KVIndex | None = None) -> None:
+        """`index`: as for PrefixAffinityPrefill."""
+        self.index = index if index is not None else _estimate_index(config)
         self.min_match_ratio = config.affinity_min_match_ratio
         self.max_imbalance_requests = config.affinity_max_imbalance_requests
+        self.host_weight = 1.0 - config.host_hit_cost
         self.low_watermark = config.kv_free_low_watermark
         self._rng = random.Random(config.seed)
 
@@ -146,22 +125,24 @@ class PowerOfTwoDecode:
         return self._short_of_kv(worker), self._requests(worker)
 
     def choose(self, candidates: Sequence[WorkerInfo], hashes: Sequence[BlockHash]) -> Choice:
-        preferred, matched = _best_match(self.table, candidates, hashes, self.min_match_ratio)
+        preferred, matches = _best_match(self.index, candidates, hashes, self.min_match_ratio, self.host_weight)
         if preferred:
             worker = min(preferred, key=self._load)
             fewest = min(self._requests(w) for w in candidates)
             if not self._short_of_kv(worker) and self._requests(worker) - fewest <= self.max_imbalance_requests:
-                return Choice(worker, "conversation_affinity", matched)
+                return Choice(worker, "conversation_affinity", matches[worker.address])
         if len(candidates) == 1:
-            return Choice(candidates[0], "power_of_two")
-        first, second = self._rng.sample(list(candidates), 2)
-        return Choice(second if self._load(second) < self._load(first) else first, "power_of_two")
+            worker = candidates[0]
+        else:
+            first, second = self._rng.sample(list(candidates), 2)
+            worker = second if self._load(second) < self._load(first) else first
+        return Choice(worker, "power_of_two", matches.get(worker.address, Match()))
 
     def record(self, worker: WorkerInfo, hashes: Sequence[BlockHash]) -> None:
-        self.table.record(worker.address, hashes)
+        self.index.note_routed(worker.address, hashes)
 
     def forget(self, address: str) -> None:
-        self.table.forget(address)
+        self.index.forget(address)
 
 
 class RoundRobin:
@@ -206,9 +187,13 @@ def prefill_locally(decode: Choice, prefill: Choice, num_tokens: int, block_size
     return weight * (decode.worker.prefill_load_tokens + local) < prefill.worker.prefill_load_tokens + remote
 
 
-def make_prefill_policy(config: RouterConfig) -> Policy:
-    return PrefixAffinityPrefill(config) if config.prefill_policy == "prefix_affinity" else RoundRobin(config)
+def _estimate_index(config: RouterConfig) -> KVIndex:
+    return KVIndex(config.kv_pending_ttl_s, config.affinity_capacity_blocks)
 
 
-def make_decode_policy(config: RouterConfig) -> Policy:
-    return PowerOfTwoDecode(config) if config.decode_policy == "power_of_two" else RoundRobin(config)
+def make_prefill_policy(config: RouterConfig, index: KVIndex | None = None) -> Policy:
+    return PrefixAffinityPrefill(config, index) if config.prefill_policy == "prefix_affinity" else RoundRobin(config)
+
+
+def make_decode_policy(config: RouterConfig, index: KVIndex | None = None) -> Policy:
+    return PowerOfTwoDecode(config, index) if config.decode_policy == "power_of_two" else RoundRobin(config)

@@ -10,6 +10,8 @@ static lists in `RouterConfig`; the Ray controller (deploy/) feeds it through th
 
 A background task polls every worker's Health and Stats each `stats_interval_s`; a worker is
 routable when its last `unhealthy_after_failures` polls did not all fail and Health said ok.
+With `config.kv_events`, another task per worker follows its KVEvents stream into `kv_index`
+(router/kv_index.py), reopening it (a new snapshot) after any break while the worker is in the pool.
 Besides the polled stats, the pool counts what this router has in flight on each worker (open
 Generate streams, prompt tokens not yet prefilled), which is fresher than any poll.
 """
@@ -26,8 +28,13 @@ import grpc
 from engine.config import ROLES
 from router.client import WorkerClient
 from router.config import RouterConfig, check_grpc_address
+from router.kv_index import KVIndex
+from wire.convert import kv_event_batch_from_wire
 
 logger = logging.getLogger(__name__)
+
+KV_EVENTS_RETRY_S = 0.5  # first wait before reopening a broken KVEvents stream (doubles, up to 5 s)
+KV_SNAPSHOT_WAIT_S = 5.0  # at start, how long to wait for the healthy workers' first snapshots
 
 
 @dataclass
@@ -150,6 +157,7 @@ class WorkerPool:
     _removed: set[str] = field(default_factory=set)
     _poll_task: asyncio.Task | None = None
     _background: set[asyncio.Task] = field(default_factory=set)
+    _no_kv_events: set[str] = field(default_factory=set)  # workers whose KVEvents is UNIMPLEMENTED
     # Called with a worker's address once it has left the pool (policies forget it).
     removal_listeners: list[Callable[[str], None]] = field(default_factory=list)
     # Called with a worker's address when it stops answering polls (not when it reports "not ok":
@@ -157,6 +165,8 @@ class WorkerPool:
     unreachable_listeners: list[Callable[[str], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Where prompt blocks are cached, per worker and tier (the policies route on it).
+        self.kv_index = KVIndex(self.config.kv_pending_ttl_s, self.config.affinity_capacity_blocks)
         for role, addresses in (("prefill", self.config.prefill), ("decode", self.config.decode),
                                 ("both", self.config.colocated)):
             for address in addresses:
@@ -180,6 +190,7 @@ class WorkerPool:
         self._workers[address] = worker
         if self._poll_task is not None:
             self._spawn(self.poll_worker(worker))
+            self._follow(worker)
         return worker
 
     def drain_worker(self, address: str) -> None:
@@ -259,6 +270,14 @@ class WorkerPool:
         """Poll every worker once (so routing starts informed), then keep polling in the background."""
         await self.poll_all()
         self._poll_task = asyncio.create_task(self._poll_forever(), name="pdserve-router-pool-poll")
+        for worker in self.workers():
+            self._follow(worker)
+        if self.config.kv_events:  # route the first request on what the workers hold
+            deadline = time.monotonic() + KV_SNAPSHOT_WAIT_S
+            while time.monotonic() < deadline and any(
+                    w.healthy and not self.kv_index.followed(w.address) and w.address not in self._no_kv_events
+                    for w in self.workers()):
+                await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         if self._poll_task is not None:
@@ -320,6 +339,36 @@ class WorkerPool:
                 await self.poll_all()
             except Exception:  # a poll bug must not stop polling
                 logger.exception("worker poll failed")
+
+    # ---- KV events -----------------------------------------------------------------------------
+
+    def _follow(self, worker: WorkerInfo) -> None:
+        if self.config.kv_events:
+            self._spawn(self._follow_kv_events(worker))
+
+    async def _follow_kv_events(self, worker: WorkerInfo) -> None:
+        """Keep `kv_index` equal to the worker's prefix cache while it is in the pool. A worker
+        without the RPC (UNIMPLEMENTED) is routed on what this router sent it."""
+        delay = KV_EVENTS_RETRY_S
+        while self._workers.get(worker.address) is worker:
+            call = self.client(worker.address).kv_events()
+            try:
+                async for message in call:
+                    self.kv_index.apply(worker.address, kv_event_batch_from_wire(message))
+                    delay = KV_EVENTS_RETRY_S
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("worker %s publishes no KV events; routing on what was sent there", worker.address)
+                    self.kv_index.unfollow(worker.address)
+                    self._no_kv_events.add(worker.address)
+                    return
+                logger.debug("KV events of %s: %s", worker.address, exc.details())
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            self.kv_index.unfollow(worker.address)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
     def _spawn(self, coroutine) -> None:
         try:

@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -97,7 +97,8 @@ def build_async_engine(model: str, options: dict[str, Any], role: str, kv_transp
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from engine.llm import build_engine_config
-    engine = LLMEngine(build_engine_config(model, role=role, **options), kv_transport=kv_transport,
+    # kv_events: the routers follow this worker's prefix cache through its KVEvents stream
+    engine = LLMEngine(build_engine_config(model, role=role, kv_events=True, **options), kv_transport=kv_transport,
                        kv_connector_config=kv_connector_config)
     return AsyncEngine(engine, idle_wait_s=0.05)
 
@@ -144,6 +145,27 @@ async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes
     return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size,
                                 rss_bytes=resident_bytes(), weight_bytes=engine.engine.runner.weight_bytes,
                                 **kv_bytes)
+
+
+async def kv_events(engine, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """KVEvents (both services): the engine's KV-cache snapshot, then every batch of events,
+    until the caller leaves. A caller that falls behind gets RESOURCE_EXHAUSTED and subscribes
+    again (a new snapshot); a dead engine, UNAVAILABLE."""
+    from engine.async_engine import KVEventsOverflow
+    from wire.convert import kv_event_batch_to_wire
+    try:
+        feed = await engine.subscribe_kv_events()
+    except RuntimeError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    try:
+        async for batch in feed:
+            yield kv_event_batch_to_wire(batch)
+    except KVEventsOverflow as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    except RuntimeError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    finally:
+        feed.close()
 
 
 def resident_bytes() -> int:

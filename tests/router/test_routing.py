@@ -7,7 +7,9 @@ import pytest
 
 from engine.block_hash import hash_full_blocks
 from router.config import RouterConfig
-from router.policies import AffinityTable, Choice, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin, prefill_locally
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from router.kv_index import KVIndex, Match
+from router.policies import Choice, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin, prefill_locally
 from router.pool import WorkerInfo, WorkerPool
 from tests.router.harness import reply_script, wait_until
 
@@ -22,21 +24,70 @@ def workers(role, count):
 
 # ---- unit: policies ---------------------------------------------------------------------------
 
-def test_affinity_table_matches_leading_run_and_forgets_oldest():
-    table = AffinityTable(capacity_blocks=4)
+def test_routed_blocks_match_the_leading_run_and_the_oldest_are_forgotten():
+    """A worker without KV events: the index holds what was routed there (bounded)."""
+    index = KVIndex(pending_capacity_blocks=4)
     a = hashes(list(range(16)))  # 4 blocks
-    table.record("w", a)
-    assert table.matched_blocks("w", a) == 4
-    assert table.matched_blocks("w", hashes(list(range(8)) + [99] * 8)) == 2
-    assert table.matched_blocks("w", hashes([99] + list(range(1, 16)))) == 0  # chained: a first-block miss ends it
-    assert table.matched_blocks("other", a) == 0
-    table.record("w", hashes([50] * 8))  # 2 new blocks push out the 2 oldest
-    assert table.size("w") == 4
-    assert table.matched_blocks("w", a) == 0
-    table.forget("w")
-    assert table.size("w") == 0
-    with pytest.raises(ValueError, match="capacity_blocks"):
-        AffinityTable(0)
+    index.note_routed("w", a)
+    assert index.match("w", a) == Match(4, 0)
+    assert index.match("w", hashes(list(range(8)) + [99] * 8)).blocks == 2
+    assert index.match("w", hashes([99] + list(range(1, 16)))).blocks == 0  # chained: a first-block miss ends it
+    assert index.match("other", a).blocks == 0
+    index.note_routed("w", hashes([50] * 8))  # 2 new blocks push out the 2 oldest
+    assert index.size("pending") == 4
+    assert index.match("w", a).blocks == 0
+    index.forget("w")
+    assert index.size("pending") == 0
+    with pytest.raises(ValueError, match="pending_capacity_blocks"):
+        KVIndex(pending_capacity_blocks=0)
+
+
+def stored(block_hashes, tier="device"):
+    return BlockStored(tuple(block_hashes), None, (), 4, tier)
+
+
+def test_events_make_the_index_exact_per_tier():
+    """Reported blocks by tier; a device run then a host run (what the worker's lookup finds);
+    removals, a snapshot replacing the state, and routed blocks that count only until their TTL
+    while the worker's events flow."""
+    now = [0.0]
+    index = KVIndex(pending_ttl_s=5.0, clock=lambda: now[0])
+    prompt = hashes(list(range(24)))  # 6 blocks
+    index.apply("w", KVEventBatch(1, 0.0, [AllBlocksCleared(), stored(prompt[:2]), stored(prompt[2:5], "host")],
+                                  snapshot=True))
+    assert index.followed("w") and index.match("w", prompt) == Match(2, 3)
+    index.apply("w", KVEventBatch(2, 0.0, [stored(prompt[2:4])]))  # reloaded: now on the device too
+    assert index.match("w", prompt) == Match(4, 1)
+    index.apply("w", KVEventBatch(3, 0.0, [BlockRemoved((prompt[1],), "device", "evicted")]))
+    assert index.match("w", prompt) == Match(1, 0)  # the device run stops at block 1; host holds 2..4 only
+    assert index.match("w", prompt[:1] + prompt[1:]) == Match(1, 0)
+    index.apply("w", KVEventBatch(4, 0.0, [BlockRemoved(tuple(prompt[2:5]), "host", "evicted")]))
+    assert (index.size("device"), index.size("host")) == (3, 0)
+    other = hashes([7] * 12)
+    index.note_routed("w", other)  # routed, not yet reported: counts for 5 s
+    assert index.match("w", other) == Match(3, 0)
+    now[0] = 6.0
+    assert index.match("w", other) == Match(0, 0)
+    index.note_routed("w", other)
+    index.apply("w", KVEventBatch(5, 0.0, [stored(other)]))  # the report replaces the routed entries
+    assert index.size("pending") == 0 and index.match("w", other) == Match(3, 0)
+    index.apply("w", KVEventBatch(5, 0.0, [AllBlocksCleared(), stored(prompt[:1], "host")], snapshot=True))
+    assert index.match("w", other) == Match(0, 0) and index.match("w", prompt) == Match(0, 1)
+    index.unfollow("w")  # the stream broke: nothing reported counts until the next snapshot
+    assert not index.followed("w") and index.match("w", prompt) == Match(0, 0)
+
+
+def test_a_host_tier_hit_attracts_the_prefill_weighted_by_its_reload_cost():
+    index = KVIndex()
+    policy = PrefixAffinityPrefill(RouterConfig(block_size=4, host_hit_cost=0.25), index)
+    p0, p1 = workers("prefill", 2)
+    prompt = hashes(list(range(32)))  # 8 blocks
+    index.apply(p0.address, KVEventBatch(1, 0.0, [stored(prompt[:5])], snapshot=True))
+    index.apply(p1.address, KVEventBatch(1, 0.0, [stored(prompt[:2]), stored(prompt[2:8], "host")], snapshot=True))
+    choice = policy.choose([p0, p1], prompt)  # 2 + 0.75 * 6 = 6.5 beats 5
+    assert (choice.worker, choice.reason, choice.match) == (p1, "prefix_affinity", Match(2, 6))
+    expensive = PrefixAffinityPrefill(RouterConfig(block_size=4, host_hit_cost=0.6), index)
+    assert expensive.choose([p0, p1], prompt).worker is p0  # 2 + 0.4 * 6 = 4.4 < 5
 
 
 def test_prefix_affinity_prefers_the_longest_cached_prefix():
@@ -124,7 +175,7 @@ def test_conversation_affinity_sends_a_follow_up_turn_back():
 def test_prefill_locally_balances_the_two_queues():
     (d,), (p,) = workers("decode", 1), workers("prefill", 1)
     local = lambda n, weight=2.0, d_matched=0, p_matched=0: prefill_locally(  # noqa: E731
-        Choice(d, "power_of_two", d_matched), Choice(p, "load", p_matched), n, 16, weight)
+        Choice(d, "power_of_two", Match(d_matched)), Choice(p, "load", Match(p_matched)), n, 16, weight)
     assert not local(256)  # both idle: disaggregate
     p.outstanding_prefill_tokens = 1024  # a long prompt ahead on the prefill worker
     assert local(90)  # 2 * 90 < 1024 + 90: a short prompt does not queue behind it
