@@ -1,0 +1,173 @@
+"""Routing on the workers' KV-cache events, end to end: 2 prefill and 2 decode workers (real
+processes, the default model) and routers (`python -m router`), requests from the official
+`openai` client.
+
+- 8 tenants sharing 4 system prompts, sent through two routers in different orders: routing on
+  events computes fewer prompt tokens (all workers together) than routing on what each router
+  sent where (`--no-kv-events`, the estimate routers used before).
+- A router killed and replaced: the new one routes its first request to the worker that holds
+  the prompt's prefix (the snapshot of every worker's cache arrives before it serves).
+- A prefix evicted from a prefill worker's device pool into its host tier: the next request
+  with it goes to that worker, which copies it back (hit tier `host` on /metrics).
+"""
+import random
+
+import grpc
+import httpx
+import openai
+import pytest
+
+import wire
+from benchmarks.workloads import COMMON_WORDS
+from tests.router.processes import Process, grpc_address, start_router
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+
+
+def start_worker(module: str, *extra: str) -> Process:
+    return Process(["-m", module, "--model", "default", "--port", "0", "--block-size", str(BLOCK), *extra])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    processes = []
+    try:
+        # prefill pools of 128 blocks with a host tier behind them; decode workers never prefill
+        # on their own (threshold 0), so where a prompt is computed is the routers' choice
+        processes += [start_worker("prefill_worker", "--num-blocks", "128", "--host-cache-gb", "0.1"),
+                      start_worker("prefill_worker", "--num-blocks", "128", "--host-cache-gb", "0.1"),
+                      start_worker("decode_worker", "--num-blocks", "512", "--local-prefill-threshold", "0"),
+                      start_worker("decode_worker", "--num-blocks", "512", "--local-prefill-threshold", "0")]
+        addresses = [grpc_address(p) for p in processes]
+        yield {"prefill": addresses[:2], "decode": addresses[2:], "routers": []}
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def router(cluster, *extra):
+    process, url = start_router("--model", "default", "--prefill", cluster["prefill"][0], "--prefill",
+                                cluster["prefill"][1], "--decode", cluster["decode"][0], "--decode",
+                                cluster["decode"][1], *extra)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return process, url, client
+
+
+def stats(address: str, role: str):
+    with grpc.insecure_channel(address) as channel:
+        services = wire.services()
+        stub = services.PrefillServiceStub(channel) if role == "prefill" else services.DecodeServiceStub(channel)
+        return stub.Stats(wire.messages().StatsRequest(), timeout=30)
+
+
+def computed(cluster) -> dict[str, int]:
+    """Prompt tokens each worker has run through the model."""
+    return {a: stats(a, role).prompt_tokens_computed
+            for role in ("prefill", "decode") for a in cluster[role]}
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(COMMON_WORDS) for _ in range(n))
+
+
+def complete(client, prompt: str):
+    return client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0)
+
+
+def counter(url: str, name: str, **labels) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # the exposition sorts them
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{wanted}}}"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def run_tenants(cluster, seed: int, *extra) -> int:
+    """8 tenants on 4 system prompts (~130 tokens each), two questions each (~30 tokens), sent one
+    at a time alternately through two routers that see the tenants in opposite orders. Returns
+    the prompt tokens computed, all workers together."""
+    rng = random.Random(seed)
+    systems = [f"System {s}: " + words(rng, 130) for s in range(4)]
+    tenants = [systems[t % 4] + f"\nTenant {t}: " + words(rng, 12) for t in range(8)]
+    questions = [[" Question: " + words(rng, 14) for _ in range(2)] for _ in range(8)]
+    first, second = router(cluster, *extra), router(cluster, *extra)
+    try:
+        before = computed(cluster)
+        for q in range(2):
+            for i in range(8):
+                complete(first[2], tenants[i] + questions[i][q])
+                complete(second[2], tenants[7 - i] + questions[7 - i][q])
+        after = computed(cluster)
+    finally:
+        first[0].stop()
+        second[0].stop()
+    return sum(after.values()) - sum(before.values())
+
+
+def test_routing_on_events_computes_fewer_prompt_tokens_than_the_estimate(cluster):
+    estimate = run_tenants(cluster, 1, "--no-kv-events")
+    events = run_tenants(cluster, 2)  # other system prompts: no help from the first run's cache
+    assert events < estimate
+    # each system prompt computed once or nearly: 4 x ~140 tokens plus 32 tenant tails of ~40
+    assert events < 0.8 * estimate, f"events {events}, estimate {estimate}"
+
+
+def test_a_new_router_routes_on_the_snapshot_from_its_first_request(cluster):
+    rng = random.Random(3)
+    shared = "Manual: " + words(rng, 200)
+    process, url, client = router(cluster)
+    before = computed(cluster)
+    complete(client, "Filler: " + words(rng, 40))  # a fresh router sends its first prefill to the first worker
+    complete(client, shared + " First question: " + words(rng, 10))
+    after = computed(cluster)
+    holder = max(cluster["prefill"], key=lambda a: after[a] - before[a] if a != cluster["prefill"][0] else -1)
+    assert after[holder] - before[holder] > 200  # the manual was computed on the second prefill worker
+    process.popen.kill()
+    process.popen.wait()
+    process, url, client = router(cluster)  # knows nothing it routed: only the workers' snapshots
+    try:
+        hits = stats(holder, "prefill").prefix_cache_hits
+        before = computed(cluster)
+        complete(client, shared + " Second question: " + words(rng, 10))
+        after = computed(cluster)
+        assert stats(holder, "prefill").prefix_cache_hits - hits >= 192  # the manual's full blocks
+        assert sum(after.values()) - sum(before.values()) < 64  # only the new question was computed
+        assert counter(url, "pdserve:routing_decisions_total", role="prefill", reason="prefix_affinity") == 1
+    finally:
+        process.stop()
+
+
+def test_a_host_tier_hit_is_routed_to_the_worker_holding_it(cluster):
+    rng = random.Random(4)
+    process, url, client = router(cluster)
+    try:
+        target = "Handbook: " + words(rng, 120)
+        before = computed(cluster)
+        complete(client, target + " Q1: " + words(rng, 8))
+        after = computed(cluster)
+        holder = max(cluster["prefill"], key=lambda a: after[a] - before[a])
+        # Long prompts sharing a prefix follow it (prefix affinity): find one prefix that lands on
+        # the holder, then push enough new blocks there to evict the handbook to the host tier.
+        for attempt in range(4):
+            common = f"Archive {attempt}: " + words(rng, 600)
+            before = computed(cluster)
+            complete(client, common + " Part 0: " + words(rng, 380))
+            after = computed(cluster)
+            if after[holder] > before[holder]:
+                break
+        else:
+            pytest.fail("no filler prefix landed on the holder")
+        for part in range(1, 6):
+            complete(client, common + f" Part {part}: " + words(rng, 380))
+        host_hits = stats(holder, "prefill").host_cache_hits
+        before = computed(cluster)
+        complete(client, target + " Q2: " + words(rng, 8))
+        after = computed(cluster)
+        assert counter(url, "pdserve:routing_cache_hits_total", role="prefill", tier="host") == 1
+        assert stats(holder, "prefill").host_cache_hits - host_hits >= 96  # copied back, not recomputed
+        assert all(after[a] == before[a] for a in cluster["prefill"] if a != holder)
+        assert counter(url, "pdserve:kv_index_blocks", tier="host") > 0
+    finally:
+        process.stop()
