@@ -25,6 +25,7 @@ from typing import Any
 
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
                            parse_resources, pool_flag, pool_name)
+from deploy.planner import PlannerConfig
 from engine.config import DECODE_ROLE_MAX_STEP_RATIO, add_speculative_arguments, speculative_options
 from router.config import RouterConfig
 
@@ -132,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 "the routers resume them on other workers (s; needs --max-migrations > 0; "
                                 "default: %(default)s)")
     placement.add_argument("--worker-start-timeout", type=float, default=900.0, help="model load limit (s)")
+    planner = serve.add_argument_group("goodput planner (deploy/planner.py)")
+    planner.add_argument("--planner", action="store_true",
+                         help="size the prefill and decode pools from their measured load under the SLO below")
+    planner.add_argument("--planner-dry-run", action="store_true",
+                         help="the planner only logs what it would do (pdserve status shows its decisions)")
+    planner.add_argument("--slo-ttft-ms", type=float, default=PlannerConfig.slo_ttft_ms,
+                         help="time-to-first-token target (default: %(default)s)")
+    planner.add_argument("--slo-tpot-ms", type=float, default=PlannerConfig.slo_tpot_ms,
+                         help="time-per-output-token target (default: %(default)s)")
+    planner.add_argument("--max-workers", type=int, default=PlannerConfig.max_workers,
+                         help="prefill + decode workers the planner may run (default: %(default)s)")
+    planner.add_argument("--planner-interval", type=float, default=PlannerConfig.interval_s,
+                         help="seconds between its decisions; a change needs 3 in a row (default: %(default)s)")
     _add_locator_arguments(serve, with_ray_address=False)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -153,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run benchmarks/serve.py against a running server")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _planner_config(args: argparse.Namespace) -> PlannerConfig | None:
+    if not (args.planner or args.planner_dry_run):
+        return None
+    return PlannerConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_workers=args.max_workers,
+                         interval_s=args.planner_interval, dry_run=args.planner_dry_run)
 
 
 def _resources_argument(text: str) -> dict[str, float]:
@@ -215,6 +236,7 @@ def serve_options(args: argparse.Namespace):
                         routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, drain_grace_s=args.drain_grace,
+                        planner=_planner_config(args),
                         start_timeout_s=args.worker_start_timeout,
                         log_level=args.log_level.upper())
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from deploy.planner import PlannerConfig
 from engine.config import ROLES  # noqa: F401  (re-exported: deploy's modules take it from here)
 TRANSPORTS = ("auto", "ucx", "nccl", "tcp", "shm")
 DEVICES = ("cpu", "cuda")
@@ -211,6 +212,9 @@ class ControllerConfig:
     router_stale_after_s: float = 10.0
     max_start_backoff_s: float = 60.0
     max_events: int = 100
+    # The goodput planner (deploy/planner.py): sizes the prefill and decode pools from what they
+    # are measured to do under the SLO; None: the pools keep the sizes `scale()` sets.
+    planner: PlannerConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.namespace:

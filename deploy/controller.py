@@ -28,6 +28,10 @@ anything, it `recover()`s: targets and membership from the store, each worker it
 if its actor still lives (STARTING ones are stopped: nobody awaits their start any more), any
 other live worker of this controller stopped (an orphan), then health checks, replacement and
 scaling resume. Routers keep their last membership meanwhile.
+
+With `config.planner`, each tick also feeds the ready prefill and decode workers' Stats to the
+goodput planner (deploy/planner.py); once the pools are settled, its decisions go through
+`scale()` (or, in a dry run, only into the events), and `status()` lists its recent decisions.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deploy.config import ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
+from deploy.planner import Planner
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +152,7 @@ class PoolController:
     def __post_init__(self) -> None:
         self.targets = self.config.targets
         self._events = collections.deque(maxlen=self.config.max_events)
+        self.planner = Planner(self.config.planner) if self.config.planner is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -302,8 +308,13 @@ class PoolController:
         live_routers = [{"router_id": router_id, "last_sync_s": round(now - r.time, 1),
                          "inflight": sum(int(held.get("inflight", 0)) for held in r.workers.values())}
                         for router_id, r in sorted(self._live_routers().items())]
+        planner = None
+        if self.planner is not None:
+            planner = {"dry_run": self.config.planner.dry_run,
+                       "decisions": [d.as_dict() for d in list(self.planner.decisions)[-10:]]}
         return {"targets": self.targets.counts(), "settled": self.settled(), "workers": workers,
-                "routers": len(routers), "live_routers": live_routers, "events": list(self._events)}
+                "routers": len(routers), "live_routers": live_routers, "events": list(self._events),
+                "planner": planner}
 
     # ---- reconciling membership with the targets -----------------------------------------------
 
@@ -433,7 +444,27 @@ class PoolController:
         polled = [m for m in self._members.values() if m.state in (READY, DRAINING)]
         await asyncio.gather(*(self._poll(m) for m in polled))
         self._check_drains()
+        self._plan()
         self._reconcile()  # and saves
+
+    def _plan(self) -> None:
+        """Feed the planner the ready workers' Stats; apply its decision once the pools are settled."""
+        if self.planner is None or self._closed:
+            return
+        now = self.clock()
+        self.planner.observe(now, [(m.grpc_address, m.role, m.stats) for m in self._members.values()
+                                   if m.state == READY and m.stats and m.role in ("prefill", "decode")])
+        if not self.settled():  # a change under way: its workers' numbers are not in yet
+            return
+        decision = self.planner.decide(now, self.targets.prefill, self.targets.decode)
+        if decision is None or decision.target is None:
+            return
+        prefill, decode = decision.target
+        if self.config.planner.dry_run:
+            self._event(f"planner (dry run) would scale to {prefill} prefill, {decode} decode: {decision.reason}")
+            return
+        self._event(f"planner: {decision.reason}")
+        self.scale(prefill=prefill, decode=decode)
 
     async def _poll(self, member: Member) -> None:
         """One Stats poll. Anything but an answer is a failed poll, a call cancelled under it

@@ -31,6 +31,7 @@ from deploy.cluster import (RaySettings, ServeState, check_state_file_free, defa
                             start_or_join, write_state)
 from deploy.config import (DEFAULT_CONTROLLER_NAME, ROLES, ControllerConfig, PoolTargets, WorkerSpec,
                            capacity_shortfall, tp_flag)
+from deploy.planner import PlannerConfig
 from router.config import RouterConfig
 
 logger = logging.getLogger("pdserve")
@@ -75,6 +76,7 @@ class ServeOptions:
     drain_grace_s: float = 5.0  # then a draining decode worker hands its streams over (with migrations)
     start_timeout_s: float = 900.0
     log_level: str = "INFO"
+    planner: PlannerConfig | None = None  # the goodput planner; None: fixed pool sizes
 
     def __post_init__(self) -> None:
         self.targets = PoolTargets(prefill=self.prefill, decode=self.decode, colocated=self.colocated)
@@ -145,7 +147,7 @@ class ServeOptions:
         return ControllerConfig(targets=self.targets, worker=worker, name=self.controller_name,
                                 namespace=self.ray.namespace, health_interval_s=self.health_interval_s,
                                 drain_timeout_s=self.drain_timeout_s, drain_grace_s=grace,
-                                start_timeout_s=self.start_timeout_s)
+                                start_timeout_s=self.start_timeout_s, planner=self.planner)
 
 
 class ServeError(Exception):
