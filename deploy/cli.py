@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="prefill + decode workers the planner may run (default: %(default)s)")
     planner.add_argument("--planner-interval", type=float, default=PlannerConfig.interval_s,
                          help="seconds between its decisions; a change needs 3 in a row (default: %(default)s)")
+    planner.add_argument("--planner-cooldown", type=float, default=PlannerConfig.cooldown_s,
+                         help="seconds after a change before the next (default: %(default)s)")
     _add_locator_arguments(serve, with_ray_address=False)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -173,7 +175,8 @@ def _planner_config(args: argparse.Namespace) -> PlannerConfig | None:
     if not (args.planner or args.planner_dry_run):
         return None
     return PlannerConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, max_workers=args.max_workers,
-                         interval_s=args.planner_interval, dry_run=args.planner_dry_run)
+                         interval_s=args.planner_interval, cooldown_s=args.planner_cooldown,
+                         dry_run=args.planner_dry_run)
 
 
 def _resources_argument(text: str) -> dict[str, float]:

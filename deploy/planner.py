@@ -14,7 +14,7 @@ decode are sized separately, each from what the pool is measured to do.
 - **Decode.** A decode worker's time per output token grows with its batch: TPOT = a + c * b.
   Each interval gives (b = running sequences, TPOT = b / decode tokens per second) per worker;
   a least-squares line over the recent ones gives a and c, and the largest batch within the SLO,
-  `B = (slo_tpot - a) / c`. D = running sequences (all workers) * (1 + headroom) / B, rounded up.
+  `B = (slo_tpot - a) / c` (with one batch size seen so far, TPOT is taken as proportional to it). D = running sequences (all workers) * (1 + headroom) / B, rounded up.
 - Both at least 1; P + D at most `max_workers` (shared in proportion when the wish is larger).
 
 Hysteresis, so it never flaps: a new size must be wanted by `stable_decisions` decisions in a
@@ -181,15 +181,17 @@ class Planner:
     def _max_batch(self) -> float | None:
         """The largest decode batch whose TPOT fits the SLO, from TPOT = a + c * batch."""
         points = list(self._tpot_points)
-        if len(points) < 3 or len({b for b, _ in points}) < 2:
+        if len(points) < 3:
             return None
         n = len(points)
         mean_b = sum(b for b, _ in points) / n
         mean_t = sum(t for _, t in points) / n
+        slo = self.config.slo_tpot_ms / 1000.0
         var = sum((b - mean_b) ** 2 for b, _ in points)
+        if var == 0:  # one batch size seen: assume TPOT proportional to the batch (the cautious reading)
+            return max(1.0, mean_b * slo / mean_t)
         slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var
         intercept = mean_t - slope * mean_b
-        slo = self.config.slo_tpot_ms / 1000.0
         if slope <= 0:
             return float("inf") if intercept <= slo else 1.0
         return max(1.0, (slo - intercept) / slope)

@@ -35,6 +35,18 @@ def test_serve_defaults_are_the_embedded_default():
         options("--batch-share", "0").router_config(port=8000)
 
 
+def test_planner_flags_reach_the_controller():
+    from deploy.planner import PlannerConfig
+    worker = options().worker_spec({"CPU": 2.0}, started_ray=True)
+    assert options().controller_config(worker).planner is None
+    planned = options("--planner", "--slo-ttft-ms", "900", "--slo-tpot-ms", "50", "--max-workers", "5",
+                      "--planner-interval", "2", "--planner-cooldown", "5").controller_config(worker).planner
+    assert planned == PlannerConfig(slo_ttft_ms=900, slo_tpot_ms=50, max_workers=5, interval_s=2, cooldown_s=5)
+    assert options("--planner-dry-run").controller_config(worker).planner.dry_run
+    with pytest.raises(ValueError, match="max_workers must be >= 2"):
+        options("--planner", "--max-workers", "1")
+
+
 def test_engine_flags_reach_every_worker():
     opts = options("--block-size", "32", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
                    "--kv-cache-blocks", "300", "--max-model-len", "1024", "--no-prefix-caching", "--no-cuda-graphs",

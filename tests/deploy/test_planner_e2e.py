@@ -1,0 +1,45 @@
+"""The goodput planner on a real `pdserve serve` (local Ray, default model, CPU): 1 prefill + 1
+decode worker, `--planner` with a TPOT target no CPU meets and room for 3 workers. While 12
+streams run, the planner adds a decode worker; once they are done, it removes one again. Every
+request of the run succeeds, and the streams end with the offline engine's text."""
+import json
+
+import pytest
+
+from tests.deploy.harness import Stream, cluster_fixtures, offline_text, wait_until
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 256
+STORY = "Once upon a time, in a small village at the edge of a forest, there lived"
+STREAM_TOKENS = 240
+
+# --slo-tpot-ms 1: any running stream wants more decode workers than --max-workers allows, so the
+# scale-up does not depend on this machine's speed; idle, the pool wants 1 again.
+serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decode", "1", "--planner",
+                                          "--slo-tpot-ms", "1", "--max-workers", "3", "--planner-interval", "2",
+                                          "--planner-cooldown", "5")
+
+
+def status(serve) -> dict:
+    return json.loads(serve.cli("status", "--json").stdout)
+
+
+def test_the_planner_scales_decode_up_under_load_and_down_when_idle(serve, client, offline):
+    streams = [Stream(client, f"{STORY} (story {i})", STREAM_TOKENS) for i in range(12)]
+    wait_until(lambda: status(serve)["targets"]["decode"] == 2, timeout=300,
+               what="the planner to add a decode worker")
+    wait_until(lambda: all(s.done.is_set() for s in streams), timeout=900, what="the streams to finish")
+    # requests keep succeeding while the pool changes back
+    answers = []
+    wait_until(lambda: answers.append(client.completions.create(model="default", prompt=STORY, max_tokens=4,
+                                                                temperature=0)) or
+               status(serve)["targets"]["decode"] == 1, timeout=300,
+               what="the planner to remove the decode worker again")
+    assert all(s.error is None for s in streams), [repr(s.error) for s in streams if s.error]
+    for i, stream in enumerate(streams):  # the streams ask for ignore_eos
+        assert stream.text == offline_text(offline, f"{STORY} (story {i})", STREAM_TOKENS, ignore_eos=True)
+    assert answers and all(a.choices[0].text for a in answers)
+    decisions = status(serve)["planner"]["decisions"]
+    applied = [d["target"] for d in decisions if d["target"]]
+    assert applied[:2] == [[1, 2], [1, 1]], decisions
