@@ -15,6 +15,10 @@ ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 # prefill pool is too busy for); its decodes come first, so by default such a step takes at most
 # twice the decode-only step (`SchedulerConfig.max_step_ratio`; `build_engine_config` applies it).
 DECODE_ROLE_MAX_STEP_RATIO = 2.0
+# A prefill worker runs a long prompt in chunks of at most this many tokens while other prompts
+# wait, so short prompts pass between its chunks instead of queueing behind it
+# (`SchedulerConfig.long_prefill_chunk_tokens`; `build_engine_config` applies it).
+PREFILL_ROLE_LONG_CHUNK_TOKENS = 512
 
 # torch is imported where a dtype or a device is resolved, not here: the control plane (deploy,
 # `pdserve status`, the router's spec) reads these configs without loading torch.
@@ -92,6 +96,10 @@ class SchedulerConfig:
     # The same, relative: a step with prefill chunks takes at most this many times the decode-only
     # step (learned). Adapts to the hardware; the decode role's default is DECODE_ROLE_MAX_STEP_RATIO.
     max_step_ratio: float | None = None
+    # While other requests wait, a prompt with more tokens left than this runs at most this many
+    # per step (the rest of the budget admits the others); None: queue order alone decides. The
+    # prefill role's default is PREFILL_ROLE_LONG_CHUNK_TOKENS.
+    long_prefill_chunk_tokens: int | None = None
 
     @property
     def step_target_set(self) -> bool:
@@ -107,6 +115,8 @@ class SchedulerConfig:
             raise ValueError(f"max_step_ratio must be > 1 when set, got {self.max_step_ratio}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.long_prefill_chunk_tokens is not None and self.long_prefill_chunk_tokens < 1:
+            raise ValueError(f"long_prefill_chunk_tokens must be >= 1 when set, got {self.long_prefill_chunk_tokens}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 

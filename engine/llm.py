@@ -13,7 +13,8 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from engine.config import DECODE_ROLE_MAX_STEP_RATIO, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, PREFILL_ROLE_LONG_CHUNK_TOKENS, CacheConfig, EngineConfig,
+                           SchedulerConfig, SpeculativeConfig)
 from engine.engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -37,6 +38,8 @@ def build_engine_config(model: str = "default", **options) -> EngineConfig:
         groups[owner][key] = value
     if options.get("role") == "decode" and options.get("max_step_ms") is None and "max_step_ratio" not in options:
         groups["scheduler"]["max_step_ratio"] = DECODE_ROLE_MAX_STEP_RATIO
+    if options.get("role") == "prefill" and "long_prefill_chunk_tokens" not in options:
+        groups["scheduler"]["long_prefill_chunk_tokens"] = PREFILL_ROLE_LONG_CHUNK_TOKENS
     return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
                         scheduler=SchedulerConfig(**groups["scheduler"]),
                         speculative=SpeculativeConfig(**groups["speculative"]), **groups["engine"])

@@ -8,7 +8,8 @@ request has `num_computed_tokens` catching up with `num_tokens`. Per step:
 
     1. running decodes (one token each; a block boundary takes a new block), then, with
        speculative decoding (engine/speculative.py), their draft tokens from what is left,
-    2. running prefill chunks (the rest of the budget),
+    2. running prefill chunks (the rest of the budget; with `long_prefill_chunk_tokens`, a long
+       prompt runs at most that many tokens per step while others wait, so they pass it),
     3. waiting requests in priority order (prefix-cache match first), while the token budget
        (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; a
        request that does not fit blocks those behind it, except requests already holding their
@@ -322,6 +323,8 @@ class Scheduler:
                 if (remaining == 1) != decodes:
                     continue
                 num_new = min(remaining, budget)
+                if not decodes:
+                    num_new = min(num_new, self._long_prefill_cap(request))
                 if num_new < remaining and not self.config.enable_chunked_prefill:
                     continue
                 while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
@@ -354,6 +357,15 @@ class Scheduler:
         """Host-tier copies queued outside `schedule()` (a decode-role import's allocation): the
         caller must do them (offloads, then reloads) before anything writes into those blocks."""
         return self.block_manager.take_host_copies()
+
+    def _long_prefill_cap(self, request: Request) -> int:
+        """How many of a running prompt's tokens this step may run: all of them, unless the prompt
+        is long and others wait, who then get the rest of the budget (they pass between its chunks)."""
+        cap = self.config.long_prefill_chunk_tokens
+        if cap is None or not self.config.enable_chunked_prefill or not any(
+                other is not request for other in self.waiting):
+            return request.num_tokens
+        return cap
 
     def _add_drafts(self, scheduled: dict[str, ScheduledSeq], budget: int) -> int:
         """Speculative decoding: extend this step's decodes with draft tokens, within the budget;
@@ -411,7 +423,7 @@ class Scheduler:
             else:
                 computed = request.num_computed_tokens
             remaining = request.num_tokens - computed
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, self._long_prefill_cap(request))
             if ((num_new < remaining and not self.config.enable_chunked_prefill)
                     # a prefill-role request takes its whole prompt now: it never asks again
                     or not self.block_manager.allocate_slots(

@@ -22,9 +22,9 @@ def make():
     created = []
 
     def factory(num_blocks=64, budget=64, max_seqs=8, max_model_len=256, role="both", connector=None,
-                prefix_caching=True, chunked=True, swap_slots=0, host_slots=0):
+                prefix_caching=True, chunked=True, swap_slots=0, host_slots=0, long_chunk=None):
         scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                              enable_chunked_prefill=chunked,
+                                              enable_chunked_prefill=chunked, long_prefill_chunk_tokens=long_chunk,
                                               preemption_mode="swap" if swap_slots else "recompute"),
                               CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
                               num_blocks, max_model_len, role=role, kv_connector=connector, num_swap_slots=swap_slots,
@@ -467,6 +467,29 @@ def test_prefill_role_failed_send_ends_in_error_and_frees(make):
     final = scheduler.finish_sending("p", "KV transfer failed: peer unreachable")
     assert (final.finish_reason, final.error) == ("error", "KV transfer failed: peer unreachable")
     assert scheduler.block_manager.num_free_blocks == 16 and scheduler.num_sending_kv == 0
+
+
+def test_prefill_role_short_prompts_pass_between_a_long_prompts_chunks(make):
+    """With long_prefill_chunk_tokens (the prefill role's default), a long prompt takes the whole
+    budget while alone, and only a chunk per step while others wait: they run in the same step."""
+    scheduler, runner = make(num_blocks=64, budget=32, role="prefill", connector=FakeConnector(pin=False),
+                             long_chunk=8)
+    long = prompt_of(124, 100)
+    scheduler.add_request(req("long", long))
+    batch, _ = step(scheduler, runner)
+    assert [seq.num_new_tokens for seq in batch.seqs] == [32]
+    scheduler.add_request(req("short", prompt_of(125, 6)))
+    scheduler.add_request(req("medium", prompt_of(126, 20)))
+    batch, outputs = step(scheduler, runner)
+    # the last one admitted has nobody behind it: it takes the rest of the budget
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "short": 6,
+                                                                                   "medium": 18}
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("short", "prefill_done")]
+    batch, _ = step(scheduler, runner)  # nobody waits now: queue order, the whole budget
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 32}
+    finals = run_until_done(scheduler, runner)
+    assert finals["long"].new_token_ids == reference_generate(long, 1)
+    assert finals["medium"].finish_reason == "prefill_done"
 
 
 def test_prefill_role_without_a_send_finishes_at_its_first_token(make):
