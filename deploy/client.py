@@ -24,6 +24,9 @@ class ControllerClient:
     async def router_sync(self, router_id: str, workers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         return await self.actor.router_sync.remote(router_id, workers)
 
+    async def planner_status(self) -> dict[str, Any] | None:
+        return await self.actor.planner_status.remote()
+
     async def start(self) -> dict[str, Any]:
         return _unwrap(await self.actor.start.remote())
 

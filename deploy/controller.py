@@ -308,10 +308,7 @@ class PoolController:
         live_routers = [{"router_id": router_id, "last_sync_s": round(now - r.time, 1),
                          "inflight": sum(int(held.get("inflight", 0)) for held in r.workers.values())}
                         for router_id, r in sorted(self._live_routers().items())]
-        planner = None
-        if self.planner is not None:
-            planner = {"dry_run": self.config.planner.dry_run,
-                       "decisions": [d.as_dict() for d in list(self.planner.decisions)[-10:]]}
+        planner = self.planner.status() if self.planner is not None else None
         return {"targets": self.targets.counts(), "settled": self.settled(), "workers": workers,
                 "routers": len(routers), "live_routers": live_routers, "events": list(self._events),
                 "planner": planner}
@@ -633,6 +630,13 @@ class ControllerActor:
     async def router_sync(self, router_id: str, workers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         await self._resume()
         return self.controller.router_sync(router_id, workers)
+
+    async def planner_status(self) -> dict[str, Any] | None:
+        """The goodput planner's counts and recent decisions, with the current targets (None: no planner)."""
+        await self._resume()
+        if self.controller.planner is None:
+            return None
+        return {**self.controller.planner.status(), "targets": self.controller.targets.counts()}
 
     async def shutdown(self) -> None:
         await self._resume()

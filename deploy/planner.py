@@ -84,6 +84,8 @@ class Planner:
     _window_start: float | None = None
     _streak: tuple[tuple[int, int] | None, int] = (None, 0)
     _last_change: float | None = None
+    num_decisions: int = 0  # cumulative
+    num_changes: int = 0  # decisions with a target (applied, or logged in a dry run)
 
     def observe(self, now: float, workers: Iterable[tuple[str, str, dict[str, Any]]]) -> None:
         """(address, role, Stats fields) of every ready worker, as polled at `now`."""
@@ -131,7 +133,15 @@ class Planner:
                     self._last_change = now
         decision = Decision(now, (prefill, decode), wanted, target, reason)
         self.decisions.append(decision)
+        self.num_decisions += 1
+        self.num_changes += target is not None
         return decision
+
+    def status(self) -> dict[str, Any]:
+        """For `pdserve status` and the routers' /metrics: counts, the last decision, the recent ones."""
+        recent = [d.as_dict() for d in list(self.decisions)[-10:]]
+        return {"dry_run": self.config.dry_run, "decisions_total": self.num_decisions,
+                "changes_total": self.num_changes, "last": recent[-1] if recent else None, "decisions": recent}
 
     # ---- the model ---------------------------------------------------------------------------
 

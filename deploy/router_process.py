@@ -98,9 +98,12 @@ async def _run(spec: RouterSpec) -> None:
     pool = WorkerPool(config)
     app = create_app(config, tokenizer=tokenizer, pool=pool)
     app.include_router(admin_routes(client, config.api_key))
+    planner = PlannerMetrics(client)
+    app.state.router.metrics.registry.register(planner)
     sync = MembershipSync(pool, client.router_sync, spec.sync_interval_s, router_id=router_id(spec.index, os.getpid()))
     await _warm_up(sync, pool, spec.warm_up_s)
     sync.start()
+    planner.start()
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on"))
     sock = socket.socket(fileno=spec.listen_fd)
     serving = loop.create_task(server.serve(sockets=[sock]))
@@ -117,6 +120,7 @@ async def _run(spec: RouterSpec) -> None:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
         await sync.stop()
+        await planner.stop()
     serving.result()  # an error of the HTTP server ends the process with it (the supervisor restarts it)
 
 
@@ -152,3 +156,56 @@ def _die_with_parent(parent_pid: int) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class PlannerMetrics:
+    """The goodput planner's decisions on this router's /metrics (deploy/planner.py): read from
+    the controller every `interval_s`; nothing is exported when it runs no planner."""
+
+    def __init__(self, client: Any, interval_s: float = 2.0) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self.status: dict[str, Any] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll(), name="pdserve-planner-metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self.status = await self.client.planner_status()
+            except Exception as exc:  # the controller is away: keep the last numbers
+                logger.debug("planner status: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        status = self.status
+        if status is None:
+            return
+        decisions = CounterMetricFamily("pdserve:planner_decisions", "Goodput planner decisions, by outcome "
+                                        "(change: a new size, applied or, in a dry run, logged; keep).",
+                                        labels=["outcome"])
+        decisions.add_metric(["change"], float(status["changes_total"]))
+        decisions.add_metric(["keep"], float(status["decisions_total"] - status["changes_total"]))
+        yield decisions
+        wanted = GaugeMetricFamily("pdserve:planner_wanted_workers", "Workers the planner's model wants now, by "
+                                   "role.", labels=["role"])
+        target = GaugeMetricFamily("pdserve:planner_target_workers", "The pools' target sizes, by role.",
+                                   labels=["role"])
+        last = status["last"]
+        for index, role in enumerate(("prefill", "decode")):
+            if last is not None:
+                wanted.add_metric([role], float(last["wanted"][index]))
+            target.add_metric([role], float(status["targets"][role]))
+        yield wanted
+        yield target
+
+    def describe(self):
+        return []

@@ -4,6 +4,7 @@ streams run, the planner adds a decode worker; once they are done, it removes on
 request of the run succeeds, and the streams end with the offline engine's text."""
 import json
 
+import httpx
 import pytest
 
 from tests.deploy.harness import Stream, cluster_fixtures, offline_text, wait_until
@@ -43,3 +44,10 @@ def test_the_planner_scales_decode_up_under_load_and_down_when_idle(serve, clien
     decisions = status(serve)["planner"]["decisions"]
     applied = [d["target"] for d in decisions if d["target"]]
     assert applied[:2] == [[1, 2], [1, 1]], decisions
+    # the routers' /metrics show them (read from the controller every 2 s)
+    def planner_metrics():
+        lines = httpx.get(serve.url + "/metrics", timeout=30).text.splitlines()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line.startswith("pdserve:planner_")}
+    metrics = wait_until(lambda: (m := planner_metrics()).get('pdserve:planner_decisions_total{outcome="change"}', 0)
+                         >= 2 and m, timeout=30, what="the planner's decisions on /metrics")
+    assert metrics['pdserve:planner_target_workers{role="decode"}'] == 1
