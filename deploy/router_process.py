@@ -154,8 +154,6 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit(0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 class PlannerMetrics:
@@ -209,3 +207,7 @@ class PlannerMetrics:
 
     def describe(self):
         return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
