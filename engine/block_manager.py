@@ -163,7 +163,7 @@ class BlockManager:
             self._block_hash[block_id] = block_hash
             self._block_content[block_id] = content = self._content(request, index)
             if self._kv_events is not None:
-                self._kv_events.append(_stored(block_hash, content, "device"))
+                self._kv_events.append(BlockStored.of_block(block_hash, content, "device"))
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -270,9 +270,9 @@ class BlockManager:
     def kv_snapshot(self) -> list[KVEvent]:
         """The cache's whole state as events: AllBlocksCleared, then each cached block per tier."""
         events: list[KVEvent] = [AllBlocksCleared()]
-        events += [_stored(h, self._block_content[b], "device") for h, b in self._cached.items()]
+        events += [BlockStored.of_block(h, self._block_content[b], "device") for h, b in self._cached.items()]
         if self.host_cache is not None:
-            events += [_stored(h, content, "host") for h, content in self.host_cache.entries()]
+            events += [BlockStored.of_block(h, content, "host") for h, content in self.host_cache.entries()]
         return events
 
     # ---- invariants ------------------------------------------------------------------------
@@ -305,8 +305,3 @@ class BlockManager:
             raise AssertionError("free + referenced blocks != total")
         if self.host_cache is not None:
             self.host_cache.check_integrity()
-
-
-def _stored(block_hash: BlockHash, content: BlockContent, tier: str) -> BlockStored:
-    parent, _, token_ids = content
-    return BlockStored((block_hash,), parent, tuple(token_ids), len(token_ids), tier)

@@ -72,8 +72,7 @@ class HostCache:
         self._offloads.append((block_id, slot))
         self.offloaded_blocks += 1
         if self._kv_events is not None:
-            parent, _, token_ids = content
-            self._kv_events.append(BlockStored((block_hash,), parent, tuple(token_ids), len(token_ids), "host"))
+            self._kv_events.append(BlockStored.of_block(block_hash, content, "host"))
 
     def lookup(self, block_hash: bytes, content: Hashable) -> int | None:
         """The slot holding this block's KV, or None (a hash whose content differs is a miss)."""

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Union
 
 TIERS: tuple[str, ...] = ("device", "host")
-REMOVAL_REASONS: tuple[str, ...] = ("evicted", "replaced", "cleared")
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,13 @@ class BlockStored:
     token_ids: tuple[int, ...]  # the tokens of every block, in order
     block_size: int
     tier: str
+
+    @classmethod
+    def of_block(cls, block_hash: bytes, content: tuple, tier: str) -> "BlockStored":
+        """One block, from its content key as the block manager keeps it (parent hash, extra key,
+        token ids)."""
+        parent, _, token_ids = content
+        return cls((block_hash,), parent, tuple(token_ids), len(token_ids), tier)
 
 
 @dataclass(frozen=True)

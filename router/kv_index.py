@@ -41,7 +41,6 @@ class _Worker:
     host: set[BlockHash] = field(default_factory=set)
     pending: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)  # hash -> when routed
     followed: bool = False  # its KVEvents stream is live (its sets are exact)
-    last_seq: int = 0
 
 
 class KVIndex:
@@ -60,7 +59,6 @@ class KVIndex:
         """One batch of the worker's KVEvents stream, in order (a snapshot replaces its state)."""
         worker = self._workers.setdefault(address, _Worker())
         worker.followed = True
-        worker.last_seq = batch.seq
         for event in batch.events:
             if isinstance(event, BlockStored):
                 tier = worker.device if event.tier == "device" else worker.host

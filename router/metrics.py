@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.kv_connector import FAILURE_REASONS
+from engine.kv_events import TIERS
 from router.pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -173,7 +174,7 @@ class _PoolCollector:
         yield failures
         index = GaugeMetricFamily("pdserve:kv_index_blocks", "Blocks in this router's KV index, by tier "
                                   "(reported device / host, routed and not yet reported: pending).", labels=["tier"])
-        for tier in ("device", "host", "pending"):
+        for tier in (*TIERS, "pending"):
             index.add_metric([tier], float(self._pool.kv_index.size(tier)))
         yield index
         for name, help_text, stat in _SPEC_COUNTERS:

@@ -63,6 +63,22 @@ def grpc_address(process: Process) -> str:
     return dict(part.split("=", 1) for part in ready.split()[1:])["grpc"]
 
 
+def start_worker(module: str, *args: str) -> Process:
+    """`python -m prefill_worker|decode_worker` on the default model and a free port."""
+    return Process(["-m", module, "--model", "default", "--port", "0", *args])
+
+
+def worker_stats(address: str, role: str):
+    """A worker's own Stats (exact, not a router's last poll)."""
+    import grpc
+
+    import wire
+    with grpc.insecure_channel(address) as channel:
+        services = wire.services()
+        stub = services.PrefillServiceStub(channel) if role == "prefill" else services.DecodeServiceStub(channel)
+        return stub.Stats(wire.messages().StatsRequest(), timeout=30)
+
+
 def start_router(*args: str) -> tuple[Process, str]:
     """`python -m router *args` on a free port; (the process, its URL) once /health answers 200."""
     sock = free_socket()

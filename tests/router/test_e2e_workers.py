@@ -19,7 +19,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from tests.router.harness import wait_until
-from tests.router.processes import REPO, Process, grpc_address, start_router
+from tests.router.processes import REPO, grpc_address, start_router, start_worker, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +37,15 @@ LONG_PREFIX = ("Here is a long document that several questions will share as the
 NEW_TOKENS = 24
 
 
-def start_worker(module: str, *extra: str) -> Process:
-    return Process(["-m", module, "--model", "default", "--port", "0", "--num-blocks", str(NUM_BLOCKS), *extra])
-
-
 @pytest.fixture(scope="module")
 def cluster():
     processes = []
     try:
         # two prefill workers (routing between them is tested); threshold 0: every prompt is
         # prefilled on a prefill worker and its KV transferred to the decode worker
-        processes += [start_worker("prefill_worker"), start_worker("prefill_worker"),
-                      start_worker("decode_worker", "--local-prefill-threshold", "0", "--speculative", "ngram")]
+        blocks = ["--num-blocks", str(NUM_BLOCKS)]
+        processes += [start_worker("prefill_worker", *blocks), start_worker("prefill_worker", *blocks),
+                      start_worker("decode_worker", *blocks, "--local-prefill-threshold", "0", "--speculative", "ngram")]
         prefill_addresses = [grpc_address(p) for p in processes[:2]]
         decode_address = grpc_address(processes[2])
         router, url = start_router("--model", "default", "--prefill", ",".join(prefill_addresses),
@@ -246,19 +243,11 @@ def test_speculative_decoding_keeps_the_output_and_reports_its_acceptance(client
     stream = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0,
                                             stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
-    before = _decode_stats(cluster).spec_draft_tokens
+    before = worker_stats(cluster["decode"], "decode").spec_draft_tokens
     opted_out = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0,
                                                extra_body={"speculative": False})
     assert opted_out.choices[0].message.content == expected
-    assert _decode_stats(cluster).spec_draft_tokens == before
-
-
-def _decode_stats(cluster):
-    """The decode worker's own Stats (exact, not the router's last poll)."""
-    import grpc
-    import wire
-    with grpc.insecure_channel(cluster["decode"]) as channel:
-        return wire.services().DecodeServiceStub(channel).Stats(wire.messages().StatsRequest(), timeout=30)
+    assert worker_stats(cluster["decode"], "decode").spec_draft_tokens == before
 
 
 STORY = LONG_PREFIX + "Now tell me a short story about a lighthouse."

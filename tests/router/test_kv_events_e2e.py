@@ -12,22 +12,16 @@ processes, the default model) and routers (`python -m router`), requests from th
 """
 import random
 
-import grpc
 import httpx
 import openai
 import pytest
 
-import wire
 from benchmarks.workloads import COMMON_WORDS
-from tests.router.processes import Process, grpc_address, start_router
+from tests.router.processes import grpc_address, start_router, start_worker, worker_stats
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
-
-
-def start_worker(module: str, *extra: str) -> Process:
-    return Process(["-m", module, "--model", "default", "--port", "0", "--block-size", str(BLOCK), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +30,13 @@ def cluster():
     try:
         # prefill pools of 128 blocks with a host tier behind them; decode workers never prefill
         # on their own (threshold 0), so where a prompt is computed is the routers' choice
-        processes += [start_worker("prefill_worker", "--num-blocks", "128", "--host-cache-gb", "0.1"),
-                      start_worker("prefill_worker", "--num-blocks", "128", "--host-cache-gb", "0.1"),
-                      start_worker("decode_worker", "--num-blocks", "512", "--local-prefill-threshold", "0"),
-                      start_worker("decode_worker", "--num-blocks", "512", "--local-prefill-threshold", "0")]
+        block = ["--block-size", str(BLOCK)]
+        processes += [start_worker("prefill_worker", *block, "--num-blocks", "128", "--host-cache-gb", "0.1"),
+                      start_worker("prefill_worker", *block, "--num-blocks", "128", "--host-cache-gb", "0.1"),
+                      start_worker("decode_worker", *block, "--num-blocks", "512", "--local-prefill-threshold", "0"),
+                      start_worker("decode_worker", *block, "--num-blocks", "512", "--local-prefill-threshold", "0")]
         addresses = [grpc_address(p) for p in processes]
-        yield {"prefill": addresses[:2], "decode": addresses[2:], "routers": []}
+        yield {"prefill": addresses[:2], "decode": addresses[2:]}
     finally:
         for process in reversed(processes):
             process.stop()
@@ -55,16 +50,9 @@ def router(cluster, *extra):
     return process, url, client
 
 
-def stats(address: str, role: str):
-    with grpc.insecure_channel(address) as channel:
-        services = wire.services()
-        stub = services.PrefillServiceStub(channel) if role == "prefill" else services.DecodeServiceStub(channel)
-        return stub.Stats(wire.messages().StatsRequest(), timeout=30)
-
-
 def computed(cluster) -> dict[str, int]:
     """Prompt tokens each worker has run through the model."""
-    return {a: stats(a, role).prompt_tokens_computed
+    return {a: worker_stats(a, role).prompt_tokens_computed
             for role in ("prefill", "decode") for a in cluster[role]}
 
 
@@ -128,11 +116,11 @@ def test_a_new_router_routes_on_the_snapshot_from_its_first_request(cluster):
     process.popen.wait()
     process, url, client = router(cluster)  # knows nothing it routed: only the workers' snapshots
     try:
-        hits = stats(holder, "prefill").prefix_cache_hits
+        hits = worker_stats(holder, "prefill").prefix_cache_hits
         before = computed(cluster)
         complete(client, shared + " Second question: " + words(rng, 10))
         after = computed(cluster)
-        assert stats(holder, "prefill").prefix_cache_hits - hits >= 192  # the manual's full blocks
+        assert worker_stats(holder, "prefill").prefix_cache_hits - hits >= 192  # the manual's full blocks
         assert sum(after.values()) - sum(before.values()) < 64  # only the new question was computed
         assert counter(url, "pdserve:routing_decisions_total", role="prefill", reason="prefix_affinity") == 1
     finally:
@@ -161,12 +149,12 @@ def test_a_host_tier_hit_is_routed_to_the_worker_holding_it(cluster):
             pytest.fail("no filler prefix landed on the holder")
         for part in range(1, 6):
             complete(client, common + f" Part {part}: " + words(rng, 380))
-        host_hits = stats(holder, "prefill").host_cache_hits
+        host_hits = worker_stats(holder, "prefill").host_cache_hits
         before = computed(cluster)
         complete(client, target + " Q2: " + words(rng, 8))
         after = computed(cluster)
         assert counter(url, "pdserve:routing_cache_hits_total", role="prefill", tier="host") == 1
-        assert stats(holder, "prefill").host_cache_hits - host_hits >= 96  # copied back, not recomputed
+        assert worker_stats(holder, "prefill").host_cache_hits - host_hits >= 96  # copied back, not recomputed
         assert all(after[a] == before[a] for a in cluster["prefill"] if a != holder)
         assert counter(url, "pdserve:kv_index_blocks", tier="host") > 0
     finally:
