@@ -26,7 +26,8 @@ from typing import Any
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
                            parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
-from engine.config import DECODE_ROLE_MAX_STEP_RATIO, add_speculative_arguments, speculative_options
+from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPES, PREFILL_ROLE_LONG_CHUNK_TOKENS,
+                           add_speculative_arguments, speculative_options)
 from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-step-ratio", type=float, default=None,
                         help="the same, relative: a step with prefill takes at most this many times the decode-only "
                              f"step (decode workers' default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
+    engine.add_argument("--prefill-chunk-tokens", dest="long_prefill_chunk_tokens", type=int, default=None,
+                        help="a prompt runs at most this many tokens per step, so one arriving meanwhile waits for "
+                             "one chunk (prefill workers' default: "
+                             + ", ".join(f"{n} on {d}" for d, n in PREFILL_ROLE_LONG_CHUNK_TOKENS.items()) + ")")
     engine.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
                         help="KV blocks per worker (default: from --kv-cache-memory-gb)")
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="auto: the model's dtype; fp8_e4m3 / int8: 8-bit KV with per-block scales (half of "
+                             "bf16's bytes in the cache and on every transfer; every worker must agree)")
     engine.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -78,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routers", type=int, default=1,
                        help="router processes sharing the HTTP port; one that dies is restarted (default 1)")
     serve.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
-                       help="conditional disaggregation: a decode worker prefills a prompt itself when the prefill "
-                            "worker's queued prompt tokens exceed its own this many times over; inf: never "
+                       help="conditional disaggregation: how many tokens of time to first token one running stream's "
+                            "stalled token costs (about TTFT SLO / TPOT SLO); a decode worker prefills a prompt itself "
+                            "when that is cheaper than the prefill worker's wait; inf: never while it streams "
                             "(default: %(default)s)")
     serve.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
                        help="requests each router process admits at once; more get 429 with Retry-After "
@@ -214,7 +223,7 @@ def serve_options(args: argparse.Namespace):
     from deploy.cluster import RaySettings
     from deploy.serve import ServeOptions
     engine_options = {name: getattr(args, name) for name in
-                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_step_ms", "max_step_ratio", "num_blocks",
+                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_step_ms", "max_step_ratio", "num_blocks", "long_prefill_chunk_tokens", "kv_cache_dtype",
                        "kv_cache_memory_gb",
                        "max_model_len", "dtype", "preemption_mode", "swap_space_gb", "host_cache_gb")
                       if getattr(args, name) is not None}

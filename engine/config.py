@@ -15,10 +15,17 @@ ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 # prefill pool is too busy for); its decodes come first, so by default such a step takes at most
 # twice the decode-only step (`SchedulerConfig.max_step_ratio`; `build_engine_config` applies it).
 DECODE_ROLE_MAX_STEP_RATIO = 2.0
-# A prefill worker runs a long prompt in chunks of at most this many tokens while other prompts
-# wait, so short prompts pass between its chunks instead of queueing behind it
-# (`SchedulerConfig.long_prefill_chunk_tokens`; `build_engine_config` applies it).
-PREFILL_ROLE_LONG_CHUNK_TOKENS = 512
+# A prefill worker runs a long prompt in chunks of at most this many tokens, so a short prompt
+# arriving meanwhile waits for one chunk and passes between the chunks instead of queueing behind
+# the whole prompt (`SchedulerConfig.long_prefill_chunk_tokens`; `build_engine_config` applies it),
+# by device: a CPU core computes ~250 prompt tokens/s of the default model, so 256 is about a
+# second (512 measured worse on the interference workload: ITL p99 136 vs 93 ms, short TTFT p99
+# 3.8 vs 3.1 s; benchmarks/README.md); a GPU runs 1024 in milliseconds.
+PREFILL_ROLE_LONG_CHUNK_TOKENS = {"cpu": 256, "cuda": 1024}
+
+# The one list of KV cache dtypes (`--kv-cache-dtype`): "auto" keeps the model's dtype; the 8-bit
+# ones store values with per-block scales (engine/kv_quant.py owns that format).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "int8")
 
 # torch is imported where a dtype or a device is resolved, not here: the control plane (deploy,
 # `pdserve status`, the router's spec) reads these configs without loading torch.
@@ -70,8 +77,13 @@ class CacheConfig:
     # Record KV-cache events (engine/kv_events.py) for `AsyncEngine.subscribe_kv_events`; the
     # workers turn it on (their routers follow the events), the offline engine leaves it off.
     kv_events: bool = False
+    # "auto": the model's dtype; "fp8_e4m3" / "int8": 8-bit values with a float32 scale per block,
+    # K/V and KV head, stored in the block (engine/kv_quant.py): half of bf16's bytes per token.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -96,9 +108,9 @@ class SchedulerConfig:
     # The same, relative: a step with prefill chunks takes at most this many times the decode-only
     # step (learned). Adapts to the hardware; the decode role's default is DECODE_ROLE_MAX_STEP_RATIO.
     max_step_ratio: float | None = None
-    # While other requests wait, a prompt with more tokens left than this runs at most this many
-    # per step (the rest of the budget admits the others); None: queue order alone decides. The
-    # prefill role's default is PREFILL_ROLE_LONG_CHUNK_TOKENS.
+    # A prompt runs at most this many tokens per step (the rest of the budget admits others, and
+    # one arriving meanwhile waits for one chunk); None: the budget alone decides. The prefill
+    # role's default is PREFILL_ROLE_LONG_CHUNK_TOKENS.
     long_prefill_chunk_tokens: int | None = None
 
     @property
@@ -208,6 +220,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and self.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.cache.kv_cache_dtype} with tensor parallelism is not supported yet "
+                             "(the ranks' heads are not split out of 8-bit blocks); use kv_cache_dtype auto")
         self.device = resolve_device(self.device)
 
     @property
@@ -218,4 +233,6 @@ class EngineConfig:
     def backend_name(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "cpu"
+        if self.device.startswith("cuda"):  # the Triton kernels do not read an 8-bit cache yet
+            return "triton" if self.cache.kv_cache_dtype == "auto" else "torch"
+        return "cpu"

@@ -38,11 +38,12 @@ def build_engine_config(model: str = "default", **options) -> EngineConfig:
         groups[owner][key] = value
     if options.get("role") == "decode" and options.get("max_step_ms") is None and "max_step_ratio" not in options:
         groups["scheduler"]["max_step_ratio"] = DECODE_ROLE_MAX_STEP_RATIO
-    if options.get("role") == "prefill" and "long_prefill_chunk_tokens" not in options:
-        groups["scheduler"]["long_prefill_chunk_tokens"] = PREFILL_ROLE_LONG_CHUNK_TOKENS
-    return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
-                        scheduler=SchedulerConfig(**groups["scheduler"]),
-                        speculative=SpeculativeConfig(**groups["speculative"]), **groups["engine"])
+    config = EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
+                          scheduler=SchedulerConfig(**groups["scheduler"]),
+                          speculative=SpeculativeConfig(**groups["speculative"]), **groups["engine"])
+    if config.role == "prefill" and "long_prefill_chunk_tokens" not in options:
+        config.scheduler.long_prefill_chunk_tokens = PREFILL_ROLE_LONG_CHUNK_TOKENS[config.device.split(":")[0]]
+    return config
 
 
 class LLM:

@@ -161,6 +161,7 @@ class SchedulerStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    prefill_chunk_tokens: int = 0  # the per-step cap on a prompt's tokens (long_prefill_chunk_tokens; 0: none)
     # filled by LLMEngine.stats() from its KV connector: failed transfers by reason (cumulative)
     kv_transfer_failures: dict = field(default_factory=dict)
 
@@ -359,11 +360,12 @@ class Scheduler:
         return self.block_manager.take_host_copies()
 
     def _long_prefill_cap(self, request: Request) -> int:
-        """How many of a running prompt's tokens this step may run: all of them, unless the prompt
-        is long and others wait, who then get the rest of the budget (they pass between its chunks)."""
+        """How many of a running prompt's tokens this step may run: at most
+        `long_prefill_chunk_tokens`, even alone, so that a prompt arriving meanwhile waits for one
+        chunk rather than the whole prompt; the rest of the budget admits it (it passes between the
+        long prompt's chunks)."""
         cap = self.config.long_prefill_chunk_tokens
-        if cap is None or not self.config.enable_chunked_prefill or not any(
-                other is not request for other in self.waiting):
+        if cap is None or not self.config.enable_chunked_prefill:
             return request.num_tokens
         return cap
 
@@ -713,7 +715,8 @@ class Scheduler:
             host_cache_hits=host.reloaded_blocks * bm.block_size if host else 0,
             offloaded_blocks=host.offloaded_blocks if host else 0, reloaded_blocks=host.reloaded_blocks if host else 0,
             spec_drafts=self._spec_drafts, spec_draft_tokens=self._spec_draft_tokens,
-            spec_accepted_tokens=self._spec_accepted_tokens)
+            spec_accepted_tokens=self._spec_accepted_tokens,
+            prefill_chunk_tokens=(self.config.long_prefill_chunk_tokens or 0) if self.config.enable_chunked_prefill else 0)
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status

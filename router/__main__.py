@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                         "this many times per request; 0: never (default: %(default)s)")
     p.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
-                   help="conditional disaggregation: a decode worker prefills a prompt itself when the prefill "
-                        "worker's queued prompt tokens exceed its own this many times over; inf: never "
+                   help="conditional disaggregation: how many tokens of time to first token one running stream's "
+                        "stalled token costs (about TTFT SLO / TPOT SLO); a decode worker prefills a prompt itself "
+                        "when that is cheaper than the prefill worker's wait; inf: never while it streams "
                         "(default: %(default)s)")
     p.add_argument("--no-kv-events", action="store_true",
                    help="do not follow the workers' KV-cache events; route on what this router sent where "

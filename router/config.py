@@ -70,10 +70,11 @@ class RouterConfig:
     # A decode worker with less than this share of free KV blocks is avoided when others have room.
     kv_free_low_watermark: float = 0.05
     # Conditional disaggregation (router/policies.py `prefill_locally`): a prompt is prefilled on its
-    # decode worker when the prefill worker's queue is longer than the decode worker's own queued
-    # prefill tokens counted this many times (they stall its running decodes). inf: never by queue
-    # (only the decode worker's --local-prefill-threshold still keeps short prompts local).
-    local_prefill_weight: float = 2.0
+    # decode worker when its time to first token there, plus the stall it puts on the streams
+    # running there (each stalled token counted this many times), is below its time to first token
+    # on the prefill worker. About the TTFT SLO over the TPOT SLO; 0: stalls are free; inf: a decode
+    # worker with running streams never prefills for the router.
+    local_prefill_weight: float = 8.0
     stats_interval_s: float = 1.0
     rpc_timeout_s: float = 2.0
     # Consecutive failed polls before a worker is taken out of routing. Stats are answered between
@@ -129,8 +130,8 @@ class RouterConfig:
                      "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.local_prefill_weight >= 1.0:  # below 1, an idle pair would prefill everything locally
-            raise ValueError(f"local_prefill_weight must be >= 1 (inf: off), got {self.local_prefill_weight}")
+        if not self.local_prefill_weight >= 0.0:
+            raise ValueError(f"local_prefill_weight must be >= 0 (inf allowed), got {self.local_prefill_weight}")
         for name in ("affinity_min_match_ratio", "kv_free_low_watermark", "host_hit_cost"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")

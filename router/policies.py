@@ -168,23 +168,31 @@ def prefill_locally(decode: Choice, prefill: Choice, num_tokens: int, block_size
     """Conditional disaggregation: prefill the prompt (`num_tokens`) on the chosen decode worker
     itself rather than on the chosen prefill worker?
 
-    Both queues drain prompt tokens at about the same rate (same hardware), so the time to first
-    token is about proportional to the queued prefill tokens ahead plus the prompt's own uncached
-    ones on that side (each choice's `matched_blocks` are cached there). A prefill on the decode
-    worker costs more than its TTFT: its chunks share steps with the running decodes and stretch
-    their inter-token latency, so its tokens count `weight` (>= 1) times. The prompt stays local
-    when that weighted local cost is below the remote one:
+    Costs in prompt tokens (both sides drain them at about the same rate on the same hardware;
+    each choice's `matched_blocks` are cached there, so only the rest is computed):
 
-        weight * (decode queue + uncached there)  <  prefill queue + uncached there
+    - remote: the prompt's time to first token on the prefill worker, its wait plus its own
+      uncached tokens. The wait is the worker's queued prefill tokens, but a worker that runs long
+      prompts in chunks (`prefill_chunk_tokens` in its stats, the prefill role's default) lets a
+      newcomer in after one chunk, so then at most a chunk.
+    - local: its time to first token on the decode worker (that worker's queued prefill tokens
+      plus its own uncached ones), plus what it costs the decodes already running there: each of
+      them waits for those tokens in its next inter-token interval, a stall counted `weight` times
+      a token of time to first token (about the TTFT SLO over the TPOT SLO; 0: stalls are free).
 
-    With both queues empty and nothing cached this is never true (weight >= 1): an idle pair
-    disaggregates. When the prefill worker falls behind (a burst, a long prompt ahead of short
-    ones, a prefill-heavy load on too few prefill workers), the decode worker takes prompts until
-    its own weighted queue catches up, so neither side idles while the other has a queue.
+    The prompt stays local when that is cheaper: an idle decode worker takes prompts that would
+    queue on a busy prefill worker, a decode worker with running streams almost never does, and
+    an idle pair disaggregates (equal costs).
     """
     local = max(0, num_tokens - decode.matched_blocks * block_size)
     remote = max(0, num_tokens - prefill.matched_blocks * block_size)
-    return weight * (decode.worker.prefill_load_tokens + local) < prefill.worker.prefill_load_tokens + remote
+    wait = prefill.worker.prefill_load_tokens
+    chunk = prefill.worker.stat("prefill_chunk_tokens")
+    if chunk:
+        wait = min(wait, chunk)
+    running = max(decode.worker.inflight_requests, decode.worker.stat("running"))
+    stall = weight * running * local if running else 0.0  # inf * 0 is nan
+    return decode.worker.prefill_load_tokens + local + stall < wait + remote
 
 
 def _estimate_index(config: RouterConfig) -> KVIndex:

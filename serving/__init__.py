@@ -21,7 +21,8 @@ import grpc
 
 import wire
 
-from engine.config import DECODE_ROLE_MAX_STEP_RATIO, add_speculative_arguments, speculative_options
+from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPES, PREFILL_ROLE_LONG_CHUNK_TOKENS,
+                           add_speculative_arguments, speculative_options)
 from engine.kv_connector import FAULTS
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on P and D)")
     group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size on CPU")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                       help="auto: the model's dtype; fp8_e4m3 / int8: 8-bit KV with per-block scales (half of "
+                            "bf16's bytes in the cache and on every transfer)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
     group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests")
     group.add_argument("--max-step-ms", type=float, default=None,
@@ -42,6 +46,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-step-ratio", type=float, default=None,
                        help="the same, relative: a step with prefill takes at most this many times the decode-only "
                             f"step (decode role default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
+    group.add_argument("--prefill-chunk-tokens", dest="long_prefill_chunk_tokens", type=int, default=None,
+                       help="a prompt runs at most this many tokens per step, so one arriving meanwhile waits for "
+                            "one chunk (prefill role default: "
+                            + ", ".join(f"{n} on {d}" for d, n in PREFILL_ROLE_LONG_CHUNK_TOKENS.items()) + ")")
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
@@ -70,6 +78,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
              "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
              "max_num_seqs": "max_num_seqs", "max_step_ms": "max_step_ms", "max_step_ratio": "max_step_ratio", "max_model_len": "max_model_len",
+             "long_prefill_chunk_tokens": "long_prefill_chunk_tokens", "kv_cache_dtype": "kv_cache_dtype",
              "seed": "seed", "tensor_parallel_size": "tensor_parallel_size",
              "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "host_cache_gb": "host_cache_gb"}
     options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}

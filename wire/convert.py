@@ -52,16 +52,17 @@ def layout_to_wire(layout: Any) -> Any:
     """A kvtransfer.KVLayout as the schema's KVLayout."""
     return messages().KVLayout(num_layers=layout.num_layers, block_size=layout.block_size,
                                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                               dtype=str(layout.dtype).removeprefix("torch."))
+                               dtype=str(layout.dtype).removeprefix("torch."), kv_format=layout.kv_format)
 
 
 def describe_wire_layout(message: Any) -> str:
+    values = f"{message.kv_format} with per-block scales" if message.kv_format else message.dtype
     return (f"layers={message.num_layers} block_size={message.block_size} kv_heads={message.num_kv_heads} "
-            f"head_dim={message.head_dim} dtype={message.dtype}")
+            f"head_dim={message.head_dim} dtype={values}")
 
 
 def same_layout(a: Any, b: Any) -> bool:
-    fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "kv_format")
     return all(getattr(a, name) == getattr(b, name) for name in fields)
 
 
@@ -129,7 +130,7 @@ def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, bloc
         host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits,
         kv_transfer_failures=stats.kv_transfer_failures, rss_bytes=rss_bytes,
         weight_bytes=weight_bytes, spec_drafts=stats.spec_drafts, spec_draft_tokens=stats.spec_draft_tokens,
-        spec_accepted_tokens=stats.spec_accepted_tokens)
+        spec_accepted_tokens=stats.spec_accepted_tokens, prefill_chunk_tokens=stats.prefill_chunk_tokens)
 
 
 def kv_event_batch_to_wire(batch: KVEventBatch) -> Any:

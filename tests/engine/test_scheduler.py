@@ -470,23 +470,23 @@ def test_prefill_role_failed_send_ends_in_error_and_frees(make):
 
 
 def test_prefill_role_short_prompts_pass_between_a_long_prompts_chunks(make):
-    """With long_prefill_chunk_tokens (the prefill role's default), a long prompt takes the whole
-    budget while alone, and only a chunk per step while others wait: they run in the same step."""
+    """With long_prefill_chunk_tokens (the prefill role's default), a long prompt runs a chunk per
+    step, even alone, and prompts arriving meanwhile take the rest of the budget in the same step."""
     scheduler, runner = make(num_blocks=64, budget=32, role="prefill", connector=FakeConnector(pin=False),
                              long_chunk=8)
     long = prompt_of(124, 100)
     scheduler.add_request(req("long", long))
     batch, _ = step(scheduler, runner)
-    assert [seq.num_new_tokens for seq in batch.seqs] == [32]
+    assert [seq.num_new_tokens for seq in batch.seqs] == [8]
     scheduler.add_request(req("short", prompt_of(125, 6)))
     scheduler.add_request(req("medium", prompt_of(126, 20)))
     batch, outputs = step(scheduler, runner)
-    # the last one admitted has nobody behind it: it takes the rest of the budget
+    # every prompt longer than a chunk runs one chunk; a shorter one runs whole
     assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "short": 6,
-                                                                                   "medium": 18}
+                                                                                   "medium": 8}
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("short", "prefill_done")]
-    batch, _ = step(scheduler, runner)  # nobody waits now: queue order, the whole budget
-    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 32}
+    batch, _ = step(scheduler, runner)
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "medium": 8}
     finals = run_until_done(scheduler, runner)
     assert finals["long"].new_token_ids == reference_generate(long, 1)
     assert finals["medium"].finish_reason == "prefill_done"

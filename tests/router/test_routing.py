@@ -172,22 +172,35 @@ def test_conversation_affinity_sends_a_follow_up_turn_back():
     assert policy.choose([d0, d1, d2], hashes(follow_up)).worker is not d2
 
 
-def test_prefill_locally_balances_the_two_queues():
+def test_prefill_locally_weighs_the_prefill_wait_against_the_decode_batch():
     (d,), (p,) = workers("decode", 1), workers("prefill", 1)
-    local = lambda n, weight=2.0, d_matched=0, p_matched=0: prefill_locally(  # noqa: E731
+    local = lambda n, weight=8.0, d_matched=0, p_matched=0: prefill_locally(  # noqa: E731
         Choice(d, "power_of_two", Match(d_matched)), Choice(p, "load", Match(p_matched)), n, 16, weight)
+    stats = lambda **kw: type("Stats", (), {"prefill_tokens_queued": 0, "prefill_chunk_tokens": 0,  # noqa: E731
+                                            "running": 0, **kw})()
     assert not local(256)  # both idle: disaggregate
     p.outstanding_prefill_tokens = 1024  # a long prompt ahead on the prefill worker
-    assert local(90)  # 2 * 90 < 1024 + 90: a short prompt does not queue behind it
-    assert not local(1024)  # 2 * 1024 > 2048
-    d.outstanding_prefill_tokens = 600  # the decode worker's own queue counts twice
-    assert not local(90)
-    p.stats = type("Stats", (), {"prefill_tokens_queued": 4000})()  # other routers' work, on top
+    assert local(90)  # an idle decode worker takes a short prompt rather than let it queue
+    assert local(1024)  # a long one too: the prefill worker is a whole prompt behind
+    d.inflight_requests = 1  # one stream running there: 90 + 8 * 90 < 1024 + 90...
     assert local(90)
-    assert not local(90, weight=float("inf"))  # off
+    d.inflight_requests = 2  # ...two make the stall dearer than the wait
+    assert not local(90) and local(90, weight=2.0)
+    assert not local(90, weight=float("inf"))
+    d.stats = stats(running=2)  # the worker's own count (other routers' streams) counts too
+    d.inflight_requests = 0
+    assert not local(90)
+    d.stats = None
+    p.stats = stats(prefill_chunk_tokens=512)  # chunks: a newcomer waits for one, not the whole prompt
+    d.inflight_requests = 1
+    assert not local(90)  # 90 + 720 > 512 + 90
+    d.inflight_requests = 0
+    assert local(90)  # 90 < 512 + 90
+    d.outstanding_prefill_tokens = 600  # the decode worker's own queue is its wait
+    assert not local(90)
     p.outstanding_prefill_tokens, p.stats, d.outstanding_prefill_tokens = 0, None, 0
-    assert local(256, weight=1.0, d_matched=8)  # the decode worker holds half the prompt (a second turn)
-    assert not local(256, weight=1.0, d_matched=8, p_matched=8)
+    assert local(256, d_matched=8)  # the decode worker holds half the prompt (a second turn), no stream runs
+    assert not local(256, d_matched=8, p_matched=8)
 
 
 def test_a_local_prefill_counts_on_the_decode_workers_queue():
@@ -282,8 +295,8 @@ def test_config_validation():
         RouterConfig(api_key="")
     with pytest.raises(ValueError, match="affinity_min_match_ratio"):
         RouterConfig(affinity_min_match_ratio=1.5)
-    with pytest.raises(ValueError, match="local_prefill_weight must be >= 1"):
-        RouterConfig(local_prefill_weight=0.5)
+    with pytest.raises(ValueError, match="local_prefill_weight must be >= 0"):
+        RouterConfig(local_prefill_weight=-1.0)
     assert RouterConfig(local_prefill_weight=float("inf")).local_prefill_weight == float("inf")
     assert RouterConfig(model="m").served_model_name == "m"
     assert RouterConfig().host == "127.0.0.1"
