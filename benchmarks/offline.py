@@ -16,6 +16,7 @@ AMX, as vLLM's CPU backend does), float32 elsewhere. The engine gets `--kv-cache
 cache (default 4, vLLM's CPU default), so `mixed` fits without preemption; preemptions are reported.
 
     python benchmarks/offline.py [--workloads fixed,mixed] [--dtype bfloat16] [--json out.json] [--smoke]
+    python benchmarks/offline.py --kv-cache-dtypes auto,int8,fp8_e4m3   # 8-bit KV: decode step, bytes
     python benchmarks/offline.py --device cuda --model /tmp/smollm2-random   # see random_model.py
 """
 from __future__ import annotations
@@ -157,6 +158,43 @@ def decode_step_vs_bandwidth(llm: LLM, context: int, steps: int) -> dict:
             "fraction_of_bound": bound_s / step_s}
 
 
+def decode_step_at_batch(llm: LLM, batch: int, context: int, steps: int) -> dict:
+    """Median decode step time with `batch` requests of `context` prompt tokens all decoding."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([1000 + ((i * 131 + j) % 5000) for j in range(context)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()  # every prompt prefilled
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    runner = engine.runner
+    kv_bytes_per_token = runner.kv_cache.data[0, 0].numel() * runner.kv_cache.data.element_size() \
+        * runner.arch.num_hidden_layers / runner.block_size
+    return {"batch": batch, "context": context, "median_step_ms": sorted(times)[len(times) // 2] * 1e3,
+            "kv_bytes_per_token": kv_bytes_per_token}
+
+
+def compare_kv_cache_dtypes(args, device: str, dtype: str, names: list[str]) -> dict:
+    """Decode step time at batch 64 and 512-token context (smoke: 4 and 64) per KV cache dtype."""
+    batch, context, steps = (4, 64, 4) if args.smoke else (64, 512, 16)
+    rows = {}
+    for name in names:
+        llm = LLM(args.model, device=device, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_seqs=max(args.max_num_seqs, batch), block_size=16, enable_prefix_caching=False,
+                  kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=name,
+                  cuda_graphs=not args.no_cuda_graphs)
+        rows[name] = decode_step_at_batch(llm, batch, context, steps)
+        rows[name]["attention_backend"] = llm.engine.runner.backend.name
+        llm.close()
+        print(f"kv cache {name}: decode step {rows[name]['median_step_ms']:.1f} ms at batch {batch} x {context} "
+              f"ctx, {rows[name]['kv_bytes_per_token']:.0f} KV bytes per token", flush=True)
+    return rows
+
+
 def forward_flops(llm: LLM, prompt_len: int, output_len: int) -> float:
     """FLOPs of one request: every linear layer for each token it computes (the prompt, then each
     output but the last), causal attention (QK^T and PV) over the context each token sees, and the
@@ -206,9 +244,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly")
+    parser.add_argument("--kv-cache-dtypes", default=None,
+                        help="only compare these KV cache dtypes (e.g. auto,int8,fp8_e4m3): decode step time at "
+                             "batch 64 and 512-token context, and KV bytes per token")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") or cpu_kernels.native_bf16() else "float32")
+    if args.kv_cache_dtypes:
+        results = {"model": args.model, "device": device, "dtype": dtype, "threads": torch.get_num_threads(),
+                   "cpu_features": cpu_kernels.cpu_features(),
+                   "kv_cache_dtypes": compare_kv_cache_dtypes(args, device, dtype, args.kv_cache_dtypes.split(","))}
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return results
 
     loaded = resolve_model(args.model)
     # The KV pool is sized in bytes on both devices (on a GPU the engine would otherwise take a

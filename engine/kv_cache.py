@@ -7,6 +7,10 @@ transport registers once).
 
 With tensor parallelism each rank's cache holds only that rank's KV heads: callers pass
 `num_kv_heads` (the model's `shard.num_kv_heads`); the default is all of the model's.
+
+An 8-bit cache (`kv_format`, engine/kv_quant.py) is `[num_layers, num_blocks, block_bytes]`
+uint8: each (layer, block) chunk holds its 8-bit values and their scales, still one contiguous
+chunk per pair and one region for the whole cache.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.huge_pages import advise_huge_pages
+from engine.kv_quant import KVQuantFormat
 from engine.model.arch import ModelArchConfig
 
 
@@ -29,6 +34,7 @@ class KVCache:
     # mapping, kept alive with the cache. A same-host KV sender hands the fd to its receivers.
     memory_fd: int | None = None
     _mapping: object = None
+    kv_format: KVQuantFormat | None = None  # 8-bit: the block layout; None: values in data.dtype
 
     @property
     def layers(self) -> list[torch.Tensor]:
@@ -40,15 +46,17 @@ class KVCache:
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
-                    num_kv_heads: int | None = None) -> int:
+                    num_kv_heads: int | None = None, kv_format: KVQuantFormat | None = None) -> int:
+    if kv_format is not None:
+        return arch.num_hidden_layers * kv_format.block_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
     return arch.num_hidden_layers * 2 * block_size * heads * arch.head_dim * itemsize
 
 
 def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, memory_bytes: int,
-                          num_kv_heads: int | None = None) -> int:
-    blocks = memory_bytes // bytes_per_block(arch, block_size, dtype, num_kv_heads)
+                          num_kv_heads: int | None = None, kv_format: KVQuantFormat | None = None) -> int:
+    blocks = memory_bytes // bytes_per_block(arch, block_size, dtype, num_kv_heads, kv_format)
     if blocks < 2:
         raise ValueError(f"KV cache memory of {memory_bytes / 2**20:.1f} MiB holds fewer than 2 blocks of "
                          f"{block_size} tokens; raise kv_cache_memory_gb or set num_blocks")
@@ -56,12 +64,19 @@ def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.d
 
 
 def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str, shared: bool = False, num_kv_heads: int | None = None) -> KVCache:
+                      device: torch.device | str, shared: bool = False, num_kv_heads: int | None = None,
+                      kv_format: KVQuantFormat | None = None) -> KVCache:
     """A zeroed cache. `shared` (CPU, Linux): allocate it in a memfd, so that a same-host peer
     given the descriptor can map it (kvtransfer's shm mapped path); such memory is in 4 KiB
-    pages (shmem), otherwise the CPU cache is advised into transparent huge pages."""
+    pages (shmem), otherwise the CPU cache is advised into transparent huge pages. `kv_format`:
+    an 8-bit cache in that format (`dtype` is then the model's, not the cache's)."""
     heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
     shape = (arch.num_hidden_layers, num_blocks, 2, block_size, heads, arch.head_dim)
+    if kv_format is not None:
+        if (kv_format.block_size, kv_format.num_kv_heads, kv_format.head_dim) != (block_size, heads, arch.head_dim):
+            raise ValueError(f"kv_format is for blocks of {kv_format.block_size} tokens x {kv_format.num_kv_heads} "
+                             f"heads x {kv_format.head_dim}, the cache's are {block_size} x {heads} x {arch.head_dim}")
+        shape, dtype = (arch.num_hidden_layers, num_blocks, kv_format.block_bytes), torch.uint8
     if shared and torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
@@ -72,9 +87,9 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
             os.close(fd)
             raise
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-        return KVCache(data=data, block_size=block_size, memory_fd=fd, _mapping=mapping)
+        return KVCache(data=data, block_size=block_size, memory_fd=fd, _mapping=mapping, kv_format=kv_format)
     data = torch.empty(shape, dtype=dtype, device=device)
     if data.device.type == "cpu":
         advise_huge_pages(data)  # before the first touch, so the zeroing below faults in huge pages
     data.zero_()
-    return KVCache(data=data, block_size=block_size)
+    return KVCache(data=data, block_size=block_size, kv_format=kv_format)

@@ -42,6 +42,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
+from engine.kv_quant import kv_quant_format
 from engine.model.llama import LlamaForCausalLM, TensorParallelShard, check_tensor_parallel
 from engine.model.loader import LoadedModel
 from engine.model.rope import RotaryEmbedding
@@ -102,13 +103,16 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, self.arch.sliding_window)
         self.block_size = config.cache.block_size
         self.model = self._build_model(loaded)
-        self.backend = get_attention_backend(config.backend_name)
+        self.kv_format = kv_quant_format(config.cache.kv_cache_dtype, self.block_size,
+                                         self.model.shard.num_kv_heads, self.arch.head_dim)
+        self.backend = get_attention_backend(config.backend_name, self.kv_format)
         # Shared memory is for a same-host KV peer, which maps the cache it transfers: under TP
         # that is rank 0's transfer cache, never a rank's own.
         self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._agree_on_num_blocks(), self.block_size,
                                                    self.dtype, self.device,
                                                    shared=config.cache.shared_memory and self.tp is None,
-                                                   num_kv_heads=self.model.shard.num_kv_heads)
+                                                   num_kv_heads=self.model.shard.num_kv_heads,
+                                                   kv_format=self.kv_format)
         self.kv_layers = self.kv_cache.layers
         self.transfer_cache = self.kv_cache
         if self._holds_transfer_cache:
@@ -163,7 +167,7 @@ class ModelRunner:
         else:
             budget = int(cache.kv_cache_memory_gb * 2**30)
         heads = self.model.shard.num_kv_heads + (self.arch.num_key_value_heads if self._holds_transfer_cache else 0)
-        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads)
+        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads, self.kv_format)
 
     def _agree_on_num_blocks(self) -> int:
         """This rank's block count; under TP the smallest any rank fits (every rank must have the
@@ -212,12 +216,13 @@ class ModelRunner:
         """`[layers, slots, ...]`: each slot one KV block of every layer. Plain host memory, whose
         pages are touched only when first written (torch's pinned allocator would round the size
         up to a power of two); the copies go through bounded temporaries (`_copy_blocks`)."""
-        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype, self.model.shard.num_kv_heads)
+        block_bytes = bytes_per_block(self.arch, self.block_size, self.dtype, self.model.shard.num_kv_heads,
+                                      self.kv_format)
         slots = int(gib * 2**30) // block_bytes
         if slots < 1:
             raise ValueError(f"{option}={gib} holds no KV block ({block_bytes} bytes each)")
         shape = (self.kv_cache.data.shape[0], slots) + tuple(self.kv_cache.data.shape[2:])
-        return torch.empty(shape, dtype=self.dtype)
+        return torch.empty(shape, dtype=self.kv_cache.data.dtype)  # 8-bit blocks are kept as they are
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """dst[:, j] = src[:, i] for every (i, j), in order, every layer; between the device cache

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from .config import TransferConfig
-from .layout import KVLayout
+from .layout import KVLayout, PackedBlocks
 from .shared_memory import SharedMemory
 from .receiver import KVReceiver
 from .sender import KVSender
@@ -83,23 +83,26 @@ def auto_sender_transports(layout: KVLayout) -> list[str]:
 
 def create_receiver(transport: str, layer_caches: Sequence[torch.Tensor],
                     config: TransferConfig | None = None,
-                    on_transfer_end: Callable[[str], None] | None = None) -> KVReceiver:
+                    on_transfer_end: Callable[[str], None] | None = None,
+                    packed: PackedBlocks | None = None) -> KVReceiver:
     """A receiver listening on `transport` ("tcp", "shm", "ucx", "nccl" or "auto");
-    `receiver.address` is what senders need."""
-    layout = KVLayout.from_caches(layer_caches)
+    `receiver.address` is what senders need. `packed`: the caches hold 8-bit blocks in that
+    format (kvtransfer/layout.py)."""
+    layout = KVLayout.from_caches(layer_caches, packed)
     names = auto_receiver_transports(layout) if transport == "auto" else [transport]
-    return KVReceiver([_make(name) for name in names], layer_caches, config, on_transfer_end)
+    return KVReceiver([_make(name) for name in names], layer_caches, config, on_transfer_end, packed)
 
 
 def create_sender(transport: str, layer_caches: Sequence[torch.Tensor],
                   config: TransferConfig | None = None,
                   shared_memory: SharedMemory | None = None, epoch: int | None = None,
-                  on_transfer_end: Callable[[str], None] | None = None) -> KVSender:
+                  on_transfer_end: Callable[[str], None] | None = None,
+                  packed: PackedBlocks | None = None) -> KVSender:
     """A sender over `transport` ("tcp", "shm", "ucx", "nccl" or "auto"). `shared_memory`: the
     shared file the (host) caches lie in, which lets shm receivers copy straight out of them.
-    `epoch` and `on_transfer_end`: see kvtransfer/sender.py."""
-    layout = KVLayout.from_caches(layer_caches)
+    `epoch` and `on_transfer_end`: see kvtransfer/sender.py; `packed`: as for `create_receiver`."""
+    layout = KVLayout.from_caches(layer_caches, packed)
     names = auto_sender_transports(layout) if transport == "auto" else [transport]
     return KVSender([_make(name) for name in names], layer_caches, config,
                     transport_name=transport, shared_memory=shared_memory, epoch=epoch,
-                    on_transfer_end=on_transfer_end)
+                    on_transfer_end=on_transfer_end, packed=packed)

@@ -3,11 +3,16 @@
 One tensor per layer, shaped `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (index 0 = K,
 1 = V). A (layer, block) pair is one contiguous chunk of `chunk_nbytes` bytes: the unit that
 kvtransfer moves.
+
+An 8-bit cache (`kv_format` "int8" or "fp8_e4m3"; its owner is the engine's engine/kv_quant.py)
+is one `[num_blocks, chunk_nbytes]` uint8 tensor per layer: each chunk holds the block's 8-bit
+K and V, then a float32 scale per K/V and head. Its chunks move as they are, scales included; both
+sides must use the same format.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -20,9 +25,25 @@ _DTYPES_BY_NAME = {
 }
 
 
+class PackedBlocks(Protocol):
+    """An 8-bit block format (engine/kv_quant.py `KVQuantFormat`): what the layout needs of it."""
+
+    name: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_bytes(self) -> int: ...
+
+
+SCALE_BYTES = 4  # float32, per (block, K/V, head)
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape, dtype and device of one side's paged KV cache."""
+    """Shape, dtype and device of one side's paged KV cache. `kv_format`: "" (values in `dtype`)
+    or the 8-bit format whose chunks carry their scales (`dtype` is then uint8)."""
 
     num_layers: int
     num_blocks: int
@@ -31,6 +52,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     device: str = "cpu"
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
@@ -42,15 +64,20 @@ class KVLayout:
         object.__setattr__(self, "device", str(torch.device(self.device)))
 
     @classmethod
-    def from_caches(cls, layer_caches: Sequence[torch.Tensor]) -> "KVLayout":
-        """Describe a list of per-layer caches, checking they share one valid layout."""
+    def from_caches(cls, layer_caches: Sequence[torch.Tensor], packed: PackedBlocks | None = None) -> "KVLayout":
+        """Describe a list of per-layer caches, checking they share one valid layout. `packed`:
+        the caches are 8-bit blocks in that format (`[num_blocks, block_bytes]` uint8 each)."""
         if len(layer_caches) == 0:
             raise ValueError("layer_caches is empty: need one tensor per layer")
         first = layer_caches[0]
         for index, cache in enumerate(layer_caches):
             if not isinstance(cache, torch.Tensor):
                 raise TypeError(f"layer_caches[{index}] is a {type(cache).__name__}, not a tensor")
-            if cache.dim() != 5 or cache.shape[1] != 2:
+            if packed is not None:
+                if cache.dim() != 2 or cache.shape[1] != packed.block_bytes or cache.dtype != torch.uint8:
+                    raise ValueError(f"layer_caches[{index}] is {tuple(cache.shape)} {cache.dtype}; an {packed.name} "
+                                     f"cache is [num_blocks, {packed.block_bytes}] uint8")
+            elif cache.dim() != 5 or cache.shape[1] != 2:
                 raise ValueError(
                     f"layer_caches[{index}] has shape {tuple(cache.shape)}; expected "
                     "[num_blocks, 2, block_size, num_kv_heads, head_dim]")
@@ -61,6 +88,10 @@ class KVLayout:
                     "all layers must match")
             if not cache.is_contiguous():
                 raise ValueError(f"layer_caches[{index}] is not contiguous")
+        if packed is not None:
+            return cls(num_layers=len(layer_caches), num_blocks=int(first.shape[0]), block_size=packed.block_size,
+                       num_kv_heads=packed.num_kv_heads, head_dim=packed.head_dim, dtype=torch.uint8,
+                       device=str(first.device), kv_format=packed.name)
         num_blocks, _, block_size, num_kv_heads, head_dim = first.shape
         return cls(num_layers=len(layer_caches), num_blocks=num_blocks, block_size=block_size,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=first.dtype,
@@ -72,11 +103,15 @@ class KVLayout:
 
     @property
     def chunk_nbytes(self) -> int:
-        """Bytes of one (layer, block) pair: K and V of `block_size` tokens."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one (layer, block) pair: K and V of `block_size` tokens (8-bit: and their scales)."""
+        values = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        return values + (2 * self.num_kv_heads * SCALE_BYTES if self.kv_format else 0)
 
     @property
-    def chunk_shape(self) -> tuple[int, int, int, int]:
+    def chunk_shape(self) -> tuple[int, ...]:
+        """One chunk as a tensor of `dtype` (an 8-bit one: its bytes)."""
+        if self.kv_format:
+            return (self.chunk_nbytes,)
         return (2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
@@ -86,13 +121,14 @@ class KVLayout:
     def describe(self) -> str:
         return (f"layers={self.num_layers} blocks={self.num_blocks} block_size={self.block_size} "
                 f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
-                f"dtype={str(self.dtype).removeprefix('torch.')} device={self.device}")
+                f"dtype={self.kv_format + ' with per-block scales' if self.kv_format else str(self.dtype).removeprefix('torch.')} "
+                f"device={self.device}")
 
     def to_wire(self) -> dict:
         return {"num_layers": self.num_layers, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": str(self.dtype).removeprefix("torch."),
-                "device": self.device}
+                "device": self.device, "kv_format": self.kv_format}
 
     @classmethod
     def from_wire(cls, fields: dict) -> "KVLayout":
@@ -102,13 +138,13 @@ class KVLayout:
         return cls(num_layers=int(fields["num_layers"]), num_blocks=int(fields["num_blocks"]),
                    block_size=int(fields["block_size"]), num_kv_heads=int(fields["num_kv_heads"]),
                    head_dim=int(fields["head_dim"]), dtype=_DTYPES_BY_NAME[dtype_name],
-                   device=fields["device"])
+                   device=fields["device"], kv_format=str(fields.get("kv_format", "")))
 
     def transfer_compatible(self, other: "KVLayout") -> bool:
         """Whether blocks can move between the two caches: everything but the pool size and
         the device must agree (a CPU sender may feed a GPU receiver over tcp)."""
-        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype) == (
-            other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.dtype)
+        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.kv_format) == (
+            other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.dtype, other.kv_format)
 
 
 def check_layouts(sender: KVLayout, receiver: KVLayout) -> None:

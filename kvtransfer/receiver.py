@@ -33,7 +33,7 @@ from ._loop import pick_loop
 from ._payload import BlockSink, CacheViews, DataPiece, DiscardSink
 from .addresses import join_address
 from .config import TransferConfig
-from .layout import KVLayout, check_layouts
+from .layout import KVLayout, PackedBlocks, check_layouts
 from .status import LayoutMismatchError, TransferError, TransferState, TransferStatus
 from .transports.base import Channel, ChannelClosed, Listener, Transport, TransportContext
 
@@ -79,10 +79,10 @@ class KVReceiver:
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None,
-                 on_transfer_end: Callable[[str], None] | None = None) -> None:
+                 on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None) -> None:
         self.config = config or TransferConfig()
         self._on_transfer_end = on_transfer_end
-        self.layout = KVLayout.from_caches(layer_caches)
+        self.layout = KVLayout.from_caches(layer_caches, packed)
         if self.layout.chunk_nbytes > self.config.max_message_bytes:
             raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
                              f"max_message_bytes={self.config.max_message_bytes}")

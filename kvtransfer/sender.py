@@ -40,7 +40,7 @@ from ._loop import pick_loop
 from ._payload import BlockSource, CacheViews, DataPiece, plan_pieces
 from .addresses import Endpoint, parse_address
 from .config import TransferConfig
-from .layout import KVLayout
+from .layout import KVLayout, PackedBlocks
 from .shared_memory import SharedMemory
 from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
                      TransportUnavailableError)
@@ -98,11 +98,11 @@ class KVSender:
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None, transport_name: str | None = None,
                  shared_memory: SharedMemory | None = None, epoch: int | None = None,
-                 on_transfer_end: Callable[[str], None] | None = None) -> None:
+                 on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None) -> None:
         self.config = config or TransferConfig()
         self.epoch = (secrets.randbits(63) | 1) if epoch is None else int(epoch)  # 0 means "not begun"
         self._on_transfer_end = on_transfer_end
-        self.layout = KVLayout.from_caches(layer_caches)
+        self.layout = KVLayout.from_caches(layer_caches, packed)
         if shared_memory is not None and not all(
                 shared_memory.covers(cache.data_ptr(), cache.numel() * cache.element_size())
                 for cache in layer_caches):

@@ -61,7 +61,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
                 shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
                                                  kv_cache.data.numel() * kv_cache.data.element_size())
             return kvtransfer.create_sender(config.transport, kv_cache.layers, transfer_config, shared_memory=shared,
-                                            on_transfer_end=on_transfer_end)
+                                            on_transfer_end=on_transfer_end, packed=kv_cache.kv_format)
 
         self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
                                                  "prefill", make_sender, config.connector)

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_quant import KVQuantFormat
 
 BACKEND_NAMES = ("cpu", "torch", "triton")
 
@@ -43,9 +44,11 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, kv_format: KVQuantFormat | None = None) -> AttentionBackend:
     """Return a fresh backend: "cpu" (CPU default: torch plus a native decode kernel), "torch"
-    (plain torch on any device; the reference) or "triton" (CUDA default).
+    (plain torch on any device; the reference) or "triton" (CUDA default). `kv_format`: the
+    8-bit KV cache format (engine/kv_quant.py), None for a cache in the model's dtype; the
+    triton backend does not read 8-bit caches yet (ValueError).
 
     On a machine without CUDA, asking for "triton" turns on Triton's interpreter
     (`TRITON_INTERPRET=1`, unless already set) before the kernels are defined, so the same
@@ -53,11 +56,15 @@ def get_attention_backend(name: str) -> AttentionBackend:
     """
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(kv_format)
     if name == "cpu":
         from engine.attention.cpu_backend import CpuAttentionBackend
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(kv_format)
     if name == "triton":
+        if kv_format is not None:
+            raise ValueError(f"the triton attention backend does not read an 8-bit KV cache yet "
+                             f"(--kv-cache-dtype {kv_format.name}); use --kv-cache-dtype auto, or the torch "
+                             f"backend (attention_backend='torch'), which dequantizes on any device")
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from engine.attention.triton_backend import TritonAttentionBackend

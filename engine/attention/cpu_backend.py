@@ -16,12 +16,14 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv, store_kv
+from engine.kv_quant import KVQuantFormat
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_format: KVQuantFormat | None = None) -> None:
+        super().__init__(kv_format)  # 8-bit: the torch path's dequantize, then the kernels below
         self._kernels = cpu_kernels.load()
         self._flash_prefill = self._kernels is not None and self._kernels.has_flash_prefill()
 
@@ -31,6 +33,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        if self.kv_format is not None:
+            return super().store_kv(key, value, kv_cache, slot_mapping)
         if (self._kernels is None or kv_cache.device.type != "cpu" or key.dtype != kv_cache.dtype
                 or value.dtype != kv_cache.dtype or not kv_cache.is_contiguous()
                 or key.shape[0] != slot_mapping.shape[0] or slot_mapping.dtype != torch.int64

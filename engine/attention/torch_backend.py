@@ -6,11 +6,14 @@ multi-token prefill chunks take a Python loop, one sequence at a time.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import check_shapes, host_lengths
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_quant import KVQuantFormat
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -71,15 +74,59 @@ def sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 class TorchAttentionBackend:
-    """`AttentionBackend` in torch; works on any device and dtype torch supports."""
+    """`AttentionBackend` in torch; works on any device and dtype torch supports.
+
+    With an 8-bit KV cache (`kv_format`, engine/kv_quant.py) each layer's cache is that format's
+    `[num_blocks, block_bytes]` bytes: the new keys and values are quantized into it, then the
+    blocks the batch reads are dequantized into a dense float cache and attended over as usual
+    (the new tokens too, so a prompt attends to exactly what a later step or a prefix-cache hit
+    will read). This is the reference the 8-bit kernels are tested against."""
 
     name = "torch"
-    store_kv = staticmethod(store_kv)
+
+    def __init__(self, kv_format: KVQuantFormat | None = None) -> None:
+        self.kv_format = kv_format
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if self.kv_format is not None:
+            return self.kv_format.store(key, value, kv_cache, slot_mapping)
+        store_kv(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.kv_format is not None:
+            return self._forward_8bit(query, key, value, kv_cache, meta, scale)
         check_shapes(query, key, value, kv_cache, meta)
         self.store_kv(key, value, kv_cache, meta.slot_mapping)
+        return self._attend(query, key, value, kv_cache, meta, scale)
+
+    def _forward_8bit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        fmt = self.kv_format
+        fmt.store(key, value, kv_cache, meta.slot_mapping)
+        _, seq_lens = host_lengths(meta)
+        width = max(1, -(-max(seq_lens, default=1) // fmt.block_size))
+        tables = meta.block_tables[:len(seq_lens), :width].to(torch.int64)
+        used, local_tables = torch.unique(tables, return_inverse=True)
+        dense = fmt.dequantize(kv_cache, used, query.dtype)  # [used, 2, block_size, heads, dim]
+        # the new tokens' keys and values as stored (slot -1, batch padding: zeros)
+        slots = meta.slot_mapping.to(torch.int64)
+        position = torch.searchsorted(used, (slots.clamp(min=0) // fmt.block_size))
+        dense_slots = position.clamp(max=used.numel() - 1) * fmt.block_size + slots.clamp(min=0) % fmt.block_size
+        rows = dense.view(used.numel(), 2, fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
+        stored_key = rows[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim).index_select(0, dense_slots)
+        stored_value = rows[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim).index_select(0, dense_slots)
+        skipped = (slots < 0)[:, None, None]
+        stored_key = stored_key.masked_fill(skipped, 0)
+        stored_value = stored_value.masked_fill(skipped, 0)
+        dense_meta = dataclasses.replace(meta, block_tables=local_tables.to(torch.int32))
+        check_shapes(query, stored_key, stored_value, dense, dense_meta)
+        return self._attend(query, stored_key, stored_value, dense, dense_meta, scale)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over a cache that already holds the new keys and values."""
         query_lens, seq_lens = host_lengths(meta)
         num_tokens = query.shape[0]
         num_seqs = len(query_lens)

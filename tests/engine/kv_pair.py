@@ -45,7 +45,8 @@ class Pair:
         self.transfer_config = kvtransfer.TransferConfig(timeout_s=2.0)
 
         def make_receiver(kv_cache, on_end):
-            return kvtransfer.create_receiver(transport, kv_cache.layers, self.transfer_config, on_end)
+            return kvtransfer.create_receiver(transport, kv_cache.layers, self.transfer_config, on_end,
+                                              packed=kv_cache.kv_format)
 
         self.prefill = self.make_prefill(prefill, **options)
         self.decode = make_engine(model_dir, "decode", make_receiver,
@@ -57,7 +58,7 @@ class Pair:
             shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
                                              kv_cache.data.numel() * kv_cache.data.element_size())
             return kvtransfer.create_sender(self.transport_name, kv_cache.layers, self.transfer_config,
-                                            shared_memory=shared, on_transfer_end=on_end)
+                                            shared_memory=shared, on_transfer_end=on_end, packed=kv_cache.kv_format)
         return make_engine(self.model_dir, "prefill", make_sender, KVConnectorConfig(**(connector or {})), **options)
 
     def close(self):

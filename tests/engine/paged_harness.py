@@ -15,7 +15,8 @@ from engine.kv_cache import allocate_kv_cache
 
 
 def greedy_generate_paged(model, backend, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
-                          dtype=torch.float32, seed: int = 0, return_first_logits: bool = False):
+                          dtype=torch.float32, seed: int = 0, return_first_logits: bool = False, kv_format=None):
+    """`kv_format`: an 8-bit cache in that format (engine/kv_quant.py; `backend` must read it)."""
     arch = model.arch
     blocks_per_seq = [(len(p) + max_new_tokens + block_size - 1) // block_size for p in prompts]
     ids = list(range(sum(blocks_per_seq) + 3))
@@ -24,7 +25,7 @@ def greedy_generate_paged(model, backend, prompts: list[list[int]], max_new_toke
     for n in blocks_per_seq:
         tables.append(ids[cursor:cursor + n])
         cursor += n
-    cache = allocate_kv_cache(arch, len(ids), block_size, dtype, "cpu")
+    cache = allocate_kv_cache(arch, len(ids), block_size, dtype, "cpu", kv_format=kv_format)
     layers = cache.layers
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]

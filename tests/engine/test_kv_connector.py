@@ -99,6 +99,28 @@ def test_layerwise_push_is_token_exact_and_verified(pair_factory, reference):
     assert pair.run_decode()[0]["b"] == reference(follow)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_an_8bit_cache_moves_as_it_is_with_half_of_bf16s_bytes(pair_factory, model_dir, kv_cache_dtype):
+    """Both sides hold 8-bit blocks: the push moves them with their scales, unconverted, and the
+    decode side continues exactly as a colocated engine with the same 8-bit cache would."""
+    pair = pair_factory(budget=16, kv_cache_dtype=kv_cache_dtype, decode_options={"kv_cache_dtype": kv_cache_dtype})
+    tokens = prompt(3, 45)
+    out, finals = pair.generate("q", tokens)
+    colocated = make_engine(model_dir, "both", kv_cache_dtype=kv_cache_dtype)
+    colocated.add(colocated.make_request(tokens, PARAMS))
+    expected = []
+    while colocated.has_unfinished():
+        expected += [t for d in colocated.step() for t in d.new_token_ids]
+    colocated.close()
+    assert out["q"] == expected
+    layout = pair.decode.kv_connector.transport.layout
+    assert layout.kv_format == kv_cache_dtype and pair.prefill.kv_connector.transport.layout == layout
+    # 12 blocks of 4 tokens x 4 layers, each chunk 8-bit K and V of 2 heads x 16, then 2 x 2 scales
+    assert finals["q:import"].bytes_received == 4 * 12 * (2 * BLOCK * 2 * 16 + 2 * 2 * 4)
+    bf16 = dataclasses.replace(layout, dtype=torch.bfloat16, kv_format="")
+    assert layout.chunk_nbytes == bf16.chunk_nbytes // 2 + 2 * 2 * 4
+
+
 @pytest.mark.parametrize("length", [BLOCK * 8 - 1, BLOCK * 8, BLOCK * 8 + 1])
 def test_prompts_around_a_block_boundary_verify(pair_factory, reference, length):
     """The prefill side hashes the prompt's blocks, not its first token: a prompt one token short

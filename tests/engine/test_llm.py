@@ -157,6 +157,38 @@ def test_idle_agent_session_comes_back_from_the_host_cache_tier(llm, prompts):
     _assert_clean(engine)
 
 
+def test_an_8bit_cache_goes_to_the_host_tier_and_to_swap_as_it_is(prompts):
+    """int8 KV: blocks evicted to the host tier and copied back, and a preempted request's blocks
+    swapped out and in, are the bytes they were (scales included), so outputs equal a big int8 pool's."""
+    big = LLM("default", kv_cache_dtype="int8")
+    assert big.engine.runner.kv_cache.data.dtype == torch.uint8
+    tok = big.tokenizer
+    tiered = LLM("default", kv_cache_dtype="int8", num_blocks=24, host_cache_gb=0.05)
+    system = "You are a tool-using agent. Tools: search(q), calc(expr). " * 3
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for turn in range(2):
+        prompt = tok.apply_chat_template([{"role": "system", "content": system},
+                                          {"role": "user", "content": f"Tool result {turn}: value={turn}."}])
+        assert tiered.generate([prompt], params, use_tqdm=False)[0].token_ids == \
+            big.generate([prompt], params, use_tqdm=False)[0].token_ids
+        filler = tok.encode(f"Report {turn}. " + "The river rose and the fields flooded again. " * 40)[:360]
+        tiered.generate([filler], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    stats = tiered.engine.scheduler.stats()
+    assert stats.offloaded_blocks > 0 and stats.host_cache_hits > 0
+    _assert_clean(tiered.engine)
+    tiered.close()
+    swapping = LLM("default", kv_cache_dtype="int8", num_blocks=12, preemption_mode="swap", swap_space_gb=0.05,
+                   enable_prefix_caching=False)
+    many = [p[:40] for p in prompts[:4]]
+    expected = [o.token_ids for o in big.generate(many, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in swapping.generate(many, GREEDY, use_tqdm=False)] == expected
+    stats = swapping.engine.scheduler.stats()
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0
+    _assert_clean(swapping.engine)
+    swapping.close()
+    big.close()
+
+
 def test_seeded_sampling_is_reproducible_across_batches(llm, prompts):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
     alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].token_ids

@@ -1,0 +1,153 @@
+"""The 8-bit KV cache format: fp8 (e4m3) or int8 values with a float32 scale per block, K/V half
+and KV head, stored inside the block.
+
+One (layer, block) chunk is `block_bytes` bytes: the values `[2, block_size, num_kv_heads,
+head_dim]` (K then V, one byte each), then the scales `[2, num_kv_heads]` (float32). A value `x`
+is stored as `q = x / scale` rounded to the 8-bit type (int8: clamped to +-127; fp8 e4m3: to
++-448) and read as `q * scale`. Because the scales live in the block, a block stays
+self-contained: the prefix cache shares it, the host tier, swap and every KV transfer copy its
+bytes as they are (half of bf16's, a quarter of fp32's, plus 8 bytes per head), and the
+transfer's checksum covers the scales.
+
+Invariants (what `store` keeps):
+- a block's scale per (K/V, head) is the largest |x| / QMAX of the values written to it since
+  its first position was written (a write at offset 0 starts the block afresh: whatever it held
+  belongs to an earlier owner); never 0 (a block of zeros gets `MIN_SCALE`);
+- a write whose values need a larger scale re-quantizes what the block holds with the new scale
+  first, so every stored value reads back within half a quantization step of the new scale of
+  what was written (plus the earlier rounding);
+- positions past what was written are never read (attention masks by sequence length).
+
+Attention dequantizes: `dequantize(layer, block_ids)` gives the blocks' K/V in a float dtype
+(the torch reference backend attends over that; engine/attention/torch_backend.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import KV_CACHE_DTYPES
+
+QUANTIZED_KV_DTYPES = tuple(name for name in KV_CACHE_DTYPES if name != "auto")
+_VALUE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+_QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
+SCALE_DTYPE = torch.float32
+MIN_SCALE = 1e-8
+
+
+@dataclass(frozen=True)
+class KVQuantFormat:
+    """One side's 8-bit block layout. A layer's cache is a `[num_blocks, block_bytes]` uint8 tensor."""
+
+    name: str  # "fp8_e4m3" or "int8"
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.name not in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"8-bit KV dtype must be one of {', '.join(QUANTIZED_KV_DTYPES)}, got {self.name!r}")
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        return _VALUE_DTYPES[self.name]
+
+    @property
+    def qmax(self) -> float:
+        return _QMAX[self.name]
+
+    @property
+    def values_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one (layer, block): values, then scales (a multiple of 4, so the scales align)."""
+        return self.values_bytes + 2 * self.num_kv_heads * SCALE_DTYPE.itemsize
+
+    def describe(self) -> str:
+        return f"{self.name} with float32 scales per block, K/V and head"
+
+    def split(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a layer's cache: values `[num_blocks, 2, block_size, heads, head_dim]` (8-bit)
+        and scales `[num_blocks, 2, heads]` (float32)."""
+        if layer.dim() != 2 or layer.shape[1] != self.block_bytes or layer.dtype != torch.uint8:
+            raise ValueError(f"an 8-bit KV layer must be [num_blocks, {self.block_bytes}] uint8, got "
+                             f"{tuple(layer.shape)} {layer.dtype}")
+        values, scales = self._split_bytes(layer)
+        return values.view(self.value_dtype), scales
+
+    def _split_bytes(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the values as uint8: indexing and copies work on bytes for every 8-bit type
+        num_blocks = layer.shape[0]
+        values = layer[:, :self.values_bytes].view(num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        scales = layer[:, self.values_bytes:].view(SCALE_DTYPE).view(num_blocks, 2, self.num_kv_heads)
+        return values, scales
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`x / scale` as the 8-bit type (scale broadcast against x)."""
+        y = (x.float() / scale).clamp_(-self.qmax, self.qmax)
+        if self.value_dtype is torch.int8:
+            y = y.round_()
+        return y.to(self.value_dtype)
+
+    def store(self, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Quantize `key[t]`/`value[t]` (`[tokens, heads, head_dim]`) into slot `slot_mapping[t]`
+        (block * block_size + offset; -1: skipped), keeping the invariants above."""
+        if key.shape[0] != slot_mapping.shape[0]:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        slots = slot_mapping.to(device=layer.device, dtype=torch.int64)
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
+        if slots.numel() == 0:
+            return
+        self.split(layer)  # checks the layer's shape
+        values, scales = self._split_bytes(layer)
+        new = torch.stack((key, value), dim=1).float()  # [T, 2, heads, dim]
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        touched, index = torch.unique(blocks, return_inverse=True)
+        # the scale each block needs for this write: the largest |x| / QMAX per (K/V, head)
+        need = torch.zeros((touched.numel(), 2 * self.num_kv_heads), dtype=SCALE_DTYPE, device=layer.device)
+        need.scatter_reduce_(0, index[:, None].expand(-1, 2 * self.num_kv_heads),
+                             (new.abs().amax(dim=-1) / self.qmax).view(-1, 2 * self.num_kv_heads), "amax")
+        need = need.view(-1, 2, self.num_kv_heads)
+        # a block written at offset 0 starts afresh; otherwise it keeps (at least) its scale
+        fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=layer.device)
+        fresh.index_fill_(0, index[offsets == 0], True)
+        old = scales.index_select(0, touched)
+        kept = torch.where(fresh[:, None, None], torch.zeros_like(old), old)
+        scale = torch.maximum(torch.maximum(need, kept), torch.full_like(need, MIN_SCALE))
+        grown = ~fresh & (scale > old).any(dim=-1).any(dim=-1)
+        if bool(grown.any()):  # re-quantize what those blocks hold with their larger scales
+            ids = touched[grown]
+            held = self._to_float(values.index_select(0, ids)) * old[grown][:, :, None, :, None]
+            values[ids] = self.quantize(held, scale[grown][:, :, None, :, None]).view(torch.uint8)
+        scales[touched] = scale
+        token_scale = scale.index_select(0, index)[:, :, :, None]  # [T, 2, heads, 1]
+        quantized = self.quantize(new, token_scale).view(torch.uint8)
+        values[blocks, 0, offsets] = quantized[:, 0]
+        values[blocks, 1, offsets] = quantized[:, 1]
+
+    def _to_float(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.view(self.value_dtype).to(torch.float32)
+
+    def dequantize(self, layer: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The blocks `block_ids` (1-D) as `[n, 2, block_size, heads, head_dim]` in `dtype`."""
+        self.split(layer)
+        values, scales = self._split_bytes(layer)
+        ids = block_ids.to(device=layer.device, dtype=torch.int64)
+        out = self._to_float(values.index_select(0, ids))
+        out.mul_(scales.index_select(0, ids)[:, :, None, :, None])
+        return out.to(dtype)
+
+
+def kv_quant_format(kv_cache_dtype: str, block_size: int, num_kv_heads: int, head_dim: int) -> KVQuantFormat | None:
+    """The 8-bit format `--kv-cache-dtype` names, or None for "auto" (the model's dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return None
+    return KVQuantFormat(kv_cache_dtype, block_size, num_kv_heads, head_dim)

@@ -1,0 +1,183 @@
+"""The 8-bit KV cache (engine/kv_quant.py): the block format, attention over it on every CPU
+backend against dequantize-then-attend, and the layout both sides of a transfer must share."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_quant import MIN_SCALE, KVQuantFormat, kv_quant_format
+from kvtransfer import KVLayout, LayoutMismatchError
+from kvtransfer.layout import check_layouts
+
+FORMATS = ("int8", "fp8_e4m3")
+# |error| / the block's absmax: a value written once is off by at most half a step (int8: 0.5 / 127;
+# fp8 e4m3 keeps 3 mantissa bits, 2^-4 relative); each time its block's scale grows it is rounded
+# again, at the new scale. Bounded here by two steps, over seven growths.
+TOLERANCE = {"int8": 2.0 / 127, "fp8_e4m3": 2 * 2.0 ** -4}
+
+
+def empty_layer(fmt: KVQuantFormat, num_blocks: int) -> torch.Tensor:
+    return torch.zeros(num_blocks, fmt.block_bytes, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_block_reads_back_what_was_written_as_its_scale_grows(name):
+    fmt = KVQuantFormat(name, block_size=8, num_kv_heads=2, head_dim=16)
+    layer = empty_layer(fmt, 4)
+    torch.manual_seed(0)
+    written = torch.zeros(8, 2, 2, 16)
+    for offset in range(8):  # decodes: one token per step, each larger than the last
+        k, v = torch.randn(1, 2, 16) * (1 + offset), torch.randn(1, 2, 16) * (1 + offset)
+        fmt.store(k, v, layer, torch.tensor([2 * 8 + offset]))
+        written[offset, 0], written[offset, 1] = k[0], v[0]
+    block = fmt.dequantize(layer, torch.tensor([2]), torch.float32)[0]  # [2, 8, heads, dim]
+    expected = written.permute(1, 0, 2, 3)
+    absmax = expected.abs().amax(dim=(1, 3))  # per (K/V, head)
+    error = (block - expected).abs().amax(dim=(1, 3))
+    assert bool((error <= TOLERANCE[name] * absmax * 1.01).all()), (error / absmax).max()
+    _, scales = fmt.split(layer)
+    assert torch.allclose(scales[2], absmax / fmt.qmax)  # the largest |x| / QMAX, after it grew 7 times
+    assert bool((scales[[0, 1, 3]] == 0).all())  # other blocks untouched
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_write_at_offset_zero_starts_the_block_afresh(name):
+    fmt = KVQuantFormat(name, block_size=4, num_kv_heads=1, head_dim=8)
+    layer = empty_layer(fmt, 2)
+    fmt.store(torch.full((4, 1, 8), 100.0), torch.full((4, 1, 8), -100.0), layer, torch.arange(4, 8))
+    small = torch.linspace(-0.01, 0.01, 8).view(1, 1, 8)  # a new owner of block 1: tiny values
+    fmt.store(small, small, layer, torch.tensor([4]))
+    _, scales = fmt.split(layer)
+    assert torch.allclose(scales[1], torch.full((2, 1), 0.01 / fmt.qmax))  # not the old owner's 100
+    back = fmt.dequantize(layer, torch.tensor([1]), torch.float32)[0, :, 0, 0]
+    assert torch.allclose(back, small.view(1, 8).expand(2, 8), atol=0.01 * TOLERANCE[name])
+    zeros = torch.zeros(1, 1, 8)  # a block of zeros: the smallest scale, never a division by 0
+    fmt.store(zeros, zeros, layer, torch.tensor([0]))
+    assert bool((scales[0] == MIN_SCALE).all())
+    assert bool((fmt.dequantize(layer, torch.tensor([0]), torch.float32)[0, :, 0] == 0).all())
+
+
+def test_the_format_checks_what_it_is_given():
+    fmt = kv_quant_format("int8", 16, 3, 64)
+    assert kv_quant_format("auto", 16, 3, 64) is None
+    assert fmt.block_bytes == 2 * 16 * 3 * 64 + 2 * 3 * 4  # values, then a float32 per K/V and head
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8"):
+        kv_quant_format("fp4", 16, 3, 64)
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, 6168\] uint8"):
+        fmt.split(torch.zeros(4, 2, 16, 3, 64))
+    layer = torch.zeros(4, fmt.block_bytes, dtype=torch.uint8)
+    fmt.store(torch.ones(2, 3, 64), torch.ones(2, 3, 64), layer, torch.tensor([-1, -1]))  # skipped slots
+    assert bool((layer == 0).all())
+    with pytest.raises(ValueError, match="slot_mapping has 1 entries for 2 tokens"):
+        fmt.store(torch.ones(2, 3, 64), torch.ones(2, 3, 64), layer, torch.tensor([0]))
+
+
+# ---- attention over an 8-bit cache -------------------------------------------------------------
+
+def random_batch(rng: random.Random, fmt: KVQuantFormat, num_blocks: int):
+    """Ragged sequences with random block tables: some decodes, some prefill chunks over a cached
+    prefix, one whole prompt; the cached prefixes are stored first."""
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    query_lens, seq_lens, tables, prefixes = [], [], [], []
+    for query_len, context in ((1, 37), (1, 5), (9, 20), (1, 64), (13, 0), (4, 3)):
+        seq_len = context + query_len
+        count = -(-seq_len // fmt.block_size)
+        tables.append([ids.pop() for _ in range(count)])
+        query_lens.append(query_len)
+        seq_lens.append(seq_len)
+        prefixes.append(context)
+    return query_lens, seq_lens, tables, prefixes
+
+
+def dequantize_then_attend(fmt, layer, query, meta, scale, num_heads):
+    """The reference: every sequence's K/V read back from the 8-bit cache, then softmax attention
+    in float64, causal over the cached prefix and the new tokens."""
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    group = num_heads // fmt.num_kv_heads
+    start = 0
+    for query_len, seq_len, table in zip(meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables.tolist()):
+        blocks = fmt.dequantize(layer, torch.tensor(table[: -(-seq_len // fmt.block_size)]), torch.float64)
+        keys = blocks[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len]
+        values = blocks[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len]
+        for i in range(query_len):
+            position = seq_len - query_len + i
+            for head in range(num_heads):
+                kv_head = head // group
+                scores = keys[: position + 1, kv_head] @ query[start + i, head].double() * scale
+                out[start + i, head] = torch.softmax(scores, 0) @ values[: position + 1, kv_head]
+        start += query_len
+    return out
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_attention_over_an_8bit_cache_matches_dequantize_then_attend(backend_name, name):
+    """GQA (4 query heads per KV head), ragged lengths, random block tables, decodes and prefill
+    chunks in one batch; and it stays close to attention over the unquantized values."""
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    num_heads, fmt = 8, KVQuantFormat(name, block_size=8, num_kv_heads=2, head_dim=32)
+    num_blocks = 48
+    query_lens, seq_lens, tables, prefixes = random_batch(rng, fmt, num_blocks)
+    backend = get_attention_backend(backend_name, fmt)
+    float_backend = get_attention_backend("torch")
+    layer = empty_layer(fmt, num_blocks)
+    float_cache = torch.zeros(num_blocks, 2, fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
+    # the cached prefixes, written as earlier steps would have
+    for context, table in zip(prefixes, tables):
+        if context:
+            slots = torch.tensor([table[p // fmt.block_size] * fmt.block_size + p % fmt.block_size
+                                  for p in range(context)])
+            k, v = torch.randn(context, 2, 32), torch.randn(context, 2, 32)
+            backend.store_kv(k, v, layer, slots)
+            float_backend.store_kv(k, v, float_cache, slots)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, fmt.block_size, "cpu")
+    tokens = sum(query_lens)
+    query, key, value = torch.randn(tokens, num_heads, 32), torch.randn(tokens, 2, 32), torch.randn(tokens, 2, 32)
+    scale = 32 ** -0.5
+    out = backend.forward(query, key, value, layer, meta, scale)
+    expected = dequantize_then_attend(fmt, layer, query, meta, scale, num_heads)
+    assert torch.allclose(out.double(), expected, atol=2e-5, rtol=1e-4), (out.double() - expected).abs().max()
+    unquantized = float_backend.forward(query, key, value, float_cache, meta, scale)
+    error = (out - unquantized).abs().max().item()
+    assert error < {"int8": 0.03, "fp8_e4m3": 0.15}[name], error
+
+
+def test_the_triton_backend_says_it_does_not_read_8bit_caches_yet():
+    with pytest.raises(ValueError, match="triton attention backend does not read an 8-bit KV cache yet"):
+        get_attention_backend("triton", KVQuantFormat("int8", 16, 2, 64))
+
+
+# ---- the transfer layout -----------------------------------------------------------------------
+
+def test_8bit_layouts_name_their_format_and_refuse_a_mismatched_peer():
+    fmt = KVQuantFormat("fp8_e4m3", 16, 3, 64)
+    packed = KVLayout.from_caches([torch.zeros(10, fmt.block_bytes, dtype=torch.uint8)] * 30, fmt)
+    bf16 = KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64, dtype=torch.bfloat16)] * 30)
+    fp32 = KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64)] * 30)
+    # the chunks move as they are: half of bf16's bytes, a quarter of fp32's, plus 8 bytes per head
+    assert packed.chunk_nbytes == bf16.chunk_nbytes // 2 + 2 * 3 * 4 == fp32.chunk_nbytes // 4 + 24
+    assert packed.chunk_nbytes / bf16.chunk_nbytes < 0.502
+    assert KVLayout.from_wire(packed.to_wire()) == packed
+    with pytest.raises(LayoutMismatchError) as refused:
+        check_layouts(packed, bf16)
+    assert "dtype=fp8_e4m3 with per-block scales" in str(refused.value) and "dtype=bfloat16" in str(refused.value)
+    int8 = KVLayout.from_caches([torch.zeros(10, fmt.block_bytes, dtype=torch.uint8)] * 30,
+                                KVQuantFormat("int8", 16, 3, 64))
+    with pytest.raises(LayoutMismatchError, match="int8 with per-block scales"):
+        check_layouts(packed, int8)
+    with pytest.raises(ValueError, match=r"an fp8_e4m3 cache is \[num_blocks, 6168\] uint8"):
+        KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64)], fmt)
+
+
+def test_engine_config_refuses_8bit_kv_with_tensor_parallelism():
+    from engine.config import CacheConfig, EngineConfig
+    with pytest.raises(ValueError, match="kv_cache_dtype=int8 with tensor parallelism is not supported yet"):
+        EngineConfig(device="cpu", tensor_parallel_size=2, cache=CacheConfig(kv_cache_dtype="int8"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8, got 'fp16'"):
+        CacheConfig(kv_cache_dtype="fp16")
