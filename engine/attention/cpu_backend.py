@@ -9,12 +9,17 @@ Prefill chunks in bf16 on CPUs with AVX512-BF16 go to `engine/csrc/flash_prefill
 forward whose matmuls are bf16 dot-product instructions (about 2x torch's CPU flash kernel at
 256-1024 tokens); other dtypes and CPUs keep torch's flash attention. When the kernels cannot be
 built, this backend behaves exactly like `TorchAttentionBackend` (`native` says which is in use).
+An 8-bit cache (engine/kv_quant.py): decode-only batches read it in place
+(`paged_decode_8bit_cpu.cpp`, one byte per cached value); other batches dequantize the blocks they
+read in torch first.
 """
 from __future__ import annotations
 
 import torch
 
 from engine import cpu_kernels
+from engine.attention.backend import host_lengths
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv, store_kv
 from engine.kv_quant import KVQuantFormat
 
@@ -41,6 +46,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 or any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value))):
             return store_kv(key, value, kv_cache, slot_mapping)
         self._kernels.store_kv_cache_(key, value, kv_cache, slot_mapping)
+
+    def _forward_8bit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode-only batch reads the 8-bit blocks in place (engine/csrc/paged_decode_8bit_cpu.cpp);
+        other batches take the torch path (dequantize, then the kernels below)."""
+        query_lens, _ = host_lengths(meta)
+        if (self._kernels is None or query.device.type != "cpu" or len(query_lens) != query.shape[0]
+                or any(n != 1 for n in query_lens)):
+            return super()._forward_8bit(query, key, value, kv_cache, meta, scale)
+        fmt = self.kv_format
+        fmt.store(key, value, kv_cache, meta.slot_mapping)
+        return self._kernels.paged_decode_attention_8bit(query, kv_cache, meta.block_tables.to(torch.int32),
+                                                         meta.seq_lens.to(torch.int32), scale, fmt.block_size,
+                                                         fmt.num_kv_heads, fmt.name == "fp8_e4m3")
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float) -> torch.Tensor:

@@ -4,6 +4,10 @@
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+// paged_decode_8bit_cpu.cpp
+at::Tensor paged_decode_attention_8bit(const at::Tensor& query, const at::Tensor& kv_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       int64_t block_size, int64_t num_kv_heads, bool fp8);
 // kv_store_cpu.cpp
 void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping);
@@ -29,6 +33,8 @@ at::Tensor small_batch_linear_f32(const at::Tensor& x, const at::Tensor& weight,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention_8bit", &paged_decode_attention_8bit,
+        "Decode attention over an 8-bit paged KV cache with per-block scales (CPU)");
   m.def("store_kv_cache_", &store_kv_cache_, "Write new K/V rows into the paged cache at their slots (CPU)");
   m.def("flash_prefill_attention", &flash_prefill_attention, "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
   m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");

@@ -11,7 +11,12 @@
 #include <ATen/Parallel.h>
 
 #include "parallel.h"
+#include "row_ops.h"
 #include "simd_math.h"
+
+using row_ops::axpy;
+using row_ops::dot;
+using row_ops::exp_shifted;
 
 #include <algorithm>
 #include <type_traits>
@@ -30,53 +35,6 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (; i + simd::W <= n; i += simd::W) simd::store(dst + i, simd::load(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// dot(a, b) over n floats.
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float tail = 0.f;
-#if defined(PDSERVE_SIMD)
-  simd::F acc = simd::zero();
-  for (; i + simd::W <= n; i += simd::W) acc = simd::fmadd(simd::load(a + i), simd::load(b + i), acc);
-  tail = simd::reduce_add(acc);
-#endif
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return tail;
-}
-
-// y += p * x over n floats.
-inline void axpy(float p, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#if defined(PDSERVE_SIMD)
-  const simd::F pv = simd::set1(p);
-  for (; i + simd::W <= n; i += simd::W) simd::store(y + i, simd::fmadd(pv, simd::load(x + i), simd::load(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += p * x[i];
-}
-
-
-// x <- exp(x - max(x)) over n floats; returns the sum of the results.
-inline float exp_shifted(float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
-  int64_t i = 0;
-  float sum = 0.f;
-#if defined(PDSERVE_SIMD)
-  const simd::F mv = simd::set1(m);
-  simd::F acc = simd::zero();
-  for (; i + simd::W <= n; i += simd::W) {
-    const simd::F e = simd::exp(simd::sub(simd::load(x + i), mv));
-    simd::store(x + i, e);
-    acc = simd::add(acc, e);
-  }
-  sum = simd::reduce_add(acc);
-#endif
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - m);
-    sum += x[i];
-  }
-  return sum;
 }
 
 #if defined(PDSERVE_SIMD)

@@ -148,6 +148,36 @@ def test_attention_over_an_8bit_cache_matches_dequantize_then_attend(backend_nam
     assert error < {"int8": 0.03, "fp8_e4m3": 0.15}[name], error
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_decode_over_an_8bit_cache_reads_it_in_place_and_matches(name, dtype):
+    """A decode-only batch on the cpu backend (the native kernel reads the 8-bit blocks in place):
+    ragged lengths (a block's first token, a full block, long ones), random tables, GQA, against
+    dequantize-then-attend."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    fmt = KVQuantFormat(name, block_size=16, num_kv_heads=3, head_dim=64)
+    num_heads, num_blocks = 9, 96
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    seq_lens = [1, 16, 17, 100, 250, 33, 64]
+    tables = [[ids.pop() for _ in range(-(-n // 16))] for n in seq_lens]
+    backend = get_attention_backend("cpu", fmt)
+    layer = empty_layer(fmt, num_blocks)
+    for n, table in zip(seq_lens, tables):
+        if n > 1:  # the context before this step's token
+            slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n - 1)])
+            backend.store_kv(torch.randn(n - 1, 3, 64) * 3, torch.randn(n - 1, 3, 64), layer, slots)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, 16, "cpu")
+    query = torch.randn(len(seq_lens), num_heads, 64).to(dtype)
+    key, value = torch.randn(len(seq_lens), 3, 64).to(dtype), torch.randn(len(seq_lens), 3, 64).to(dtype)
+    out = backend.forward(query, key, value, layer, meta, 0.125)
+    assert out.dtype == dtype
+    expected = dequantize_then_attend(fmt, layer, query, meta, 0.125, num_heads)
+    tolerance = 1e-4 if dtype is torch.float32 else 2e-2
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
+
+
 def test_the_triton_backend_says_it_does_not_read_8bit_caches_yet():
     with pytest.raises(ValueError, match="triton attention backend does not read an 8-bit KV cache yet"):
         get_attention_backend("triton", KVQuantFormat("int8", 16, 2, 64))

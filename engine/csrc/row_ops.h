@@ -1,0 +1,61 @@
+// Row helpers over fp32 rows shared by the native decode kernels (paged_decode_cpu.cpp,
+// paged_decode_8bit_cpu.cpp): dot products, axpy, a shifted exponential for softmaxes.
+#pragma once
+
+#include "simd_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace row_ops {
+
+// dot(a, b) over n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float tail = 0.f;
+#if defined(PDSERVE_SIMD)
+  simd::F acc = simd::zero();
+  for (; i + simd::W <= n; i += simd::W) acc = simd::fmadd(simd::load(a + i), simd::load(b + i), acc);
+  tail = simd::reduce_add(acc);
+#endif
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return tail;
+}
+
+// y += p * x over n floats.
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(PDSERVE_SIMD)
+  const simd::F pv = simd::set1(p);
+  for (; i + simd::W <= n; i += simd::W) simd::store(y + i, simd::fmadd(pv, simd::load(x + i), simd::load(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+
+// x <- exp(x - max(x)) over n floats; returns the sum of the results.
+inline float exp_shifted(float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(PDSERVE_SIMD)
+  const simd::F mv = simd::set1(m);
+  simd::F acc = simd::zero();
+  for (; i + simd::W <= n; i += simd::W) {
+    const simd::F e = simd::exp(simd::sub(simd::load(x + i), mv));
+    simd::store(x + i, e);
+    acc = simd::add(acc, e);
+  }
+  sum = simd::reduce_add(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+}  // namespace row_ops
