@@ -153,11 +153,8 @@ void decode_8bit(at::Tensor& out, const at::Tensor& query, const at::Tensor& cac
           axpy(scores[g * len + t0 + j] * v_scale, row.data(), acc.data() + g * head_dim, head_dim);
       }
     }
-    T* o = out_ptr + (seq * num_heads + h * group) * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) o[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
-    }
+    row_ops::write_normalized(out_ptr + (seq * num_heads + h * group) * head_dim, acc.data(), sums.data(), group,
+                              head_dim);
   });
 }
 

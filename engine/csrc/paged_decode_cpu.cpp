@@ -302,11 +302,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           axpy(scores[h * len + t0 + j], row.data() + (h / group) * head_dim, acc.data() + h * head_dim, head_dim);
       }
     }
-    T* o = out_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
-    for (int64_t h = 0; h < qheads; ++h) {
-      const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
-    }
+    row_ops::write_normalized(out_ptr + (seq * num_heads + first_kv_head * group) * head_dim, acc.data(), sums.data(),
+                              qheads, head_dim);
   });
 }
 

@@ -58,4 +58,13 @@ inline float exp_shifted(float* x, int64_t n) {
   return sum;
 }
 
+// o[r * n + d] = acc[r * n + d] / sums[r] (0 for an empty softmax) for `rows` rows of n, in T.
+template <typename T>
+inline void write_normalized(T* o, const float* acc, const float* sums, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+    for (int64_t d = 0; d < n; ++d) o[r * n + d] = static_cast<T>(acc[r * n + d] * inv);
+  }
+}
+
 }  // namespace row_ops

@@ -30,12 +30,18 @@ PLAIN = [
 NEW_TOKENS = 32  # 8 prompts: long enough to diverge if anything is off, short enough for CI
 
 
-@pytest.fixture(scope="module")
-def default_setup():
+def load_default_model():
+    """(pdserve's model of the default weights, in eval mode; its tokenizer; the loaded model)."""
     loaded = resolve_model("default")
     tokenizer = Tokenizer.from_pretrained(loaded.model_dir)
     ours = LlamaForCausalLM(loaded.arch)
     ours.load_weights(loaded.iter_weights())
+    return ours.eval(), tokenizer, loaded
+
+
+@pytest.fixture(scope="module")
+def default_setup():
+    ours, tokenizer, loaded = load_default_model()
     hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir, torch_dtype=torch.float32,
                                                            attn_implementation="eager").eval()
     prompts = [tokenizer.apply_chat_template(c) for c in CHATS] + [tokenizer.encode(p) for p in PLAIN]

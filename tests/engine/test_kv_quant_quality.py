@@ -14,11 +14,8 @@ from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import allocate_kv_cache
 from engine.kv_quant import kv_quant_format
-from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import resolve_model
-from engine.tokenizer import Tokenizer
 from tests.engine.paged_harness import greedy_generate_paged
-from tests.engine.test_default_model import CHATS, NEW_TOKENS, PLAIN
+from tests.engine.test_default_model import CHATS, NEW_TOKENS, PLAIN, load_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +42,8 @@ TOLERANCE = {"int8": {"mean_kl": 0.004, "max_kl": 0.03, "top1": 0.98, "perplexit
 
 @pytest.fixture(scope="module")
 def default_model():
-    loaded = resolve_model("default")
-    tokenizer = Tokenizer.from_pretrained(loaded.model_dir)
-    model = LlamaForCausalLM(loaded.arch)
-    model.load_weights(loaded.iter_weights())
-    return model.eval(), tokenizer
+    model, tokenizer, _ = load_default_model()
+    return model, tokenizer
 
 
 def teacher_forced_logits(model, kv_cache_dtype: str, tokens: list[int], chunk: int = 16, block_size: int = 16):
