@@ -70,7 +70,7 @@ def test_engine_flags_reach_every_worker():
     (["--decode", "-1"], "the decode pool size must be an integer >= 0, got -1"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
-    (["--local-prefill-weight", "0.5"], "--local-prefill-weight must be >= 1"),
+    (["--local-prefill-weight", "-1"], "--local-prefill-weight must be >= 0"),
     (["--routers", "0"], "--routers must be in 1..64, got 0"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
     (["--block-size", "24"], "block_size must be a power of two"),
