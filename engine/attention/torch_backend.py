@@ -86,6 +86,8 @@ class TorchAttentionBackend:
 
     def __init__(self, kv_format: KVQuantFormat | None = None) -> None:
         self.kv_format = kv_format
+        self._plan_meta: AttentionMetadata | None = None  # 8-bit: the metadata `_plan` is for
+        self._plan: tuple = ()
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -105,24 +107,34 @@ class TorchAttentionBackend:
                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         fmt = self.kv_format
         fmt.store(key, value, kv_cache, meta.slot_mapping)
-        _, seq_lens = host_lengths(meta)
-        width = max(1, -(-max(seq_lens, default=1) // fmt.block_size))
-        tables = meta.block_tables[:len(seq_lens), :width].to(torch.int64)
-        used, local_tables = torch.unique(tables, return_inverse=True)
+        used, dense_meta, dense_slots, skipped = self._dense_plan(meta)
         dense = fmt.dequantize(kv_cache, used, query.dtype)  # [used, 2, block_size, heads, dim]
         # the new tokens' keys and values as stored (slot -1, batch padding: zeros)
-        slots = meta.slot_mapping.to(torch.int64)
-        position = torch.searchsorted(used, (slots.clamp(min=0) // fmt.block_size))
-        dense_slots = position.clamp(max=used.numel() - 1) * fmt.block_size + slots.clamp(min=0) % fmt.block_size
-        rows = dense.view(used.numel(), 2, fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
-        stored_key = rows[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim).index_select(0, dense_slots)
-        stored_value = rows[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim).index_select(0, dense_slots)
-        skipped = (slots < 0)[:, None, None]
+        stored_key = dense[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim).index_select(0, dense_slots)
+        stored_value = dense[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim).index_select(0, dense_slots)
         stored_key = stored_key.masked_fill(skipped, 0)
         stored_value = stored_value.masked_fill(skipped, 0)
-        dense_meta = dataclasses.replace(meta, block_tables=local_tables.to(torch.int32))
         check_shapes(query, stored_key, stored_value, dense, dense_meta)
         return self._attend(query, stored_key, stored_value, dense, dense_meta, scale)
+
+    def _dense_plan(self, meta: AttentionMetadata):
+        """The blocks the batch reads (sorted), its metadata over the dense copy of them, and its
+        new tokens' slots there (with the skipped ones). The same for every layer of a forward
+        pass, so computed once per metadata."""
+        if self._plan_meta is meta:
+            return self._plan
+        block_size = self.kv_format.block_size
+        _, seq_lens = host_lengths(meta)
+        width = max(1, -(-max(seq_lens, default=1) // block_size))
+        used, local_tables = torch.unique(meta.block_tables[:len(seq_lens), :width].to(torch.int64),
+                                          return_inverse=True)
+        slots = meta.slot_mapping.to(torch.int64)
+        position = torch.searchsorted(used, slots.clamp(min=0) // block_size)
+        dense_slots = position.clamp(max=used.numel() - 1) * block_size + slots.clamp(min=0) % block_size
+        self._plan_meta = meta
+        self._plan = (used, dataclasses.replace(meta, block_tables=local_tables.to(torch.int32)), dense_slots,
+                      (slots < 0)[:, None, None])
+        return self._plan
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
