@@ -29,7 +29,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "paged_decode_8bit_cpu.cpp", "kv_store_cpu.cpp",
+            for name in ("bindings.cpp", "paged_decode_cpu.cpp", "kv_store_cpu.cpp",
                          "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp", "small_linear_cpu.cpp", "token_mask_cpu.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd_math.h", "parallel.h", "row_ops.h")]
 

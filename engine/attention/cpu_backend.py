@@ -9,18 +9,17 @@ Prefill chunks in bf16 on CPUs with AVX512-BF16 go to `engine/csrc/flash_prefill
 forward whose matmuls are bf16 dot-product instructions (about 2x torch's CPU flash kernel at
 256-1024 tokens); other dtypes and CPUs keep torch's flash attention. When the kernels cannot be
 built, this backend behaves exactly like `TorchAttentionBackend` (`native` says which is in use).
-An 8-bit cache (engine/kv_quant.py): decode-only batches read it in place
-(`paged_decode_8bit_cpu.cpp`, one byte per cached value); other batches dequantize the blocks they
-read in torch first.
+An 8-bit cache (engine/kv_quant.py): a native store quantizes into it (`kv_store_cpu.cpp`), decodes
+read it in place (the same decode kernel, one byte per cached value), and a prefill chunk attends
+over its sequence's blocks dequantized (the copy the model dtype's path gathers anyway).
 """
 from __future__ import annotations
 
 import torch
 
 from engine import cpu_kernels
-from engine.attention.backend import host_lengths
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, sequence_kv, store_kv
+from engine.attention.torch_backend import TorchAttentionBackend, causal_attention, sequence_kv, store_kv
 from engine.kv_quant import KVQuantFormat
 
 
@@ -28,7 +27,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self, kv_format: KVQuantFormat | None = None) -> None:
-        super().__init__(kv_format)  # 8-bit: the torch path's dequantize, then the kernels below
+        super().__init__(kv_format)
         self._kernels = cpu_kernels.load()
         self._flash_prefill = self._kernels is not None and self._kernels.has_flash_prefill()
 
@@ -39,7 +38,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         if self.kv_format is not None:
-            return super().store_kv(key, value, kv_cache, slot_mapping)
+            return self._store_8bit(key, value, kv_cache, slot_mapping)
         if (self._kernels is None or kv_cache.device.type != "cpu" or key.dtype != kv_cache.dtype
                 or value.dtype != kv_cache.dtype or not kv_cache.is_contiguous()
                 or key.shape[0] != slot_mapping.shape[0] or slot_mapping.dtype != torch.int64
@@ -47,22 +46,36 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return store_kv(key, value, kv_cache, slot_mapping)
         self._kernels.store_kv_cache_(key, value, kv_cache, slot_mapping)
 
+    def _store_8bit(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+        fmt = self.kv_format
+        if (self._kernels is None or kv_cache.device.type != "cpu" or key.dtype != value.dtype
+                or key.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or slot_mapping.dtype != torch.int64 or not kv_cache.is_contiguous()):
+            return fmt.store(key, value, kv_cache, slot_mapping)
+        fmt.split(kv_cache)  # checks the layer's shape
+        if key.shape[0] != slot_mapping.shape[0]:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        self._kernels.store_kv_cache_8bit_(key, value, kv_cache, slot_mapping, fmt.block_size, fmt.name == "fp8_e4m3")
+
     def _forward_8bit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A decode-only batch reads the 8-bit blocks in place (engine/csrc/paged_decode_8bit_cpu.cpp);
-        other batches take the torch path (dequantize, then the kernels below)."""
-        query_lens, _ = host_lengths(meta)
-        if (self._kernels is None or query.device.type != "cpu" or len(query_lens) != query.shape[0]
-                or any(n != 1 for n in query_lens)):
+        """Store natively, then attend over the 8-bit blocks: decodes read them in place, prefill
+        chunks over their sequence's blocks dequantized (the new tokens as stored)."""
+        if self._kernels is None or query.device.type != "cpu":
             return super()._forward_8bit(query, key, value, kv_cache, meta, scale)
-        fmt = self.kv_format
-        fmt.store(key, value, kv_cache, meta.slot_mapping)
-        return self._kernels.paged_decode_attention_8bit(query, kv_cache, meta.block_tables.to(torch.int32),
-                                                         meta.seq_lens.to(torch.int32), scale, fmt.block_size,
-                                                         fmt.num_kv_heads, fmt.name == "fp8_e4m3")
+        self._store_8bit(key, value, kv_cache, meta.slot_mapping)
+        return self._attend(query, key, value, kv_cache, meta, scale)
 
+    # `_attend`'s two halves; a 2-D cache is the 8-bit format's [num_blocks, block_bytes] (a dense
+    # copy of it, in the torch path's fallback, is 5-D like any other cache).
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float) -> torch.Tensor:
+        if kv_cache.dim() == 2:
+            fmt = self.kv_format
+            return self._kernels.paged_decode_attention_8bit(query, kv_cache, block_tables.to(torch.int32),
+                                                             seq_lens.to(torch.int32), scale, fmt.block_size,
+                                                             fmt.num_kv_heads, fmt.name == "fp8_e4m3")
         if self._kernels is None or query.device.type != "cpu" or kv_cache.dtype != query.dtype:
             return TorchAttentionBackend._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale)
         return self._kernels.paged_decode_attention(query, kv_cache, block_tables.to(torch.int32),
@@ -71,11 +84,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                  scale: float) -> torch.Tensor:
+        if kv_cache.dim() == 2:
+            fmt = self.kv_format
+            blocks = fmt.dequantize(kv_cache, block_table[: -(-seq_len // fmt.block_size)], query.dtype)
+            keys = blocks[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len]
+            values = blocks[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len]
+        elif seq_len == query.shape[0]:  # no cached prefix: this chunk's own K/V
+            keys, values = key, value
+        else:
+            keys, values = sequence_kv(kv_cache, block_table, seq_len)
         head_dim = query.shape[-1]
-        if not (self._flash_prefill and query.device.type == "cpu" and query.dtype == torch.bfloat16
-                and kv_cache.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256):
-            return TorchAttentionBackend._prefill(query, key, value, kv_cache, block_table, seq_len, scale)
-        if seq_len == query.shape[0]:  # no cached prefix: this chunk's own K/V
-            return self._kernels.flash_prefill_attention(query, key, value, scale)
-        keys, values = sequence_kv(kv_cache, block_table, seq_len)
-        return self._kernels.flash_prefill_attention(query, keys, values, scale)
+        if (self._flash_prefill and query.device.type == "cpu" and query.dtype == torch.bfloat16
+                and keys.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256):
+            return self._kernels.flash_prefill_attention(query, keys, values, scale)
+        return causal_attention(query, keys, values, scale)

@@ -106,7 +106,7 @@ class TorchAttentionBackend:
     def _forward_8bit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         fmt = self.kv_format
-        fmt.store(key, value, kv_cache, meta.slot_mapping)
+        self.store_kv(key, value, kv_cache, meta.slot_mapping)
         used, dense_meta, dense_slots, skipped = self._dense_plan(meta)
         dense = fmt.dequantize(kv_cache, used, query.dtype)  # [used, 2, block_size, heads, dim]
         # the new tokens' keys and values as stored (slot -1, batch padding: zeros)
@@ -191,20 +191,28 @@ class TorchAttentionBackend:
                  kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                  scale: float) -> torch.Tensor:
         """A chunk of `query_len` tokens of one sequence: causal over its cached prefix + itself."""
-        query_len = query.shape[0]
-        context_len = seq_len - query_len
-        # Inputs are 4-D ([1, heads, tokens, dim]): torch's CPU flash-attention kernel (which
-        # supports GQA) takes only 4-D inputs; 3-D ones fall back to the far slower math path.
-        if context_len == 0:
-            out = F.scaled_dot_product_attention(
-                query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
-                is_causal=True, scale=scale, enable_gqa=True)
-            return out[0].transpose(0, 1)
+        if seq_len == query.shape[0]:  # no cached prefix: this chunk's own K/V
+            return causal_attention(query, key, value, scale)
         keys, values = sequence_kv(kv_cache, block_table, seq_len)
-        key_positions = torch.arange(seq_len, device=query.device)
-        query_positions = torch.arange(context_len, seq_len, device=query.device)
-        mask = key_positions[None, :] <= query_positions[:, None]
+        return causal_attention(query, keys, values, scale)
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The last `query_len` positions of a sequence whose K/V are `keys`/`values` ([seq_len,
+    heads, dim]) attend causally to it; GQA by head groups."""
+    query_len, seq_len = query.shape[0], keys.shape[0]
+    context_len = seq_len - query_len
+    # Inputs are 4-D ([1, heads, tokens, dim]): torch's CPU flash-attention kernel (which
+    # supports GQA) takes only 4-D inputs; 3-D ones fall back to the far slower math path.
+    if context_len == 0:
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, scale=scale, enable_gqa=True)
+            is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+    key_positions = torch.arange(seq_len, device=query.device)
+    query_positions = torch.arange(context_len, seq_len, device=query.device)
+    mask = key_positions[None, :] <= query_positions[:, None]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

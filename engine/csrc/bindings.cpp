@@ -4,13 +4,15 @@
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
-// paged_decode_8bit_cpu.cpp
+// paged_decode_cpu.cpp (8-bit caches, engine/kv_quant.py)
 at::Tensor paged_decode_attention_8bit(const at::Tensor& query, const at::Tensor& kv_cache,
                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                        int64_t block_size, int64_t num_kv_heads, bool fp8);
 // kv_store_cpu.cpp
 void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping);
+void store_kv_cache_8bit_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int64_t block_size, bool fp8);
 // flash_prefill_cpu.cpp
 at::Tensor flash_prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                    double scale);
@@ -36,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_8bit", &paged_decode_attention_8bit,
         "Decode attention over an 8-bit paged KV cache with per-block scales (CPU)");
   m.def("store_kv_cache_", &store_kv_cache_, "Write new K/V rows into the paged cache at their slots (CPU)");
+  m.def("store_kv_cache_8bit_", &store_kv_cache_8bit_,
+        "Quantize new K/V rows into an 8-bit paged cache at their slots, growing block scales (CPU)");
   m.def("flash_prefill_attention", &flash_prefill_attention, "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
   m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
   m.def("has_fused_ops", &has_fused_ops, "Whether the fused bf16 elementwise ops were compiled in (AVX2 or AVX-512)");

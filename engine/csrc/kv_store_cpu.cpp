@@ -52,3 +52,126 @@ void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   });
   TORCH_CHECK(bad.load() < 0, "store_kv_cache_: slot ", bad.load(), " is past the cache's ", num_slots, " slots");
 }
+
+// The 8-bit cache's store (engine/kv_quant.py, whose `KVQuantFormat.store` is the reference: the
+// bytes written here are the same, tested): a block's scale per (K/V, head) grows to the largest
+// |x| / qmax written to it since its offset 0 was written; a write needing a larger scale
+// re-quantizes what the block holds first. kv_cache [num_blocks, block_bytes] uint8, each block
+// values [2, block_size, num_kv_heads, head_dim] (int8 or fp8 e4m3) then float32 scales
+// [2, num_kv_heads]. Tokens writing one block are handled together; blocks in parallel.
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr float kMinScale = 1e-8f;  // kv_quant.MIN_SCALE
+
+// x / scale, clamped to +-qmax, in the 8-bit type (int8: rounded half to even, as torch.round).
+inline uint8_t quantize(float x, float scale, float qmax, bool fp8) {
+  const float y = std::min(std::max(x / scale, -qmax), qmax);
+  if (fp8) return c10::Float8_e4m3fn(y).x;
+  return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
+}
+
+inline float dequantize(uint8_t q, bool fp8) {
+  return fp8 ? static_cast<float>(c10::Float8_e4m3fn(q, c10::Float8_e4m3fn::from_bits()))
+             : static_cast<float>(static_cast<int8_t>(q));
+}
+
+template <typename T>
+void store_8bit(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const int64_t* slots,
+                int64_t block_size, int64_t heads, bool fp8) {
+  const int64_t num_tokens = key.size(0), dim = key.size(2), block_bytes = kv_cache.size(1);
+  const int64_t token_values = heads * dim, values_bytes = 2 * block_size * token_values;
+  const float qmax = fp8 ? 448.f : 127.f;
+  const T* src[2] = {key.data_ptr<T>(), value.data_ptr<T>()};
+  const int64_t src_stride[2] = {key.stride(0), value.stride(0)};
+  uint8_t* cache = kv_cache.data_ptr<uint8_t>();
+  // (block, token) of every stored token, grouped by block
+  std::vector<std::pair<int64_t, int64_t>> writes;
+  writes.reserve(num_tokens);
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slots[t] >= 0) writes.emplace_back(slots[t] / block_size, t);
+  std::stable_sort(writes.begin(), writes.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<int64_t> runs;  // start of each block's writes
+  for (int64_t i = 0; i < static_cast<int64_t>(writes.size()); ++i)
+    if (i == 0 || writes[i].first != writes[i - 1].first) runs.push_back(i);
+  runs.push_back(static_cast<int64_t>(writes.size()));
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) - 1, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> need(2 * heads), scale(2 * heads);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t block = writes[runs[r]].first;
+      uint8_t* values = cache + block * block_bytes;
+      float* scales = reinterpret_cast<float*>(values + values_bytes);
+      bool fresh = false;
+      std::fill(need.begin(), need.end(), 0.f);
+      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
+        const int64_t t = writes[i].second;
+        fresh |= slots[t] % block_size == 0;
+        for (int64_t kv = 0; kv < 2; ++kv)
+          for (int64_t h = 0; h < heads; ++h) {
+            const T* x = src[kv] + t * src_stride[kv] + h * dim;
+            float amax = 0.f;
+            for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+            need[kv * heads + h] = std::max(need[kv * heads + h], amax / qmax);
+          }
+      }
+      bool grown = false;
+      for (int64_t i = 0; i < 2 * heads; ++i) {
+        scale[i] = std::max(std::max(need[i], fresh ? 0.f : scales[i]), kMinScale);
+        grown |= !fresh && scale[i] > scales[i];
+      }
+      if (grown)  // what the block holds, re-quantized with its larger scales
+        for (int64_t kv = 0; kv < 2; ++kv)
+          for (int64_t pos = 0; pos < block_size; ++pos)
+            for (int64_t h = 0; h < heads; ++h) {
+              uint8_t* q = values + ((kv * block_size + pos) * heads + h) * dim;
+              const float old = scales[kv * heads + h], now = scale[kv * heads + h];
+              for (int64_t d = 0; d < dim; ++d) q[d] = quantize(dequantize(q[d], fp8) * old, now, qmax, fp8);
+            }
+      std::copy(scale.begin(), scale.end(), scales);
+      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
+        const int64_t t = writes[i].second, pos = slots[t] % block_size;
+        for (int64_t kv = 0; kv < 2; ++kv)
+          for (int64_t h = 0; h < heads; ++h) {
+            const T* x = src[kv] + t * src_stride[kv] + h * dim;
+            uint8_t* q = values + ((kv * block_size + pos) * heads + h) * dim;
+            const float s = scale[kv * heads + h];
+            for (int64_t d = 0; d < dim; ++d) q[d] = quantize(static_cast<float>(x[d]), s, qmax, fp8);
+          }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void store_kv_cache_8bit_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int64_t block_size, bool fp8) {
+  constexpr const char* name = "store_kv_cache_8bit_";
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.scalar_type() == value.scalar_type(),
+              name, ": key and value must be [T, kv_heads, head_dim] of one dtype");
+  const int64_t heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.scalar_type() == at::kByte && kv_cache.is_contiguous() &&
+                  kv_cache.size(1) == 2 * block_size * heads * dim + 2 * heads * 4,
+              name, ": the cache must be contiguous [num_blocks, block_bytes] uint8 for this block_size and key");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+              name, ": slot_mapping must be int64 [num_tokens]");
+  auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous(); };
+  const at::Tensor k = rows(key), v = rows(value), slots = slot_mapping.contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(0) * block_size;
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(s[t] < num_slots, name, ": slot ", s[t], " is past the cache's ", num_slots, " slots");
+  switch (k.scalar_type()) {
+    case at::kFloat: store_8bit<float>(k, v, kv_cache, s, block_size, heads, fp8); break;
+    case at::kBFloat16: store_8bit<c10::BFloat16>(k, v, kv_cache, s, block_size, heads, fp8); break;
+    case at::kHalf: store_8bit<c10::Half>(k, v, kv_cache, s, block_size, heads, fp8); break;
+    default: TORCH_CHECK(false, name, ": dtype ", k.scalar_type(), " is not float32/bfloat16/float16");
+  }
+}

@@ -1,14 +1,22 @@
 // Paged decode attention on the CPU: one query token per sequence, K/V read in place from the
-// paged cache through the block table (no gather copy), fp32 accumulation, any of fp32/bf16/fp16.
+// paged cache through the block table (no gather copy), fp32 accumulation, queries in any of
+// fp32/bf16/fp16.
 //
-// Shapes (all contiguous): query/out [num_seqs, num_heads, head_dim];
-// kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, width]
-// int32; seq_lens [num_seqs] int32. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
+// Two cache kinds, one kernel (templated on the cache element S):
+// - the model's dtype (S = T): kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim];
+// - 8-bit (engine/kv_quant.py; S = int8_t or c10::Float8_e4m3fn): kv_cache [num_blocks,
+//   block_bytes] uint8, each block its values [2, block_size, num_kv_heads, head_dim] then float32
+//   scales [2, num_kv_heads]. A value reads as q * scale: K's scale multiplies a block's scores,
+//   V's the softmax weights, so the rows are widened and used as they are (one byte per value
+//   read, half of bf16's).
+// query/out [num_seqs, num_heads, head_dim]; block_tables [num_seqs, width] int32; seq_lens
+// [num_seqs] int32. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
 // Work is split over (sequence, KV heads) items, longest sequences first, on torch's own thread
 // pool; an item computes all of its KV heads' query heads, so every K/V row is read once per step.
 // The tiled kernel is written once over simd::F (simd_math.h): 16 lanes on AVX-512, 8 on AVX2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include "parallel.h"
 #include "row_ops.h"
@@ -26,15 +34,43 @@ using row_ops::exp_shifted;
 
 namespace {
 
-// Widen a row of `n` elements to fp32. The SIMD paths convert a register at a time (bf16 is the
-// top half of an fp32, so a shift; fp16 through F16C); the loop is the scalar fallback.
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
+using Fp8 = c10::Float8_e4m3fn;
+template <typename S>
+constexpr bool kQuant = std::is_same_v<S, int8_t> || std::is_same_v<S, Fp8>;
+// Loads of S give value / kUnit (fp8 widens through fp16 bits, which divides by 256); the scales
+// take the factor back.
+template <typename S>
+constexpr float kUnit = std::is_same_v<S, Fp8> ? 256.f : 1.f;
+
+// Where things are in the cache, in elements of S (bytes for 8-bit).
+struct Paged {
+  int64_t block_size, num_kv_heads, token_stride, half_stride, block_stride;
+  int64_t scale_offset;  // 8-bit: from a block's start to its float32 scales [2, num_kv_heads]
+};
+
+template <typename S>
+inline const float* block_scales(const S* block, const Paged& p) {
+  return reinterpret_cast<const float*>(block + p.scale_offset);
+}
+
+// Widen a row of `n` elements to fp32 (/ kUnit). The SIMD paths convert a register at a time
+// (bf16 is the top half of an fp32, so a shift; fp16 through F16C); the loop is the scalar fallback.
+#if defined(PDSERVE_SIMD)
+template <typename S>
+inline simd::F load_kv(const S* p) {
+  if constexpr (std::is_same_v<S, int8_t>) return simd::load_int8(p);
+  else if constexpr (std::is_same_v<S, Fp8>) return simd::load_e4m3_div256(reinterpret_cast<const uint8_t*>(p));
+  else return simd::load(p);
+}
+#endif
+
+template <typename S>
+inline void load_row(const S* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(PDSERVE_SIMD)
-  for (; i + simd::W <= n; i += simd::W) simd::store(dst + i, simd::load(src + i));
+  for (; i + simd::W <= n; i += simd::W) simd::store(dst + i, load_kv(src + i));
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) / kUnit<S>;
 }
 
 #if defined(PDSERVE_SIMD)
@@ -48,26 +84,27 @@ constexpr int64_t kTileHeads = 16;
 // stalled the loads behind them (2-core Zen 4, 128 sequences: 14.5 -> 19.5 GB/s with T1).
 constexpr int64_t kPrefetchBlocks = 2;
 
-// One sequence and `kv_heads` consecutive KV heads, all of whose query heads fit in one tile
-// (kv_heads * group <= kTileHeads); head_dim = W * NV (W = simd::W lanes); G query heads per KV head, or G = 0 to
-// read `group` at run time. Two passes over the sequence's blocks. Pass 1 reads whole token rows
-// (all of the tile's heads) in address order and scores W tokens at a time (simd::hsum reduces W
-// dot products at once) into `scores` [qheads][len]; reading in address order is what keeps
-// memory streaming (on a 2-core Zen 4 at 128 sequences x 650 tokens, the kernel went from 12 to
-// ~16 GB/s, against ~24 GB/s for a bare read of the same blocks). Softmax. Pass 2 accumulates
-// p * V into `acc` [qheads][W * NV]. The same code runs on AVX-512 (W = 16) and AVX2 (W = 8).
-template <typename T, int NV, int G>
-void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t len, int64_t kv_heads,
-                        int64_t group_rt, int64_t block_size, int64_t token_stride, int64_t half_stride,
-                        int64_t block_stride, float scale, float* scores, float* acc, T* out) {
+// One sequence and KV heads [head0, head0 + kv_heads), all of whose query heads fit in one tile
+// (kv_heads * group <= kTileHeads); head_dim = W * NV (W = simd::W lanes); G query heads per KV
+// head, or G = 0 to read `group` at run time. Two passes over the sequence's blocks. Pass 1 reads
+// whole token rows (all of the tile's heads) in address order and scores W tokens at a time
+// (simd::hsum reduces W dot products at once) into `scores` [qheads][len]; reading in address
+// order is what keeps memory streaming (on a 2-core Zen 4 at 128 sequences x 650 tokens, the
+// kernel went from 12 to ~16 GB/s, against ~24 GB/s for a bare read of the same blocks). Softmax.
+// Pass 2 accumulates p * V into `acc` [qheads][W * NV]. The same code runs on AVX-512 (W = 16) and
+// AVX2 (W = 8).
+template <typename T, typename S, int NV, int G>
+void decode_tile(const T* q_src, const S* cache, const Paged& pg, const int32_t* table, int64_t len, int64_t head0,
+                 int64_t kv_heads, int64_t group_rt, float scale, float* scores, float* acc, T* out) {
   constexpr int64_t D = simd::W * NV;
   const int64_t group = G > 0 ? G : group_rt;
   const int64_t qheads = kv_heads * group;
+  const int64_t block_size = pg.block_size, token_stride = pg.token_stride, half_stride = pg.half_stride;
   const simd::F sv = simd::set1(scale);
 #if defined(__AVX512BF16__)
-  // With AVX512-BF16, bf16 q.k runs as pairwise bf16 dot products accumulated in fp32 (vdpbf16ps:
-  // exact products, like widening first), scaled afterwards.
-  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16>;
+  // With AVX512-BF16, bf16 q.k over a bf16 cache runs as pairwise bf16 dot products accumulated
+  // in fp32 (vdpbf16ps: exact products, like widening first), scaled afterwards.
+  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<S, T>;
   __m512i q_bf16[kTileHeads][NV / 2 > 0 ? NV / 2 : 1];
   if constexpr (kDotBf16)
     for (int64_t qi = 0; qi < qheads; ++qi)
@@ -80,31 +117,41 @@ void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t l
   if constexpr (!kDotBf16)
     for (int64_t qi = 0; qi < qheads; ++qi)
       for (int v = 0; v < NV; ++v) q[qi][v] = simd::mul(simd::load(q_src + qi * D + simd::W * v), sv);
-  const int64_t row_lines = (kv_heads * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t row_lines = (kv_heads * D * static_cast<int64_t>(sizeof(S)) + 63) / 64;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   auto rows_in = [&](int64_t b) { return std::min(block_size, len - b * block_size); };
-  auto prefetch_row = [&](const T* row) {
-    for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * l, _MM_HINT_T1);
+  auto block = [&](int64_t b) { return cache + static_cast<int64_t>(table[b]) * pg.block_stride; };
+  auto prefetch = [](const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); };
+  auto prefetch_row = [&](const S* row) {
+    for (int64_t l = 0; l < row_lines; ++l) prefetch(reinterpret_cast<const char*>(row) + 64 * l);
   };
-  // Where the rows `kPrefetchBlocks` ahead of block b start (K or V half), or null past the end.
-  auto ahead = [&](int64_t b, int64_t half) -> const T* {
+  // Where the tile's rows `kPrefetchBlocks` ahead of block b start (K or V half), or null past the end.
+  auto ahead = [&](int64_t b, int64_t half) -> const S* {
     const int64_t a = b + kPrefetchBlocks;
-    return a < num_blocks ? cache + static_cast<int64_t>(table[a]) * block_stride + half : nullptr;
+    return a < num_blocks ? block(a) + half + head0 * D : nullptr;
   };
   auto prefetch_first_blocks = [&](int64_t half) {
-    for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b)
-      for (int64_t r = 0; r < rows_in(b); ++r)
-        prefetch_row(cache + static_cast<int64_t>(table[b]) * block_stride + half + r * token_stride);
+    for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b) {
+      if constexpr (kQuant<S>) prefetch(block_scales(block(b), pg));
+      for (int64_t r = 0; r < rows_in(b); ++r) prefetch_row(block(b) + half + head0 * D + r * token_stride);
+    }
   };
 
-  // Pass 1: scores[qi * len + t] = q_qi . k_t.
+  // Pass 1: scores[qi * len + t] = q_qi . k_t (times K's block scale).
   prefetch_first_blocks(0);
   simd::F part[kTileHeads][simd::W];
+  float k_scale[kTileHeads];
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * block_size, in_block = rows_in(b);
-    const T* k_block = cache + static_cast<int64_t>(table[b]) * block_stride;
-    const T* pf = ahead(b, 0);
+    const S* k_block = block(b) + head0 * D;
+    if constexpr (kQuant<S>) {
+      const float* sc = block_scales(block(b), pg);
+      for (int64_t h = 0; h < kv_heads; ++h) k_scale[h] = sc[head0 + h] * kUnit<S>;
+    }
+    const S* pf = ahead(b, 0);
     const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
+    if constexpr (kQuant<S>)
+      if (pf) prefetch(block_scales(block(b + kPrefetchBlocks), pg));
     for (int64_t c0 = 0; c0 < in_block; c0 += simd::W) {
       const int64_t n = std::min<int64_t>(simd::W, in_block - c0);
       for (int64_t j = 0; j < simd::W; ++j) {
@@ -113,9 +160,9 @@ void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t l
           continue;
         }
         if (c0 + j < pf_rows) prefetch_row(pf + (c0 + j) * token_stride);
-        const T* row = k_block + (c0 + j) * token_stride;
+        const S* row = k_block + (c0 + j) * token_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
-          const T* k = row + h * D;
+          const S* k = row + h * D;
           if constexpr (kDotBf16) {
 #if defined(__AVX512BF16__)
             __m512i kr[NV / 2 > 0 ? NV / 2 : 1];
@@ -129,7 +176,7 @@ void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t l
 #endif
           } else {
             simd::F kv[NV];
-            for (int v = 0; v < NV; ++v) kv[v] = simd::load(k + simd::W * v);
+            for (int v = 0; v < NV; ++v) kv[v] = load_kv(k + simd::W * v);
             for (int64_t g = 0; g < group; ++g) {
               const int64_t qi = h * group + g;
               simd::F a = simd::mul(q[qi][0], kv[0]);
@@ -142,6 +189,7 @@ void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t l
       for (int64_t qi = 0; qi < qheads; ++qi) {
         simd::F sums = simd::hsum(part[qi]);
         if constexpr (kDotBf16) sums = simd::mul(sums, sv);
+        if constexpr (kQuant<S>) sums = simd::mul(sums, simd::set1(k_scale[qi / group]));
         simd::store_n(scores + qi * len + t0 + c0, sums, n);
       }
     }
@@ -153,28 +201,30 @@ void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t l
     const float sum = exp_shifted(scores + qi * len, len);
     inv[qi] = sum > 0.f ? 1.f / sum : 0.f;
   }
-  // Pass 2: acc_qi = sum_t p_qi,t v_t. Head by head within a block, so that a KV head's group
-  // accumulates in registers (G * NV vectors) for the block's rows; the block's V rows are read
-  // from memory by the first head (and the prefetches), from L1 by the others.
+  // Pass 2: acc_qi = sum_t p_qi,t v_t (times V's block scale). Head by head within a block, so
+  // that a KV head's group accumulates in registers (G * NV vectors) for the block's rows; the
+  // block's V rows are read from memory by the first head (and the prefetches), from L1 by the others.
   std::fill(acc, acc + qheads * D, 0.f);
   constexpr int kGroupCap = G > 0 ? G : kMaxGroup;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * block_size, n = rows_in(b);
-    const T* v_block = cache + static_cast<int64_t>(table[b]) * block_stride + half_stride;
-    const T* pf = ahead(b, half_stride);
+    const S* v_block = block(b) + half_stride + head0 * D;
+    const S* pf = ahead(b, half_stride);
     const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
     for (int64_t h = 0; h < kv_heads; ++h) {
+      float v_scale = 1.f;
+      if constexpr (kQuant<S>) v_scale = block_scales(block(b), pg)[pg.num_kv_heads + head0 + h] * kUnit<S>;
       simd::F a[kGroupCap][NV];
       for (int64_t g = 0; g < group; ++g)
         for (int v = 0; v < NV; ++v) a[g][v] = simd::load(acc + (h * group + g) * D + simd::W * v);
       const float* p_rows = scores + h * group * len + t0;
       for (int64_t j = 0; j < n; ++j) {
         if (h == 0 && j < pf_rows) prefetch_row(pf + j * token_stride);
-        const T* vr = v_block + j * token_stride + h * D;
+        const S* vr = v_block + j * token_stride + h * D;
         simd::F vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = simd::load(vr + simd::W * v);
+        for (int v = 0; v < NV; ++v) vv[v] = load_kv(vr + simd::W * v);
         for (int64_t g = 0; g < group; ++g) {
-          const simd::F p = simd::set1(p_rows[g * len + j]);
+          const simd::F p = simd::set1(kQuant<S> ? p_rows[g * len + j] * v_scale : p_rows[g * len + j]);
           for (int v = 0; v < NV; ++v) a[g][v] = simd::fmadd(p, vv[v], a[g][v]);
         }
       }
@@ -186,23 +236,20 @@ void decode_tile(const T* q_src, const T* cache, const int32_t* table, int64_t l
     for (int64_t d = 0; d < D; ++d) out[qi * D + d] = static_cast<T>(acc[qi * D + d] * inv[qi]);
 }
 
-// One sequence and `kv_heads` consecutive KV heads, in tiles of at most kTileHeads query heads,
-// with the query-group size fixed at compile time where it is a common one.
-template <typename T, int NV>
-void decode_heads(int64_t group, const T* q_src, const T* cache, const int32_t* table, int64_t len,
-                         int64_t kv_heads, int64_t block_size, int64_t token_stride, int64_t half_stride,
-                         int64_t block_stride, float scale, float* scores, float* acc, T* out) {
+// One sequence and KV heads [head0, head0 + kv_heads), in tiles of at most kTileHeads query
+// heads, with the query-group size fixed at compile time where it is a common one.
+template <typename T, typename S, int NV>
+void decode_heads(int64_t group, const T* q_src, const S* cache, const Paged& pg, const int32_t* table, int64_t len,
+                  int64_t head0, int64_t kv_heads, float scale, float* scores, float* acc, T* out) {
   constexpr int64_t D = simd::W * NV;
   const int64_t tile = std::max<int64_t>(1, kTileHeads / group);  // KV heads per tile
   for (int64_t h0 = 0; h0 < kv_heads; h0 += tile) {
     const int64_t kt = std::min(tile, kv_heads - h0);
     const T* q = q_src + h0 * group * D;
-    const T* c = cache + h0 * D;
     T* o = out + h0 * group * D;
-#define PDSERVE_DECODE_GROUP(G_)                                                                              \
-  case G_:                                                                                                    \
-    decode_tile<T, NV, G_>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride, \
-                                  scale, scores, acc, o);                                                     \
+#define PDSERVE_DECODE_GROUP(G_)                                                                        \
+  case G_:                                                                                              \
+    decode_tile<T, S, NV, G_>(q, cache, pg, table, len, head0 + h0, kt, group, scale, scores, acc, o); \
     break;
     switch (group) {
       PDSERVE_DECODE_GROUP(1)
@@ -211,26 +258,21 @@ void decode_heads(int64_t group, const T* q_src, const T* cache, const int32_t* 
       PDSERVE_DECODE_GROUP(4)
       PDSERVE_DECODE_GROUP(8)
       default:
-        decode_tile<T, NV, 0>(q, c, table, len, kt, group, block_size, token_stride, half_stride, block_stride,
-                                     scale, scores, acc, o);
+        decode_tile<T, S, NV, 0>(q, cache, pg, table, len, head0 + h0, kt, group, scale, scores, acc, o);
     }
 #undef PDSERVE_DECODE_GROUP
   }
 }
 #endif
 
-template <typename T>
-void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+template <typename T, typename S>
+void decode_kernel(at::Tensor& out, const at::Tensor& query, const S* cache, const Paged& pg,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t num_kv_heads = pg.num_kv_heads, block_size = pg.block_size;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_width = block_tables.size(1);
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t half_stride = block_size * token_stride;  // K -> V within a block
-  const int64_t block_stride = 2 * half_stride;
   const T* q_ptr = query.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* out_ptr = out.data_ptr<T>();
@@ -260,32 +302,38 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
     const int64_t len = lens[seq];
     const int32_t* table = tables + seq * table_width;
     const T* q_src = q_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
+    T* o = out_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
 #if defined(PDSERVE_SIMD)
     if ((head_dim == 64 || head_dim == 128) && group <= kMaxGroup) {
       const int64_t tile_q = std::min(qheads, std::max<int64_t>(group, kTileHeads / group * group));
       scores.resize(std::max<int64_t>(len, 1) * tile_q);
       acc.resize(tile_q * head_dim);
-      const T* head_cache = cache + first_kv_head * head_dim;
-      T* o = out_ptr + (seq * num_heads + first_kv_head * group) * head_dim;
       if (head_dim == 64)
-        decode_heads<T, 64 / simd::W>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
-                                  half_stride, block_stride, fscale, scores.data(), acc.data(), o);
+        decode_heads<T, S, 64 / simd::W>(group, q_src, cache, pg, table, len, first_kv_head, heads_per_item, fscale,
+                                         scores.data(), acc.data(), o);
       else
-        decode_heads<T, 128 / simd::W>(group, q_src, head_cache, table, len, heads_per_item, block_size, token_stride,
-                                  half_stride, block_stride, fscale, scores.data(), acc.data(), o);
+        decode_heads<T, S, 128 / simd::W>(group, q_src, cache, pg, table, len, first_kv_head, heads_per_item, fscale,
+                                          scores.data(), acc.data(), o);
       return;
     }
 #endif
     for (int64_t i = 0; i < qheads * head_dim; ++i) q[i] = static_cast<float>(q_src[i]) * fscale;
     scores.resize(std::max<int64_t>(len, 1) * qheads);
+    // Block scales (8-bit): K's per score, V's per weight; 1 for a cache in the model's dtype.
+    auto scale_of = [&](const S* block, int64_t half, int64_t head) {
+      if constexpr (kQuant<S>) return block_scales(block, pg)[half * num_kv_heads + head] * kUnit<S>;
+      return 1.f;
+    };
     // Pass 1: scores[h * len + t] = q_h . k_t (h's KV head)
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-      const T* k_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + first_kv_head * head_dim;
+      const S* blk = cache + static_cast<int64_t>(table[t0 / block_size]) * pg.block_stride;
+      const S* k_block = blk + first_kv_head * head_dim;
       const int64_t n = std::min(block_size, len - t0);
       for (int64_t j = 0; j < n; ++j) {
-        load_row(k_block + j * token_stride, row.data(), width);
+        load_row(k_block + j * pg.token_stride, row.data(), width);
         for (int64_t h = 0; h < qheads; ++h)
-          scores[h * len + t0 + j] = dot(q.data() + h * head_dim, row.data() + (h / group) * head_dim, head_dim);
+          scores[h * len + t0 + j] = dot(q.data() + h * head_dim, row.data() + (h / group) * head_dim, head_dim) *
+                                     scale_of(blk, 0, first_kv_head + h / group);
       }
     }
     // Softmax per query head (normalized at the end).
@@ -293,43 +341,81 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
     // Pass 2: acc_h = sum_t p_t v_t
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-      const T* v_block = cache + static_cast<int64_t>(table[t0 / block_size]) * block_stride + half_stride +
-                         first_kv_head * head_dim;
+      const S* blk = cache + static_cast<int64_t>(table[t0 / block_size]) * pg.block_stride;
+      const S* v_block = blk + pg.half_stride + first_kv_head * head_dim;
       const int64_t n = std::min(block_size, len - t0);
       for (int64_t j = 0; j < n; ++j) {
-        load_row(v_block + j * token_stride, row.data(), width);
+        load_row(v_block + j * pg.token_stride, row.data(), width);
         for (int64_t h = 0; h < qheads; ++h)
-          axpy(scores[h * len + t0 + j], row.data() + (h / group) * head_dim, acc.data() + h * head_dim, head_dim);
+          axpy(scores[h * len + t0 + j] * scale_of(blk, 1, first_kv_head + h / group),
+               row.data() + (h / group) * head_dim, acc.data() + h * head_dim, head_dim);
       }
     }
-    row_ops::write_normalized(out_ptr + (seq * num_heads + first_kv_head * group) * head_dim, acc.data(), sums.data(),
-                              qheads, head_dim);
+    row_ops::write_normalized(o, acc.data(), sums.data(), qheads, head_dim);
   });
+}
+
+void check_decode_args(const char* name, const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(query.dim() == 3, name, ": query must be [seqs, heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              name, ": block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
+              name, ": one block table and length per query");
+}
+
+// out = decode attention of query over `cache` (elements S), for query dtypes float32/bf16/fp16.
+// S = void: the cache holds the query's dtype.
+template <typename S>
+at::Tensor dispatch(const char* name, const at::Tensor& query, const at::Tensor& cache, const Paged& pg,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  auto q = query.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty_like(q);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    using Elem = std::conditional_t<std::is_void_v<S>, T, S>;
+    decode_kernel<T, Elem>(out, q, reinterpret_cast<const Elem*>(cache.data_ptr()), pg, tables, lens, scale);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype ", q.scalar_type(), " is not float32/bfloat16/float16");
+  }
+  return out;
 }
 
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(1) == 2, "paged_decode_attention: bad shapes");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode_attention: query and cache dtypes differ");
+  constexpr const char* name = "paged_decode_attention";
+  check_decode_args(name, query, kv_cache, block_tables, seq_lens);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2, name, ": bad shapes");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), name, ": query and cache dtypes differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
-              "paged_decode_attention: heads/head_dim disagree with the cache");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "paged_decode_attention: block_tables and seq_lens must be int32");
-  TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
-              "paged_decode_attention: one block table and length per query");
-  auto q = query.contiguous();
+              name, ": heads/head_dim disagree with the cache");
   auto cache = kv_cache.contiguous();
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  auto out = at::empty_like(q);
-  switch (q.scalar_type()) {
-    case at::kFloat: decode_kernel<float>(out, q, cache, tables, lens, scale); break;
-    case at::kBFloat16: decode_kernel<c10::BFloat16>(out, q, cache, tables, lens, scale); break;
-    case at::kHalf: decode_kernel<c10::Half>(out, q, cache, tables, lens, scale); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float32/bfloat16/float16");
-  }
-  return out;
+  const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), token_stride = num_kv_heads * cache.size(4);
+  const Paged pg{block_size, num_kv_heads, token_stride, block_size * token_stride, 2 * block_size * token_stride, 0};
+  return dispatch<void>(name, query, cache, pg, block_tables, seq_lens, scale);
+}
+
+at::Tensor paged_decode_attention_8bit(const at::Tensor& query, const at::Tensor& kv_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       int64_t block_size, int64_t num_kv_heads, bool fp8) {
+  constexpr const char* name = "paged_decode_attention_8bit";
+  check_decode_args(name, query, kv_cache, block_tables, seq_lens);
+  TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.scalar_type() == at::kByte, name, ": kv_cache must be [blocks, block_bytes] uint8");
+  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, name, ": heads disagree");
+  const int64_t token_stride = num_kv_heads * query.size(2), values_bytes = 2 * block_size * token_stride;
+  TORCH_CHECK(kv_cache.size(1) == values_bytes + 2 * num_kv_heads * 4,
+              name, ": block_bytes disagree with block_size, heads and head_dim");
+  auto cache = kv_cache.contiguous();
+  const Paged pg{block_size, num_kv_heads, token_stride, block_size * token_stride, cache.size(1), values_bytes};
+  return fp8 ? dispatch<Fp8>(name, query, cache, pg, block_tables, seq_lens, scale)
+             : dispatch<int8_t>(name, query, cache, pg, block_tables, seq_lens, scale);
 }

@@ -122,6 +122,18 @@ inline F load_n(const c10::BFloat16* p, int64_t n) { return load_bf16_masked(p, 
 inline void store(c10::BFloat16* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
 inline void store_n(c10::BFloat16* p, F x, int64_t n) { _mm256_mask_storeu_epi16(p, tail_mask(n), to_bf16(x)); }
 inline F round_bf16(F x) { return widen_bf16(to_bf16(x)); }  // x rounded to bf16, widened back
+// 8-bit KV values (engine/kv_quant.py), W at a time: int8 as they are; fp8 e4m3 bits b as b's value
+// / 256 (sign to bit 15, exponent and mantissa up by 7 gives fp16 bits: e4m3's bias is 7, fp16's
+// 15, so the shift divides by 2^8 for normal and subnormal values alike; e4m3fn has no
+// infinities, and quantization never writes its NaN).
+inline F load_int8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline F load_e4m3_div256(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7)));
+}
 }  // namespace simd
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -202,5 +214,14 @@ inline void store_n(c10::BFloat16* p, F x, int64_t n) {
   std::memcpy(p, lanes, n * sizeof(uint16_t));
 }
 inline F round_bf16(F x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+// 8-bit KV values, as on AVX-512 above.
+inline F load_int8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline F load_e4m3_div256(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7)));
+}
 }  // namespace simd
 #endif

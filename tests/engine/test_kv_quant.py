@@ -114,11 +114,13 @@ def dequantize_then_attend(fmt, layer, query, meta, scale, num_heads):
     return out
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name,dtype", [("torch", torch.float32), ("cpu", torch.float32),
+                                                ("cpu", torch.bfloat16)])
 @pytest.mark.parametrize("name", FORMATS)
-def test_attention_over_an_8bit_cache_matches_dequantize_then_attend(backend_name, name):
+def test_attention_over_an_8bit_cache_matches_dequantize_then_attend(backend_name, dtype, name):
     """GQA (4 query heads per KV head), ragged lengths, random block tables, decodes and prefill
-    chunks in one batch; and it stays close to attention over the unquantized values."""
+    chunks in one batch (bf16 on the cpu backend: its flash prefill kernel where the CPU has
+    AVX512-BF16); and it stays close to attention over the unquantized values."""
     rng = random.Random(7)
     torch.manual_seed(7)
     num_heads, fmt = 8, KVQuantFormat(name, block_size=8, num_kv_heads=2, head_dim=32)
@@ -140,11 +142,13 @@ def test_attention_over_an_8bit_cache_matches_dequantize_then_attend(backend_nam
     tokens = sum(query_lens)
     query, key, value = torch.randn(tokens, num_heads, 32), torch.randn(tokens, 2, 32), torch.randn(tokens, 2, 32)
     scale = 32 ** -0.5
-    out = backend.forward(query, key, value, layer, meta, scale)
-    expected = dequantize_then_attend(fmt, layer, query, meta, scale, num_heads)
-    assert torch.allclose(out.double(), expected, atol=2e-5, rtol=1e-4), (out.double() - expected).abs().max()
+    out = backend.forward(query.to(dtype), key.to(dtype), value.to(dtype), layer, meta, scale)
+    assert out.dtype == dtype
+    expected = dequantize_then_attend(fmt, layer, query.to(dtype), meta, scale, num_heads)
+    atol, rtol = (2e-5, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
+    assert torch.allclose(out.double(), expected, atol=atol, rtol=rtol), (out.double() - expected).abs().max()
     unquantized = float_backend.forward(query, key, value, float_cache, meta, scale)
-    error = (out - unquantized).abs().max().item()
+    error = (out.float() - unquantized).abs().max().item()
     assert error < {"int8": 0.03, "fp8_e4m3": 0.15}[name], error
 
 
@@ -211,3 +215,27 @@ def test_engine_config_refuses_8bit_kv_with_tensor_parallelism():
         EngineConfig(device="cpu", tensor_parallel_size=2, cache=CacheConfig(kv_cache_dtype="int8"))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8, got 'fp16'"):
         CacheConfig(kv_cache_dtype="fp16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_native_store_writes_the_bytes_the_reference_writes(name, dtype):
+    """The cpu backend's store (engine/csrc/kv_store_cpu.cpp) against `KVQuantFormat.store`, byte
+    for byte: random writes of 1-12 tokens (skipped slots, several tokens per block, blocks
+    started afresh at offset 0, scales that grow and re-quantize what a block holds)."""
+    backend = get_attention_backend("cpu", KVQuantFormat(name, block_size=8, num_kv_heads=2, head_dim=32))
+    if not backend.native:
+        pytest.skip("the native CPU kernels are not built here")
+    fmt = backend.kv_format
+    reference, native = empty_layer(fmt, 20), empty_layer(fmt, 20)
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    for _ in range(60):
+        count = rng.randint(1, 12)
+        slots = torch.tensor(rng.sample(range(-1, 160), count), dtype=torch.int64)
+        key = (torch.randn(count, 2, 32) * rng.uniform(0.1, 5)).to(dtype)
+        value = (torch.randn(count, 2, 32) * rng.uniform(0.1, 5)).to(dtype)
+        fmt.store(key, value, reference, slots)
+        backend.store_kv(key, value, native, slots)
+        assert torch.equal(native, reference)
+    assert bool((fmt.split(native)[1] > 0).all())  # every block was written
