@@ -2,6 +2,7 @@
 
     python benchmarks/kvtransfer_bench.py [--sizes 1,16,64,256] [--transports tcp,shm,ucx,nccl]
                                           [--repeats 5] [--device cpu|cuda] [--max-message-mib N]
+                                          [--kv-dtypes float32,bfloat16,int8,fp8_e4m3]
                                           [--json out.json] [--smoke]
 
 Variants beside the transports: shm-cma and shm-mapped (shm's single-copy paths) and ucx-tcp (ucx
@@ -15,6 +16,10 @@ copy of the same bytes between the same two processes (for tcp, ucx, nccl) and a
 memcpy of the same bytes (for shm), each measured right before the transfer it is paired with,
 so both see the same machine load; "% of ceiling" is the median over those pairs. Every
 transport's last transfer is checked byte for byte.
+
+`--kv-dtypes` repeats the run per KV cache dtype (float32, bfloat16, and the 8-bit formats of
+engine/kv_quant.py, whose blocks carry their scales): `--sizes` stay MiB of the float32 cache, so
+every dtype's row at a size moves the same tokens, and the rows compare bytes and time per transfer.
 
 `--device cuda` puts both caches on the GPU (both processes on `cuda:0`; nccl, which needs its
 ranks on different GPUs, is skipped with one), and the ceiling becomes a device-to-device copy of
@@ -41,10 +46,13 @@ import torch  # noqa: E402
 import torch.multiprocessing  # noqa: E402,F401  (registers CUDA IPC pickling for the pipe)
 
 from engine.huge_pages import advise_huge_pages  # noqa: E402
+from engine.kv_quant import QUANTIZED_KV_DTYPES, KVQuantFormat  # noqa: E402
 from kvtransfer import (TransferConfig, allocate_shared, available_transports,  # noqa: E402
                         create_receiver, create_sender)
 
 MIB = 1 << 20
+FLOAT_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = (*FLOAT_KV_DTYPES, *QUANTIZED_KV_DTYPES)
 CEILING_FOR = {"tcp": "socket", "ucx": "socket", "ucx-tcp": "socket", "nccl": "socket",
                "shm": "memcpy", "shm-cma": "memcpy", "shm-mapped": "memcpy"}
 
@@ -74,10 +82,20 @@ class BenchLayout:
     num_kv_heads: int = 3
     head_dim: int = 64
     num_blocks: int = 64
+    kv_dtype: str = "float32"  # one of KV_DTYPES
+
+    @property
+    def packed(self) -> KVQuantFormat | None:
+        """The 8-bit block format, or None for a float cache."""
+        if self.kv_dtype in FLOAT_KV_DTYPES:
+            return None
+        return KVQuantFormat(self.kv_dtype, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def chunk_nbytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+        if self.packed is not None:
+            return self.packed.block_bytes
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * FLOAT_KV_DTYPES[self.kv_dtype].itemsize
 
     @property
     def block_nbytes(self) -> int:
@@ -85,7 +103,9 @@ class BenchLayout:
         return self.num_layers * self.chunk_nbytes
 
     def blocks_for(self, size_mib: float) -> int:
-        return max(1, round(size_mib * MIB / self.block_nbytes))
+        """Blocks of `size_mib` MiB of a float32 cache: the same tokens whatever the dtype."""
+        float32_block = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+        return max(1, round(size_mib * MIB / float32_block))
 
 
 def _allocate(shape, dtype=torch.float32) -> torch.Tensor:
@@ -97,19 +117,27 @@ def _allocate(shape, dtype=torch.float32) -> torch.Tensor:
     return tensor
 
 
+def cache_shape_and_dtype(layout: BenchLayout) -> tuple[tuple[int, ...], torch.dtype]:
+    if layout.packed is not None:  # [num_blocks, block_bytes] bytes per layer
+        return (layout.num_layers, layout.num_blocks, layout.packed.block_bytes), torch.uint8
+    return ((layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            FLOAT_KV_DTYPES[layout.kv_dtype])
+
+
 def make_caches(layout: BenchLayout, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
     """The per-layer caches; seeded content is generated on the CPU, so it is the same on any
-    device."""
-    shape = (layout.num_layers, layout.num_blocks, 2, layout.block_size, layout.num_kv_heads,
-             layout.head_dim)
+    device (8-bit caches: random bytes, values and scales alike; the transfer moves them as they are)."""
+    shape, dtype = cache_shape_and_dtype(layout)
     if device != "cpu":
         if seed is None:
-            return list(torch.zeros(shape, device=device).unbind(0))
+            return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
         return [layer.to(device) for layer in make_caches(layout, seed)]
-    data = _allocate(shape)
+    data = _allocate(shape, dtype)
     if seed is None:
         return list(data.zero_().unbind(0))
     generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return list(data.random_(0, 256, generator=generator).unbind(0))
     return list(data.normal_(generator=generator).unbind(0))
 
 
@@ -118,7 +146,7 @@ def make_shared_caches(layout: BenchLayout, seed: int):
     plain = make_caches(layout, seed)
     nbytes = sum(cache.numel() * cache.element_size() for cache in plain)
     raw, shared, mapping = allocate_shared(nbytes)
-    whole = raw.view(torch.float32).view(layout.num_layers, *plain[0].shape)
+    whole = raw.view(plain[0].dtype).view(layout.num_layers, *plain[0].shape)
     for layer, cache in enumerate(plain):
         whole[layer].copy_(cache)
     return list(whole.unbind(0)), shared, (raw, mapping)
@@ -153,10 +181,11 @@ def _sender_main(connection, layout: BenchLayout, threads: int, device: str) -> 
                 name, config = variant(transport, timeout_s, max_message_mib)
                 if transport == "shm-mapped":  # caches in a memfd, as a prefill worker has them
                     shared_caches, shared, keep_alive = make_shared_caches(layout, seed=1)
-                    senders[transport] = create_sender(name, shared_caches, config, shared_memory=shared)
+                    senders[transport] = create_sender(name, shared_caches, config, shared_memory=shared,
+                                                       packed=layout.packed)
                     senders[transport].keep_alive = keep_alive
                 else:
-                    senders[transport] = create_sender(name, caches, config)
+                    senders[transport] = create_sender(name, caches, config, packed=layout.packed)
             sender = senders[transport]
             start = time.perf_counter()
             handle = sender.send(request_id, address, src_ids, dst_ids)
@@ -238,7 +267,7 @@ def measure_transport(connection, ceiling: SocketCeiling, transport: str, layout
     its transfer so both see the same machine load."""
     caches = make_caches(layout, seed=None, device=device)
     name, config = variant(transport, timeout_s, max_message_mib)
-    receiver = create_receiver(name, caches, config)
+    receiver = create_receiver(name, caches, config, packed=layout.packed)
     rng = random.Random(0)
     per_size, verified = {}, True
     try:
@@ -289,6 +318,44 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def measure_dtype(args, layout: BenchLayout, transports: list[str], sizes: list[float]) -> list[dict]:
+    """Every transport at every size for one cache layout, against a sender process of its own."""
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    child = context.Process(target=_sender_main,
+                            args=(child_end, layout, args.threads, args.device), daemon=True)
+    child.start()
+    ceiling = SocketCeiling(parent_end)
+    results = []
+    try:
+        for transport in transports:
+            per_size, verified = measure_transport(parent_end, ceiling, transport, layout, sizes,
+                                                   args.repeats, args.timeout, args.device,
+                                                   args.max_message_mib)
+            for size, pairs in per_size.items():
+                nbytes = layout.blocks_for(size) * layout.block_nbytes
+                rates = [gbps(nbytes, elapsed) for elapsed, _ in pairs]
+                ceilings = [gbps(nbytes, ceiling_s) for _, ceiling_s in pairs]
+                results.append({
+                    "transport": transport, "kv_dtype": layout.kv_dtype, "size_mib": size, "bytes": nbytes,
+                    "blocks": layout.blocks_for(size), "tokens": layout.blocks_for(size) * layout.block_size,
+                    "ms_median": 1e3 * statistics.median(elapsed for elapsed, _ in pairs),
+                    "gbps_median": statistics.median(rates), "gbps_best": max(rates),
+                    "ceiling": ceiling_for(transport, args.device),
+                    "ceiling_gbps_median": statistics.median(ceilings),
+                    "fraction_of_ceiling": statistics.median(
+                        rate / top for rate, top in zip(rates, ceilings)),
+                    "gbps_samples": rates, "ceiling_gbps_samples": ceilings,
+                    "verified_byte_exact": verified})
+    finally:
+        ceiling.close()
+        parent_end.send(("exit", None))
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    return results
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     sizes = [float(size) for size in args.sizes.split(",")]
@@ -308,43 +375,15 @@ def run(args) -> dict:
         skipped.update({name: reason for name, reason in unusable.items() if name in transports})
     transports = [name for name in transports if name in available and name not in skipped]
     base = BenchLayout()
-    layout = BenchLayout(num_blocks=max(2 * base.blocks_for(max(sizes)), 16))
-
+    num_blocks = max(2 * base.blocks_for(max(sizes)), 16)
     load_before = os.getloadavg()
-    context = multiprocessing.get_context("spawn")
-    parent_end, child_end = context.Pipe()
-    child = context.Process(target=_sender_main,
-                            args=(child_end, layout, args.threads, args.device), daemon=True)
-    child.start()
-    ceiling = SocketCeiling(parent_end)
     results = []
-    try:
-        for transport in transports:
-            per_size, verified = measure_transport(parent_end, ceiling, transport, layout, sizes,
-                                                   args.repeats, args.timeout, args.device,
-                                                   args.max_message_mib)
-            for size, pairs in per_size.items():
-                nbytes = layout.blocks_for(size) * layout.block_nbytes
-                rates = [gbps(nbytes, elapsed) for elapsed, _ in pairs]
-                ceilings = [gbps(nbytes, ceiling_s) for _, ceiling_s in pairs]
-                results.append({
-                    "transport": transport, "size_mib": size, "bytes": nbytes,
-                    "blocks": layout.blocks_for(size),
-                    "gbps_median": statistics.median(rates), "gbps_best": max(rates),
-                    "ceiling": ceiling_for(transport, args.device),
-                    "ceiling_gbps_median": statistics.median(ceilings),
-                    "fraction_of_ceiling": statistics.median(
-                        rate / top for rate, top in zip(rates, ceilings)),
-                    "gbps_samples": rates, "ceiling_gbps_samples": ceilings,
-                    "verified_byte_exact": verified})
-    finally:
-        ceiling.close()
-        parent_end.send(("exit", None))
-        child.join(60)
-        if child.is_alive():
-            child.kill()
+    for kv_dtype in args.kv_dtypes.split(","):
+        layout = BenchLayout(num_blocks=num_blocks, kv_dtype=kv_dtype)
+        results += measure_dtype(args, layout, transports, sizes)
     return {
-        "layout": asdict(layout), "dtype": "float32", "device": args.device, "sizes_mib": sizes,
+        "layout": asdict(BenchLayout(num_blocks=num_blocks)), "kv_dtypes": args.kv_dtypes.split(","),
+        "device": args.device, "sizes_mib": sizes,
         "repeats": args.repeats, "threads": args.threads, "transports": transports,
         "max_message_mib": args.max_message_mib or TransferConfig().max_message_bytes / MIB,
         "skipped": skipped,
@@ -357,17 +396,17 @@ def run(args) -> dict:
 
 
 def format_table(report: dict) -> str:
-    lines = ["| transport | size | blocks | GB/s (median) | GB/s (best) | ceiling | ceiling GB/s "
-             "(median) | % of ceiling (median of pairs) | byte-exact |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    lines = ["| transport | KV dtype | tokens | size | ms (median) | GB/s (median) | GB/s (best) | ceiling "
+             "| ceiling GB/s (median) | % of ceiling (median of pairs) | byte-exact |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for row in report["results"]:
         lines.append(
-            f"| {row['transport']} | {row['bytes'] / MIB:.1f} MiB | {row['blocks']} "
-            f"| {row['gbps_median']:.2f} | {row['gbps_best']:.2f} | {row['ceiling']} "
+            f"| {row['transport']} | {row['kv_dtype']} | {row['tokens']} | {row['bytes'] / MIB:.1f} MiB "
+            f"| {row['ms_median']:.1f} | {row['gbps_median']:.2f} | {row['gbps_best']:.2f} | {row['ceiling']} "
             f"| {row['ceiling_gbps_median']:.2f} | {100 * row['fraction_of_ceiling']:.0f}% "
             f"| {'yes' if row['verified_byte_exact'] else 'NO'} |")
     for name, reason in report["skipped"].items():
-        lines.append(f"| {name} | skipped: {reason} | | | | | | | |")
+        lines.append(f"| {name} | skipped: {reason} | | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -382,12 +421,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="TransferConfig.max_message_bytes in MiB (default: the config's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where both processes keep their caches")
+    parser.add_argument("--kv-dtypes", default="float32",
+                        help=f"comma-separated KV cache dtypes, each a run of its own: {', '.join(KV_DTYPES)}")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--smoke", action="store_true",
                         help="CI-sized: sizes 1,4 MiB, 1 timed run, every available transport")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
+    unknown = [name for name in args.kv_dtypes.split(",") if name not in KV_DTYPES]
+    if unknown:
+        parser.error(f"--kv-dtypes: unknown {', '.join(unknown)}; choose from {', '.join(KV_DTYPES)}")
     if args.smoke:
         args.sizes, args.repeats = "1,4", 1
     report = run(args)

@@ -40,6 +40,27 @@ def test_benchmark_smoke_reports_every_transport(tmp_path):
     assert "| transport |" in run.stdout and "% of ceiling" in run.stdout
 
 
+def test_benchmark_rows_per_kv_dtype_move_the_same_tokens_in_fewer_bytes(tmp_path):
+    """`--kv-dtypes`: a row per dtype at each size, the same tokens, bytes as the cache holds them
+    (8-bit: values plus the block scales), checked byte for byte."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kvtransfer_bench.py"), "--smoke",
+                          "--transports", "tcp", "--kv-dtypes", "float32,bfloat16,int8,fp8_e4m3", "--json", str(out)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {(row["kv_dtype"], row["size_mib"]): row for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(dtype, size) for dtype in ("float32", "bfloat16", "int8", "fp8_e4m3") for size in (1.0, 4.0)}
+    block_values = 2 * 16 * 3 * 64  # K and V of one block, one layer
+    for (dtype, size), row in rows.items():
+        assert row["verified_byte_exact"] is True
+        assert row["tokens"] == rows[("float32", size)]["tokens"] == 16 * row["blocks"]
+        per_value = {"float32": 4 * block_values, "bfloat16": 2 * block_values}.get(dtype, block_values + 2 * 3 * 4)
+        assert row["bytes"] == row["blocks"] * 30 * per_value
+    assert rows[("int8", 4.0)]["bytes"] < 0.26 * rows[("float32", 4.0)]["bytes"]
+    assert "| tcp | int8 |" in run.stdout
+
+
 def test_benchmark_options_reach_the_transfer_config():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
