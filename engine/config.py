@@ -220,9 +220,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if tp > 1 and self.cache.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.cache.kv_cache_dtype} with tensor parallelism is not supported yet "
-                             "(the ranks' heads are not split out of 8-bit blocks); use kv_cache_dtype auto")
         self.device = resolve_device(self.device)
 
     @property

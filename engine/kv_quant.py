@@ -23,6 +23,7 @@ Attention dequantizes: `dequantize(layer, block_ids)` gives the blocks' K/V in a
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,40 @@ class KVQuantFormat:
         quantized = self.quantize(new, token_scale).view(torch.uint8)
         values[blocks, 0, offsets] = quantized[:, 0]
         values[blocks, 1, offsets] = quantized[:, 1]
+
+    def with_heads(self, num_kv_heads: int) -> "KVQuantFormat":
+        """The same format over another number of KV heads (a tensor-parallel rank's share)."""
+        return dataclasses.replace(self, num_kv_heads=num_kv_heads)
+
+    def select_heads(self, blocks: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Blocks `[n, block_bytes]` of this format -> their KV heads [start, start + count) as
+        blocks of `with_heads(count)` (values and scales both; the scales are per head, so a
+        rank's share of a block is a block of its own)."""
+        n = blocks.shape[0]
+        values = blocks[:, :self.values_bytes].view(n, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        scales = blocks[:, self.values_bytes:].view(n, 2, self.num_kv_heads, SCALE_DTYPE.itemsize)
+        return torch.cat((values[:, :, :, start:start + count].reshape(n, -1),
+                          scales[:, :, start:start + count].reshape(n, -1)), dim=1)
+
+    def join_heads(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The inverse of `select_heads`: blocks of consecutive head ranges, in head order, ->
+        blocks of this format."""
+        n = parts[0].shape[0]
+        shares = [self._heads_in(part) for part in parts]
+        if sum(shares) != self.num_kv_heads:
+            raise ValueError(f"parts hold {sum(shares)} KV heads, the format has {self.num_kv_heads}")
+        values = [part[:, :self.with_heads(h).values_bytes].view(n, 2, self.block_size, h, self.head_dim)
+                  for part, h in zip(parts, shares)]
+        scales = [part[:, self.with_heads(h).values_bytes:].view(n, 2, h, SCALE_DTYPE.itemsize)
+                  for part, h in zip(parts, shares)]
+        return torch.cat((torch.cat(values, dim=3).reshape(n, -1), torch.cat(scales, dim=2).reshape(n, -1)), dim=1)
+
+    def _heads_in(self, part: torch.Tensor) -> int:
+        per_head = self.block_bytes // self.num_kv_heads
+        if part.dim() != 2 or part.dtype != torch.uint8 or part.shape[1] % per_head:
+            raise ValueError(f"a share of an {self.name} block is [n, heads * {per_head}] uint8, got "
+                             f"{tuple(part.shape)} {part.dtype}")
+        return part.shape[1] // per_head
 
     def _to_float(self, raw: torch.Tensor) -> torch.Tensor:
         return raw.view(self.value_dtype).to(torch.float32)

@@ -24,7 +24,8 @@ KV connector and its transport see `transfer_cache`, a cache with every KV head 
 layout (the same bytes a TP 1 worker holds), whatever this worker's and its peer's TP degrees.
 `gather_kv(layers, block_ids)` fills it from every rank's heads (prefill, before a push) and
 `scatter_kv(block_ids)` hands each rank its heads of received blocks (decode, once verified),
-both collectives broadcast like the copies above. That cache costs rank 0 one more block of
+both collectives broadcast like the copies above (an 8-bit cache: a rank's share of a block is its
+heads' values and scales, `KVQuantFormat.select_heads` / `join_heads`). That cache costs rank 0 one more block of
 every head per block id: a block count sized from memory accounts for it, an explicit
 `num_blocks` gets it on top. Without TP, `transfer_cache` is `kv_cache` itself and `kv_shards` is
 None.
@@ -117,7 +118,8 @@ class ModelRunner:
         self.transfer_cache = self.kv_cache
         if self._holds_transfer_cache:
             self.transfer_cache = allocate_kv_cache(self.arch, self.kv_cache.num_blocks, self.block_size, self.dtype,
-                                                    self.device, shared=config.cache.shared_memory)
+                                                    self.device, shared=config.cache.shared_memory,
+                                                    kv_format=self._transfer_format)
         self.swap_space = self._allocate_swap_space()
         self.host_cache = self._allocate_host_cache()
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -167,7 +169,8 @@ class ModelRunner:
         else:
             budget = int(cache.kv_cache_memory_gb * 2**30)
         heads = self.model.shard.num_kv_heads + (self.arch.num_key_value_heads if self._holds_transfer_cache else 0)
-        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads, self.kv_format)
+        fmt = None if self.kv_format is None else self.kv_format.with_heads(heads)  # bytes are linear in heads
+        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads, fmt)
 
     def _agree_on_num_blocks(self) -> int:
         """This rank's block count; under TP the smallest any rank fits (every rank must have the
@@ -264,24 +267,33 @@ class ModelRunner:
         `run(*args)`, their collectives, with them."""
         self._with_followers((kind, *args), lambda: run(*args))
 
+    @property
+    def _transfer_format(self):
+        """The 8-bit format of a cache with every KV head (the transfer cache), or None."""
+        return None if self.kv_format is None else self.kv_format.with_heads(self.arch.num_key_value_heads)
+
     def _gather_kv(self, layers: list[int], block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer in layers:
             shards = self.tp.gather(self.kv_layers[layer].index_select(0, index))
             if shards is not None:  # rank 0
-                heads = torch.cat([shards[rank] for rank in self._kv_head_owners()], dim=3)
+                parts = [shards[rank] for rank in self._kv_head_owners()]
+                fmt = self._transfer_format
+                heads = torch.cat(parts, dim=3) if fmt is None else fmt.join_heads(parts)
                 self.transfer_cache.data[layer].index_copy_(0, index, heads)
 
     def _scatter_kv(self, block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        shape = (len(block_ids), 2, self.block_size, self.model.shard.num_kv_heads, self.arch.head_dim)
+        shape = (len(block_ids), *self.kv_layers[0].shape[1:])  # a rank's blocks
         shards = [TensorParallelShard.of(self.arch, rank, self.tp.world_size) for rank in range(self.tp.world_size)]
+        fmt = self._transfer_format
         for layer in range(self.arch.num_hidden_layers):
             parts = None
             if self.tp.rank == 0:
                 blocks = self.transfer_cache.data[layer].index_select(0, index)
-                parts = [blocks[:, :, :, s.kv_head_start:s.kv_head_start + s.num_kv_heads] for s in shards]
-            mine = self.tp.scatter(torch.empty(shape, dtype=self.dtype, device=self.device), parts)
+                parts = [blocks[:, :, :, s.kv_head_start:s.kv_head_start + s.num_kv_heads] if fmt is None
+                         else fmt.select_heads(blocks, s.kv_head_start, s.num_kv_heads) for s in shards]
+            mine = self.tp.scatter(torch.empty(shape, dtype=self.kv_layers[0].dtype, device=self.device), parts)
             self.kv_layers[layer].index_copy_(0, index, mine)
 
     def _kv_head_owners(self) -> list[int]:

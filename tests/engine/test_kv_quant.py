@@ -182,11 +182,6 @@ def test_decode_over_an_8bit_cache_reads_it_in_place_and_matches(name, dtype):
     assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance), (out.double() - expected).abs().max()
 
 
-def test_the_triton_backend_says_it_does_not_read_8bit_caches_yet():
-    with pytest.raises(ValueError, match="triton attention backend does not read an 8-bit KV cache yet"):
-        get_attention_backend("triton", KVQuantFormat("int8", 16, 2, 64))
-
-
 # ---- the transfer layout -----------------------------------------------------------------------
 
 def test_8bit_layouts_name_their_format_and_refuse_a_mismatched_peer():
@@ -209,10 +204,25 @@ def test_8bit_layouts_name_their_format_and_refuse_a_mismatched_peer():
         KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64)], fmt)
 
 
-def test_engine_config_refuses_8bit_kv_with_tensor_parallelism():
-    from engine.config import CacheConfig, EngineConfig
-    with pytest.raises(ValueError, match="kv_cache_dtype=int8 with tensor parallelism is not supported yet"):
-        EngineConfig(device="cpu", tensor_parallel_size=2, cache=CacheConfig(kv_cache_dtype="int8"))
+def test_a_blocks_kv_heads_split_into_blocks_of_their_own_and_join_back():
+    """Tensor parallelism: a rank's share of a block (its KV heads' values and scales) is a block
+    of the same format over fewer heads, reading back exactly those heads."""
+    from engine.config import CacheConfig
+    fmt = KVQuantFormat("int8", block_size=4, num_kv_heads=3, head_dim=8)
+    layer = empty_layer(fmt, 5)
+    torch.manual_seed(5)
+    fmt.store(torch.randn(20, 3, 8) * torch.tensor([1.0, 10.0, 100.0])[None, :, None], torch.randn(20, 3, 8),
+              layer, torch.arange(20))
+    ids = torch.tensor([3, 0, 4])
+    shares = [fmt.select_heads(layer[ids], 0, 1), fmt.select_heads(layer[ids], 1, 2)]
+    assert [share.shape[1] for share in shares] == [fmt.with_heads(1).block_bytes, fmt.with_heads(2).block_bytes]
+    whole = fmt.dequantize(layer, ids, torch.float32)
+    for share, (start, count) in zip(shares, ((0, 1), (1, 2))):
+        part = fmt.with_heads(count).dequantize(share, torch.arange(3), torch.float32)
+        assert torch.equal(part, whole[:, :, :, start:start + count])
+    assert torch.equal(fmt.join_heads(shares), layer[ids])
+    with pytest.raises(ValueError, match="parts hold 2 KV heads, the format has 3"):
+        fmt.join_heads(shares[1:])
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8, got 'fp16'"):
         CacheConfig(kv_cache_dtype="fp16")
 

@@ -94,6 +94,18 @@ def test_greedy_output_is_token_identical_to_one_process(case):
     _assert_same(_generate(folder, tp), reference)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_an_8bit_kv_cache_splits_by_head_like_any_other(kv_cache_dtype, tmp_path):
+    """Each rank quantizes its own KV heads (scales are per block and head, so the bytes are the
+    single process's): greedy tokens equal one process with the same 8-bit cache, the KV heads
+    replicated across ranks too."""
+    for overrides, tp in (({}, 2), ({"num_key_value_heads": 1}, 2)):
+        folder = save_tiny_model(tmp_path / f"kv{overrides.get('num_key_value_heads', 2)}", tiny_config(**overrides))
+        reference = _generate(folder, 1, kv_cache_dtype=kv_cache_dtype)
+        assert [o.token_ids for o in _generate(folder, tp, kv_cache_dtype=kv_cache_dtype)] == \
+            [r.token_ids for r in reference]
+
+
 def test_swap_preemption_and_the_host_cache_tier_copy_every_ranks_kv(tmp_path):
     """A pool too small for the batch (swap preemption: the KV goes to host slots and back) and a
     host tier (evicted prefix blocks saved and reloaded): every rank makes the same copies of its

@@ -23,6 +23,10 @@ CASES = {
     "p2-to-d2-shm": (2, 2, {}, "shm"),
     "p4-kv-replicated-to-d2": (4, 2, {}, "tcp"),  # prefill ranks 0,1 hold KV head 0; 2,3 head 1
     "p1-to-d2-one-kv-head": (1, 2, {"num_key_value_heads": 1}, "tcp"),  # both decode ranks hold it
+    # 8-bit blocks (engine/kv_quant.py): a rank's share is its heads' values and scales
+    "int8-p2-to-d1": (2, 1, {}, "tcp", "int8"),
+    "int8-p1-to-d2": (1, 2, {}, "tcp", "int8"),
+    "fp8-p4-kv-replicated-to-d2-shm": (4, 2, {}, "shm", "fp8_e4m3"),
 }
 
 
@@ -41,8 +45,8 @@ def folders(tmp_path_factory):
     return folder
 
 
-def _colocated(folder: str) -> dict[str, list[int]]:
-    engine = make_engine(folder, "both")
+def _colocated(folder: str, kv_cache_dtype: str = "auto") -> dict[str, list[int]]:
+    engine = make_engine(folder, "both", kv_cache_dtype=kv_cache_dtype)
     for i, tokens in enumerate(PROMPTS):
         engine.add(engine.make_request(tokens, PARAMS, f"r{i}"))
     out: dict[str, list[int]] = {}
@@ -54,17 +58,25 @@ def _colocated(folder: str) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_prefill_at_one_degree_fills_decode_at_another_token_exact(name, folders):
-    prefill_tp, decode_tp, overrides, transport = CASES[name]
+    prefill_tp, decode_tp, overrides, transport, *kv_dtype = CASES[name]
+    kv_cache_dtype = kv_dtype[0] if kv_dtype else "auto"
     if transport not in kvtransfer.available_transports():
         pytest.skip(f"{transport} is not available here")
     folder = folders(overrides)
-    expected = _colocated(folder)
-    pair = Pair(folder, transport, tensor_parallel_size=prefill_tp, decode_options={"tensor_parallel_size": decode_tp})
+    expected = _colocated(folder, kv_cache_dtype)
+    pair = Pair(folder, transport, tensor_parallel_size=prefill_tp, kv_cache_dtype=kv_cache_dtype,
+                decode_options={"tensor_parallel_size": decode_tp, "kv_cache_dtype": kv_cache_dtype})
     try:
         for engine, tp in ((pair.prefill, prefill_tp), (pair.decode, decode_tp)):
             heads = engine.runner.arch.num_key_value_heads
-            assert engine.runner.transfer_cache.data.shape[4] == heads  # the endpoint holds every head
-            assert engine.runner.kv_cache.data.shape[4] == (heads if tp == 1 else max(1, heads // tp))
+            rank_heads = heads if tp == 1 else max(1, heads // tp)
+            transfer, own = engine.runner.transfer_cache, engine.runner.kv_cache
+            if kv_cache_dtype == "auto":
+                assert transfer.data.shape[4] == heads  # the endpoint holds every head
+                assert own.data.shape[4] == rank_heads
+            else:  # 8-bit blocks: [layers, blocks, block_bytes], the scales per head inside
+                assert transfer.kv_format.num_kv_heads == heads and own.kv_format.num_kv_heads == rank_heads
+                assert transfer.data.shape[2] == transfer.kv_format.block_bytes
         for i, tokens in enumerate(PROMPTS):
             pair.start(f"r{i}", tokens)
         deltas = pair.run_prefill(until=lambda ds: sum(d.finished for d in ds) == len(PROMPTS))
