@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check, in one pass sized for a short lease on one GPU (~5 minutes on an H200):
 #   1. tests: the Triton attention kernels at real sizes (tests/gpu, and test_attention's triton
-#      cases), the Triton elementwise kernels (test_triton_ops.py), the whole engine on the GPU
-#      token-exact with transformers (tests/gpu/test_engine_gpu.py), the CUDA sampler, and
-#      kvtransfer with CUDA caches;
+#      cases) and over the 8-bit KV cache (int8, fp8 e4m3: test_kv_quant_triton.py, whose store
+#      must write torch's bytes on the GPU too), the Triton elementwise kernels (test_triton_ops.py),
+#      the whole engine on the GPU token-exact with transformers (tests/gpu/test_engine_gpu.py), the
+#      CUDA sampler, and kvtransfer with CUDA caches;
 #   2. the KV transfer benchmark twice: CPU caches on this host's cores (tcp/shm/ucx/gloo against
 #      the plain socket and memcpy), and CUDA caches (against a device copy through CUDA IPC);
 #   3. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
@@ -46,7 +47,7 @@ MODEL_DIR="${TMPDIR:-/tmp}/pdserve-smollm2-random"
 if step tests; then
 timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra --timeout=240" \
   tests/gpu tests/kvtransfer/test_gpu.py tests/engine/test_attention.py tests/engine/test_sampler.py \
-  tests/engine/test_triton_ops.py \
+  tests/engine/test_triton_ops.py tests/engine/test_kv_quant_triton.py \
   -k "gpu or cuda or triton or Gpu" 2>&1 | tee "$RESULTS/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 fi

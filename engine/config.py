@@ -230,6 +230,6 @@ class EngineConfig:
     def backend_name(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        if self.device.startswith("cuda"):  # the Triton kernels do not read an 8-bit cache yet
-            return "triton" if self.cache.kv_cache_dtype == "auto" else "torch"
+        if self.device.startswith("cuda"):  # an 8-bit KV cache too: the Triton kernels read it in place
+            return "triton"
         return "cpu"

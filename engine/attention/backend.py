@@ -28,7 +28,8 @@ class AttentionBackend(Protocol):
 
     Shapes: query `[num_tokens, num_heads, head_dim]`; key, value
     `[num_tokens, num_kv_heads, head_dim]`; kv_cache
-    `[num_blocks, 2, block_size, num_kv_heads, head_dim]`; result like `query`. Rows of
+    `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (8-bit: its format's
+    `[num_blocks, block_bytes]` bytes, engine/kv_quant.py); result like `query`. Rows of
     `query` past `meta.query_start_loc[-1]` (batch padding) come back as zeros.
     """
 
@@ -47,8 +48,7 @@ class AttentionBackend(Protocol):
 def get_attention_backend(name: str, kv_format: KVQuantFormat | None = None) -> AttentionBackend:
     """Return a fresh backend: "cpu" (CPU default: torch plus a native decode kernel), "torch"
     (plain torch on any device; the reference) or "triton" (CUDA default). `kv_format`: the
-    8-bit KV cache format (engine/kv_quant.py), None for a cache in the model's dtype; the
-    triton backend does not read 8-bit caches yet (ValueError).
+    8-bit KV cache format (engine/kv_quant.py), None for a cache in the model's dtype.
 
     On a machine without CUDA, asking for "triton" turns on Triton's interpreter
     (`TRITON_INTERPRET=1`, unless already set) before the kernels are defined, so the same
@@ -61,14 +61,10 @@ def get_attention_backend(name: str, kv_format: KVQuantFormat | None = None) -> 
         from engine.attention.cpu_backend import CpuAttentionBackend
         return CpuAttentionBackend(kv_format)
     if name == "triton":
-        if kv_format is not None:
-            raise ValueError(f"the triton attention backend does not read an 8-bit KV cache yet "
-                             f"(--kv-cache-dtype {kv_format.name}); use --kv-cache-dtype auto, or the torch "
-                             f"backend (attention_backend='torch'), which dequantizes on any device")
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from engine.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(kv_format=kv_format)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 

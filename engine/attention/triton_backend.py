@@ -1,9 +1,9 @@
 """Attention with Triton kernels: the CUDA default; runs on CPU under `TRITON_INTERPRET=1`.
 
-Per forward: one store-KV launch, then one decode launch for the single-token sequences
-(split-KV, plus a merge launch when split) and one prefill launch for the multi-token chunks.
-A mixed batch gets both; each kernel skips the other's sequences on the device, so planning
-needs only host-side lengths and no device sync.
+Per forward: one store-KV launch (8-bit KV: after a sort of the slots, shared by the layers),
+then one decode launch for the single-token sequences (split-KV, plus a merge launch when split)
+and one prefill launch for the multi-token chunks. A mixed batch gets both; each kernel skips
+the other's sequences on the device, so planning needs only host-side lengths and no device sync.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from engine.attention.backend import check_shapes, host_lengths
 from engine.attention.metadata import AttentionMetadata
 from engine.attention import triton_kernels
+from engine.kv_quant import KVQuantFormat
 
 
 def _is_pow2(n: int) -> bool:
@@ -49,22 +50,36 @@ class TritonAttentionConfig:
 
 
 class TritonAttentionBackend:
-    """`AttentionBackend` on Triton kernels (see `triton_kernels.py`)."""
+    """`AttentionBackend` on Triton kernels (see `triton_kernels.py`).
+
+    With an 8-bit KV cache (`kv_format`, engine/kv_quant.py) each layer's cache is that format's
+    `[num_blocks, block_bytes]` bytes, which the attention kernels read in place, applying the
+    scales per token. Its store is a Triton kernel that writes exactly the bytes
+    `KVQuantFormat.store` writes (tests/engine/test_kv_quant_triton.py) rather than that method
+    itself: the method syncs the device (`bool(...)`, `torch.unique`), which would cost a sync per
+    layer and cannot be captured in the CUDA graphs that replay this backend's decode steps
+    (engine/cuda_graphs.py). The kernel needs the slots sorted: once per slot-mapping tensor, so a
+    forward pass's layers share the sort (a slot mapping must not change in place between calls)."""
 
     name = "triton"
 
-    def __init__(self, config: TritonAttentionConfig | None = None) -> None:
+    def __init__(self, config: TritonAttentionConfig | None = None, kv_format: KVQuantFormat | None = None) -> None:
         self.config = config or TritonAttentionConfig()
+        self.kv_format = kv_format
         self._sm_counts: dict[int, int] = {}
+        # 8-bit: `sort_slots` of the slot mapping last stored, shared by a forward pass's layers
+        self._sorted_for: torch.Tensor | None = None
+        self._sorted_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        check_shapes(query, key, value, kv_cache, meta)
+        fmt = self.kv_format
+        check_shapes(query, key, value, kv_cache if fmt is None else fmt.split(kv_cache)[0], meta)
         self._check_runnable(query)
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.shape[2] if fmt is None else fmt.block_size
         if not _is_pow2(block_size):
             raise ValueError(f"the triton backend needs a power-of-two block_size, got {block_size}")
-        if kv_cache.dtype != query.dtype:
+        if fmt is None and kv_cache.dtype != query.dtype:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from query dtype {query.dtype}")
         self.store_kv(key, value, kv_cache, meta.slot_mapping)
 
@@ -85,18 +100,22 @@ class TritonAttentionBackend:
             triton_kernels.paged_decode_attention(
                 out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_seq_len=max_decode_len,
-                num_splits=self._decode_splits(query, len(decode_seq_lens), kv_cache.shape[3], max_decode_len),
-                tile_n=cfg.decode_tile_n, num_warps=cfg.num_warps)
+                num_splits=self._decode_splits(query, len(decode_seq_lens), key.shape[1], max_decode_len),
+                tile_n=cfg.decode_tile_n, num_warps=cfg.num_warps, kv_format=fmt)
         if max_query_len > 1:
             triton_kernels.paged_prefill_attention(
                 out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=max_query_len, block_m=cfg.prefill_block_m, tile_n=cfg.prefill_tile_n,
-                skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps)
+                skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps, kv_format=fmt)
         return out
 
-    @staticmethod
-    def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        triton_kernels.store_kv_triton(key, value, kv_cache, slot_mapping)
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if self.kv_format is None:
+            return triton_kernels.store_kv_triton(key, value, kv_cache, slot_mapping)
+        if self._sorted_for is not slot_mapping:
+            self._sorted_for, self._sorted_slots = slot_mapping, triton_kernels.sort_slots(slot_mapping)
+        triton_kernels.store_kv_8bit_triton(key, value, kv_cache, slot_mapping, self.kv_format, self._sorted_slots)
 
     def _decode_splits(self, query: torch.Tensor, num_decodes: int, num_kv_heads: int,
                        max_seq_len: int) -> int:

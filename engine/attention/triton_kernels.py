@@ -4,6 +4,14 @@ Cache layout: `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (see `metada
 kernels address every cached token through its sequence's block table, so a tile of `TILE_N`
 tokens may span several blocks and any power-of-two block size works.
 
+The 8-bit cache (engine/kv_quant.py, `[num_blocks, block_bytes]` bytes) goes through the same
+attention kernels (`QUANT`: 0 none, 1 int8, 2 fp8 e4m3): its values are addressed like the cache
+above (block stride `block_bytes`), loaded as bytes and converted to the query's dtype unscaled,
+and the per-(block, K/V, head) scale is applied per token: the K scale to the scores, the V scale
+to the softmax weights `p`, so no dequantized copy is made. fp8 e4m3 bits are decoded with
+integer ops (`_e4m3_as_fp16`), which run alike on any GPU and in the interpreter (which has no
+fp8 arithmetic). Its store (`_store_kv_8bit_kernel`) writes the bytes `KVQuantFormat.store` writes.
+
 GQA: one program handles one KV head and all `GROUP = num_heads // num_kv_heads` query heads
 that read it, so each K/V tile is loaded once per program and feeds a `[rows, TILE_N]` dot.
 Softmax is online, in fp32, in base 2 (`scale_log2 = scale * log2(e)`).
@@ -14,12 +22,18 @@ imported for them to run on CPU (`get_attention_backend("triton")` does that wit
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from engine.kv_quant import MIN_SCALE, KVQuantFormat
+
 LOG2_E = 1.4426950408889634
+_QUANT = {"int8": 1, "fp8_e4m3": 2}
+_MIN_SCALE = tl.constexpr(MIN_SCALE)  # kernels may read only constexpr globals
 
 
 @triton.jit
@@ -48,27 +62,186 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _e4m3_as_fp16(bits):
+    """fp8 e4m3fn bits (uint8) -> the value / 256 as fp16, exact for every pattern but NaN (0x7F,
+    0xFF read as +-480): e4m3's sign, exponent (bias 7) and mantissa moved into fp16's fields (bias
+    15) are the value times 2^-8, fp16 subnormals covering e4m3's."""
+    b = bits.to(tl.int32)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp32_to_e4m3_bits(y):
+    """float32 within +-448 (or NaN) -> fp8 e4m3fn bits (uint8), rounded to nearest even exactly as
+    torch converts (c10's fp8e4m3fn_from_fp32_value), in integer ops so it runs alike everywhere."""
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    # below 2^-6, e4m3's smallest normal: adding 2^14 rounds to a multiple of 2^-9 (its subnormal
+    # step) and leaves the count in the low bits
+    small = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    normal = (magnitude + ((7 - 127) << 23) + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
+    code = tl.where(magnitude < (121 << 23), small, normal)
+    code = tl.where(magnitude > 0x7F800000, 0x7F, code)
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize(x, scale, qmax, QUANT: tl.constexpr):
+    """`KVQuantFormat.quantize` as torch computes it: x / scale (IEEE division), clamped to +-qmax
+    (NaN kept); int8 rounded half to even, fp8 converted as torch does."""
+    y = tl.clamp(tl.div_rn(x, scale), -qmax, qmax, propagate_nan=tl.PropagateNan.ALL)
+    # one return per constexpr branch: a return after the `if` would be compiled for both
+    # QUANTs, and the two return types differ
+    if QUANT == 1:
+        # |y| <= 127: adding 1.5 * 2^23 leaves no fraction bits, so the add rounds half to even
+        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        q = _fp32_to_e4m3_bits(y)
+    return q
+
+
+@triton.jit
+def _stored_to_f32(raw, QUANT: tl.constexpr):
+    """Stored 8-bit values -> float32 as torch reads them; fp8 NaN bytes (which only an earlier
+    owner's leftovers past the written positions can hold) as NaN of their sign, so re-quantizing
+    them gives torch's bytes too."""
+    if QUANT == 1:
+        return raw.to(tl.float32)
+    value = _e4m3_as_fp16(raw).to(tl.float32) * 256.0
+    nan = ((raw.to(tl.int32) << 24) | 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where((raw & 0x7F) == 0x7F, nan, value)
+
+
+@triton.jit
+def _requantize_half(half_ptr, old, scale, qmax, stride_slot, stride_head, heads, dims, mask,
+                     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr):
+    """Every slot of one K/V half of a block, from scale `old` to `scale` (per head)."""
+    for offset in range(BLOCK_SIZE):
+        ptrs = half_ptr + offset * stride_slot + heads[:, None] * stride_head + dims[None, :]
+        held = _stored_to_f32(tl.load(ptrs, mask=mask, other=0), QUANT) * old[:, None]
+        tl.store(ptrs, _quantize(held, scale[:, None], qmax, QUANT), mask=mask)
+
+
+@triton.jit
+def _store_kv_8bit_kernel(
+    key_ptr, value_ptr, values_ptr, scales_ptr, sorted_slots_ptr, order_ptr, num_tokens,
+    qmax, inv_qmax,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_values_block, stride_values_kv, stride_values_slot, stride_values_head,
+    stride_scales_block, stride_scales_kv,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_POW2: tl.constexpr, DIM_POW2: tl.constexpr, QUANT: tl.constexpr,
+    NEED_BY_RECIPROCAL: tl.constexpr,
+):
+    """`KVQuantFormat.store`, byte for byte. Program i takes the i-th token in slot order
+    (`sorted_slots[i]` = `slot_mapping[order[i]]`, stable); the first of each block's tokens
+    (they are contiguous in that order) does the whole block: the scale its write needs, a
+    re-quantization of the block when a scale grows, the scales, then its tokens' values."""
+    i = tl.program_id(0)
+    slot = tl.load(sorted_slots_ptr + i)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    previous = tl.load(sorted_slots_ptr + i - 1, mask=i > 0, other=-1)
+    if (previous >= 0) & (previous // BLOCK_SIZE == block):
+        return
+    heads = tl.arange(0, HEADS_POW2)
+    dims = tl.arange(0, DIM_POW2)
+    head_mask = heads < NUM_KV_HEADS
+    mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    key_tile = heads[:, None] * stride_key_head + dims[None, :]
+    value_tile = heads[:, None] * stride_value_head + dims[None, :]
+
+    # the largest |x| per (K/V, head) over the block's tokens; their end in slot order
+    amax_k = tl.zeros([HEADS_POW2], dtype=tl.float32)
+    amax_v = tl.zeros([HEADS_POW2], dtype=tl.float32)
+    end = i
+    next_slot = slot
+    while next_slot // BLOCK_SIZE == block:
+        token = tl.load(order_ptr + end)
+        k = tl.load(key_ptr + token * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(value_ptr + token * stride_value_token + value_tile, mask=mask, other=0.0).to(tl.float32)
+        amax_k = tl.maximum(amax_k, tl.max(tl.abs(k), 1))
+        amax_v = tl.maximum(amax_v, tl.max(tl.abs(v), 1))
+        end += 1
+        next_slot = tl.load(sorted_slots_ptr + end, mask=end < num_tokens, other=-BLOCK_SIZE)
+    if NEED_BY_RECIPROCAL:  # torch on CUDA divides by a Python-float divisor as x * (1 / divisor)
+        need_k = amax_k * inv_qmax
+        need_v = amax_v * inv_qmax
+    else:
+        need_k = tl.div_rn(amax_k, qmax)
+        need_v = tl.div_rn(amax_v, qmax)
+
+    # a write at offset 0 (the block's smallest here) starts the block afresh
+    fresh = slot % BLOCK_SIZE == 0
+    scale_ptrs = scales_ptr + block * stride_scales_block + heads
+    old_k = tl.load(scale_ptrs, mask=head_mask, other=0.0)
+    old_v = tl.load(scale_ptrs + stride_scales_kv, mask=head_mask, other=0.0)
+    scale_k = tl.maximum(tl.maximum(need_k, tl.where(fresh, 0.0, old_k)), _MIN_SCALE)
+    scale_v = tl.maximum(tl.maximum(need_v, tl.where(fresh, 0.0, old_v)), _MIN_SCALE)
+    grew = tl.max((((scale_k > old_k) | (scale_v > old_v)) & head_mask).to(tl.int32), 0)
+    block_ptr = values_ptr + block * stride_values_block
+    if (grew > 0) & (slot % BLOCK_SIZE != 0):
+        _requantize_half(block_ptr, old_k, scale_k, qmax, stride_values_slot, stride_values_head, heads, dims,
+                         mask, BLOCK_SIZE, QUANT)
+        _requantize_half(block_ptr + stride_values_kv, old_v, scale_v, qmax, stride_values_slot,
+                         stride_values_head, heads, dims, mask, BLOCK_SIZE, QUANT)
+        tl.debug_barrier()  # the re-quantized bytes land before this write's tokens overwrite theirs
+    tl.store(scale_ptrs, scale_k, mask=head_mask)
+    tl.store(scale_ptrs + stride_scales_kv, scale_v, mask=head_mask)
+
+    for index in range(i, end):  # in slot order, stable: of two tokens for one slot the later one stays
+        token = tl.load(order_ptr + index)
+        dst = (block_ptr + (tl.load(sorted_slots_ptr + index) % BLOCK_SIZE) * stride_values_slot
+               + heads[:, None] * stride_values_head + dims[None, :])
+        k = tl.load(key_ptr + token * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(value_ptr + token * stride_value_token + value_tile, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, _quantize(k, scale_k[:, None], qmax, QUANT), mask=mask)
+        tl.store(dst + stride_values_kv, _quantize(v, scale_v[:, None], qmax, QUANT), mask=mask)
+
+
+@triton.jit
 def _paged_tile_offsets(block_table_row_ptr, tokens, token_mask, kv_head,
                         stride_cache_block, stride_cache_slot, stride_cache_head,
                         BLOCK_SIZE: tl.constexpr):
-    """Element offsets (int64) of cached tokens `tokens` of one sequence, for one KV head."""
+    """Block ids and element offsets (int64) of cached tokens `tokens` of one sequence, for one KV head."""
     block_ids = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-    return block_ids * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    offsets = block_ids * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    return block_ids, offsets
+
+
+@triton.jit
+def _unscaled_8bit(raw, dtype: tl.constexpr, QUANT: tl.constexpr):
+    """8-bit values as loaded -> `dtype`, before their scale: int8 as is, fp8 as value / 256
+    (`_token_scales` puts the 256 back); exact in float32, float16 and bfloat16."""
+    if QUANT == 1:
+        return raw.to(dtype)
+    return _e4m3_as_fp16(raw).to(dtype)
+
+
+@triton.jit
+def _token_scales(scales_ptr, block_ids, token_mask, index, stride_scales_block, QUANT: tl.constexpr):
+    """Each token's scale: its block's for `index` (K/V half * stride + KV head); fp8: times 256."""
+    scales = tl.load(scales_ptr + block_ids * stride_scales_block + index, mask=token_mask, other=0.0)
+    if QUANT == 2:
+        scales = scales * 256.0
+    return scales
 
 
 @triton.jit
 def _paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    query_ptr, cache_ptr, scales_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
     scale_log2, split_len,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_kv, stride_cache_slot, stride_cache_head,
+    stride_scales_block, stride_scales_kv,
     stride_block_tables_seq,
     stride_partial_out_seq, stride_partial_out_head, stride_partial_out_split,
     stride_partial_lse_seq, stride_partial_lse_head,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_POW2: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (seq, kv_head, split): the single query token of `seq`, the GROUP query heads of
     `kv_head`, context tokens [split * split_len, (split + 1) * split_len). With one split the
@@ -104,18 +277,29 @@ def _paged_decode_kernel(
     for tile_start in range(kv_begin, kv_end, TILE_N):
         tokens = tile_start + tl.arange(0, TILE_N)
         token_mask = tokens < kv_end
-        offsets = _paged_tile_offsets(block_table_row, tokens, token_mask, kv_head, stride_cache_block,
-                                      stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        block_ids, offsets = _paged_tile_offsets(block_table_row, tokens, token_mask, kv_head, stride_cache_block,
+                                                 stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if QUANT:
+            k_scales = _token_scales(scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, QUANT)
+            scores = tl.dot(q, tl.trans(_unscaled_8bit(k, q.dtype, QUANT)), input_precision=DOT_PRECISION)
+            scores = scores * (k_scales * scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if QUANT:
+            v_scales = _token_scales(scales_ptr, block_ids, token_mask, stride_scales_kv + kv_head,
+                                     stride_scales_block, QUANT)
+            acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), _unscaled_8bit(v, q.dtype, QUANT),
+                                                input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     result = acc / l_i[:, None]
@@ -168,14 +352,15 @@ def _combine_splits_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr, query_ptr, cache_ptr, scales_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
     scale_log2,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_kv, stride_cache_slot, stride_cache_head,
+    stride_scales_block, stride_scales_kv,
     stride_block_tables_seq,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_POW2: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    SKIP_SINGLE_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SKIP_SINGLE_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Program (seq, query_tile, kv_head): BLOCK_Q query tokens of `seq` times the GROUP query
     heads of `kv_head` form the BLOCK_Q * GROUP_POW2 rows of one tile; row r is query token
@@ -214,11 +399,16 @@ def _paged_prefill_kernel(
     for tile_start in range(0, kv_end, TILE_N):
         tokens = tile_start + tl.arange(0, TILE_N)
         token_mask = tokens < kv_end
-        offsets = _paged_tile_offsets(block_table_row, tokens, token_mask, kv_head, stride_cache_block,
-                                      stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        block_ids, offsets = _paged_tile_offsets(block_table_row, tokens, token_mask, kv_head, stride_cache_block,
+                                                 stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if QUANT:
+            k_scales = _token_scales(scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, QUANT)
+            scores = tl.dot(q, tl.trans(_unscaled_8bit(k, q.dtype, QUANT)), input_precision=DOT_PRECISION)
+            scores = scores * (k_scales * scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = token_mask[None, :] & (tokens[None, :] <= query_positions[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -226,7 +416,13 @@ def _paged_prefill_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if QUANT:
+            v_scales = _token_scales(scales_ptr, block_ids, token_mask, stride_scales_kv + kv_head,
+                                     stride_scales_block, QUANT)
+            acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), _unscaled_8bit(v, q.dtype, QUANT),
+                                                input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -269,20 +465,77 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     )
 
 
+class _PagedCache(NamedTuple):
+    """What the kernels read: the values (the cache itself, or an 8-bit cache's bytes: int8, or fp8
+    as uint8 bits) with their strides (block, K/V, slot, head), the 8-bit scales with theirs
+    (block, K/V; unread otherwise) and `QUANT`."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    value_strides: tuple[int, int, int, int]
+    scale_strides: tuple[int, int]
+    block_size: int
+    num_kv_heads: int
+    quant: int
+
+
+def _paged_cache(kv_cache: torch.Tensor, kv_format: KVQuantFormat | None) -> _PagedCache:
+    if kv_format is None:
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        return _PagedCache(kv_cache, kv_cache, kv_cache.stride()[:4], (0, 0), block_size, num_kv_heads, 0)
+    values, scales = kv_format.split(kv_cache)
+    if values.dtype != torch.int8:
+        values = values.view(torch.uint8)
+    return _PagedCache(values, scales, values.stride()[:4], scales.stride()[:2], kv_format.block_size,
+                       kv_format.num_kv_heads, _QUANT[kv_format.name])
+
+
+def sort_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots in ascending order, their token indices), a stable sort: what `store_kv_8bit_triton`
+    needs, the same for every layer of a forward pass."""
+    return torch.sort(slot_mapping.to(torch.int64), stable=True)
+
+
+def store_kv_8bit_triton(key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, slot_mapping: torch.Tensor,
+                         kv_format: KVQuantFormat, sorted_slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """`kv_format.store(key, value, layer, slot_mapping)`, the same bytes, in one launch and without
+    a device sync. `sorted_slots`: `sort_slots(slot_mapping)`."""
+    num_tokens = key.shape[0]
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    cache = _paged_cache(layer, kv_format)  # checks the layer's shape
+    if num_tokens == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    slots, order = sorted_slots
+    qmax = kv_format.qmax
+    _store_kv_8bit_kernel[(num_tokens,)](
+        key, value, cache.values, cache.scales, slots, order, num_tokens,
+        qmax, float(np.float32(1) / np.float32(qmax)),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *cache.value_strides, *cache.scale_strides,
+        BLOCK_SIZE=kv_format.block_size, NUM_KV_HEADS=kv_format.num_kv_heads, HEAD_DIM=kv_format.head_dim,
+        HEADS_POW2=_pow2(kv_format.num_kv_heads), DIM_POW2=max(16, _pow2(kv_format.head_dim)),
+        QUANT=cache.quant, NEED_BY_RECIPROCAL=layer.device.type == "cuda",
+    )
+
+
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float, max_seq_len: int,
-                           num_splits: int, tile_n: int, num_warps: int = 4) -> None:
+                           num_splits: int, tile_n: int, num_warps: int = 4,
+                           kv_format: KVQuantFormat | None = None) -> None:
     """Attention of every single-token sequence of the batch, written into `out` in place.
 
     The context is cut into `num_splits` (a power of two) ranges of whole `tile_n` tiles; with
     more than one split, a second kernel merges the partial results. Sequences with another
-    query length are skipped (the prefill kernel handles them).
+    query length are skipped (the prefill kernel handles them). `kv_format`: `kv_cache` is that
+    8-bit format's layer.
     """
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
+    cache = _paged_cache(kv_cache, kv_format)
+    group = num_heads // cache.num_kv_heads
     split_len = tile_n * max(1, -(-max_seq_len // (tile_n * num_splits)))
     num_splits = max(1, min(num_splits, -(-max_seq_len // split_len)))
     num_splits = _pow2(num_splits)
@@ -293,18 +546,19 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
     else:
         partial_out = partial_lse = out
     dim_pow2 = max(16, _pow2(head_dim))
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _paged_decode_kernel[(num_seqs, cache.num_kv_heads, num_splits)](
         out, partial_out, partial_lse,
-        query, kv_cache, block_tables, seq_lens, query_start_loc,
+        query, cache.values, cache.scales, block_tables, seq_lens, query_start_loc,
         scale * LOG2_E, split_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *cache.value_strides, *cache.scale_strides,
         block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_POW2=max(16, _pow2(group)),
+        BLOCK_SIZE=cache.block_size, GROUP=group, GROUP_POW2=max(16, _pow2(group)),
         HEAD_DIM=head_dim, DIM_POW2=dim_pow2, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(query.dtype), num_warps=num_warps,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(query.dtype), QUANT=cache.quant,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
@@ -320,28 +574,29 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: to
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                             block_m: int, tile_n: int, skip_single_token: bool,
-                            num_warps: int = 4, num_stages: int | None = None) -> None:
+                            num_warps: int = 4, num_stages: int | None = None,
+                            kv_format: KVQuantFormat | None = None) -> None:
     """Attention of the multi-token query chunks of the batch (each causal over its cached
     prefix and itself), written into `out` in place. With `skip_single_token`, sequences of
-    query length 1 are left to `paged_decode_attention`."""
+    query length 1 are left to `paged_decode_attention`. `kv_format`: as there."""
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
+    cache = _paged_cache(kv_cache, kv_format)
+    group = num_heads // cache.num_kv_heads
     group_pow2 = _pow2(group)
     block_q = max(1, block_m // group_pow2)
     group_pow2 = max(group_pow2, 16 // block_q)  # a dot needs at least 16 rows
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    grid = (num_seqs, -(-max_query_len // block_q), num_kv_heads)
+    grid = (num_seqs, -(-max_query_len // block_q), cache.num_kv_heads)
     _paged_prefill_kernel[grid](
-        out, query, kv_cache, block_tables, seq_lens, query_start_loc,
+        out, query, cache.values, cache.scales, block_tables, seq_lens, query_start_loc,
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        *cache.value_strides, *cache.scale_strides,
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_POW2=group_pow2,
+        BLOCK_SIZE=cache.block_size, GROUP=group, GROUP_POW2=group_pow2,
         HEAD_DIM=head_dim, DIM_POW2=max(16, _pow2(head_dim)), BLOCK_Q=block_q, TILE_N=tile_n,
-        SKIP_SINGLE_TOKEN=skip_single_token, DOT_PRECISION=_dot_precision(query.dtype),
+        SKIP_SINGLE_TOKEN=skip_single_token, DOT_PRECISION=_dot_precision(query.dtype), QUANT=cache.quant,
         num_warps=num_warps, **extra,
     )
 
