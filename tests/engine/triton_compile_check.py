@@ -1,0 +1,148 @@
+"""Compile every Triton kernel launch the engine's wrappers make, for a GPU, on a machine without one.
+
+Run as a script in a process where TRITON_INTERPRET is unset (the kernels must be defined as real
+JIT functions): `python tests/engine/triton_compile_check.py [--arch 90]`. The wrappers run on CPU
+tensors with `JITFunction.run` replaced by a recorder, so each launch's arguments, constexprs and
+options are the ones a GPU run would pass; each distinct launch is then compiled to a cubin for
+`cuda:<arch>` with the ptxas Triton ships. Prints one JSON object: {"compiled": [...], "failed":
+{launch: error}}. tests/engine/test_triton_compile.py runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8",
+                    torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+# constexprs the wrappers set from the tensors' device: what a launch on CUDA passes
+ON_CUDA = {"NEED_BY_RECIPROCAL": True, "LIBDEVICE": True}
+
+
+def record_launches(run_wrappers) -> list[tuple[JITFunction, dict, dict]]:
+    """(kernel, {param: value}, options) of every launch `run_wrappers()` makes, none executed."""
+    launches = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
+        values = dict(zip(self.arg_names, args), **kwargs)
+        values.update({name: value for name, value in ON_CUDA.items() if name in values})
+        launches.append((self, values, options))
+
+    original, JITFunction.run = JITFunction.run, record
+    try:
+        run_wrappers()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def signature_of(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TORCH_TO_TRITON[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton signature for {type(value).__name__} {value!r}")
+
+
+def specialization(kernel: JITFunction, values: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) of a launch, as `ASTSource` takes them."""
+    signature, constexprs = {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[(index,)] = "constexpr", value
+        else:
+            signature[param.name] = signature_of(value)
+    return signature, constexprs
+
+
+def describe(kernel: JITFunction, signature: dict, constexprs: dict) -> str:
+    pointers = ", ".join(f"{name}:{kind}" for name, kind in signature.items() if kind.startswith("*"))
+    consts = ", ".join(f"{kernel.params[index].name}={value}" for (index,), value in constexprs.items())
+    return f"{kernel.fn.__name__}({pointers}; {consts})"
+
+
+def engine_launches():
+    """What a SmolLM2-135M-shaped model's forward launches (9 query heads, 3 KV heads, head dim
+    64, block size 16): the store, decode (one split and several) and prefill kernels over caches
+    in each float dtype and both 8-bit formats, and the elementwise ops."""
+    from engine.attention import triton_kernels as tk
+    from engine.kv_quant import KVQuantFormat
+    from engine.model import triton_ops
+
+    heads, kv_heads, dim, block, blocks = 9, 3, 64, 16, 8
+    seq_lens = torch.tensor([5, 40], dtype=torch.int32)
+    tables = torch.arange(2 * 4, dtype=torch.int32).view(2, 4)
+    slots = torch.arange(4, dtype=torch.int64)
+
+    def run():
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            query = torch.zeros(4, heads, dim, dtype=dtype)
+            key = torch.zeros(4, kv_heads, dim, dtype=dtype)
+            caches = [(torch.zeros(blocks, 2, block, kv_heads, dim, dtype=dtype), None)]
+            tk.store_kv_triton(key, key, caches[0][0], slots)
+            for name in ("int8", "fp8_e4m3"):
+                fmt = KVQuantFormat(name, block, kv_heads, dim)
+                layer = torch.zeros(blocks, fmt.block_bytes, dtype=torch.uint8)
+                tk.store_kv_8bit_triton(key, key, layer, slots, fmt, tk.sort_slots(slots))
+                caches.append((layer, fmt))
+            for cache, fmt in caches:
+                for splits in (1, 4):
+                    tk.paged_decode_attention(torch.zeros_like(query), query, cache, tables, seq_lens,
+                                              torch.tensor([0, 1, 2], dtype=torch.int32), 0.125, max_seq_len=40,
+                                              num_splits=splits, tile_n=16, kv_format=fmt)
+                tk.paged_prefill_attention(torch.zeros_like(query), query, cache, tables, seq_lens,
+                                           torch.tensor([0, 2, 4], dtype=torch.int32), 0.125, max_query_len=2,
+                                           block_m=64, tile_n=64, skip_single_token=True, kv_format=fmt)
+            if dtype != torch.float16:
+                x = torch.zeros(4, 576, dtype=dtype)
+                triton_ops.rms_norm(x, torch.ones(576, dtype=dtype), 1e-5)
+                triton_ops.add_rms_norm_(x, x.clone(), torch.ones(576, dtype=dtype), 1e-5)
+                triton_ops.silu_and_mul(torch.zeros(4, 2 * 1536, dtype=dtype))
+                cos = torch.zeros(128, dim, dtype=torch.float32)
+                triton_ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), query, key, cos, cos)
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the kernels must be defined as JIT functions to compile")
+    compiled, failed = [], {}
+    for kernel, values, options in record_launches(engine_launches()):
+        signature, constexprs = specialization(kernel, values)
+        name = describe(kernel, signature, constexprs) + (f" {options}" if options else "")
+        if name in compiled or name in failed:
+            continue
+        try:
+            source = ASTSource(kernel, signature, constexprs=constexprs)
+            binary = triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options=options)
+            if not binary.asm.get("cubin"):
+                raise RuntimeError("no cubin")
+            compiled.append(name)
+        except Exception:  # noqa: BLE001 (report every launch's failure, not just the first)
+            failed[name] = traceback.format_exc(limit=-3)[-3000:]
+    print(json.dumps({"arch": args.arch, "triton": triton.__version__, "compiled": compiled, "failed": failed}))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
