@@ -6,9 +6,11 @@
 #      the whole engine on the GPU token-exact with transformers (tests/gpu/test_engine_gpu.py), the
 #      CUDA sampler, and kvtransfer with CUDA caches;
 #   2. the KV transfer benchmark twice: CPU caches on this host's cores (tcp/shm/ucx/gloo against
-#      the plain socket and memcpy), and CUDA caches (against a device copy through CUDA IPC);
+#      the plain socket and memcpy), and CUDA caches (against a device copy through CUDA IPC), then
+#      CUDA caches per KV dtype (bf16, int8, fp8: the same tokens, bytes and time per transfer);
 #   3. the offline benchmark on the GPU: engine vs transformers on a SmolLM2-135M-shaped model with
-#      random weights (the default model's GGUF does not travel; speed depends only on the shape);
+#      random weights (the default model's GGUF does not travel; speed depends only on the shape),
+#      and its decode step at batch 64 x 512 per KV cache dtype (bf16, int8, fp8 on Triton);
 #   4. the attention kernel micro-benchmark (achieved GB/s against the measured copy bandwidth);
 #   5. `cluster` (not in the default list: ~4-6 more minutes): `pdserve serve` on the GPU with the
 #      same random model, 1 prefill + 1 decode worker sharing it (--worker-gpus 0.5), over ucx and
@@ -59,7 +61,10 @@ if step kvtransfer; then
     --json "$RESULTS/kvtransfer_cpu.json" &&
   echo "--- CUDA caches ---" &&
   timeout 120 "$PYTHON" benchmarks/kvtransfer_bench.py --device cuda --repeats 5 \
-    --json "$RESULTS/kvtransfer_cuda.json"
+    --json "$RESULTS/kvtransfer_cuda.json" &&
+  echo "--- CUDA caches, the same tokens per KV cache dtype ---" &&
+  timeout 120 "$PYTHON" benchmarks/kvtransfer_bench.py --device cuda --repeats 3 --sizes 16,64 \
+    --kv-dtypes bfloat16,int8,fp8_e4m3
 } 2>&1 | tee "$RESULTS/kvtransfer.txt"
 kv_rc=${PIPESTATUS[0]}
 fi
@@ -69,7 +74,9 @@ if step offline; then
   "$PYTHON" benchmarks/random_model.py "$MODEL_DIR" --layers 30 &&
   timeout 200 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --json "$RESULTS/offline_gpu.json" &&
   echo "--- the engine again with decode steps run eagerly (no CUDA graphs) ---" &&
-  timeout 90 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --no-transformers --no-cuda-graphs
+  timeout 90 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --no-transformers --no-cuda-graphs &&
+  echo "--- decode step per KV cache dtype (batch 64, 512-token context) ---" &&
+  timeout 120 "$PYTHON" benchmarks/offline.py --device cuda --model "$MODEL_DIR" --kv-cache-dtypes auto,int8,fp8_e4m3
 } 2>&1 | grep -v "Writing model shards" | tee "$RESULTS/offline_gpu.txt"
 offline_rc=${PIPESTATUS[0]}
 fi
