@@ -229,6 +229,32 @@ def _token_scales(scales_ptr, block_ids, token_mask, index, stride_scales_block,
 
 
 @triton.jit
+def _tile_scores(q, k, scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, scale_log2,
+                 QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of a tile of cached tokens, in log2 units: q . k (8-bit: times each token's K scale)."""
+    if QUANT:
+        k_scales = _token_scales(scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, QUANT)
+        scores = tl.dot(q, tl.trans(_unscaled_8bit(k, q.dtype, QUANT)), input_precision=DOT_PRECISION)
+        scores = scores * (k_scales * scale_log2)[None, :]
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    return scores
+
+
+@triton.jit
+def _tile_values(p, v, scales_ptr, block_ids, token_mask, index, stride_scales_block, dtype: tl.constexpr,
+                 QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """p @ v over a tile of cached tokens (8-bit: p times each token's V scale, `index` its half
+    and head)."""
+    if QUANT:
+        v_scales = _token_scales(scales_ptr, block_ids, token_mask, index, stride_scales_block, QUANT)
+        out = tl.dot((p * v_scales[None, :]).to(dtype), _unscaled_8bit(v, dtype, QUANT), input_precision=DOT_PRECISION)
+    else:
+        out = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
     query_ptr, cache_ptr, scales_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -281,25 +307,16 @@ def _paged_decode_kernel(
                                                  stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            k_scales = _token_scales(scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, QUANT)
-            scores = tl.dot(q, tl.trans(_unscaled_8bit(k, q.dtype, QUANT)), input_precision=DOT_PRECISION)
-            scores = scores * (k_scales * scale_log2)[None, :]
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = _tile_scores(q, k, scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, scale_log2,
+                              QUANT, DOT_PRECISION)
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            v_scales = _token_scales(scales_ptr, block_ids, token_mask, stride_scales_kv + kv_head,
-                                     stride_scales_block, QUANT)
-            acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), _unscaled_8bit(v, q.dtype, QUANT),
-                                                input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _tile_values(p, v, scales_ptr, block_ids, token_mask, stride_scales_kv + kv_head,
+                                                  stride_scales_block, q.dtype, QUANT, DOT_PRECISION)
         m_i = m_new
 
     result = acc / l_i[:, None]
@@ -403,12 +420,8 @@ def _paged_prefill_kernel(
                                                  stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            k_scales = _token_scales(scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, QUANT)
-            scores = tl.dot(q, tl.trans(_unscaled_8bit(k, q.dtype, QUANT)), input_precision=DOT_PRECISION)
-            scores = scores * (k_scales * scale_log2)[None, :]
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = _tile_scores(q, k, scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, scale_log2,
+                              QUANT, DOT_PRECISION)
         visible = token_mask[None, :] & (tokens[None, :] <= query_positions[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -416,13 +429,8 @@ def _paged_prefill_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
-            v_scales = _token_scales(scales_ptr, block_ids, token_mask, stride_scales_kv + kv_head,
-                                     stride_scales_block, QUANT)
-            acc = acc * alpha[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), _unscaled_8bit(v, q.dtype, QUANT),
-                                                input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _tile_values(p, v, scales_ptr, block_ids, token_mask, stride_scales_kv + kv_head,
+                                                  stride_scales_block, q.dtype, QUANT, DOT_PRECISION)
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
