@@ -1,4 +1,5 @@
-"""Every Triton kernel launch the engine makes compiles for an H100/H200 (sm_90), here, without a GPU.
+"""Every Triton kernel launch the engine makes compiles for an A100 (sm_80) and an H100/H200 (sm_90),
+here, without a GPU.
 
 The CPU tests run the kernels under Triton's interpreter, which executes them as numpy and skips
 the compiler's front end: code it accepts can still fail to compile for a GPU (a non-constexpr
@@ -22,10 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_every_triton_kernel_launch_compiles_for_sm90():
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "engine" / "triton_compile_check.py"), "--arch", "90"],
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "engine" / "triton_compile_check.py"), "--arch", str(arch)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     report = json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else {}
     assert run.returncode == 0 and not report.get("failed"), (run.stderr[-3000:], report.get("failed"))
