@@ -8,9 +8,14 @@
 // block * block_size + offset, -1 = not stored.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping) {
@@ -59,13 +64,6 @@ void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
 // re-quantizes what the block holds first. kv_cache [num_blocks, block_bytes] uint8, each block
 // values [2, block_size, num_kv_heads, head_dim] (int8 or fp8 e4m3) then float32 scales
 // [2, num_kv_heads]. Tokens writing one block are handled together; blocks in parallel.
-#include <c10/util/Float8_e4m3fn.h>
-
-#include <algorithm>
-#include <cmath>
-#include <utility>
-#include <vector>
-
 namespace {
 
 constexpr float kMinScale = 1e-8f;  // kv_quant.MIN_SCALE
