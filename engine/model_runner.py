@@ -119,7 +119,8 @@ class ModelRunner:
         if self._holds_transfer_cache:
             self.transfer_cache = allocate_kv_cache(self.arch, self.kv_cache.num_blocks, self.block_size, self.dtype,
                                                     self.device, shared=config.cache.shared_memory,
-                                                    kv_format=self._transfer_format)
+                                                    kv_format=None if self.kv_format is None else
+                                                    self.kv_format.with_heads(self.arch.num_key_value_heads))
         self.swap_space = self._allocate_swap_space()
         self.host_cache = self._allocate_host_cache()
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -267,18 +268,13 @@ class ModelRunner:
         `run(*args)`, their collectives, with them."""
         self._with_followers((kind, *args), lambda: run(*args))
 
-    @property
-    def _transfer_format(self):
-        """The 8-bit format of a cache with every KV head (the transfer cache), or None."""
-        return None if self.kv_format is None else self.kv_format.with_heads(self.arch.num_key_value_heads)
-
     def _gather_kv(self, layers: list[int], block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer in layers:
             shards = self.tp.gather(self.kv_layers[layer].index_select(0, index))
             if shards is not None:  # rank 0
                 parts = [shards[rank] for rank in self._kv_head_owners()]
-                fmt = self._transfer_format
+                fmt = self.transfer_cache.kv_format  # 8-bit: the full-heads format
                 heads = torch.cat(parts, dim=3) if fmt is None else fmt.join_heads(parts)
                 self.transfer_cache.data[layer].index_copy_(0, index, heads)
 
@@ -286,7 +282,7 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         shape = (len(block_ids), *self.kv_layers[0].shape[1:])  # a rank's blocks
         shards = [TensorParallelShard.of(self.arch, rank, self.tp.world_size) for rank in range(self.tp.world_size)]
-        fmt = self._transfer_format
+        fmt = self.transfer_cache.kv_format  # 8-bit: the full-heads format
         for layer in range(self.arch.num_hidden_layers):
             parts = None
             if self.tp.rank == 0:
