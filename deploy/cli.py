@@ -26,8 +26,8 @@ from typing import Any
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
                            parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
-from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPES, PREFILL_ROLE_LONG_CHUNK_TOKENS,
-                           add_speculative_arguments, speculative_options)
+from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
+                           PREFILL_ROLE_LONG_CHUNK_TOKENS, add_speculative_arguments, speculative_options)
 from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV blocks per worker (default: from --kv-cache-memory-gb)")
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-                        help="auto: the model's dtype; fp8_e4m3 / int8: 8-bit KV with per-block scales (half of "
-                             "bf16's bytes in the cache and on every transfer; every worker must agree)")
+                        help=KV_CACHE_DTYPE_HELP)
     engine.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")

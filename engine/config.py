@@ -24,8 +24,10 @@ DECODE_ROLE_MAX_STEP_RATIO = 2.0
 PREFILL_ROLE_LONG_CHUNK_TOKENS = {"cpu": 256, "cuda": 1024}
 
 # The one list of KV cache dtypes (`--kv-cache-dtype`): "auto" keeps the model's dtype; the 8-bit
-# ones store values with per-block scales (engine/kv_quant.py owns that format).
+# ones store values with per-block scales and K references (engine/kv_quant.py owns that format).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "int8")
+KV_CACHE_DTYPE_HELP = ("auto: the model's dtype; int8 / fp8_e4m3: 8-bit KV with per-block scales (0.53x bf16's "
+                       "bytes in the cache and on every transfer; every worker of a deployment must agree)")
 
 # torch is imported where a dtype or a device is resolved, not here: the control plane (deploy,
 # `pdserve status`, the router's spec) reads these configs without loading torch.
@@ -78,7 +80,8 @@ class CacheConfig:
     # workers turn it on (their routers follow the events), the offline engine leaves it off.
     kv_events: bool = False
     # "auto": the model's dtype; "fp8_e4m3" / "int8": 8-bit values with a float32 scale per block,
-    # K/V and KV head, stored in the block (engine/kv_quant.py): half of bf16's bytes per token.
+    # K/V and KV head and a bf16 K reference row per block and head, stored in the block
+    # (engine/kv_quant.py): 0.53x bf16's bytes per token at head_dim 64.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ kvtransfer moves.
 
 An 8-bit cache (`kv_format` "int8" or "fp8_e4m3"; its owner is the engine's engine/kv_quant.py)
 is one `[num_blocks, chunk_nbytes]` uint8 tensor per layer: each chunk holds the block's 8-bit
-K and V, then a float32 scale per K/V and head. Its chunks move as they are, scales included; both
-sides must use the same format.
+K and V, a float32 scale per K/V and head, then a bf16 K reference row per head. Its chunks move
+as they are; both sides must use the same format.
 """
 from __future__ import annotations
 
@@ -37,7 +37,15 @@ class PackedBlocks(Protocol):
     def block_bytes(self) -> int: ...
 
 
-SCALE_BYTES = 4  # float32, per (block, K/V, head)
+# What an 8-bit chunk holds besides its values, per KV head: two float32 scales (K, V) and a bf16
+# K reference row (engine/kv_quant.py; `from_caches` checks the sum against the format's).
+SCALE_BYTES = 4
+REF_BYTES = 2
+
+
+def dtype_description(kv_format: str, dtype: str) -> str:
+    """How a layout's values are named in mismatch messages (this side's and a peer's alike)."""
+    return f"{kv_format} with float32 scales and bf16 K references" if kv_format else dtype
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,13 @@ class KVLayout:
             if not cache.is_contiguous():
                 raise ValueError(f"layer_caches[{index}] is not contiguous")
         if packed is not None:
-            return cls(num_layers=len(layer_caches), num_blocks=int(first.shape[0]), block_size=packed.block_size,
-                       num_kv_heads=packed.num_kv_heads, head_dim=packed.head_dim, dtype=torch.uint8,
-                       device=str(first.device), kv_format=packed.name)
+            layout = cls(num_layers=len(layer_caches), num_blocks=int(first.shape[0]), block_size=packed.block_size,
+                         num_kv_heads=packed.num_kv_heads, head_dim=packed.head_dim, dtype=torch.uint8,
+                         device=str(first.device), kv_format=packed.name)
+            if layout.chunk_nbytes != packed.block_bytes:
+                raise ValueError(f"an {packed.name} block is {packed.block_bytes} bytes, kvtransfer's layout counts "
+                                 f"{layout.chunk_nbytes}: the two disagree on the 8-bit format")
+            return layout
         num_blocks, _, block_size, num_kv_heads, head_dim = first.shape
         return cls(num_layers=len(layer_caches), num_blocks=num_blocks, block_size=block_size,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=first.dtype,
@@ -103,9 +115,12 @@ class KVLayout:
 
     @property
     def chunk_nbytes(self) -> int:
-        """Bytes of one (layer, block) pair: K and V of `block_size` tokens (8-bit: and their scales)."""
+        """Bytes of one (layer, block) pair: K and V of `block_size` tokens (8-bit: and their scales
+        and K references)."""
         values = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
-        return values + (2 * self.num_kv_heads * SCALE_BYTES if self.kv_format else 0)
+        if not self.kv_format:
+            return values
+        return values + self.num_kv_heads * (2 * SCALE_BYTES + self.head_dim * REF_BYTES)
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -121,7 +136,7 @@ class KVLayout:
     def describe(self) -> str:
         return (f"layers={self.num_layers} blocks={self.num_blocks} block_size={self.block_size} "
                 f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
-                f"dtype={self.kv_format + ' with per-block scales' if self.kv_format else str(self.dtype).removeprefix('torch.')} "
+                f"dtype={dtype_description(self.kv_format, str(self.dtype).removeprefix('torch.'))} "
                 f"device={self.device}")
 
     def to_wire(self) -> dict:

@@ -21,8 +21,8 @@ import grpc
 
 import wire
 
-from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPES, PREFILL_ROLE_LONG_CHUNK_TOKENS,
-                           add_speculative_arguments, speculative_options)
+from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
+                           PREFILL_ROLE_LONG_CHUNK_TOKENS, add_speculative_arguments, speculative_options)
 from engine.kv_connector import FAULTS
 
 logger = logging.getLogger(__name__)
@@ -37,8 +37,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size on CPU")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-                       help="auto: the model's dtype; fp8_e4m3 / int8: 8-bit KV with per-block scales (half of "
-                            "bf16's bytes in the cache and on every transfer)")
+                       help=KV_CACHE_DTYPE_HELP)
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
     group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests")
     group.add_argument("--max-step-ms", type=float, default=None,

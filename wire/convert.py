@@ -9,6 +9,7 @@ from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
 from engine.scheduler import SampledToken
+from kvtransfer.layout import dtype_description
 from wire.schema import messages, sampling_to_wire
 
 
@@ -56,7 +57,7 @@ def layout_to_wire(layout: Any) -> Any:
 
 
 def describe_wire_layout(message: Any) -> str:
-    values = f"{message.kv_format} with per-block scales" if message.kv_format else message.dtype
+    values = dtype_description(message.kv_format, message.dtype)
     return (f"layers={message.num_layers} block_size={message.block_size} kv_heads={message.num_kv_heads} "
             f"head_dim={message.head_dim} dtype={values}")
 

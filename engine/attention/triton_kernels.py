@@ -6,9 +6,10 @@ tokens may span several blocks and any power-of-two block size works.
 
 The 8-bit cache (engine/kv_quant.py, `[num_blocks, block_bytes]` bytes) goes through the same
 attention kernels (`QUANT`: 0 none, 1 int8, 2 fp8 e4m3): its values are addressed like the cache
-above (block stride `block_bytes`), loaded as bytes and converted to the query's dtype unscaled,
-and the per-(block, K/V, head) scale is applied per token: the K scale to the scores, the V scale
-to the softmax weights `p`, so no dequantized copy is made. fp8 e4m3 bits are decoded with
+above (block stride `block_bytes`) and loaded as bytes. A K tile is dequantized in registers
+(value * scale + the block's bf16 K reference row) before its dot with q; a V tile is converted
+unscaled and its per-(block, head) scale goes on the softmax weights `p`. No dequantized copy of
+the cache is made. fp8 e4m3 bits are decoded with
 integer ops (`_e4m3_as_fp16`), which run alike on any GPU and in the interpreter (which has no
 fp8 arithmetic). Its store (`_store_kv_8bit_kernel`) writes the bytes `KVQuantFormat.store` writes.
 
@@ -86,6 +87,15 @@ def _fp32_to_e4m3_bits(y):
 
 
 @triton.jit
+def _fp32_to_bf16(x):
+    """float32 (finite) -> bfloat16 rounded to nearest even, as torch converts, in integer ops (the
+    interpreter's own conversion truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _quantize(x, scale, qmax, QUANT: tl.constexpr):
     """`KVQuantFormat.quantize` as torch computes it: x / scale (IEEE division), clamped to +-qmax
     (NaN kept); int8 rounded half to even, fp8 converted as torch does."""
@@ -124,19 +134,20 @@ def _requantize_half(half_ptr, old, scale, qmax, stride_slot, stride_head, heads
 
 @triton.jit
 def _store_kv_8bit_kernel(
-    key_ptr, value_ptr, values_ptr, scales_ptr, sorted_slots_ptr, order_ptr, num_tokens,
+    key_ptr, value_ptr, values_ptr, scales_ptr, refs_ptr, sorted_slots_ptr, order_ptr, num_tokens,
     qmax, inv_qmax,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_values_block, stride_values_kv, stride_values_slot, stride_values_head,
-    stride_scales_block, stride_scales_kv,
+    stride_scales_block, stride_scales_kv, stride_refs_block, stride_refs_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_POW2: tl.constexpr, DIM_POW2: tl.constexpr, QUANT: tl.constexpr,
     NEED_BY_RECIPROCAL: tl.constexpr,
 ):
     """`KVQuantFormat.store`, byte for byte. Program i takes the i-th token in slot order
     (`sorted_slots[i]` = `slot_mapping[order[i]]`, stable); the first of each block's tokens
-    (they are contiguous in that order) does the whole block: the scale its write needs, a
-    re-quantization of the block when a scale grows, the scales, then its tokens' values."""
+    (they are contiguous in that order) does the whole block: its K reference (a write at offset
+    0, which sorts first, sets it), the scale its write needs, a re-quantization of the block when
+    a scale grows, the scales, then its tokens' values (K less the reference)."""
     i = tl.program_id(0)
     slot = tl.load(sorted_slots_ptr + i)
     if slot < 0:
@@ -152,14 +163,25 @@ def _store_kv_8bit_kernel(
     key_tile = heads[:, None] * stride_key_head + dims[None, :]
     value_tile = heads[:, None] * stride_value_head + dims[None, :]
 
-    # the largest |x| per (K/V, head) over the block's tokens; their end in slot order
+    # a write at offset 0 (the block's smallest here) starts the block afresh, its K the reference
+    fresh = slot % BLOCK_SIZE == 0
+    ref_ptrs = refs_ptr + block * stride_refs_block + heads[:, None] * stride_refs_head + dims[None, :]
+    if fresh:
+        first = tl.load(order_ptr + i)
+        ref = _fp32_to_bf16(tl.load(key_ptr + first * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32))
+        tl.store(ref_ptrs, ref, mask=mask)
+    else:
+        ref = tl.load(ref_ptrs, mask=mask, other=0.0)
+    ref = ref.to(tl.float32)
+
+    # the largest |x - ref| per (K/V, head) over the block's tokens (ref = 0 for V); their end in slot order
     amax_k = tl.zeros([HEADS_POW2], dtype=tl.float32)
     amax_v = tl.zeros([HEADS_POW2], dtype=tl.float32)
     end = i
     next_slot = slot
     while next_slot // BLOCK_SIZE == block:
         token = tl.load(order_ptr + end)
-        k = tl.load(key_ptr + token * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(key_ptr + token * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32) - ref
         v = tl.load(value_ptr + token * stride_value_token + value_tile, mask=mask, other=0.0).to(tl.float32)
         amax_k = tl.maximum(amax_k, tl.max(tl.abs(k), 1))
         amax_v = tl.maximum(amax_v, tl.max(tl.abs(v), 1))
@@ -172,8 +194,6 @@ def _store_kv_8bit_kernel(
         need_k = tl.div_rn(amax_k, qmax)
         need_v = tl.div_rn(amax_v, qmax)
 
-    # a write at offset 0 (the block's smallest here) starts the block afresh
-    fresh = slot % BLOCK_SIZE == 0
     scale_ptrs = scales_ptr + block * stride_scales_block + heads
     old_k = tl.load(scale_ptrs, mask=head_mask, other=0.0)
     old_v = tl.load(scale_ptrs + stride_scales_kv, mask=head_mask, other=0.0)
@@ -194,7 +214,7 @@ def _store_kv_8bit_kernel(
         token = tl.load(order_ptr + index)
         dst = (block_ptr + (tl.load(sorted_slots_ptr + index) % BLOCK_SIZE) * stride_values_slot
                + heads[:, None] * stride_values_head + dims[None, :])
-        k = tl.load(key_ptr + token * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(key_ptr + token * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32) - ref
         v = tl.load(value_ptr + token * stride_value_token + value_tile, mask=mask, other=0.0).to(tl.float32)
         tl.store(dst, _quantize(k, scale_k[:, None], qmax, QUANT), mask=mask)
         tl.store(dst + stride_values_kv, _quantize(v, scale_v[:, None], qmax, QUANT), mask=mask)
@@ -229,13 +249,17 @@ def _token_scales(scales_ptr, block_ids, token_mask, index, stride_scales_block,
 
 
 @triton.jit
-def _tile_scores(q, k, scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, scale_log2,
-                 QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of a tile of cached tokens, in log2 units: q . k (8-bit: times each token's K scale)."""
+def _tile_scores(q, k, scales_ptr, refs_ptr, block_ids, token_mask, dims, dim_mask, kv_head, stride_scales_block,
+                 stride_refs_block, stride_refs_head, scale_log2, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of a tile of cached tokens, in log2 units: q . k (8-bit: k = value * its block's K
+    scale + its block's K reference, dequantized in registers)."""
     if QUANT:
         k_scales = _token_scales(scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, QUANT)
-        scores = tl.dot(q, tl.trans(_unscaled_8bit(k, q.dtype, QUANT)), input_precision=DOT_PRECISION)
-        scores = scores * (k_scales * scale_log2)[None, :]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        refs = tl.load(refs_ptr + block_ids[:, None] * stride_refs_block + kv_head * stride_refs_head + dims[None, :],
+                       mask=kv_mask, other=0.0)
+        k = _unscaled_8bit(k, tl.float32, QUANT) * k_scales[:, None] + refs.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
     else:
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     return scores
@@ -257,11 +281,11 @@ def _tile_values(p, v, scales_ptr, block_ids, token_mask, index, stride_scales_b
 @triton.jit
 def _paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    query_ptr, cache_ptr, scales_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    query_ptr, cache_ptr, scales_ptr, refs_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
     scale_log2, split_len,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_kv, stride_cache_slot, stride_cache_head,
-    stride_scales_block, stride_scales_kv,
+    stride_scales_block, stride_scales_kv, stride_refs_block, stride_refs_head,
     stride_block_tables_seq,
     stride_partial_out_seq, stride_partial_out_head, stride_partial_out_split,
     stride_partial_lse_seq, stride_partial_lse_head,
@@ -307,8 +331,9 @@ def _paged_decode_kernel(
                                                  stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = _tile_scores(q, k, scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, scale_log2,
-                              QUANT, DOT_PRECISION)
+        scores = _tile_scores(q, k, scales_ptr, refs_ptr, block_ids, token_mask, dims, dim_mask, kv_head,
+                              stride_scales_block, stride_refs_block, stride_refs_head, scale_log2, QUANT,
+                              DOT_PRECISION)
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -369,11 +394,11 @@ def _combine_splits_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    out_ptr, query_ptr, cache_ptr, scales_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr, query_ptr, cache_ptr, scales_ptr, refs_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
     scale_log2,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_kv, stride_cache_slot, stride_cache_head,
-    stride_scales_block, stride_scales_kv,
+    stride_scales_block, stride_scales_kv, stride_refs_block, stride_refs_head,
     stride_block_tables_seq,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_POW2: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
@@ -420,8 +445,9 @@ def _paged_prefill_kernel(
                                                  stride_cache_slot, stride_cache_head, BLOCK_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = _tile_scores(q, k, scales_ptr, block_ids, token_mask, kv_head, stride_scales_block, scale_log2,
-                              QUANT, DOT_PRECISION)
+        scores = _tile_scores(q, k, scales_ptr, refs_ptr, block_ids, token_mask, dims, dim_mask, kv_head,
+                              stride_scales_block, stride_refs_block, stride_refs_head, scale_log2, QUANT,
+                              DOT_PRECISION)
         visible = token_mask[None, :] & (tokens[None, :] <= query_positions[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -475,13 +501,15 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
 
 class _PagedCache(NamedTuple):
     """What the kernels read: the values (the cache itself, or an 8-bit cache's bytes: int8, or fp8
-    as uint8 bits) with their strides (block, K/V, slot, head), the 8-bit scales with theirs
-    (block, K/V; unread otherwise) and `QUANT`."""
+    as uint8 bits) with their strides (block, K/V, slot, head), the 8-bit scales and K references
+    with theirs (block, K/V; block, head; unread otherwise) and `QUANT`."""
 
     values: torch.Tensor
     scales: torch.Tensor
+    refs: torch.Tensor
     value_strides: tuple[int, int, int, int]
     scale_strides: tuple[int, int]
+    ref_strides: tuple[int, int]
     block_size: int
     num_kv_heads: int
     quant: int
@@ -490,12 +518,13 @@ class _PagedCache(NamedTuple):
 def _paged_cache(kv_cache: torch.Tensor, kv_format: KVQuantFormat | None) -> _PagedCache:
     if kv_format is None:
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
-        return _PagedCache(kv_cache, kv_cache, kv_cache.stride()[:4], (0, 0), block_size, num_kv_heads, 0)
-    values, scales = kv_format.split(kv_cache)
+        return _PagedCache(kv_cache, kv_cache, kv_cache, kv_cache.stride()[:4], (0, 0), (0, 0), block_size,
+                           num_kv_heads, 0)
+    values, scales, refs = kv_format.split(kv_cache)
     if values.dtype != torch.int8:
         values = values.view(torch.uint8)
-    return _PagedCache(values, scales, values.stride()[:4], scales.stride()[:2], kv_format.block_size,
-                       kv_format.num_kv_heads, _QUANT[kv_format.name])
+    return _PagedCache(values, scales, refs, values.stride()[:4], scales.stride()[:2], refs.stride()[:2],
+                       kv_format.block_size, kv_format.num_kv_heads, _QUANT[kv_format.name])
 
 
 def sort_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,10 +547,10 @@ def store_kv_8bit_triton(key: torch.Tensor, value: torch.Tensor, layer: torch.Te
     slots, order = sorted_slots
     qmax = kv_format.qmax
     _store_kv_8bit_kernel[(num_tokens,)](
-        key, value, cache.values, cache.scales, slots, order, num_tokens,
+        key, value, cache.values, cache.scales, cache.refs, slots, order, num_tokens,
         qmax, float(np.float32(1) / np.float32(qmax)),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *cache.value_strides, *cache.scale_strides,
+        *cache.value_strides, *cache.scale_strides, *cache.ref_strides,
         BLOCK_SIZE=kv_format.block_size, NUM_KV_HEADS=kv_format.num_kv_heads, HEAD_DIM=kv_format.head_dim,
         HEADS_POW2=_pow2(kv_format.num_kv_heads), DIM_POW2=max(16, _pow2(kv_format.head_dim)),
         QUANT=cache.quant, NEED_BY_RECIPROCAL=layer.device.type == "cuda",
@@ -556,10 +585,10 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
     dim_pow2 = max(16, _pow2(head_dim))
     _paged_decode_kernel[(num_seqs, cache.num_kv_heads, num_splits)](
         out, partial_out, partial_lse,
-        query, cache.values, cache.scales, block_tables, seq_lens, query_start_loc,
+        query, cache.values, cache.scales, cache.refs, block_tables, seq_lens, query_start_loc,
         scale * LOG2_E, split_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *cache.value_strides, *cache.scale_strides,
+        *cache.value_strides, *cache.scale_strides, *cache.ref_strides,
         block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
@@ -597,10 +626,10 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: to
     extra = {} if num_stages is None else {"num_stages": num_stages}
     grid = (num_seqs, -(-max_query_len // block_q), cache.num_kv_heads)
     _paged_prefill_kernel[grid](
-        out, query, cache.values, cache.scales, block_tables, seq_lens, query_start_loc,
+        out, query, cache.values, cache.scales, cache.refs, block_tables, seq_lens, query_start_loc,
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *cache.value_strides, *cache.scale_strides,
+        *cache.value_strides, *cache.scale_strides, *cache.ref_strides,
         block_tables.stride(0),
         BLOCK_SIZE=cache.block_size, GROUP=group, GROUP_POW2=group_pow2,
         HEAD_DIM=head_dim, DIM_POW2=max(16, _pow2(head_dim)), BLOCK_Q=block_q, TILE_N=tile_n,

@@ -59,11 +59,13 @@ void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
 }
 
 // The 8-bit cache's store (engine/kv_quant.py, whose `KVQuantFormat.store` is the reference: the
-// bytes written here are the same, tested): a block's scale per (K/V, head) grows to the largest
-// |x| / qmax written to it since its offset 0 was written; a write needing a larger scale
-// re-quantizes what the block holds first. kv_cache [num_blocks, block_bytes] uint8, each block
-// values [2, block_size, num_kv_heads, head_dim] (int8 or fp8 e4m3) then float32 scales
-// [2, num_kv_heads]. Tokens writing one block are handled together; blocks in parallel.
+// bytes written here are the same, tested): a write at offset 0 makes that token's K (in bf16)
+// the block's K reference; a block's scale per (K/V, head) grows to the largest |x - ref| / qmax
+// written to it since (ref = 0 for V); a write needing a larger scale re-quantizes what the block
+// holds first. kv_cache [num_blocks, block_bytes] uint8, each block values [2, block_size,
+// num_kv_heads, head_dim] (int8 or fp8 e4m3), float32 scales [2, num_kv_heads], then bf16 K
+// references [num_kv_heads, head_dim]. Tokens writing one block are handled together; blocks in
+// parallel.
 namespace {
 
 constexpr float kMinScale = 1e-8f;  // kv_quant.MIN_SCALE
@@ -85,6 +87,7 @@ void store_8bit(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_c
                 int64_t block_size, int64_t heads, bool fp8) {
   const int64_t num_tokens = key.size(0), dim = key.size(2), block_bytes = kv_cache.size(1);
   const int64_t token_values = heads * dim, values_bytes = 2 * block_size * token_values;
+  const int64_t refs_offset = values_bytes + 2 * heads * static_cast<int64_t>(sizeof(float));
   const float qmax = fp8 ? 448.f : 127.f;
   const T* src[2] = {key.data_ptr<T>(), value.data_ptr<T>()};
   const int64_t src_stride[2] = {key.stride(0), value.stride(0)};
@@ -100,21 +103,32 @@ void store_8bit(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_c
     if (i == 0 || writes[i].first != writes[i - 1].first) runs.push_back(i);
   runs.push_back(static_cast<int64_t>(writes.size()));
   at::parallel_for(0, static_cast<int64_t>(runs.size()) - 1, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> need(2 * heads), scale(2 * heads);
+    std::vector<float> need(2 * heads), scale(2 * heads), ref(token_values);
+    const std::vector<float> no_ref(token_values, 0.f);  // V's
     for (int64_t r = begin; r < end; ++r) {
       const int64_t block = writes[runs[r]].first;
       uint8_t* values = cache + block * block_bytes;
       float* scales = reinterpret_cast<float*>(values + values_bytes);
+      c10::BFloat16* refs = reinterpret_cast<c10::BFloat16*>(values + refs_offset);
       bool fresh = false;
+      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
+        const int64_t t = writes[i].second;
+        if (slots[t] % block_size != 0) continue;
+        fresh = true;  // offset 0: this token's K is the reference from now on
+        for (int64_t e = 0; e < token_values; ++e)
+          refs[e] = c10::BFloat16(static_cast<float>(src[0][t * src_stride[0] + e]));
+      }
+      for (int64_t e = 0; e < token_values; ++e) ref[e] = static_cast<float>(refs[e]);
+      const float* centre[2] = {ref.data(), no_ref.data()};
       std::fill(need.begin(), need.end(), 0.f);
       for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
         const int64_t t = writes[i].second;
-        fresh |= slots[t] % block_size == 0;
         for (int64_t kv = 0; kv < 2; ++kv)
           for (int64_t h = 0; h < heads; ++h) {
             const T* x = src[kv] + t * src_stride[kv] + h * dim;
+            const float* c = centre[kv] + h * dim;
             float amax = 0.f;
-            for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+            for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d]) - c[d]));
             need[kv * heads + h] = std::max(need[kv * heads + h], amax / qmax);
           }
       }
@@ -137,9 +151,10 @@ void store_8bit(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_c
         for (int64_t kv = 0; kv < 2; ++kv)
           for (int64_t h = 0; h < heads; ++h) {
             const T* x = src[kv] + t * src_stride[kv] + h * dim;
+            const float* c = centre[kv] + h * dim;
             uint8_t* q = values + ((kv * block_size + pos) * heads + h) * dim;
             const float s = scale[kv * heads + h];
-            for (int64_t d = 0; d < dim; ++d) q[d] = quantize(static_cast<float>(x[d]), s, qmax, fp8);
+            for (int64_t d = 0; d < dim; ++d) q[d] = quantize(static_cast<float>(x[d]) - c[d], s, qmax, fp8);
           }
       }
     }
@@ -156,7 +171,7 @@ void store_kv_cache_8bit_(const at::Tensor& key, const at::Tensor& value, at::Te
               name, ": key and value must be [T, kv_heads, head_dim] of one dtype");
   const int64_t heads = key.size(1), dim = key.size(2);
   TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.scalar_type() == at::kByte && kv_cache.is_contiguous() &&
-                  kv_cache.size(1) == 2 * block_size * heads * dim + 2 * heads * 4,
+                  kv_cache.size(1) == 2 * block_size * heads * dim + 2 * heads * 4 + heads * dim * 2,
               name, ": the cache must be contiguous [num_blocks, block_bytes] uint8 for this block_size and key");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
               name, ": slot_mapping must be int64 [num_tokens]");

@@ -5,10 +5,11 @@
 // Two cache kinds, one kernel (templated on the cache element S):
 // - the model's dtype (S = T): kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim];
 // - 8-bit (engine/kv_quant.py; S = int8_t or c10::Float8_e4m3fn): kv_cache [num_blocks,
-//   block_bytes] uint8, each block its values [2, block_size, num_kv_heads, head_dim] then float32
-//   scales [2, num_kv_heads]. A value reads as q * scale: K's scale multiplies a block's scores,
-//   V's the softmax weights, so the rows are widened and used as they are (one byte per value
-//   read, half of bf16's).
+//   block_bytes] uint8, each block its values [2, block_size, num_kv_heads, head_dim], float32
+//   scales [2, num_kv_heads], then bf16 K references [num_kv_heads, head_dim]. K reads as
+//   q * scale + ref, V as q * scale: K's scale multiplies a block's scores and q . ref is added to
+//   them (one dot product per block and head), V's scale multiplies the softmax weights, so the
+//   rows are widened and used as they are (one byte per value read, half of bf16's).
 // query/out [num_seqs, num_heads, head_dim]; block_tables [num_seqs, width] int32; seq_lens
 // [num_seqs] int32. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
 // Work is split over (sequence, KV heads) items, longest sequences first, on torch's own thread
@@ -46,11 +47,17 @@ constexpr float kUnit = std::is_same_v<S, Fp8> ? 256.f : 1.f;
 struct Paged {
   int64_t block_size, num_kv_heads, token_stride, half_stride, block_stride;
   int64_t scale_offset;  // 8-bit: from a block's start to its float32 scales [2, num_kv_heads]
+  int64_t ref_offset;    // 8-bit: from a block's start to its bf16 K references [num_kv_heads, head_dim]
 };
 
 template <typename S>
 inline const float* block_scales(const S* block, const Paged& p) {
   return reinterpret_cast<const float*>(block + p.scale_offset);
+}
+
+template <typename S>
+inline const c10::BFloat16* block_refs(const S* block, const Paged& p) {
+  return reinterpret_cast<const c10::BFloat16*>(block + p.ref_offset);
 }
 
 // Widen a row of `n` elements to fp32 (/ kUnit). The SIMD paths convert a register at a time
@@ -125,6 +132,13 @@ void decode_tile(const T* q_src, const S* cache, const Paged& pg, const int32_t*
   auto prefetch_row = [&](const S* row) {
     for (int64_t l = 0; l < row_lines; ++l) prefetch(reinterpret_cast<const char*>(row) + 64 * l);
   };
+  // 8-bit: a block's scales and the tile's K references (what pass 1 reads besides the rows)
+  const int64_t ref_lines = (kv_heads * D * 2 + 63) / 64;
+  auto prefetch_meta = [&](const S* blk) {
+    prefetch(block_scales(blk, pg));
+    const c10::BFloat16* refs = block_refs(blk, pg) + head0 * D;
+    for (int64_t l = 0; l < ref_lines; ++l) prefetch(reinterpret_cast<const char*>(refs) + 64 * l);
+  };
   // Where the tile's rows `kPrefetchBlocks` ahead of block b start (K or V half), or null past the end.
   auto ahead = [&](int64_t b, int64_t half) -> const S* {
     const int64_t a = b + kPrefetchBlocks;
@@ -132,26 +146,38 @@ void decode_tile(const T* q_src, const S* cache, const Paged& pg, const int32_t*
   };
   auto prefetch_first_blocks = [&](int64_t half) {
     for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b) {
-      if constexpr (kQuant<S>) prefetch(block_scales(block(b), pg));
+      if constexpr (kQuant<S>)
+        if (half == 0) prefetch_meta(block(b));
       for (int64_t r = 0; r < rows_in(b); ++r) prefetch_row(block(b) + half + head0 * D + r * token_stride);
     }
   };
 
-  // Pass 1: scores[qi * len + t] = q_qi . k_t (times K's block scale).
+  // Pass 1: scores[qi * len + t] = q_qi . k_t (8-bit: q_qi . (k_t * K's block scale + ref)).
   prefetch_first_blocks(0);
   simd::F part[kTileHeads][simd::W];
-  float k_scale[kTileHeads];
+  float k_scale[kTileHeads], k_bias[kTileHeads];
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t t0 = b * block_size, in_block = rows_in(b);
     const S* k_block = block(b) + head0 * D;
     if constexpr (kQuant<S>) {
       const float* sc = block_scales(block(b), pg);
       for (int64_t h = 0; h < kv_heads; ++h) k_scale[h] = sc[head0 + h] * kUnit<S>;
+      const c10::BFloat16* refs = block_refs(block(b), pg) + head0 * D;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        simd::F ref[NV];
+        for (int v = 0; v < NV; ++v) ref[v] = simd::load(refs + h * D + simd::W * v);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = h * group + g;
+          simd::F a = simd::mul(q[qi][0], ref[0]);
+          for (int v = 1; v < NV; ++v) a = simd::fmadd(q[qi][v], ref[v], a);
+          k_bias[qi] = simd::reduce_add(a);
+        }
+      }
     }
     const S* pf = ahead(b, 0);
     const int64_t pf_rows = pf ? rows_in(b + kPrefetchBlocks) : 0;
     if constexpr (kQuant<S>)
-      if (pf) prefetch(block_scales(block(b + kPrefetchBlocks), pg));
+      if (pf) prefetch_meta(block(b + kPrefetchBlocks));
     for (int64_t c0 = 0; c0 < in_block; c0 += simd::W) {
       const int64_t n = std::min<int64_t>(simd::W, in_block - c0);
       for (int64_t j = 0; j < simd::W; ++j) {
@@ -189,7 +215,7 @@ void decode_tile(const T* q_src, const S* cache, const Paged& pg, const int32_t*
       for (int64_t qi = 0; qi < qheads; ++qi) {
         simd::F sums = simd::hsum(part[qi]);
         if constexpr (kDotBf16) sums = simd::mul(sums, sv);
-        if constexpr (kQuant<S>) sums = simd::mul(sums, simd::set1(k_scale[qi / group]));
+        if constexpr (kQuant<S>) sums = simd::fmadd(sums, simd::set1(k_scale[qi / group]), simd::set1(k_bias[qi]));
         simd::store_n(scores + qi * len + t0 + c0, sums, n);
       }
     }
@@ -292,11 +318,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const S* cache, con
     const int64_t width = heads_per_item * head_dim;  // floats of one token's K (or V) in this item
     const int64_t qheads = heads_per_item * group;
     // Per-thread scratch, kept between calls.
-    thread_local std::vector<float> q, acc, row, scores, sums;
+    thread_local std::vector<float> q, acc, row, scores, sums, bias;
     q.resize(qheads * head_dim);
     acc.resize(qheads * head_dim);
     row.resize(width);
     sums.resize(qheads);
+    bias.resize(qheads);
     const int64_t item = order[task / items_per_seq] * items_per_seq + task % items_per_seq;
     const int64_t seq = item / items_per_seq, first_kv_head = (item % items_per_seq) * heads_per_item;
     const int64_t len = lens[seq];
@@ -324,16 +351,20 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const S* cache, con
       if constexpr (kQuant<S>) return block_scales(block, pg)[half * num_kv_heads + head] * kUnit<S>;
       return 1.f;
     };
-    // Pass 1: scores[h * len + t] = q_h . k_t (h's KV head)
+    // Pass 1: scores[h * len + t] = q_h . k_t (h's KV head; 8-bit: plus q_h . the block's K reference)
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
       const S* blk = cache + static_cast<int64_t>(table[t0 / block_size]) * pg.block_stride;
       const S* k_block = blk + first_kv_head * head_dim;
       const int64_t n = std::min(block_size, len - t0);
+      if constexpr (kQuant<S>) {
+        load_row(block_refs(blk, pg) + first_kv_head * head_dim, row.data(), width);
+        for (int64_t h = 0; h < qheads; ++h) bias[h] = dot(q.data() + h * head_dim, row.data() + (h / group) * head_dim, head_dim);
+      }
       for (int64_t j = 0; j < n; ++j) {
         load_row(k_block + j * pg.token_stride, row.data(), width);
         for (int64_t h = 0; h < qheads; ++h)
           scores[h * len + t0 + j] = dot(q.data() + h * head_dim, row.data() + (h / group) * head_dim, head_dim) *
-                                     scale_of(blk, 0, first_kv_head + h / group);
+                                     scale_of(blk, 0, first_kv_head + h / group) + (kQuant<S> ? bias[h] : 0.f);
       }
     }
     // Softmax per query head (normalized at the end).
@@ -400,7 +431,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
               name, ": heads/head_dim disagree with the cache");
   auto cache = kv_cache.contiguous();
   const int64_t block_size = cache.size(2), num_kv_heads = cache.size(3), token_stride = num_kv_heads * cache.size(4);
-  const Paged pg{block_size, num_kv_heads, token_stride, block_size * token_stride, 2 * block_size * token_stride, 0};
+  const Paged pg{block_size, num_kv_heads, token_stride, block_size * token_stride, 2 * block_size * token_stride, 0, 0};
   return dispatch<void>(name, query, cache, pg, block_tables, seq_lens, scale);
 }
 
@@ -412,10 +443,12 @@ at::Tensor paged_decode_attention_8bit(const at::Tensor& query, const at::Tensor
   TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.scalar_type() == at::kByte, name, ": kv_cache must be [blocks, block_bytes] uint8");
   TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, name, ": heads disagree");
   const int64_t token_stride = num_kv_heads * query.size(2), values_bytes = 2 * block_size * token_stride;
-  TORCH_CHECK(kv_cache.size(1) == values_bytes + 2 * num_kv_heads * 4,
+  const int64_t ref_offset = values_bytes + 2 * num_kv_heads * 4;  // after the values and the float32 scales
+  TORCH_CHECK(kv_cache.size(1) == ref_offset + token_stride * 2,
               name, ": block_bytes disagree with block_size, heads and head_dim");
   auto cache = kv_cache.contiguous();
-  const Paged pg{block_size, num_kv_heads, token_stride, block_size * token_stride, cache.size(1), values_bytes};
+  const Paged pg{block_size, num_kv_heads, token_stride, block_size * token_stride, cache.size(1), values_bytes,
+                 ref_offset};
   return fp8 ? dispatch<Fp8>(name, query, cache, pg, block_tables, seq_lens, scale)
              : dispatch<int8_t>(name, query, cache, pg, block_tables, seq_lens, scale);
 }

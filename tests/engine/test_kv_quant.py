@@ -36,12 +36,15 @@ def test_a_block_reads_back_what_was_written_as_its_scale_grows(name):
         written[offset, 0], written[offset, 1] = k[0], v[0]
     block = fmt.dequantize(layer, torch.tensor([2]), torch.float32)[0]  # [2, 8, heads, dim]
     expected = written.permute(1, 0, 2, 3)
-    absmax = expected.abs().amax(dim=(1, 3))  # per (K/V, head)
+    _, scales, refs = fmt.split(layer)
+    assert torch.equal(refs[2], written[0, 0].to(torch.bfloat16))  # K's reference: the first token's K
+    centred = expected.clone()
+    centred[0] -= refs[2].float()
+    absmax = centred.abs().amax(dim=(1, 3))  # per (K/V, head): what was quantized
     error = (block - expected).abs().amax(dim=(1, 3))
     assert bool((error <= TOLERANCE[name] * absmax * 1.01).all()), (error / absmax).max()
-    _, scales = fmt.split(layer)
-    assert torch.allclose(scales[2], absmax / fmt.qmax)  # the largest |x| / QMAX, after it grew 7 times
-    assert bool((scales[[0, 1, 3]] == 0).all())  # other blocks untouched
+    assert torch.allclose(scales[2], absmax / fmt.qmax)  # the largest |x - ref| / QMAX, after it grew 7 times
+    assert bool((scales[[0, 1, 3]] == 0).all()) and bool((refs[[0, 1, 3]] == 0).all())  # other blocks untouched
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -51,8 +54,11 @@ def test_a_write_at_offset_zero_starts_the_block_afresh(name):
     fmt.store(torch.full((4, 1, 8), 100.0), torch.full((4, 1, 8), -100.0), layer, torch.arange(4, 8))
     small = torch.linspace(-0.01, 0.01, 8).view(1, 1, 8)  # a new owner of block 1: tiny values
     fmt.store(small, small, layer, torch.tensor([4]))
-    _, scales = fmt.split(layer)
-    assert torch.allclose(scales[1], torch.full((2, 1), 0.01 / fmt.qmax))  # not the old owner's 100
+    _, scales, refs = fmt.split(layer)
+    assert torch.equal(refs[1], small[0].to(torch.bfloat16))  # its own K, not the old owner's 100s
+    # V's scale from its values, K's from what is left after the reference: the bf16 rounding
+    assert torch.allclose(scales[1, 1], torch.full((1,), 0.01 / fmt.qmax))  # not the old owner's 100
+    assert scales[1, 0].item() <= (small - small.to(torch.bfloat16).float()).abs().max().item() / fmt.qmax * 1.001
     back = fmt.dequantize(layer, torch.tensor([1]), torch.float32)[0, :, 0, 0]
     assert torch.allclose(back, small.view(1, 8).expand(2, 8), atol=0.01 * TOLERANCE[name])
     zeros = torch.zeros(1, 1, 8)  # a block of zeros: the smallest scale, never a division by 0
@@ -64,10 +70,11 @@ def test_a_write_at_offset_zero_starts_the_block_afresh(name):
 def test_the_format_checks_what_it_is_given():
     fmt = kv_quant_format("int8", 16, 3, 64)
     assert kv_quant_format("auto", 16, 3, 64) is None
-    assert fmt.block_bytes == 2 * 16 * 3 * 64 + 2 * 3 * 4  # values, then a float32 per K/V and head
+    # values, a float32 scale per K/V and head, a bf16 K reference row per head
+    assert fmt.block_bytes == 2 * 16 * 3 * 64 + 2 * 3 * 4 + 3 * 64 * 2 == 6552
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8"):
         kv_quant_format("fp4", 16, 3, 64)
-    with pytest.raises(ValueError, match=r"must be \[num_blocks, 6168\] uint8"):
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, 6552\] uint8"):
         fmt.split(torch.zeros(4, 2, 16, 3, 64))
     layer = torch.zeros(4, fmt.block_bytes, dtype=torch.uint8)
     fmt.store(torch.ones(2, 3, 64), torch.ones(2, 3, 64), layer, torch.tensor([-1, -1]))  # skipped slots
@@ -189,23 +196,24 @@ def test_8bit_layouts_name_their_format_and_refuse_a_mismatched_peer():
     packed = KVLayout.from_caches([torch.zeros(10, fmt.block_bytes, dtype=torch.uint8)] * 30, fmt)
     bf16 = KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64, dtype=torch.bfloat16)] * 30)
     fp32 = KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64)] * 30)
-    # the chunks move as they are: half of bf16's bytes, a quarter of fp32's, plus 8 bytes per head
-    assert packed.chunk_nbytes == bf16.chunk_nbytes // 2 + 2 * 3 * 4 == fp32.chunk_nbytes // 4 + 24
-    assert packed.chunk_nbytes / bf16.chunk_nbytes < 0.502
+    # the chunks move as they are: half of bf16's bytes, a quarter of fp32's, plus per head 8 bytes
+    # of scales and a bf16 K reference row (128 bytes)
+    assert packed.chunk_nbytes == bf16.chunk_nbytes // 2 + 3 * (8 + 128) == fp32.chunk_nbytes // 4 + 408
+    assert packed.chunk_nbytes / bf16.chunk_nbytes < 0.534
     assert KVLayout.from_wire(packed.to_wire()) == packed
     with pytest.raises(LayoutMismatchError) as refused:
         check_layouts(packed, bf16)
-    assert "dtype=fp8_e4m3 with per-block scales" in str(refused.value) and "dtype=bfloat16" in str(refused.value)
+    assert "dtype=fp8_e4m3 with float32 scales and bf16 K references" in str(refused.value) and "dtype=bfloat16" in str(refused.value)
     int8 = KVLayout.from_caches([torch.zeros(10, fmt.block_bytes, dtype=torch.uint8)] * 30,
                                 KVQuantFormat("int8", 16, 3, 64))
-    with pytest.raises(LayoutMismatchError, match="int8 with per-block scales"):
+    with pytest.raises(LayoutMismatchError, match="int8 with float32 scales"):
         check_layouts(packed, int8)
-    with pytest.raises(ValueError, match=r"an fp8_e4m3 cache is \[num_blocks, 6168\] uint8"):
+    with pytest.raises(ValueError, match=r"an fp8_e4m3 cache is \[num_blocks, 6552\] uint8"):
         KVLayout.from_caches([torch.zeros(10, 2, 16, 3, 64)], fmt)
 
 
 def test_a_blocks_kv_heads_split_into_blocks_of_their_own_and_join_back():
-    """Tensor parallelism: a rank's share of a block (its KV heads' values and scales) is a block
+    """Tensor parallelism: a rank's share of a block (its KV heads' values, scales and K references) is a block
     of the same format over fewer heads, reading back exactly those heads."""
     from engine.config import CacheConfig
     fmt = KVQuantFormat("int8", block_size=4, num_kv_heads=3, head_dim=8)
@@ -248,4 +256,4 @@ def test_the_native_store_writes_the_bytes_the_reference_writes(name, dtype):
         fmt.store(key, value, reference, slots)
         backend.store_kv(key, value, native, slots)
         assert torch.equal(native, reference)
-    assert bool((fmt.split(native)[1] > 0).all())  # every block was written
+    assert bool((fmt.split(native).scales > 0).all())  # every block was written

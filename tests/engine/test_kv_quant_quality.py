@@ -32,12 +32,13 @@ TEXT = (
     "Reformation, the Scientific Revolution and the rise of newspapers would have been impossible "
     "without the steady supply of cheap printed material that the new presses made available."
 )
-# Stated tolerances, measured on this model and text (2026-12-03): next-token distributions' KL
-# divergence from the full-precision cache's (int8: mean 0.0016, max 0.0086; fp8: mean 0.0049, max
-# 0.077), top-1 agreement (int8 99.5%, fp8 97.9%), perplexity (19.85 -> int8 19.83, fp8 20.08:
-# fp8 e4m3 keeps 3 mantissa bits, and this small model feels it, so its bound is 2%, not 1%).
-TOLERANCE = {"int8": {"mean_kl": 0.004, "max_kl": 0.03, "top1": 0.98, "perplexity": 1.01},
-             "fp8_e4m3": {"mean_kl": 0.012, "max_kl": 0.2, "top1": 0.95, "perplexity": 1.02}}
+# Stated tolerances, measured on this model and text (2026-12-03, with K smoothing: each block's
+# first K row is its reference, engine/kv_quant.py): next-token distributions' KL divergence from
+# the full-precision cache's (int8: mean 0.0008, max 0.0041; fp8: mean 0.0023, max 0.041), top-1
+# agreement (int8 99.5%, fp8 96.8%), perplexity (19.851 -> int8 19.843, fp8 19.806). Without the
+# reference fp8 rose 1.16%; the bar is 1% for both.
+TOLERANCE = {"int8": {"mean_kl": 0.003, "max_kl": 0.02, "top1": 0.98, "perplexity": 1.01},
+             "fp8_e4m3": {"mean_kl": 0.008, "max_kl": 0.15, "top1": 0.95, "perplexity": 1.01}}
 
 
 @pytest.fixture(scope="module")
@@ -103,5 +104,5 @@ def test_8bit_kv_greedy_agreement_over_the_test_prompts(default_model, kv_cache_
     identical = sum(c == NEW_TOKENS for c in common)
     print(f"{kv_cache_dtype}: greedy agreement {rate:.3f} over {len(prompts)} prompts x {NEW_TOKENS} tokens, "
           f"{identical} identical")
-    # measured (2026-12-03): int8 0.676 (1 of 8 prompts identical), fp8 e4m3 0.406 (2 of 8)
+    # measured (2026-12-03): int8 0.648 (3 of 8 prompts identical), fp8 e4m3 0.469 (0 of 8)
     assert rate >= {"int8": 0.5, "fp8_e4m3": 0.3}[kv_cache_dtype]

@@ -120,10 +120,12 @@ def test_triton_quantizes_exactly_as_kv_quant_format(name):
 # ---- the store -----------------------------------------------------------------------------------
 
 def garbage_layer(fmt: KVQuantFormat, num_blocks: int, generator: torch.Generator) -> torch.Tensor:
-    """What earlier owners left: random bytes (fp8 NaN patterns too) and positive scales."""
+    """What earlier owners left: random bytes (fp8 NaN patterns too), positive scales and finite
+    K references (a block is only ever continued mid-block by the owner that started it)."""
     layer = torch.randint(0, 256, (num_blocks, fmt.block_bytes), dtype=torch.uint8, generator=generator)
-    _, scales = fmt.split(layer)
+    _, scales, refs = fmt.split(layer)
     scales.copy_(torch.rand(scales.shape, generator=generator) * 0.05 + 1e-4)
+    refs.copy_(torch.randn(refs.shape, generator=generator))
     return layer
 
 
