@@ -23,9 +23,12 @@ Invariants (what `store` keeps):
   the reference;
 - a block's scale per (K/V, head) is the largest |x - ref| / QMAX of the values written to it
   since its first position was written; never 0 (a block of zeros gets `MIN_SCALE`);
-- a write whose values need a larger scale re-quantizes what the block holds with the new scale
-  first, so every stored value reads back within half a quantization step of the new scale of
-  what was written (plus the earlier rounding);
+- a write whose values need a larger scale for a (K/V, head) re-quantizes what the block holds
+  there with the new scale first, so every stored value reads back within half a quantization
+  step of the new scale of what was written (plus the earlier rounding). What it holds is the
+  positions before the write's first offset in the block: a sequence fills its blocks in order,
+  and a write at offset j replaces whatever sat at j and after (a rejected speculative draft, an
+  earlier owner's values), which nothing reads before it is written again;
 - positions past what was written are never read (attention masks by sequence length).
 
 Attention dequantizes: `dequantize(layer, block_ids)` gives the blocks' K/V in a float dtype
@@ -156,11 +159,18 @@ class KVQuantFormat:
         old = scales.index_select(0, touched)
         kept = torch.where(fresh[:, None, None], torch.zeros_like(old), old)
         scale = torch.maximum(torch.maximum(need, kept), torch.full_like(need, MIN_SCALE))
-        grown = ~fresh & (scale > old).any(dim=-1).any(dim=-1)
-        if bool(grown.any()):  # re-quantize what those blocks hold (x - ref) with their larger scales
+        grew = ~fresh[:, None, None] & (scale > old)  # [touched, 2, heads]
+        grown = grew.any(dim=-1).any(dim=-1)
+        if bool(grown.any()):  # re-quantize what those blocks hold (x - ref) where their scales grew
             ids = touched[grown]
-            held = self._to_float(values.index_select(0, ids)) * old[grown][:, :, None, :, None]
-            values[ids] = self.quantize(held, scale[grown][:, :, None, :, None]).view(torch.uint8)
+            first = torch.full((touched.numel(),), self.block_size, dtype=torch.int64, device=layer.device)
+            first = first.scatter_reduce_(0, index, offsets, "amin")[grown]  # the write's first offset per block
+            held_bytes = values.index_select(0, ids)
+            held = self._to_float(held_bytes) * old[grown][:, :, None, :, None]
+            requantized = self.quantize(held, scale[grown][:, :, None, :, None]).view(torch.uint8)
+            positions = torch.arange(self.block_size, device=layer.device)
+            redo = grew[grown][:, :, None, :, None] & (positions[None, None, :, None, None] < first[:, None, None, None, None])
+            values[ids] = torch.where(redo, requantized, held_bytes)
         scales[touched] = scale
         token_scale = scale.index_select(0, index)[:, :, :, None]  # [T, 2, heads, 1]
         quantized = self.quantize(new, token_scale).view(torch.uint8)

@@ -123,10 +123,12 @@ def _stored_to_f32(raw, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _requantize_half(half_ptr, old, scale, qmax, stride_slot, stride_head, heads, dims, mask,
-                     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr):
-    """Every slot of one K/V half of a block, from scale `old` to `scale` (per head)."""
-    for offset in range(BLOCK_SIZE):
+def _requantize_half(half_ptr, old, scale, qmax, stride_slot, stride_head, heads, dims, mask, first,
+                     QUANT: tl.constexpr):
+    """One K/V half of a block, from scale `old` to `scale` (per head), where the scale grew: its
+    slots before `first` (the write's first offset in the block; what it holds)."""
+    mask = mask & (scale > old)[:, None]
+    for offset in range(first):
         ptrs = half_ptr + offset * stride_slot + heads[:, None] * stride_head + dims[None, :]
         held = _stored_to_f32(tl.load(ptrs, mask=mask, other=0), QUANT) * old[:, None]
         tl.store(ptrs, _quantize(held, scale[:, None], qmax, QUANT), mask=mask)
@@ -202,10 +204,11 @@ def _store_kv_8bit_kernel(
     grew = tl.max((((scale_k > old_k) | (scale_v > old_v)) & head_mask).to(tl.int32), 0)
     block_ptr = values_ptr + block * stride_values_block
     if (grew > 0) & (slot % BLOCK_SIZE != 0):
+        first = slot % BLOCK_SIZE  # this program's token is the block's first in slot order
         _requantize_half(block_ptr, old_k, scale_k, qmax, stride_values_slot, stride_values_head, heads, dims,
-                         mask, BLOCK_SIZE, QUANT)
+                         mask, first, QUANT)
         _requantize_half(block_ptr + stride_values_kv, old_v, scale_v, qmax, stride_values_slot,
-                         stride_values_head, heads, dims, mask, BLOCK_SIZE, QUANT)
+                         stride_values_head, heads, dims, mask, first, QUANT)
         tl.debug_barrier()  # the re-quantized bytes land before this write's tokens overwrite theirs
     tl.store(scale_ptrs, scale_k, mask=head_mask)
     tl.store(scale_ptrs + stride_scales_kv, scale_v, mask=head_mask)

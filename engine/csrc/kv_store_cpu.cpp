@@ -61,8 +61,8 @@ void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
 // The 8-bit cache's store (engine/kv_quant.py, whose `KVQuantFormat.store` is the reference: the
 // bytes written here are the same, tested): a write at offset 0 makes that token's K (in bf16)
 // the block's K reference; a block's scale per (K/V, head) grows to the largest |x - ref| / qmax
-// written to it since (ref = 0 for V); a write needing a larger scale re-quantizes what the block
-// holds first. kv_cache [num_blocks, block_bytes] uint8, each block values [2, block_size,
+// written to it since (ref = 0 for V); a write needing a larger scale for a (K/V, head)
+// re-quantizes what the block holds there first: its positions before the write's first offset. kv_cache [num_blocks, block_bytes] uint8, each block values [2, block_size,
 // num_kv_heads, head_dim] (int8 or fp8 e4m3), float32 scales [2, num_kv_heads], then bf16 K
 // references [num_kv_heads, head_dim]. Tokens writing one block are handled together; blocks in
 // parallel.
@@ -111,8 +111,10 @@ void store_8bit(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_c
       float* scales = reinterpret_cast<float*>(values + values_bytes);
       c10::BFloat16* refs = reinterpret_cast<c10::BFloat16*>(values + refs_offset);
       bool fresh = false;
+      int64_t first = block_size;  // the write's first offset in the block
       for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
         const int64_t t = writes[i].second;
+        first = std::min(first, slots[t] % block_size);
         if (slots[t] % block_size != 0) continue;
         fresh = true;  // offset 0: this token's K is the reference from now on
         for (int64_t e = 0; e < token_values; ++e)
@@ -132,19 +134,17 @@ void store_8bit(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_c
             need[kv * heads + h] = std::max(need[kv * heads + h], amax / qmax);
           }
       }
-      bool grown = false;
       for (int64_t i = 0; i < 2 * heads; ++i) {
         scale[i] = std::max(std::max(need[i], fresh ? 0.f : scales[i]), kMinScale);
-        grown |= !fresh && scale[i] > scales[i];
+        if (fresh || scale[i] <= scales[i]) continue;
+        // what the block holds for this (K/V, head), re-quantized with its larger scale
+        const int64_t kv = i / heads, h = i % heads;
+        const float old = scales[i], now = scale[i];
+        for (int64_t pos = 0; pos < first; ++pos) {
+          uint8_t* q = values + ((kv * block_size + pos) * heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) q[d] = quantize(dequantize(q[d], fp8) * old, now, qmax, fp8);
+        }
       }
-      if (grown)  // what the block holds, re-quantized with its larger scales
-        for (int64_t kv = 0; kv < 2; ++kv)
-          for (int64_t pos = 0; pos < block_size; ++pos)
-            for (int64_t h = 0; h < heads; ++h) {
-              uint8_t* q = values + ((kv * block_size + pos) * heads + h) * dim;
-              const float old = scales[kv * heads + h], now = scale[kv * heads + h];
-              for (int64_t d = 0; d < dim; ++d) q[d] = quantize(dequantize(q[d], fp8) * old, now, qmax, fp8);
-            }
       std::copy(scale.begin(), scale.end(), scales);
       for (int64_t i = runs[r]; i < runs[r + 1]; ++i) {
         const int64_t t = writes[i].second, pos = slots[t] % block_size;
