@@ -11,6 +11,7 @@ processes, the default model) and routers (`python -m router`), requests from th
   with it goes to that worker, which copies it back (hit tier `host` on /metrics).
 """
 import random
+import time
 
 import httpx
 import openai
@@ -72,21 +73,42 @@ def counter(url: str, name: str, **labels) -> float:
     return 0.0
 
 
+def settled(*urls: str) -> None:
+    """Wait until the routers' KV indexes agree and hold still: the events of what the workers
+    just cached have arrived, so the next request is routed on them (events are asynchronous:
+    a request sent right after a response may otherwise be routed before they land)."""
+    previous = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sizes = tuple(counter(url, "pdserve:kv_index_blocks", tier="device") for url in urls)
+        if sizes == previous and len(set(sizes)) == 1:
+            return
+        previous = sizes
+        time.sleep(0.2)
+    pytest.fail(f"the routers' KV indexes did not settle: {previous}")
+
+
 def run_tenants(cluster, seed: int, *extra) -> int:
     """8 tenants on 4 system prompts (~130 tokens each), two questions each (~30 tokens), sent one
-    at a time alternately through two routers that see the tenants in opposite orders. Returns
-    the prompt tokens computed, all workers together."""
+    at a time alternately through two routers that see the tenants in opposite orders (each
+    request once the routers' indexes have settled). Returns the prompt tokens computed, all
+    workers together."""
     rng = random.Random(seed)
     systems = [f"System {s}: " + words(rng, 130) for s in range(4)]
     tenants = [systems[t % 4] + f"\nTenant {t}: " + words(rng, 12) for t in range(8)]
     questions = [[" Question: " + words(rng, 14) for _ in range(2)] for _ in range(8)]
     first, second = router(cluster, *extra), router(cluster, *extra)
+    on_events = "--no-kv-events" not in extra  # else each router's index is its own estimate
     try:
         before = computed(cluster)
         for q in range(2):
             for i in range(8):
                 complete(first[2], tenants[i] + questions[i][q])
+                if on_events:
+                    settled(first[1], second[1])
                 complete(second[2], tenants[7 - i] + questions[7 - i][q])
+                if on_events:
+                    settled(first[1], second[1])
         after = computed(cluster)
     finally:
         first[0].stop()
