@@ -8,7 +8,8 @@ scale` rounded to the 8-bit type (int8: clamped to +-127; fp8 e4m3: to +-448) an
 `q * scale + ref`, where `ref` is the block's reference row for K and 0 for V. Because scales
 and references live in the block, a block stays self-contained: the prefix cache shares it, the
 host tier, swap and every KV transfer copy its bytes as they are (half of bf16's, a quarter of
-fp32's, plus 8 + 2 * head_dim bytes per head), and the transfer's checksum covers them.
+fp32's, plus 8 + 2 * head_dim bytes per head and block: 0.533x bf16 at head_dim 64 and 16-token
+blocks), and the transfer's checksum covers them.
 
 Why the K reference: K has channels whose values sit far from 0 with a small spread around a
 per-channel centre (after RoPE, slowly rotating across a block's positions). A scale sized for

@@ -1,7 +1,7 @@
 """Prefill and decode workers as separate processes with an 8-bit KV cache (`--kv-cache-dtype
 int8`), over every kvtransfer transport: token-exact against the offline engine with the same
 cache, the blocks moving as they are (their bytes, as the decode worker counts them, are the
-8-bit blocks': half of bf16's plus the scales, a quarter of float32's), and a worker pair whose
+8-bit blocks': half of bf16's plus the scales and K references), and a worker pair whose
 KV dtypes differ refused with both layouts named, the request served by local prefill."""
 import pytest
 
