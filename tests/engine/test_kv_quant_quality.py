@@ -3,7 +3,8 @@ next-token logits over a fixed text, the perplexity of that text, and greedy agr
 prompts of test_default_model.py, each against the same model with a full-precision cache.
 
 The fixed text is fed in 16-token chunks, so every chunk attends to earlier blocks read back from
-the 8-bit cache, as decodes and later prefill chunks do.
+the 8-bit cache, as decodes and later prefill chunks do, and one token at a time, as decodes
+write it.
 """
 import random
 
@@ -69,17 +70,21 @@ def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(tokens[1:])).exp().item()
 
 
+@pytest.mark.parametrize("chunk", [16, 1])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_8bit_kv_keeps_logits_and_perplexity_close(default_model, kv_cache_dtype):
+def test_8bit_kv_keeps_logits_and_perplexity_close(default_model, kv_cache_dtype, chunk):
+    """chunk 16: each chunk fills a block at once; chunk 1: every write is a decode's, so block
+    scales grow and re-quantize as in serving (measured: int8 KL 0.0015, perplexity +0.03%; fp8
+    KL 0.0035, -0.53%)."""
     model, tokenizer = default_model
     tokens = tokenizer.encode(TEXT)
     assert len(tokens) > 180
-    full = teacher_forced_logits(model, "auto", tokens)
-    quantized = teacher_forced_logits(model, kv_cache_dtype, tokens)
+    full = teacher_forced_logits(model, "auto", tokens, chunk)
+    quantized = teacher_forced_logits(model, kv_cache_dtype, tokens, chunk)
     kl = (full.softmax(-1) * (full.log_softmax(-1) - quantized.log_softmax(-1))).sum(-1)
     top1 = (quantized.argmax(-1) == full.argmax(-1)).float().mean().item()
     ratio = perplexity(quantized, tokens) / perplexity(full, tokens)
-    print(f"{kv_cache_dtype}: KL mean {kl.mean():.4f} max {kl.max():.4f}, top-1 agreement {top1:.3f}, "
+    print(f"{kv_cache_dtype}, chunks of {chunk}: KL mean {kl.mean():.4f} max {kl.max():.4f}, top-1 agreement {top1:.3f}, "
           f"perplexity {perplexity(full, tokens):.3f} -> {perplexity(quantized, tokens):.3f}")
     bound = TOLERANCE[kv_cache_dtype]
     assert kl.mean().item() <= bound["mean_kl"] and kl.max().item() <= bound["max_kl"]
