@@ -104,9 +104,6 @@ class KVQuantFormat:
         """Bytes of one (layer, block): values, scales (at a multiple of 4, so they align), K references."""
         return self.refs_offset + self.num_kv_heads * self.head_dim * REF_DTYPE.itemsize
 
-    def describe(self) -> str:
-        return f"{self.name} with float32 scales and bf16 K references per block and head"
-
     def split(self, layer: torch.Tensor) -> BlockParts:
         """Views of a layer's cache (`[num_blocks, block_bytes]` uint8), the values in the 8-bit type."""
         if layer.dim() != 2 or layer.shape[1] != self.block_bytes or layer.dtype != torch.uint8:

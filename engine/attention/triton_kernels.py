@@ -169,8 +169,8 @@ def _store_kv_8bit_kernel(
     fresh = slot % BLOCK_SIZE == 0
     ref_ptrs = refs_ptr + block * stride_refs_block + heads[:, None] * stride_refs_head + dims[None, :]
     if fresh:
-        first = tl.load(order_ptr + i)
-        ref = _fp32_to_bf16(tl.load(key_ptr + first * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32))
+        opener = tl.load(order_ptr + i)  # the token written at offset 0
+        ref = _fp32_to_bf16(tl.load(key_ptr + opener * stride_key_token + key_tile, mask=mask, other=0.0).to(tl.float32))
         tl.store(ref_ptrs, ref, mask=mask)
     else:
         ref = tl.load(ref_ptrs, mask=mask, other=0.0)

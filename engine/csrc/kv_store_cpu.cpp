@@ -62,10 +62,10 @@ void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor&
 // bytes written here are the same, tested): a write at offset 0 makes that token's K (in bf16)
 // the block's K reference; a block's scale per (K/V, head) grows to the largest |x - ref| / qmax
 // written to it since (ref = 0 for V); a write needing a larger scale for a (K/V, head)
-// re-quantizes what the block holds there first: its positions before the write's first offset. kv_cache [num_blocks, block_bytes] uint8, each block values [2, block_size,
-// num_kv_heads, head_dim] (int8 or fp8 e4m3), float32 scales [2, num_kv_heads], then bf16 K
-// references [num_kv_heads, head_dim]. Tokens writing one block are handled together; blocks in
-// parallel.
+// re-quantizes what the block holds there first: its positions before the write's first offset.
+// kv_cache [num_blocks, block_bytes] uint8, each block values [2, block_size, num_kv_heads,
+// head_dim] (int8 or fp8 e4m3), float32 scales [2, num_kv_heads], then bf16 K references
+// [num_kv_heads, head_dim]. Tokens writing one block are handled together; blocks in parallel.
 namespace {
 
 constexpr float kMinScale = 1e-8f;  // kv_quant.MIN_SCALE
