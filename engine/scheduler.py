@@ -9,7 +9,8 @@ request has `num_computed_tokens` catching up with `num_tokens`. Per step:
     1. running decodes (one token each; a block boundary takes a new block), then, with
        speculative decoding (engine/speculative.py), their draft tokens from what is left,
     2. running prefill chunks (the rest of the budget; with `long_prefill_chunk_tokens`, a long
-       prompt runs at most that many tokens per step while others wait, so they pass it),
+       prompt runs at most that many tokens per step while others wait, so they pass it, and
+       it skips one step, never two in a row, when a prompt that fits in a chunk is waiting),
     3. waiting requests in priority order (prefix-cache match first), while the token budget
        (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; a
        request that does not fit blocks those behind it, except requests already holding their
@@ -207,6 +208,7 @@ class Scheduler:
         self._recently_finished: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
+        self._yielded_last: set[str] = set()  # long prompts that skipped the last step's chunk
 
         self._num_preemptions = 0
         self.num_swap_slots = num_swap_slots if scheduler_config.preemption_mode == "swap" else 0
@@ -306,6 +308,7 @@ class Scheduler:
         preempted: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        yielded: list[Request] = []
 
         for decodes in (True, False):
             if not decodes and self.proposer is not None:
@@ -323,23 +326,23 @@ class Scheduler:
                 remaining = request.num_tokens - request.num_computed_tokens
                 if (remaining == 1) != decodes:
                     continue
-                num_new = min(remaining, budget)
-                if not decodes:
-                    num_new = min(num_new, self._long_prefill_cap(request))
-                if num_new < remaining and not self.config.enable_chunked_prefill:
+                if not decodes and self._yields_to_short_prompts(request, yielded):
+                    yielded.append(request)
                     continue
-                while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
-                    victim = self.running[-1]
-                    budget += self._preempt(victim, scheduled)
-                    preempted.append(victim.request_id)
-                    if victim is request:
-                        break
-                else:
-                    scheduled[request.request_id] = self._scheduled_seq(request, num_new)
-                    budget -= num_new
+                budget = self._schedule_running(request, remaining, budget, scheduled, preempted)
 
+        admitted = 0
         if not preempted:
+            before = len(scheduled)
             budget = self._admit_waiting(budget, scheduled)
+            admitted = len(scheduled) - before
+        if not admitted:  # nobody took the yielded steps: the long prompts run their chunks after all
+            for request in yielded:
+                if budget > 0 and request.status is RequestStatus.RUNNING:
+                    budget = self._schedule_running(request, request.num_tokens - request.num_computed_tokens,
+                                                    budget, scheduled, preempted)
+            yielded = []
+        self._yielded_last = {request.request_id for request in yielded}
 
         seqs = sorted(scheduled.values(), key=lambda s: not s.is_plain_decode)
         offloads, reloads = self.block_manager.take_host_copies()
@@ -358,6 +361,40 @@ class Scheduler:
         """Host-tier copies queued outside `schedule()` (a decode-role import's allocation): the
         caller must do them (offloads, then reloads) before anything writes into those blocks."""
         return self.block_manager.take_host_copies()
+
+    def _schedule_running(self, request: Request, remaining: int, budget: int,
+                          scheduled: dict[str, ScheduledSeq], preempted: list[str]) -> int:
+        """Schedule a running request's next `remaining` tokens (a decode, or a prompt chunk up to
+        the budget and the long-prompt cap), preempting from the back for its blocks; returns the
+        budget left."""
+        num_new = min(remaining, budget)
+        if remaining > 1:
+            num_new = min(num_new, self._long_prefill_cap(request))
+        if num_new < remaining and not self.config.enable_chunked_prefill:
+            return budget
+        while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            budget += self._preempt(victim, scheduled)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return budget
+        scheduled[request.request_id] = self._scheduled_seq(request, num_new)
+        return budget - num_new
+
+    def _yields_to_short_prompts(self, request: Request, yielded: list[Request]) -> bool:
+        """Whether a long prompt skips its chunk this step so that short prompts waiting behind it
+        run alone (shortest first: their TTFT is one short step, not a chunk plus their own
+        prefill). A short prompt is one whose uncomputed tokens fit in one chunk. A long prompt
+        yields at most one step in a row, so a stream of short prompts slows it to half speed at
+        worst, never starves it; one long prompt yields per step (the others keep running)."""
+        cap = self.config.long_prefill_chunk_tokens
+        if (cap is None or not self.config.enable_chunked_prefill or yielded
+                or request.num_tokens - request.num_computed_tokens <= cap
+                or request.request_id in self._yielded_last
+                or len(self.running) >= self.config.max_num_seqs):
+            return False
+        return any(not waiting.block_ids and waiting.num_tokens - waiting.num_computed_tokens <= cap
+                   for waiting in self.waiting)
 
     def _long_prefill_cap(self, request: Request) -> int:
         """How many of a running prompt's tokens this step may run: at most

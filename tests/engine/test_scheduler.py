@@ -471,7 +471,9 @@ def test_prefill_role_failed_send_ends_in_error_and_frees(make):
 
 def test_prefill_role_short_prompts_pass_between_a_long_prompts_chunks(make):
     """With long_prefill_chunk_tokens (the prefill role's default), a long prompt runs a chunk per
-    step, even alone, and prompts arriving meanwhile take the rest of the budget in the same step."""
+    step, even alone; when a prompt that fits in one chunk is waiting, the long prompt skips one
+    step so that the short one runs without its chunk (never two steps in a row); prompts longer
+    than a chunk run chunks too."""
     scheduler, runner = make(num_blocks=64, budget=32, role="prefill", connector=FakeConnector(pin=False),
                              long_chunk=8)
     long = prompt_of(124, 100)
@@ -481,15 +483,38 @@ def test_prefill_role_short_prompts_pass_between_a_long_prompts_chunks(make):
     scheduler.add_request(req("short", prompt_of(125, 6)))
     scheduler.add_request(req("medium", prompt_of(126, 20)))
     batch, outputs = step(scheduler, runner)
-    # every prompt longer than a chunk runs one chunk; a shorter one runs whole
-    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "short": 6,
-                                                                                   "medium": 8}
+    # the long prompt yields; the medium one, admitted with the short one, runs a chunk
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"short": 6, "medium": 8}
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("short", "prefill_done")]
     batch, _ = step(scheduler, runner)
     assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "medium": 8}
+    scheduler.add_request(req("short2", prompt_of(127, 6)))
+    scheduler.add_request(req("short3", prompt_of(128, 5)))
+    batch, outputs = step(scheduler, runner)
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"medium": 4, "short2": 6,
+                                                                                   "short3": 5}
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
+        ("medium", "prefill_done"), ("short2", "prefill_done"), ("short3", "prefill_done")]
+    scheduler.add_request(req("short4", prompt_of(129, 6)))
+    batch, _ = step(scheduler, runner)  # it yielded the last step: not this one
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "short4": 6}
     finals = run_until_done(scheduler, runner)
     assert finals["long"].new_token_ids == reference_generate(long, 1)
-    assert finals["medium"].finish_reason == "prefill_done"
+
+
+def test_a_long_prompt_runs_its_chunk_when_the_short_prompt_cannot_be_admitted(make):
+    """A yield that nobody can use is taken back in the same step: no step runs empty."""
+    scheduler, runner = make(num_blocks=26, budget=32, role="prefill", connector=FakeConnector(pin=False),
+                             long_chunk=8)
+    long = prompt_of(130, 100)  # the prefill role holds all 25 of its blocks from admission
+    scheduler.add_request(req("long", long))
+    step(scheduler, runner)
+    scheduler.add_request(req("short", prompt_of(131, 6)))  # needs 2 blocks, 1 is free
+    batch, _ = step(scheduler, runner)
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8}
+    finals = run_until_done(scheduler, runner)
+    assert finals["long"].new_token_ids == reference_generate(long, 1)
+    assert finals["short"].finish_reason == "prefill_done"
 
 
 def test_prefill_role_without_a_send_finishes_at_its_first_token(make):
