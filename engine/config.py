@@ -18,10 +18,11 @@ DECODE_ROLE_MAX_STEP_RATIO = 2.0
 # A prefill worker runs a long prompt in chunks of at most this many tokens, so a short prompt
 # arriving meanwhile waits for one chunk and passes between the chunks instead of queueing behind
 # the whole prompt (`SchedulerConfig.long_prefill_chunk_tokens`; `build_engine_config` applies it),
-# by device: a CPU core computes ~250 prompt tokens/s of the default model, so 256 is about a
-# second (512 measured worse on the interference workload: ITL p99 136 vs 93 ms, short TTFT p99
-# 3.8 vs 3.1 s; benchmarks/README.md); a GPU runs 1024 in milliseconds.
-PREFILL_ROLE_LONG_CHUNK_TOKENS = {"cpu": 256, "cuda": 1024}
+# by device: a CPU core computes ~200-250 prompt tokens/s of the default model, so 128 is about
+# half a second (on the interference workload short-request TTFT p99 fell with the chunk: 512 3.8 s,
+# 256 3.1-3.8 s, 128 2.2 s, at about the same ITL and long-prompt TTFT; benchmarks/README.md); a
+# GPU runs 1024 in milliseconds.
+PREFILL_ROLE_LONG_CHUNK_TOKENS = {"cpu": 128, "cuda": 1024}
 
 # The one list of KV cache dtypes (`--kv-cache-dtype`): "auto" keeps the model's dtype; the 8-bit
 # ones store values with per-block scales and K references (engine/kv_quant.py owns that format).

@@ -105,7 +105,7 @@ def test_a_decode_role_worker_caps_its_local_prefill_relative_to_its_decodes_by_
     # a prefill worker lets short prompts pass a long one's chunks, by default
     from engine.config import PREFILL_ROLE_LONG_CHUNK_TOKENS
     assert build_engine_config(role="prefill", device="cpu").scheduler.long_prefill_chunk_tokens == \
-        PREFILL_ROLE_LONG_CHUNK_TOKENS["cpu"] == 256
+        PREFILL_ROLE_LONG_CHUNK_TOKENS["cpu"] == 128
     assert build_engine_config(role="decode").scheduler.long_prefill_chunk_tokens is None
     assert build_engine_config(role="prefill", long_prefill_chunk_tokens=None).scheduler.long_prefill_chunk_tokens is None
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_step_ratio=2.0),
