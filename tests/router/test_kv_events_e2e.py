@@ -88,11 +88,11 @@ def settled(*urls: str) -> None:
     pytest.fail(f"the routers' KV indexes did not settle: {previous}")
 
 
-def run_tenants(cluster, seed: int, *extra) -> int:
+def run_tenants(cluster, seed: int, *extra) -> tuple[int, int]:
     """8 tenants on 4 system prompts (~130 tokens each), two questions each (~30 tokens), sent one
     at a time alternately through two routers that see the tenants in opposite orders (each
     request once the routers' indexes have settled). Returns the prompt tokens computed, all
-    workers together."""
+    workers together, and the prompt tokens sent."""
     rng = random.Random(seed)
     systems = [f"System {s}: " + words(rng, 130) for s in range(4)]
     tenants = [systems[t % 4] + f"\nTenant {t}: " + words(rng, 12) for t in range(8)]
@@ -101,27 +101,30 @@ def run_tenants(cluster, seed: int, *extra) -> int:
     on_events = "--no-kv-events" not in extra  # else each router's index is its own estimate
     try:
         before = computed(cluster)
+        sent = 0
         for q in range(2):
             for i in range(8):
-                complete(first[2], tenants[i] + questions[i][q])
+                sent += complete(first[2], tenants[i] + questions[i][q]).usage.prompt_tokens
                 if on_events:
                     settled(first[1], second[1])
-                complete(second[2], tenants[7 - i] + questions[7 - i][q])
+                sent += complete(second[2], tenants[7 - i] + questions[7 - i][q]).usage.prompt_tokens
                 if on_events:
                     settled(first[1], second[1])
         after = computed(cluster)
     finally:
         first[0].stop()
         second[0].stop()
-    return sum(after.values()) - sum(before.values())
+    return sum(after.values()) - sum(before.values()), sent
 
 
 def test_routing_on_events_computes_fewer_prompt_tokens_than_the_estimate(cluster):
-    estimate = run_tenants(cluster, 1, "--no-kv-events")
-    events = run_tenants(cluster, 2)  # other system prompts: no help from the first run's cache
-    assert events < estimate
-    # each system prompt computed once or nearly: 4 x ~140 tokens plus 32 tenant tails of ~40
-    assert events < 0.8 * estimate, f"events {events}, estimate {estimate}"
+    estimate, _ = run_tenants(cluster, 1, "--no-kv-events")
+    events, sent = run_tenants(cluster, 2)  # other system prompts: no help from the first run's cache
+    assert events < estimate, f"events {events}, estimate {estimate}"
+    # each system prompt computed once or nearly. Measured: events 1152 of 5376 tokens sent (0.21)
+    # in every run; the estimate 1216-2048 (0.23-0.38), by the timing of its load term, so this
+    # bound is on the events run alone rather than a ratio to the estimate
+    assert events < 0.25 * sent, f"events {events} of {sent} prompt tokens sent"
 
 
 def test_a_new_router_routes_on_the_snapshot_from_its_first_request(cluster):
