@@ -208,7 +208,7 @@ class Scheduler:
         self._recently_finished: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
-        self._yielded_last: set[str] = set()  # long prompts that skipped the last step's chunk
+        self._yielded_last: str | None = None  # the long prompt that skipped the last step's chunk
 
         self._num_preemptions = 0
         self.num_swap_slots = num_swap_slots if scheduler_config.preemption_mode == "swap" else 0
@@ -308,7 +308,7 @@ class Scheduler:
         preempted: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
-        yielded: list[Request] = []
+        yielded: Request | None = None  # at most one long prompt skips its chunk per step
 
         for decodes in (True, False):
             if not decodes and self.proposer is not None:
@@ -326,8 +326,8 @@ class Scheduler:
                 remaining = request.num_tokens - request.num_computed_tokens
                 if (remaining == 1) != decodes:
                     continue
-                if not decodes and self._yields_to_short_prompts(request, yielded):
-                    yielded.append(request)
+                if not decodes and yielded is None and self._yields_to_short_prompts(request):
+                    yielded = request
                     continue
                 budget = self._schedule_running(request, remaining, budget, scheduled, preempted)
 
@@ -336,13 +336,12 @@ class Scheduler:
             before = len(scheduled)
             budget = self._admit_waiting(budget, scheduled)
             admitted = len(scheduled) - before
-        if not admitted:  # nobody took the yielded steps: the long prompts run their chunks after all
-            for request in yielded:
-                if budget > 0 and request.status is RequestStatus.RUNNING:
-                    budget = self._schedule_running(request, request.num_tokens - request.num_computed_tokens,
-                                                    budget, scheduled, preempted)
-            yielded = []
-        self._yielded_last = {request.request_id for request in yielded}
+        if yielded is not None and not admitted:  # nobody took the step: the chunk runs after all
+            if budget > 0 and yielded.status is RequestStatus.RUNNING:
+                budget = self._schedule_running(yielded, yielded.num_tokens - yielded.num_computed_tokens,
+                                                budget, scheduled, preempted)
+            yielded = None
+        self._yielded_last = None if yielded is None else yielded.request_id
 
         seqs = sorted(scheduled.values(), key=lambda s: not s.is_plain_decode)
         offloads, reloads = self.block_manager.take_host_copies()
@@ -381,16 +380,16 @@ class Scheduler:
         scheduled[request.request_id] = self._scheduled_seq(request, num_new)
         return budget - num_new
 
-    def _yields_to_short_prompts(self, request: Request, yielded: list[Request]) -> bool:
+    def _yields_to_short_prompts(self, request: Request) -> bool:
         """Whether a long prompt skips its chunk this step so that short prompts waiting behind it
         run alone (shortest first: their TTFT is one short step, not a chunk plus their own
         prefill). A short prompt is one whose uncomputed tokens fit in one chunk. A long prompt
         yields at most one step in a row, so a stream of short prompts slows it to half speed at
         worst, never starves it; one long prompt yields per step (the others keep running)."""
         cap = self.config.long_prefill_chunk_tokens
-        if (cap is None or not self.config.enable_chunked_prefill or yielded
+        if (cap is None or not self.config.enable_chunked_prefill
                 or request.num_tokens - request.num_computed_tokens <= cap
-                or request.request_id in self._yielded_last
+                or request.request_id == self._yielded_last
                 or len(self.running) >= self.config.max_num_seqs):
             return False
         return any(not waiting.block_ids and waiting.num_tokens - waiting.num_computed_tokens <= cap
