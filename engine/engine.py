@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -33,16 +33,21 @@ from engine.kv_hooks import ImportPlan
 from engine.scheduler import SampledToken, Scheduler, SchedulerStats, StepOutput
 from engine.structured_output import GrammarCompiler
 
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner=None, tokenizer=None,
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
                  kv_transport: Callable[[Any, Callable[[str], None]], Any] | None = None,
                  kv_connector_config: KVConnectorConfig | None = None) -> None:
-        """`runner` and `tokenizer` default to the real ones for `config.model`; tests pass fakes.
+        """`runner` and `tokenizer` default to the real ones for `config.model` (a runner passed
+        in comes with its tokenizer, or None: then prompts must be token ids).
         `kv_transport(kv_cache, on_transfer_end)` builds the KV connector's sender (prefill role)
         or receiver (decode role) over the runner's `transfer_cache` (its KV cache, or with tensor
         parallelism rank 0's cache of every head), e.g. with `kvtransfer.create_sender`."""
@@ -69,8 +74,8 @@ class LLMEngine:
                                                 shards=runner.kv_shards)
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                        role=config.role, kv_connector=self.kv_connector,
-                                       num_swap_slots=getattr(runner, "num_swap_slots", 0),
-                                       num_host_slots=getattr(runner, "num_host_cache_slots", 0),
+                                       num_swap_slots=runner.num_swap_slots,
+                                       num_host_slots=runner.num_host_cache_slots,
                                        speculative=config.speculative)
         except BaseException:
             self.close()
@@ -129,11 +134,10 @@ class LLMEngine:
         """Built on the first structured-output request (it indexes the whole vocabulary)."""
         with self._grammar_lock:
             if self._grammars is None:
-                hf_tokenizer = getattr(self.tokenizer, "hf_tokenizer", None)
-                if hf_tokenizer is None:
+                if self.tokenizer is None:
                     raise ValueError("structured output needs the model's tokenizer, and this engine has none")
-                vocab_size = getattr(self.runner, "vocab_size", None) or self.tokenizer.vocab_size
-                self._grammars = GrammarCompiler(hf_tokenizer, vocab_size, self.eos_token_ids)
+                self._grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.runner.vocab_size,
+                                                 self.eos_token_ids)
             return self._grammars
 
     def add(self, request: Request, detokenize: bool = True) -> None:
@@ -309,7 +313,8 @@ class LLMEngine:
         except Exception as exc:
             # Victims whose KV was being saved, and this step's requests (some were getting
             # theirs back), have no trustworthy KV any more; nor has any cached block.
-            swapped = [r for r in batch.preempted_ids if getattr(self.scheduler.get_request(r), "swap_slots", None)]
+            swapped = [r for r in batch.preempted_ids
+                       if (victim := self.scheduler.get_request(r)) is not None and victim.swap_slots]
             finals = self._fail([seq.request.request_id for seq in batch.seqs] + swapped, f"KV copy failed: {exc}")
             if batch.kv_offload or batch.kv_reload:
                 self._host_tier_failed()

@@ -160,11 +160,9 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         """Release the backends and the store connection (idempotent)."""
-        data, self._data = getattr(self, "_data", None), None
+        data, self._data = self._data, None
         if data is not None and self.device.type == "cuda":
-            shutdown = getattr(data, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            data.shutdown()  # NCCL's communicators; gloo's need no call
         self._control = None
         self._store = None
 

@@ -461,7 +461,7 @@ class KVSender:
         a small one."""
         if ready_event is not None:
             torch.cuda.current_stream(torch.device(self.layout.device)).wait_event(ready_event)
-        limit = getattr(connection.channel, "max_payload_bytes", self.config.max_message_bytes)
+        limit = connection.channel.max_payload_bytes or self.config.max_message_bytes
         # a few messages per group at least, so the copies of staged transports overlap
         group_bytes = len(layers) * (block_end - block_start) * self.layout.chunk_nbytes
         limit = min(limit, max(group_bytes // _MIN_MESSAGES_PER_GROUP, _MIN_SPLIT_BYTES,

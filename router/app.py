@@ -173,7 +173,8 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
                               f"(size {state.tokenizer.vocab_size})", "logit_bias")
     max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
     # echo with max_tokens 0 (the prompt's logprobs only): one token is generated and not returned
-    echo = bool(getattr(request, "echo", False))
+    echo = isinstance(request, protocol.CompletionRequest) and request.echo
+    tool_plan = request.tool_plan if isinstance(request, protocol.ChatCompletionRequest) else None
     no_output = echo and max_tokens == 0
     generated = 1 if no_output else max_tokens
     if request.has_constraint():
@@ -201,7 +202,7 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
                               want_logprobs=params.logprobs is not None,
                               include_usage=request.include_usage_in_stream,
-                              tool_plan=getattr(request, "tool_plan", None),
+                              tool_plan=tool_plan,
                               echo=echo, prompt=_prompt_text(state, request, prompt_token_ids) if echo else "",
                               no_output=no_output, want_prompt_logprobs=request.prompt_logprobs is not None)
     if request.stream:

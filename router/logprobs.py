@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -29,12 +32,12 @@ def _byte_level_decoder() -> dict[str, int]:
 class TokenText:
     """Maps token ids to their bytes and display strings, with a small per-id cache."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        hf = getattr(tokenizer, "hf_tokenizer", None)
-        backend = getattr(hf, "backend_tokenizer", None)
+        hf = tokenizer.hf_tokenizer
+        backend = getattr(hf, "backend_tokenizer", None)  # a fast (Rust) tokenizer's; slow ones lack it
         decoder = getattr(backend, "decoder", None)
-        self._convert = getattr(hf, "convert_ids_to_tokens", None)
+        self._convert = hf.convert_ids_to_tokens
         self._byte_level = decoder is not None and "ByteLevel" in repr(decoder)
         self._cache: dict[int, bytes] = {}
 
@@ -50,7 +53,7 @@ class TokenText:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def _compute_bytes(self, token_id: int) -> bytes:
-        piece = self._convert(token_id) if self._convert is not None else None
+        piece = self._convert(token_id)
         if isinstance(piece, str):
             fallback = _BYTE_FALLBACK.match(piece)
             if fallback:

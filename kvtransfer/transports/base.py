@@ -41,7 +41,11 @@ class Channel(ABC):
     Control messages are JSON-able dicts. `send_control` and `send_data` may be called by
     several tasks: implementations serialize them. `last_rx` is the monotonic time of the last
     byte received; the owner declares the peer dead when it grows older than the timeout.
+    `max_payload_bytes`: the most one `send_data` may carry (a staged transport's buffer size);
+    None: the sender's `max_message_bytes`.
     """
+
+    max_payload_bytes: int | None = None
 
     def __init__(self, peer: str) -> None:
         self.peer = peer
