@@ -26,8 +26,8 @@ from typing import Any
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
                            parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
-from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
-                           PREFILL_ROLE_LONG_CHUNK_TOKENS, add_speculative_arguments, speculative_options)
+from engine.config import add_engine_arguments
+from engine.config import engine_options as engine_options_from_flags
 from router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,35 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $PDSERVE_API_KEY)")
     engine = serve.add_argument_group("engine (every worker)")
-    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
-    engine.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
-    engine.add_argument("--max-step-ms", type=float, default=None,
-                        help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
-    engine.add_argument("--max-step-ratio", type=float, default=None,
-                        help="the same, relative: a step with prefill takes at most this many times the decode-only "
-                             f"step (decode workers' default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
-    engine.add_argument("--prefill-chunk-tokens", dest="long_prefill_chunk_tokens", type=int, default=None,
-                        help="a prompt runs at most this many tokens per step, so one arriving meanwhile waits for "
-                             "one chunk (prefill workers' default: "
-                             + ", ".join(f"{n} on {d}" for d, n in PREFILL_ROLE_LONG_CHUNK_TOKENS.items()) + ")")
-    engine.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
-                        help="KV blocks per worker (default: from --kv-cache-memory-gb)")
-    engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
-    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-                        help=KV_CACHE_DTYPE_HELP)
-    engine.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    engine.add_argument("--no-cuda-graphs", action="store_true",
-                        help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
-    engine.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
-                        help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
-    engine.add_argument("--swap-space-gb", type=float, default=None, help="host memory per worker for swap preemption")
-    engine.add_argument("--host-cache-gb", type=float, default=None,
-                        help="host memory per worker for the prefix cache's second tier (KV offload of idle "
-                             "sessions); default 0, off")
-    add_speculative_arguments(engine)
+    add_engine_arguments(engine)
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
     serve.add_argument("--routers", type=int, default=1,
@@ -221,16 +193,7 @@ def _add_locator_arguments(parser: argparse.ArgumentParser, with_ray_address: bo
 def serve_options(args: argparse.Namespace):
     from deploy.cluster import RaySettings
     from deploy.serve import ServeOptions
-    engine_options = {name: getattr(args, name) for name in
-                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_step_ms", "max_step_ratio", "num_blocks", "long_prefill_chunk_tokens", "kv_cache_dtype",
-                       "kv_cache_memory_gb",
-                       "max_model_len", "dtype", "preemption_mode", "swap_space_gb", "host_cache_gb")
-                      if getattr(args, name) is not None}
-    if args.no_prefix_caching:
-        engine_options["enable_prefix_caching"] = False
-    if args.no_cuda_graphs:
-        engine_options["cuda_graphs"] = False
-    engine_options.update(speculative_options(args))
+    engine_options = engine_options_from_flags(args)
     ray_settings = RaySettings(address=args.ray_address, namespace=args.namespace, num_cpus=args.num_cpus,
                                object_store_memory_mb=args.object_store_mb, include_dashboard=args.include_dashboard,
                                temp_dir=args.ray_temp_dir)

@@ -176,8 +176,58 @@ class SpeculativeConfig:
                 raise ValueError(message)
 
 
+def add_engine_arguments(group) -> None:
+    """The engine flags of every command that starts workers (an argparse group): `pdserve serve`
+    gives them to each of its workers, a worker started by hand takes them itself. Unset ones stay
+    None, so the engine's (and the role's) defaults apply; `engine_options` collects the rest."""
+    group.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    group.add_argument("--block-size", type=int, default=None, help="tokens per KV block, the same on every worker "
+                                                                    "(default 16)")
+    group.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
+                       help="KV blocks per worker (default: from --kv-cache-memory-gb)")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_DTYPE_HELP)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
+    group.add_argument("--max-step-ms", type=float, default=None,
+                       help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
+    group.add_argument("--max-step-ratio", type=float, default=None,
+                       help="the same, relative: a step with prefill takes at most this many times the decode-only "
+                            f"step (decode role default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
+    group.add_argument("--prefill-chunk-tokens", dest="long_prefill_chunk_tokens", type=int, default=None,
+                       help="a prompt runs at most this many tokens per step, so one arriving meanwhile waits for "
+                            "one chunk (prefill role default: "
+                            + ", ".join(f"{n} on {d}" for d, n in PREFILL_ROLE_LONG_CHUNK_TOKENS.items()) + ")")
+    group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    group.add_argument("--no-cuda-graphs", action="store_true",
+                       help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
+    group.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
+                       help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
+    group.add_argument("--swap-space-gb", type=float, default=None,
+                       help="host memory per worker for swap preemption (default 4)")
+    group.add_argument("--host-cache-gb", type=float, default=None,
+                       help="host memory per worker for the prefix cache's second tier: evicted KV blocks are kept "
+                            "there and copied back on a later hit (idle agent sessions); default 0, off")
+    add_speculative_arguments(group)
+
+
+def engine_options(args) -> dict:
+    """The flags of `add_engine_arguments` that were given, as `engine.llm.build_engine_config` options."""
+    names = ("dtype", "block_size", "num_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "max_num_batched_tokens",
+             "max_num_seqs", "max_step_ms", "max_step_ratio", "long_prefill_chunk_tokens", "max_model_len",
+             "preemption_mode", "swap_space_gb", "host_cache_gb")
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    if args.no_cuda_graphs:
+        options["cuda_graphs"] = False
+    options.update(speculative_options(args))
+    return options
+
+
 def add_speculative_arguments(group) -> None:
-    """The speculative-decoding flags of every command that starts workers (an argparse group)."""
+    """The speculative-decoding flags (part of `add_engine_arguments`)."""
     group.add_argument("--speculative", dest="speculative_method", choices=SPECULATIVE_METHODS, default=None,
                        help="speculative decoding on decode and colocated workers; ngram: draft tokens looked up "
                             "in the request's own prompt and output (default: off)")

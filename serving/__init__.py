@@ -21,8 +21,7 @@ import grpc
 
 import wire
 
-from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
-                           PREFILL_ROLE_LONG_CHUNK_TOKENS, add_speculative_arguments, speculative_options)
+from engine import config as engine_config
 from engine.kv_connector import FAULTS
 
 logger = logging.getLogger(__name__)
@@ -31,37 +30,11 @@ logger = logging.getLogger(__name__)
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="default", help="model folder, GGUF file or 'default' (SmolLM2-135M)")
-    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on P and D)")
-    group.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
-    group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size on CPU")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-                       help=KV_CACHE_DTYPE_HELP)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
-    group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests")
-    group.add_argument("--max-step-ms", type=float, default=None,
-                       help="while decodes run, size prefill chunks so a step takes about this long (ITL bound)")
-    group.add_argument("--max-step-ratio", type=float, default=None,
-                       help="the same, relative: a step with prefill takes at most this many times the decode-only "
-                            f"step (decode role default {DECODE_ROLE_MAX_STEP_RATIO:g}; inf: off)")
-    group.add_argument("--prefill-chunk-tokens", dest="long_prefill_chunk_tokens", type=int, default=None,
-                       help="a prompt runs at most this many tokens per step, so one arriving meanwhile waits for "
-                            "one chunk (prefill role default: "
-                            + ", ".join(f"{n} on {d}" for d, n in PREFILL_ROLE_LONG_CHUNK_TOKENS.items()) + ")")
-    group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
-    group.add_argument("--no-cuda-graphs", action="store_true", help="GPU: run decode steps eagerly, not as CUDA graphs")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
                        help="processes (one GPU each on CUDA) that split the model's heads and MLP (default 1)")
-    group.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
-                       help="when KV blocks run out: recompute the victim later (default) or swap its KV to host memory")
-    group.add_argument("--swap-space-gb", type=float, default=None, help="host memory for swap preemption (default 4)")
-    group.add_argument("--host-cache-gb", type=float, default=None,
-                       help="host memory for the prefix cache's second tier: evicted KV blocks are kept there and "
-                            "copied back on a later hit (idle agent sessions); default 0, off")
-    add_speculative_arguments(group)
+    engine_config.add_engine_arguments(group)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,19 +47,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as `engine.llm.build_engine_config` keyword options (unset ones left out)."""
-    names = {"dtype": "dtype", "device": "device", "block_size": "block_size", "num_blocks": "num_blocks",
-             "kv_cache_memory_gb": "kv_cache_memory_gb", "max_num_batched_tokens": "max_num_batched_tokens",
-             "max_num_seqs": "max_num_seqs", "max_step_ms": "max_step_ms", "max_step_ratio": "max_step_ratio", "max_model_len": "max_model_len",
-             "long_prefill_chunk_tokens": "long_prefill_chunk_tokens", "kv_cache_dtype": "kv_cache_dtype",
-             "seed": "seed", "tensor_parallel_size": "tensor_parallel_size",
-             "preemption_mode": "preemption_mode", "swap_space_gb": "swap_space_gb", "host_cache_gb": "host_cache_gb"}
-    options = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
-    if getattr(args, "no_cuda_graphs", False):
-        options["cuda_graphs"] = False
-    options.update(speculative_options(args))
-    return options
+    options = {name: getattr(args, name) for name in ("device", "seed", "tensor_parallel_size")
+               if getattr(args, name) is not None}
+    return {**options, **engine_config.engine_options(args)}
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser, side: str) -> None:
