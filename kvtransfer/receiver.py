@@ -20,17 +20,15 @@ receiver; `cancel()` runs on that thread too, which orders it against every writ
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 from . import _protocol as proto
-from ._common import (BoundedSet, TaskSet, check_block_ids, check_request_id, normalize_layers,
-                      within)
-from ._loop import pick_loop
-from ._payload import BlockSink, CacheViews, DataPiece, DiscardSink
+from ._common import BoundedSet, check_block_ids, check_request_id, normalize_layers, within
+from ._endpoint import TransferEndpoint
+from ._payload import BlockSink, DataPiece, DiscardSink
 from .addresses import join_address
 from .config import TransferConfig
 from .layout import KVLayout, PackedBlocks, check_layouts
@@ -74,36 +72,21 @@ class _SenderConnection:
         self.ended_uids = BoundedSet()
 
 
-class KVReceiver:
+class KVReceiver(TransferEndpoint):
     """Receives KV blocks into `layer_caches`. Create with `kvtransfer.create_receiver`."""
+
+    side = "receiver"
+    unknown_hint = "never expected, or cancelled"
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None,
                  on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None) -> None:
-        self.config = config or TransferConfig()
-        self._on_transfer_end = on_transfer_end
-        self.layout = KVLayout.from_caches(layer_caches, packed)
-        if self.layout.chunk_nbytes > self.config.max_message_bytes:
-            raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
-                             f"max_message_bytes={self.config.max_message_bytes}")
-        self.transport = "+".join(t.name for t in transports)
-        self._transports = list(transports)
-        self._views = CacheViews(layer_caches, self.layout)
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._expected: dict[str, _ExpectedTransfer] = {}
+        super().__init__(transports, layer_caches, config, on_transfer_end, packed)
+        self._transfers: dict[str, _ExpectedTransfer]
         self._cancelled = BoundedSet()
         self._connections: set[_SenderConnection] = set()
-        self._total_bytes = 0
-        self._closed = False
-        self._loop_thread, self._shared_loop_users = pick_loop(self._transports, "kvtransfer-receiver")
-        self._tasks = TaskSet()
         self._listeners: list[Listener] = []
-        try:
-            self._loop_thread.run(self._start(), timeout=max(30.0, self.config.timeout_s))
-        except BaseException:
-            self._release_loop()
-            raise
+        self._run_start(max(30.0, self.config.timeout_s))
         self.address = join_address([listener.endpoint for listener in self._listeners])
 
     # ---- public API (engine thread) -------------------------------------------------------
@@ -118,15 +101,10 @@ class KVReceiver:
         record = _ExpectedTransfer(request_id, ids, layer_tuple, self.layout.device)
         self._check_open()
         with self._lock:
-            if request_id in self._expected:
+            if request_id in self._transfers:
                 raise ValueError(f"request {request_id!r} is already expected; cancel it first")
-            self._expected[request_id] = record
+            self._transfers[request_id] = record
         self._loop_thread.call_soon(self._cancelled.discard, request_id)
-
-    def poll(self, request_id: str) -> TransferStatus:
-        """The transfer's current status; KeyError if it was never expected or was cancelled."""
-        with self._lock:
-            return self._get(request_id).status()
 
     def layers_ready(self, request_id: str) -> int:
         """How many of the expected layers, counted in expected order from the first, have
@@ -140,7 +118,7 @@ class KVReceiver:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while True:
-                record = self._expected.get(request_id)
+                record = self._transfers.get(request_id)
                 if record is None or record.state is TransferState.FAILED:
                     return False
                 if record.layer_done(layer):
@@ -152,87 +130,20 @@ class KVReceiver:
                     return False
                 self._changed.wait(remaining)
 
-    def wait(self, request_id: str, timeout: float | None = None) -> TransferStatus:
-        """Block until the transfer ends or `timeout` passes; return its status. For tools and
-        tests: an engine loop polls instead."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while True:
-                record = self._get(request_id)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if record.state.is_terminal or (remaining is not None and remaining <= 0):
-                    return record.status()
-                self._changed.wait(remaining)
-
-    def cancel(self, request_id: str) -> None:
-        """Stop the transfer in whatever state and forget it (also the way to drop the record
-        of a finished one). Idempotent. Once it returns, no byte of this transfer is written
-        into its destination blocks, which go back to their owner."""
-        if self._closed:
-            return
-        self._loop_thread.call(self._cancel_on_loop, request_id)
-
     @property
     def total_bytes_received(self) -> int:
         with self._lock:
             return self._total_bytes
-
-    def close(self) -> None:
-        """Fail every live transfer, close listeners and connections, stop the I/O thread."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._loop_thread.run(self._shutdown(), timeout=max(30.0, 3 * self.config.timeout_s))
-        finally:
-            with self._changed:
-                for record in self._expected.values():
-                    self._end_locked(record, TransferState.FAILED, "receiver closed")
-                self._changed.notify_all()
-            self._release_loop()
-            self._views.release()
-
-    def __enter__(self) -> "KVReceiver":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"KVReceiver({self.transport}, {self.address!r}, {self.layout.describe()})"
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("receiver is closed")
-
-    def _get(self, request_id: str) -> _ExpectedTransfer:
-        record = self._expected.get(request_id)
-        if record is None:
-            raise KeyError(f"unknown request id {request_id!r} (never expected, or cancelled)")
-        return record
-
-    def _release_loop(self) -> None:
-        if not self._shared_loop_users:
-            self._loop_thread.stop()
-        for transport in self._shared_loop_users:
-            transport.release_shared_loop()
-
-    def _end_locked(self, record: _ExpectedTransfer, state: TransferState,
-                    error: str | None) -> bool:
-        """Move a live transfer to SUCCESS or FAILED (caller holds the lock)."""
-        if record.state.is_terminal:
-            record.active = False
-            return False
-        record.state, record.error, record.active = state, error, False
+    def _unbind_locked(self, record: _ExpectedTransfer) -> None:
         if record.connection is not None and record.uid is not None:
             record.connection.transfers.pop(record.uid, None)
             record.connection.ended_uids.add(record.uid)
-        self._changed.notify_all()
-        if self._on_transfer_end is not None:
-            self._on_transfer_end(record.request_id)
-        return True
 
     def _fail(self, record: _ExpectedTransfer, reason: str, tell_sender: bool) -> None:
         with self._lock:
@@ -283,7 +194,7 @@ class KVReceiver:
     def _cancel_on_loop(self, request_id: str) -> None:
         self._cancelled.add(request_id)
         with self._lock:
-            record = self._expected.pop(request_id, None)
+            record = self._transfers.pop(request_id, None)
             if record is None:
                 return
             ended = self._end_locked(record, TransferState.FAILED, "cancelled by the receiver")
@@ -351,7 +262,7 @@ class KVReceiver:
         uid, request_id = str(message["uid"]), str(message["request_id"])
         refusal, fail_record = None, False
         with self._lock:
-            record = self._expected.get(request_id)
+            record = self._transfers.get(request_id)
             if record is None:
                 refusal = self._why_unknown(request_id)
             elif record.state.is_terminal:
@@ -383,7 +294,7 @@ class KVReceiver:
         record = connection.transfers.get(uid)
         if record is None and uid not in connection.ended_uids:
             with self._lock:
-                candidate = self._expected.get(str(message.get("request_id")))
+                candidate = self._transfers.get(str(message.get("request_id")))
             if candidate is not None and candidate.uid is None:
                 record = candidate
         if record is not None:
@@ -472,7 +383,7 @@ class KVReceiver:
                     self._tasks.spawn(self._send_quietly(connection, {"type": proto.PING}))
             if config.pending_timeout_s is not None:
                 with self._lock:
-                    stale = [record for record in self._expected.values()
+                    stale = [record for record in self._transfers.values()
                              if record.state is TransferState.PENDING
                              and now - record.created > config.pending_timeout_s]
                     for record in stale:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
 import time
 import uuid
 from collections import deque
@@ -34,13 +33,12 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import _protocol as proto
-from ._common import (TaskSet, cancel_and_wait, check_block_ids, check_request_id,
-                      normalize_layers, within)
-from ._loop import pick_loop
-from ._payload import BlockSource, CacheViews, DataPiece, plan_pieces
+from ._common import cancel_and_wait, check_block_ids, check_request_id, normalize_layers, within
+from ._endpoint import TransferEndpoint
+from ._payload import BlockSource, DataPiece, plan_pieces
 from .addresses import Endpoint, parse_address
 from .config import TransferConfig
-from .layout import KVLayout, PackedBlocks
+from .layout import PackedBlocks
 from .shared_memory import SharedMemory
 from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
                      TransportUnavailableError)
@@ -92,41 +90,26 @@ class _ReceiverConnection:
         self.ping_queued = False
 
 
-class KVSender:
+class KVSender(TransferEndpoint):
     """Sends KV blocks from `layer_caches`. Create with `kvtransfer.create_sender`."""
+
+    side = "sender"
+    unknown_hint = "never started, or cancelled"
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None, transport_name: str | None = None,
                  shared_memory: SharedMemory | None = None, epoch: int | None = None,
                  on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None) -> None:
-        self.config = config or TransferConfig()
-        self.epoch = (secrets.randbits(63) | 1) if epoch is None else int(epoch)  # 0 means "not begun"
-        self._on_transfer_end = on_transfer_end
-        self.layout = KVLayout.from_caches(layer_caches, packed)
         if shared_memory is not None and not all(
                 shared_memory.covers(cache.data_ptr(), cache.numel() * cache.element_size())
                 for cache in layer_caches):
             raise ValueError("shared_memory must contain every layer cache")
+        super().__init__(transports, layer_caches, config, on_transfer_end, packed, transport_name)
+        self.epoch = (secrets.randbits(63) | 1) if epoch is None else int(epoch)  # 0 means "not begun"
         self.shared_memory = None if self.layout.is_cuda else shared_memory
-        if self.layout.chunk_nbytes > self.config.max_message_bytes:
-            raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
-                             f"max_message_bytes={self.config.max_message_bytes}")
-        self.transport = transport_name or "+".join(t.name for t in transports)
-        self._transports = list(transports)
-        self._views = CacheViews(layer_caches, self.layout)
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._transfers: dict[str, _OutgoingTransfer] = {}
+        self._transfers: dict[str, _OutgoingTransfer]
         self._connections: dict[str, _ReceiverConnection] = {}
-        self._total_bytes = 0
-        self._closed = False
-        self._loop_thread, self._shared_loop_users = pick_loop(self._transports, "kvtransfer-sender")
-        self._tasks = TaskSet()
-        try:
-            self._loop_thread.run(self._start(), timeout=30.0)
-        except BaseException:
-            self._release_loop()
-            raise
+        self._run_start(30.0)
 
     # ---- public API (engine thread) -------------------------------------------------------
 
@@ -191,31 +174,6 @@ class KVSender:
         self.send_layers(request_id, transfer_layers)
         return handle
 
-    def poll(self, request_id: str) -> TransferStatus:
-        """The transfer's current status; KeyError if unknown or cancelled."""
-        with self._lock:
-            return self._get(request_id).status()
-
-    def wait(self, request_id: str, timeout: float | None = None) -> TransferStatus:
-        """Block until the transfer ends or `timeout` passes (for tools and tests)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while True:
-                transfer = self._get(request_id)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if transfer.state.is_terminal or (remaining is not None and remaining <= 0):
-                    return transfer.status()
-                self._changed.wait(remaining)
-
-    def cancel(self, request_id: str) -> None:
-        """Stop the transfer in whatever state and forget it (also the way to drop the record
-        of a finished one); the receiver is told. Idempotent. Once it returns this sender does
-        not read the source blocks any more (a cross-memory shm receiver may still be copying
-        them, but it never counts a copy that ended after the cancel)."""
-        if self._closed:
-            return
-        self._loop_thread.call(self._cancel_on_loop, request_id)
-
     def unreachable_reason(self, dst_address: str) -> str | None:
         """None if this sender has a transport the receiver at `dst_address` offers, else why not."""
         try:
@@ -238,46 +196,10 @@ class KVSender:
         with self._lock:
             return self._total_bytes
 
-    def close(self) -> None:
-        """Fail every live transfer, close all connections, stop the I/O thread."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._loop_thread.run(self._shutdown(), timeout=max(30.0, 3 * self.config.timeout_s))
-        finally:
-            with self._changed:
-                for transfer in self._transfers.values():
-                    self._end_locked(transfer, TransferState.FAILED, "sender closed")
-            self._release_loop()
-            self._views.release()
-
-    def __enter__(self) -> "KVSender":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"KVSender({self.transport}, {self.layout.describe()})"
 
     # ---- helpers ------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("sender is closed")
-
-    def _get(self, request_id: str) -> _OutgoingTransfer:
-        transfer = self._transfers.get(request_id)
-        if transfer is None:
-            raise KeyError(f"unknown request id {request_id!r} (never started, or cancelled)")
-        return transfer
-
-    def _release_loop(self) -> None:
-        if not self._shared_loop_users:
-            self._loop_thread.stop()
-        for transport in self._shared_loop_users:
-            transport.release_shared_loop()
 
     def _candidates(self, dst_address: str) -> list[tuple[Transport, Endpoint]]:
         endpoints = parse_address(dst_address)
@@ -289,17 +211,6 @@ class KVSender:
                 f"receiver {dst_address!r} offers {offered}; this sender uses "
                 f"{', '.join(by_name)}")
         return candidates
-
-    def _end_locked(self, transfer: _OutgoingTransfer, state: TransferState,
-                    error: str | None) -> bool:
-        if transfer.state.is_terminal:
-            transfer.active = False
-            return False
-        transfer.state, transfer.error, transfer.active = state, error, False
-        self._changed.notify_all()
-        if self._on_transfer_end is not None:
-            self._on_transfer_end(transfer.request_id)
-        return True
 
     # ---- loop thread ----------------------------------------------------------------------
 
