@@ -143,8 +143,9 @@ class CacheViews:
         self.caches = []
 
 
-class BlockSource:
-    """The source side of one data message (sender)."""
+class _MessageBlocks:
+    """The blocks of one data message on one side: `piece`'s slice of the transfer's block ids
+    (and of their index tensor), its byte count, and whether the transfer is still live."""
 
     def __init__(self, views: CacheViews, piece: DataPiece, block_ids: Sequence[int],
                  index: torch.Tensor, is_active: Callable[[], bool]) -> None:
@@ -161,6 +162,10 @@ class BlockSource:
 
     def chunk_views(self) -> list[memoryview]:
         return self.views.chunk_views(self.piece.layers, self.block_ids)
+
+
+class BlockSource(_MessageBlocks):
+    """The source side of one data message (sender)."""
 
     def gather_into(self, buffer: torch.Tensor) -> torch.Tensor:
         out = staging_view(buffer, self.views.layout, self.piece)
@@ -168,25 +173,9 @@ class BlockSource:
         return buffer[:self.nbytes]
 
 
-class BlockSink:
+class BlockSink(_MessageBlocks):
     """The destination side of one data message (receiver); `is_active()` turns False the
     moment the transfer is cancelled or fails, after which nothing may be written."""
-
-    def __init__(self, views: CacheViews, piece: DataPiece, block_ids: Sequence[int],
-                 index: torch.Tensor, is_active: Callable[[], bool]) -> None:
-        self.views = views
-        self.piece = piece
-        self.block_ids = block_ids[piece.block_start:piece.block_end]
-        self.index = index[piece.block_start:piece.block_end]
-        self.nbytes = piece.nbytes(views.layout)
-        self.is_active = is_active
-
-    @property
-    def supports_chunk_views(self) -> bool:
-        return self.views.supports_chunk_views
-
-    def chunk_views(self) -> list[memoryview]:
-        return self.views.chunk_views(self.piece.layers, self.block_ids)
 
     def scatter_from(self, buffer: torch.Tensor) -> bool:
         """Copy a received staging buffer into the blocks, if still active."""
