@@ -104,8 +104,8 @@ class KVSender(TransferEndpoint):
                 shared_memory.covers(cache.data_ptr(), cache.numel() * cache.element_size())
                 for cache in layer_caches):
             raise ValueError("shared_memory must contain every layer cache")
-        super().__init__(transports, layer_caches, config, on_transfer_end, packed, transport_name)
         self.epoch = (secrets.randbits(63) | 1) if epoch is None else int(epoch)  # 0 means "not begun"
+        super().__init__(transports, layer_caches, config, on_transfer_end, packed, transport_name)  # takes a loop
         self.shared_memory = None if self.layout.is_cuda else shared_memory
         self._transfers: dict[str, _OutgoingTransfer]
         self._connections: dict[str, _ReceiverConnection] = {}
