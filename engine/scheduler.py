@@ -67,6 +67,7 @@ from engine.kv_hooks import ImportPlan, KVCacheFullError, SchedulerConnector
 from engine.request import Request, RequestStatus
 from engine.speculative import Proposer, build_proposer
 from engine.step_cost import StepCostModel
+from engine.step_times import StepTimeHistogram
 
 __all__ = ["Batch", "ImportPlan", "KVCacheFullError", "SampledToken", "ScheduledSeq", "Scheduler",
            "SchedulerStats", "StepOutput"]
@@ -163,6 +164,8 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     prefill_chunk_tokens: int = 0  # the per-step cap on a prompt's tokens (long_prefill_chunk_tokens; 0: none)
+    # model step times by kind: {kind: (counts per bucket, sum of seconds)} (engine/step_times.py; cumulative)
+    step_times: dict = field(default_factory=dict)
     # filled by LLMEngine.stats() from its KV connector: failed transfers by reason (cumulative)
     kv_transfer_failures: dict = field(default_factory=dict)
 
@@ -188,6 +191,7 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.step_cost = StepCostModel(min_tokens=cache_config.block_size)  # fed by observe_step()
+        self.step_times = StepTimeHistogram()  # fed by observe_step(); in stats()
         self.role = role
         self.kv_connector = kv_connector
         self.max_model_len = max_model_len
@@ -349,8 +353,12 @@ class Scheduler:
                      swap_out=self._swap_out, swap_in=self._swap_in, kv_offload=offloads, kv_reload=reloads)
 
     def observe_step(self, batch: Batch, seconds: float) -> None:
-        """How long the model took for `batch` (the engine times every step it runs); learned
-        only when a step-time target is set."""
+        """How long the model took for `batch` (the engine times every step it runs): counted in
+        the step-time histogram; learned by the step-cost model when a step-time target is set."""
+        # prompt work: a prompt's tokens, or a recompute's several tokens (a decode runs one, plus its draft)
+        prompt = any(seq.start < seq.request.num_prompt_tokens or seq.num_new_tokens > 1 + len(seq.draft_token_ids)
+                     for seq in batch.seqs)
+        self.step_times.observe("prefill" if prompt else "decode", seconds)
         if not self.config.step_target_set:
             return
         decodes = sum(1 for seq in batch.seqs if seq.is_plain_decode)
@@ -752,7 +760,8 @@ class Scheduler:
             offloaded_blocks=host.offloaded_blocks if host else 0, reloaded_blocks=host.reloaded_blocks if host else 0,
             spec_drafts=self._spec_drafts, spec_draft_tokens=self._spec_draft_tokens,
             spec_accepted_tokens=self._spec_accepted_tokens,
-            prefill_chunk_tokens=(self.config.long_prefill_chunk_tokens or 0) if self.config.enable_chunked_prefill else 0)
+            prefill_chunk_tokens=(self.config.long_prefill_chunk_tokens or 0) if self.config.enable_chunked_prefill else 0,
+            step_times=self.step_times.snapshot())
 
     def check_integrity(self) -> None:
         """Block-manager invariants, plus: every request sits in exactly the queue its status

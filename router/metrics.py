@@ -4,20 +4,23 @@ Per request (histograms, seconds): time to first token, time per output token (a
 first), inter-token latency (between token chunks), end-to-end latency, queue time (arrival to
 the Generate call being opened), KV transfer time. Counters: requests by finish reason, HTTP
 responses by endpoint and status code, prompt / generation / cached tokens, KV bytes moved,
-routing decisions by role and reason. Per-worker gauges, and each worker's failed KV transfers by
-reason (`pdserve:kv_transfer_failures_total{worker,role,reason}`, engine/kv_connector.py), are
-read from the pool at scrape time.
+routing decisions by role and reason. Per-worker gauges, each worker's failed KV transfers by
+reason (`pdserve:kv_transfer_failures_total{worker,role,reason}`, engine/kv_connector.py) and
+its model step times by kind (`pdserve:worker_step_seconds{worker,role,kind}`,
+engine/step_times.py) are read from the pool at scrape time.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.kv_connector import FAILURE_REASONS
 from engine.kv_events import TIERS
+from engine.step_times import STEP_TIME_BUCKETS
 from router.pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -182,6 +185,23 @@ class _PoolCollector:
             for worker in workers:
                 family.add_metric([worker.address, worker.role], float(worker.stat(stat)))
             yield family
+        yield _step_times(workers)
 
     def describe(self):
         return []
+
+
+def _step_times(workers) -> HistogramMetricFamily:
+    """Each worker's model step times by kind (engine/step_times.py), as its Stats report them."""
+    family = HistogramMetricFamily("pdserve:worker_step_seconds", "The worker's model steps (forward and sampling) "
+                                   "by kind: decode (plain decodes only) or prefill (with prompt tokens).",
+                                   labels=["worker", "role", "kind"])
+    bounds = [*(f"{b:g}" for b in STEP_TIME_BUCKETS), "+Inf"]
+    for worker in workers:
+        for entry in (worker.stats.step_times if worker.stats is not None else ()):
+            if len(entry.bucket_counts) != len(bounds):  # a worker of another version: other buckets
+                continue
+            cumulative = itertools.accumulate(entry.bucket_counts)
+            family.add_metric([worker.address, worker.role, entry.kind], list(zip(bounds, map(float, cumulative))),
+                              entry.sum_seconds)
+    return family

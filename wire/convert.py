@@ -131,7 +131,9 @@ def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, bloc
         host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits,
         kv_transfer_failures=stats.kv_transfer_failures, rss_bytes=rss_bytes,
         weight_bytes=weight_bytes, spec_drafts=stats.spec_drafts, spec_draft_tokens=stats.spec_draft_tokens,
-        spec_accepted_tokens=stats.spec_accepted_tokens, prefill_chunk_tokens=stats.prefill_chunk_tokens)
+        spec_accepted_tokens=stats.spec_accepted_tokens, prefill_chunk_tokens=stats.prefill_chunk_tokens,
+        step_times=[messages().StepTimes(kind=kind, bucket_counts=counts, sum_seconds=total)
+                    for kind, (counts, total) in stats.step_times.items()])
 
 
 def kv_event_batch_to_wire(batch: KVEventBatch) -> Any:

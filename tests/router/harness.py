@@ -20,6 +20,7 @@ from typing import Any, Callable
 import grpc
 
 import wire
+from engine.step_times import STEP_TIME_BUCKETS
 
 BLOCK_SIZE = 16
 TINY_CONTEXT = 512
@@ -126,6 +127,10 @@ class FakeDecodeWorker:
         self.active: dict[str, ActiveRequest] = {}
         self.stats_calls = 0
         self.kv_transfer_failures: dict[str, int] = {}  # reported in Stats, by reason
+        # reported in Stats: two decode steps of 30-40 ms and one above every bound
+        counts = [0] * (len(STEP_TIME_BUCKETS) + 1)
+        counts[STEP_TIME_BUCKETS.index(0.04)], counts[-1] = 2, 1
+        self.step_times = wire.messages().StepTimes(kind="decode", bucket_counts=counts, sum_seconds=6.07)
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
@@ -225,7 +230,8 @@ class FakeDecodeWorker:
                                            kv_blocks_cached=3, prefix_cache_queries=100, prefix_cache_hits=25,
                                            block_size=BLOCK_SIZE, kv_transfer_failures=self.kv_transfer_failures,
                                            rss_bytes=3 << 30, weight_bytes=1 << 30, spec_drafts=10,
-                                           spec_draft_tokens=40, spec_accepted_tokens=30)
+                                           spec_draft_tokens=40, spec_accepted_tokens=30,
+                                           step_times=[self.step_times])
 
 
 class FakePrefillWorker:

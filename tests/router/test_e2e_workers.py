@@ -16,6 +16,7 @@ import threading
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from tests.router.harness import wait_until
@@ -155,6 +156,32 @@ def test_repeated_prefix_reports_cached_tokens(client, cluster):
     metrics = httpx.get(cluster["url"] + "/metrics").text
     kv_bytes = next(line for line in metrics.splitlines() if line.startswith("pdserve:kv_transfer_bytes_total"))
     assert float(kv_bytes.split()[-1]) > 0  # the KV did move from the prefill to the decode worker
+
+
+def _step_counts(cluster) -> dict[tuple[str, str], float]:
+    """{(role, kind): model steps of that role's workers} from pdserve:worker_step_seconds_count on
+    the router's /metrics."""
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(cluster["url"] + "/metrics").text):
+        for s in family.samples:
+            if s.name == "pdserve:worker_step_seconds_count":
+                key = (s.labels["role"], s.labels["kind"])
+                counts[key] = counts.get(key, 0) + s.value
+    return counts
+
+
+def test_each_workers_model_steps_reach_metrics_by_kind(client, cluster):
+    """The workers' step-time histograms (engine/step_times.py) on /metrics: a remotely prefilled
+    request adds prompt steps on the prefill worker, which never runs a decode step, and decode
+    steps on the decode worker."""
+    before = _step_counts(cluster)
+    prompt = " ".join(f"item{i}" for i in range(90))  # uncached: prefilled by the prefill worker
+    client.completions.create(model="default", prompt=prompt, max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    wait_until(lambda: _step_counts(cluster).get(("decode", "decode"), 0) > before.get(("decode", "decode"), 0)
+               and _step_counts(cluster).get(("prefill", "prefill"), 0) > before.get(("prefill", "prefill"), 0),
+               message="the workers' new steps on /metrics")
+    assert _step_counts(cluster).get(("prefill", "decode"), 0) == 0
 
 
 def test_client_disconnect_frees_blocks(client, cluster):

@@ -78,5 +78,12 @@ def test_worker_gauges(router, decode, prefills):
     assert value(samples, "pdserve:spec_decode_num_draft_tokens_total", **labels) == 40
     assert value(samples, "pdserve:spec_decode_num_accepted_tokens_total", **labels) == 30
     assert value(samples, "pdserve:worker_spec_decode_acceptance_rate", **labels) == 0.75
+    steps = dict(labels, kind="decode")
+    assert value(samples, "pdserve:worker_step_seconds_bucket", le="0.03", **steps) == 0
+    assert value(samples, "pdserve:worker_step_seconds_bucket", le="0.04", **steps) == 2
+    assert value(samples, "pdserve:worker_step_seconds_bucket", le="5", **steps) == 2
+    assert value(samples, "pdserve:worker_step_seconds_bucket", le="+Inf", **steps) == 3
+    assert value(samples, "pdserve:worker_step_seconds_count", **steps) == 3
+    assert value(samples, "pdserve:worker_step_seconds_sum", **steps) == 6.07
     for prefill in prefills:
         assert value(samples, "pdserve:worker_healthy", worker=prefill.address, role="prefill") == 1
