@@ -165,9 +165,11 @@ def test_percentiles_and_distribution():
     assert percentile(values, 50) == pytest.approx(50.5)
     assert percentile(values, 90) == pytest.approx(90.1)
     assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 99.9) == pytest.approx(99.901)
     d = distribution([0.001, 0.003, 0.002])  # seconds in, milliseconds out
     assert d == {"mean": pytest.approx(2.0), "median": pytest.approx(2.0), "p90": pytest.approx(2.8),
-                 "p99": pytest.approx(2.98), "max": pytest.approx(3.0), "count": 3}
+                 "p99": pytest.approx(2.98), "p99.9": pytest.approx(2.998), "max": pytest.approx(3.0),
+                 "count": 3}
     assert distribution([])["median"] is None
 
 
@@ -310,7 +312,7 @@ def _check_report(report: dict, expected_requests: int) -> None:
     assert 0 <= s["goodput"] <= s["request_throughput"] > 0
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         d = s[metric]
-        assert 0 <= d["median"] <= d["p90"] <= d["p99"] <= d["max"], metric
+        assert 0 <= d["median"] <= d["p90"] <= d["p99"] <= d["p99.9"] <= d["max"], metric
     assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"]
 
 
