@@ -134,7 +134,9 @@ class StructuredOutput:
         xgr = _xgrammar()
         try:
             if self.kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
+                # An object, as OpenAI's JSON mode promises; xgrammar's builtin JSON grammar takes
+                # any value, so a sampled answer could be `[1]` or `"x"`.
+                return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=True)
             if self.kind == "json_schema":
                 return xgr.Grammar.from_json_schema(self.spec, any_whitespace=False)
             if self.kind == "regex":
@@ -143,6 +145,9 @@ class StructuredOutput:
         except RuntimeError as exc:
             raise ValueError(f"invalid {self._spec_name if self.kind != 'choice' else 'choice'}: "
                              f"{_native_message(exc)}") from None
+
+
+_ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 
 
 def _depth(value: Any) -> int:

@@ -51,6 +51,17 @@ def test_a_schema_at_the_depth_limit_is_accepted():
     assert StructuredOutput.json_schema(_nested(31)).kind == "json_schema"
 
 
+@pytest.mark.parametrize("text, accepted", [
+    ('{"a": [1, {"b": null}], "c": "d"}', True), ("{}", True), ("[1]", False), ('"x"', False), ("1", False),
+    ("null", False),
+])
+def test_json_object_is_an_object_not_any_json_value(text, accepted):
+    # OpenAI's JSON mode promises an object; seeded sampling once gave `[1]` and `[{}]`.
+    xgr = pytest.importorskip("xgrammar")
+    grammar = StructuredOutput.json_object().grammar_object()
+    assert xgr.testing._is_grammar_accept_string(grammar, text) is accepted
+
+
 def test_sampling_params_take_only_a_structured_output():
     with pytest.raises(ValueError, match="structured_output must be"):
         SamplingParams(structured_output={"regex": "a"})
@@ -184,6 +195,16 @@ def test_greedy_takes_the_most_likely_token_the_grammar_allows(llm, compiler):
 def test_every_kind_of_constraint_is_obeyed(llm, constraint, check):
     out = _generate(llm, ASK, constraint, max_tokens=200)
     assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+@pytest.mark.slow
+def test_sampled_json_object_answers_are_objects(llm):
+    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=seed, structured_output=StructuredOutput.json_object())
+              for seed in range(4)]
+    for out in llm.generate([[{"role": "user", "content": "hi"}]] * 4, params, use_tqdm=False):
+        assert out.text.lstrip().startswith("{"), out.text
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict), out.text
 
 
 @pytest.mark.slow
