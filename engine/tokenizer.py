@@ -228,9 +228,12 @@ def _content_text(content: Any, index: int) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
                 raise ValueError(f"chat message {index}: only text content parts "
-                                 "({'type': 'text', 'text': ...}) are supported")
+                                 f"({{'type': 'text', 'text': ...}}) are supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"chat message {index}: a text content part needs a string 'text'")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"chat message {index}: 'content' must be a string or a list of text parts, "

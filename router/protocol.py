@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
@@ -31,6 +31,8 @@ Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
 TokenIds = list[UInt32]
 
+# OpenAI's range; the engine takes more, but above 2 a model's output is noise.
+MAX_TEMPERATURE = 2.0
 # Most choices one request may ask for (n, or best_of candidates): each is a sequence on a decode
 # worker, admitted as a request of its own.
 MAX_CHOICES = 16
@@ -73,6 +75,9 @@ class _GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice or grammar
 
     def check_supported(self) -> None:
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise invalid_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], as in OpenAI's API, got "
+                                  f"{self.temperature:g}", "temperature")
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise invalid_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         for key in self.logit_bias or {}:
@@ -117,7 +122,14 @@ class _GenerationRequest(BaseModel):
             param = first_word if first_word in type(self).model_fields or first_word == "max_tokens" else None
             if message.startswith("stop strings") or message.startswith("at most 16 stop"):
                 param = "stop"
+            sent = self._field_sent_as(param) if param is not None else None
+            if sent is not None and sent != param:  # name the field the client sent
+                message, param = sent + message[len(param):], sent
             raise invalid_request(message, param) from exc
+
+    def _field_sent_as(self, engine_field: str) -> str:
+        """The request field that set the engine's `engine_field` (their names differ in places)."""
+        return engine_field
 
 
     @property
@@ -212,6 +224,20 @@ class CompletionRequest(_GenerationRequest):
     best_of: Int32 | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_in_range(cls, prompt: Any) -> Any:
+        # Without this, a bad id in a token-id prompt reads as the first union member's complaint
+        # ("Input should be a valid string").
+        lists = [prompt] if isinstance(prompt, list) else []
+        if lists and all(isinstance(item, list) for item in prompt):
+            lists = prompt
+        for ids in lists:
+            bad = next((t for t in ids if type(t) is int and not 0 <= t < 2**32), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be integers in [0, 2**32), got {bad}")
+        return prompt
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.max_tokens == 0 and not self.echo:
@@ -260,10 +286,26 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     parallel_tool_calls: Bool | None = None  # accepted; one call per turn is produced
     add_generation_prompt: Bool = True
+    # OpenAI fields this server does not serve: named here so that they are refused, not ignored.
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
     _tool_plan: Any = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise invalid_request(f"{name} is OpenAI's deprecated form of tools; this server takes tools and "
+                                      "tool_choice", name)
+        if self.audio is not None or (self.modalities is not None and self.modalities != ["text"]):
+            raise invalid_request("audio output is not supported: this server generates text (modalities: "
+                                  "['text'])", "modalities" if self.audio is None else "audio")
+        if self.web_search_options is not None:
+            raise invalid_request("web search is not supported by this server", "web_search_options")
+        _check_roles(self.messages)
         self._tool_plan = tool_calling.plan(self.tools, self.tool_choice)
         if self._tool_plan is not None and self._asks_for_structure():
             raise invalid_request("tools cannot be combined with response_format or structured_outputs", "tools")
@@ -294,9 +336,35 @@ class ChatCompletionRequest(_GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def _field_sent_as(self, engine_field: str) -> str:
+        if engine_field == "logprobs":
+            return "top_logprobs"
+        if engine_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_field
+
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_roles(messages: list[dict[str, Any]]) -> None:
+    """Each message's role is OpenAI's, and a tool result names its call (the rest of a message's
+    shape is checked where it is rendered: router/tools.py, engine/tokenizer.py)."""
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role == "function":
+            raise invalid_request(f"chat message {index}: role 'function' is OpenAI's deprecated form of 'tool'; "
+                                  "send a tool result as role 'tool' with the tool_call_id it answers", "messages")
+        if role not in CHAT_ROLES:
+            raise invalid_request(f"chat message {index}: role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                  "messages")
+        if role == "tool" and not (isinstance(message.get("tool_call_id"), str) and message["tool_call_id"]):
+            raise invalid_request(f"chat message {index}: a tool message needs the tool_call_id of the call it "
+                                  "answers", "messages")
 
 
 class TokenizeRequest(BaseModel):

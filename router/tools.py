@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from router.errors import invalid_request
@@ -151,11 +151,16 @@ def plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
         if tool_choice not in (None, "none", "auto"):
             raise invalid_request("tool_choice needs tools", "tool_choice")
         return None
-    try:
-        specs = tuple(ToolSpec.model_validate(tool) for tool in tools)
-    except Exception as exc:  # pydantic's ValidationError
-        raise invalid_request(f"invalid tools: {str(exc).splitlines()[0]}; each tool is {{'type': 'function', "
-                              "'function': {'name': ..., 'parameters': {...}}}", "tools") from None
+    specs = []
+    for index, tool in enumerate(tools):
+        try:
+            specs.append(ToolSpec.model_validate(tool))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in (f"tools[{index}]", *first["loc"]))
+            raise invalid_request(f"invalid tool: {where}: {first['msg']}; each tool is {{'type': 'function', "
+                                  "'function': {'name': ..., 'parameters': {...}}}", "tools") from None
+    specs = tuple(specs)
     names = [t.function.name for t in specs]
     if len(set(names)) != len(names):
         raise invalid_request("tool names must be unique", "tools")
@@ -210,6 +215,8 @@ def render_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None) 
         elif role == "tool":
             message = {"role": "user",
                        "content": RESPONSE_OPEN + _text(message.get("content"), index) + RESPONSE_CLOSE}
+        elif role == "developer":  # OpenAI's newer name for the system message; templates know "system"
+            message = {**message, "role": "system"}
         rendered.append(message)
     if tool_plan is None:
         return rendered

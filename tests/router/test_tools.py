@@ -75,6 +75,15 @@ def test_earlier_calls_are_rendered_as_tagged_text_and_instructions_join_the_sys
     assert tools.render_messages(messages[1:2], None) == messages[1:2]
 
 
+def test_a_developer_message_is_the_system_message_and_takes_the_tool_instructions():
+    # OpenAI's newer clients send the system prompt as role "developer"; chat templates know "system".
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tools.render_messages(messages, None) == [{"role": "system", "content": "Be brief."}, messages[1]]
+    rendered = tools.render_messages(messages, tools.plan([WEATHER], "auto"))
+    assert len(rendered) == 2 and rendered[0]["role"] == "system"
+    assert rendered[0]["content"].startswith("Be brief.\n\n") and "get_weather" in rendered[0]["content"]
+
+
 def test_tools_with_defs_compile_in_every_mode():
     """Pydantic-generated parameters keep their models in `$defs`; each call schema carries them
     at its own root, so references resolve with several tools too."""
