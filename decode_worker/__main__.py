@@ -4,28 +4,32 @@ from __future__ import annotations
 import argparse
 
 import serving
+from engine.config import DECODE_ROLES
+from engine.kv_connector import ON_TRANSFER_FAILURE, KVConnectorConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
     serving.add_engine_arguments(parser)
     serving.add_server_arguments(parser)
-    parser.add_argument("--role", default="decode", choices=("decode", "both"),
+    parser.add_argument("--role", default=DECODE_ROLES[0], choices=DECODE_ROLES,
                         help="decode: import KV from prefill workers; both: colocated, always prefill locally")
     serving.add_kv_arguments(parser, "receiver")
     group = parser.add_argument_group("remote prefill")
-    group.add_argument("--local-prefill-threshold", type=int, default=64,
-                       help="prefill locally when fewer prompt tokens than this are not in the prefix cache")
-    group.add_argument("--on-transfer-failure", default="fallback", choices=("fallback", "fail"),
+    group.add_argument("--local-prefill-threshold", type=int, default=KVConnectorConfig.local_prefill_threshold,
+                       help="prefill locally when fewer prompt tokens than this are not in the prefix cache "
+                            "(default: %(default)s)")
+    group.add_argument("--on-transfer-failure", default=KVConnectorConfig.on_transfer_failure,
+                       choices=ON_TRANSFER_FAILURE,
                        help="after a failed, timed-out or unverifiable KV transfer: prefill locally, or fail the request")
-    group.add_argument("--transfer-timeout-s", type=float, default=60.0,
-                       help="longest wait for a remote prefill (queueing, compute and transfer)")
+    group.add_argument("--transfer-timeout-s", type=float, default=KVConnectorConfig.transfer_timeout_s,
+                       help="longest wait for a remote prefill: queueing, compute and transfer "
+                            "(s; default: %(default)s)")
     return parser.parse_args(argv)
 
 
 async def _main(args: argparse.Namespace) -> None:
     from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-    from engine.kv_connector import KVConnectorConfig
     connector = KVConnectorConfig(transfer_timeout_s=args.transfer_timeout_s, inject_fault=args.inject_kv_fault,
                                   local_prefill_threshold=args.local_prefill_threshold,
                                   on_transfer_failure=args.on_transfer_failure)

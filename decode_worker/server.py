@@ -32,6 +32,7 @@ import grpc
 import kvtransfer
 import serving
 import wire
+from engine.config import DECODE_ROLES
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
@@ -44,18 +45,16 @@ class DecodeWorkerConfig:
     role: str = "decode"  # "decode" or "both" (colocated: always prefills locally)
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the receiver's transports: auto (shm + tcp on CPU), tcp, shm, ucx, nccl
-    kv_timeout_s: float = 5.0  # a silent sender fails the transfer after this long
+    kv_timeout_s: float = kvtransfer.TransferConfig.timeout_s  # a silent sender fails the transfer after this long
     # local-prefill threshold, transfer timeout (the whole remote prefill), on_transfer_failure
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
     advertise_host: str | None = None
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if self.role not in ("decode", "both"):
-            raise ValueError(f"role must be decode or both, got {self.role!r}")
-        if self.transport not in ("auto", *kvtransfer.TRANSPORT_NAMES):
-            raise ValueError(f"transport must be auto or one of {', '.join(kvtransfer.TRANSPORT_NAMES)}, "
-                             f"got {self.transport!r}")
+        if self.role not in DECODE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(DECODE_ROLES)}, got {self.role!r}")
+        kvtransfer.check_transport_choice(self.transport)
 
 
 class DecodeWorker(wire.services().DecodeServiceServicer):

@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from deploy.config import NODE_IP_HOST, ROLES, WorkerSpec
+from deploy.config import LOG_FORMAT, NODE_IP_HOST, ROLES, WorkerSpec
+
+if TYPE_CHECKING:
+    from wire.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,7 @@ class WorkerActor:
         import wire
         if self._stopped is not None:
             raise RuntimeError(f"this {self.role} worker was already started")
-        logging.basicConfig(level=self.spec.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=self.spec.log_level.upper(), format=LOG_FORMAT)
         self._stopped = asyncio.Event()
         node_id = ray.get_runtime_context().get_node_id()
         node_ip = ray.util.get_node_ip_address()
@@ -136,11 +138,11 @@ class RayWorkerHandle:
             return f"{type(exc).__name__}: {str(exc)[:300]}"
         return "stopped"
 
-    async def stats(self, timeout_s: float) -> dict[str, Any]:
+    async def stats(self, timeout_s: float) -> WorkerStats:
+        from wire.stats import worker_stats_from_wire
         if self._client is None:
             raise RuntimeError("the worker has not reported its address yet")
-        message = await self._client.stats(timeout_s)
-        return {field.name: value for field, value in message.ListFields()}
+        return worker_stats_from_wire(await self._client.stats(timeout_s))
 
     async def hand_over(self) -> int:
         return await self.actor.hand_over.remote()

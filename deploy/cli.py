@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORTS,
-                           parse_resources, pool_flag, pool_name)
+from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORT_CHOICES,
+                           ControllerConfig, parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
 from engine.config import add_engine_arguments
 from engine.config import engine_options as engine_options_from_flags
@@ -44,10 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     serve.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers (default 0)")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0: any free port)")
+    serve.add_argument("--port", type=int, default=RouterConfig.port,
+                       help="HTTP port (default %(default)s; 0: any free port)")
     serve.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="auto: cuda when the Ray cluster has GPUs (one GPU per worker)")
-    serve.add_argument("--transport", default="auto", choices=TRANSPORTS, help="KV transport between P and D")
+    serve.add_argument("--transport", default="auto", choices=TRANSPORT_CHOICES, help="KV transport between P and D")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $PDSERVE_API_KEY)")
     engine = serve.add_argument_group("engine (every worker)")
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-share", type=float, default=RouterConfig.batch_share,
                        help="the share of --max-inflight-requests that requests of priority > 0 may hold, so a "
                             "flood of them leaves room for the rest (default: %(default)s)")
-    serve.add_argument("--max-migrations", type=int, default=2,
+    serve.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                        help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                             "this many times per request; 0: never (default: %(default)s)")
     placement = serve.add_argument_group("Ray and placement")
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "processes on the same node), holding N x --worker-cpus (CPU) or N GPUs (CUDA, rank "
                                "r on cuda:r) and N x --omp-num-threads threads (default 1); a pool's own flag "
                                "below overrides it")
-    for role in ("prefill", "decode", "both"):
+    for role in ROLES:
         parallel.add_argument(pool_flag(role, "tp"), dest=f"{role}_tp", type=int, default=None, metavar="N",
                               help=f"tensor-parallel degree of the {pool_name(role)} workers (default: "
                                    "--tensor-parallel-size); prefill and decode degrees may differ")
@@ -106,13 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     placement.add_argument("--object-store-mb", type=int, default=150, help="object store of a local instance")
     placement.add_argument("--include-dashboard", action="store_true", help="start Ray's dashboard (local instance)")
     placement.add_argument("--ray-temp-dir", default=None, help="Ray's temp/session folder for a local instance")
-    placement.add_argument("--drain-timeout", type=float, default=120.0,
-                           help="longest wait for a draining worker's requests (s)")
-    placement.add_argument("--drain-grace", type=float, default=5.0,
+    placement.add_argument("--drain-timeout", type=float, default=ControllerConfig.drain_timeout_s,
+                           help="longest wait for a draining worker's requests (s; default: %(default)s)")
+    placement.add_argument("--drain-grace", type=float, default=ControllerConfig.drain_grace_s,
                            help="a draining decode worker still streaming after this long hands its streams over: "
                                 "the routers resume them on other workers (s; needs --max-migrations > 0; "
                                 "default: %(default)s)")
-    placement.add_argument("--worker-start-timeout", type=float, default=900.0, help="model load limit (s)")
+    placement.add_argument("--worker-start-timeout", type=float, default=ControllerConfig.start_timeout_s,
+                           help="model load limit (s; default: %(default)s)")
     planner = serve.add_argument_group("goodput planner (deploy/planner.py)")
     planner.add_argument("--planner", action="store_true",
                          help="size the prefill and decode pools from their measured load under the SLO below")

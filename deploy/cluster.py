@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.config import DEFAULT_NAMESPACE
+from router.config import LOOPBACK_HOSTS
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def is_loopback_address(address: str) -> bool:
     """A cluster reached at 127.0.0.1 / localhost runs in loopback mode: join it the same way
     (Ray would otherwise replace 127.0.0.1 with this host's routable IP, where nothing listens)."""
     host = address.rpartition(":")[0] if ":" in address else address
-    return host.strip("[]") in ("127.0.0.1", "localhost", "::1")
+    return host.strip("[]") in LOOPBACK_HOSTS
 
 
 def find_controller(name: str, namespace: str) -> Any:

@@ -12,11 +12,13 @@ from typing import Any
 
 from deploy.planner import PlannerConfig
 from engine.config import ROLES  # noqa: F401  (re-exported: deploy's modules take it from here)
-TRANSPORTS = ("auto", "ucx", "nccl", "tcp", "shm")
+from kvtransfer.addresses import TRANSPORT_CHOICES, check_transport_choice
 DEVICES = ("cpu", "cuda")
 NODE_IP_HOST = "node-ip"  # WorkerSpec.host / --worker-host: listen on the IP of the worker's Ray node
 DEFAULT_CONTROLLER_NAME = "pdserve-controller"
 DEFAULT_NAMESPACE = "pdserve"
+# How often each router process asks the controller for the pools' membership (deploy/router_sync.py).
+SYNC_INTERVAL_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve and its router processes
 # Ray resources a worker holds through WorkerSpec.num_cpus / num_gpus (or that Ray accounts
 # itself): not accepted among a pool's custom resources.
@@ -94,8 +96,7 @@ class WorkerSpec:
             raise ValueError("model must be a non-empty string: a model folder, a .gguf file or 'default'")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} once resolved, got {self.device!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        check_transport_choice(self.transport)
         if not self.host:
             raise ValueError("host must be a non-empty host name or IP address")
         if self.num_cpus < 0 or self.num_gpus < 0:

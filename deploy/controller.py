@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 from deploy.config import ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
 from deploy.planner import Planner
+from wire.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ class WorkerHandle(Protocol):
     async def wait_dead(self) -> str:
         """Return (with a reason) when the worker has died; never returns while it lives."""
 
-    async def stats(self, timeout_s: float) -> dict[str, Any]:
-        """The worker's Stats as a dict (WorkerStats fields); raises when it does not answer."""
+    async def stats(self, timeout_s: float) -> WorkerStats:
+        """The worker's Stats; raises when it does not answer."""
 
     async def hand_over(self) -> int:
         """Draining: end the worker's streams so their callers resume them elsewhere; how many."""
@@ -106,7 +107,7 @@ class Member:
     node_id: str = ""  # the Ray node the worker runs on (hex id) and its IP
     node_ip: str = ""
     healthy: bool = False
-    stats: dict[str, Any] | None = None
+    stats: WorkerStats | None = None  # the last Stats answer (None before one)
     stats_time: float | None = None  # when the last successful poll was sent
     consecutive_failures: int = 0
     last_error: str | None = None
@@ -117,12 +118,9 @@ class Member:
     routers_clear_at: float | None = None  # first time every live router reported nothing in flight
     start_task: asyncio.Task | None = None
 
-    def stat(self, name: str) -> int:
-        return int(self.stats.get(name, 0)) if self.stats else 0
-
     @property
     def load(self) -> int:
-        return self.stat("running") + self.stat("waiting")
+        return self.stats.running + self.stats.waiting if self.stats is not None else 0
 
 
 @dataclass
@@ -290,18 +288,18 @@ class PoolController:
         routers = self._live_routers()
         workers = []
         for m in self._sorted_members():
-            total, free = m.stat("kv_blocks_total"), m.stat("kv_blocks_free")
-            queries = m.stat("prefix_cache_queries")
+            stats = m.stats or WorkerStats()  # zeros before the first answer
+            total, free = stats.kv_blocks_total, stats.kv_blocks_free
             workers.append({
                 "worker_id": m.worker_id, "role": m.role, "state": m.state, "address": m.grpc_address,
                 "tensor_parallel_size": self.config.worker.tp(m.role),
                 "transport_address": m.transport_address, "pid": m.pid, "node_id": m.node_id,
-                "node_ip": m.node_ip, "healthy": m.healthy, "running": m.stat("running"),
-                "waiting": m.stat("waiting"), "kv_blocks_total": total, "kv_blocks_free": free,
-                "kv_bytes_sent": m.stat("kv_bytes_sent"), "kv_bytes_received": m.stat("kv_bytes_received"),
-                "rss_bytes": m.stat("rss_bytes"), "weight_bytes": m.stat("weight_bytes"),
+                "node_ip": m.node_ip, "healthy": m.healthy, "running": stats.running,
+                "waiting": stats.waiting, "kv_blocks_total": total, "kv_blocks_free": free,
+                "kv_bytes_sent": stats.kv_bytes_sent, "kv_bytes_received": stats.kv_bytes_received,
+                "rss_bytes": stats.rss_bytes, "weight_bytes": stats.weight_bytes,
                 "kv_usage": (total - free) / total if total else None,
-                "prefix_cache_hit_rate": m.stat("prefix_cache_hits") / queries if queries else None,
+                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                 "router_inflight": sum(int(r.workers.get(m.grpc_address, {}).get("inflight", 0))
                                        for r in routers.values()),
                 "last_error": m.last_error, "age_s": round(now - m.launched_at, 1)})
@@ -450,7 +448,7 @@ class PoolController:
             return
         now = self.clock()
         self.planner.observe(now, [(m.grpc_address, m.role, m.stats) for m in self._members.values()
-                                   if m.state == READY and m.stats and m.role in ("prefill", "decode")])
+                                   if m.state == READY and m.stats is not None and m.role in ("prefill", "decode")])
         if not self.settled():  # a change under way: its workers' numbers are not in yet
             return
         decision = self.planner.decide(now, self.targets.prefill, self.targets.decode)

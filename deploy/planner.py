@@ -26,7 +26,10 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from wire.stats import WorkerStats
 
 
 @dataclass
@@ -87,12 +90,11 @@ class Planner:
     num_decisions: int = 0  # cumulative
     num_changes: int = 0  # decisions with a target (applied, or logged in a dry run)
 
-    def observe(self, now: float, workers: Iterable[tuple[str, str, dict[str, Any]]]) -> None:
-        """(address, role, Stats fields) of every ready worker, as polled at `now`."""
+    def observe(self, now: float, workers: Iterable[tuple[str, str, WorkerStats]]) -> None:
+        """(address, role, Stats) of every ready worker, as polled at `now`."""
         for address, role, stats in workers:
-            sample = _Sample(now, role, int(stats.get("prompt_tokens_computed", 0)),
-                             int(stats.get("decode_tokens", 0)), int(stats.get("prefill_tokens_queued", 0)),
-                             int(stats.get("running", 0)) + int(stats.get("waiting", 0)))
+            sample = _Sample(now, role, stats.prompt_tokens_computed, stats.decode_tokens,
+                             stats.prefill_tokens_queued, stats.running + stats.waiting)
             previous = self._last.get(address)
             self._last[address] = sample
             if previous is None or previous.role != role or now <= previous.time:

@@ -33,7 +33,7 @@ from typing import Any
 
 import uvicorn
 
-from deploy.config import LOG_FORMAT
+from deploy.config import LOG_FORMAT, SYNC_INTERVAL_S
 
 SPEC_ENV = "PDSERVE_ROUTER_SPEC"
 _PR_SET_PDEATHSIG = 1
@@ -52,7 +52,7 @@ class RouterSpec:
     token_auth: bool
     controller: str
     router: dict[str, Any]  # RouterConfig's fields
-    sync_interval_s: float = 0.5
+    sync_interval_s: float = SYNC_INTERVAL_S
     warm_up_s: float = 10.0
     log_level: str = "INFO"
 

@@ -20,6 +20,7 @@ import logging
 import uuid
 from typing import Any, Awaitable, Callable
 
+from deploy.config import SYNC_INTERVAL_S
 from router.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ FetchMembership = Callable[[str, dict[str, dict[str, Any]]], Awaitable[list[dict
 
 
 class MembershipSync:
-    def __init__(self, pool: WorkerPool, fetch: FetchMembership, interval_s: float = 0.5,
+    def __init__(self, pool: WorkerPool, fetch: FetchMembership, interval_s: float = SYNC_INTERVAL_S,
                  router_id: str | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")

@@ -29,15 +29,12 @@ from typing import Any
 
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
                             start_or_join, write_state)
-from deploy.config import (DEFAULT_CONTROLLER_NAME, ROLES, ControllerConfig, PoolTargets, WorkerSpec,
+from deploy.config import (DEFAULT_CONTROLLER_NAME, ROLES, SYNC_INTERVAL_S, ControllerConfig, PoolTargets, WorkerSpec,
                            capacity_shortfall, tp_flag)
 from deploy.planner import PlannerConfig
-from router.config import RouterConfig
+from router.config import LOOPBACK_HOSTS, RouterConfig
 
 logger = logging.getLogger("pdserve")
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
 
 @dataclass
 class ServeOptions:
@@ -48,7 +45,7 @@ class ServeOptions:
     decode: int = 1
     colocated: int = 0
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = RouterConfig.port
     device: str = "auto"  # auto: cuda when the Ray cluster has GPUs
     transport: str = "auto"
     api_key: str | None = None
@@ -62,7 +59,8 @@ class ServeOptions:
     tensor_parallel_size: dict[str, int] = field(default_factory=dict)
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining; node-ip
     local_prefill_threshold: int | None = None
-    max_migrations: int = 2  # router: resume a generation on another worker after its decode worker fails
+    # router: resume a generation on another worker after its decode worker fails
+    max_migrations: int = RouterConfig.max_migrations
     local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
     max_inflight_requests: int = RouterConfig.max_inflight_requests  # per router process
     batch_share: float = RouterConfig.batch_share  # of it, for requests of priority > 0
@@ -70,11 +68,12 @@ class ServeOptions:
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
     state_file: Path | None = None  # None: default_state_file()
-    sync_interval_s: float = 0.5
-    health_interval_s: float = 1.0
-    drain_timeout_s: float = 120.0
-    drain_grace_s: float = 5.0  # then a draining decode worker hands its streams over (with migrations)
-    start_timeout_s: float = 900.0
+    sync_interval_s: float = SYNC_INTERVAL_S
+    health_interval_s: float = ControllerConfig.health_interval_s
+    drain_timeout_s: float = ControllerConfig.drain_timeout_s
+    # then a draining decode worker hands its streams over (with migrations)
+    drain_grace_s: float = ControllerConfig.drain_grace_s
+    start_timeout_s: float = ControllerConfig.start_timeout_s
     log_level: str = "INFO"
     planner: PlannerConfig | None = None  # the goodput planner; None: fixed pool sizes
 
@@ -134,7 +133,7 @@ class ServeOptions:
             return RouterConfig(model=self.model, served_model_name=self.served_model_name, host=self.host,
                                 port=port or 1, api_key=self.api_key,
                                 max_model_len=self.engine_options.get("max_model_len"),
-                                block_size=self.engine_options.get("block_size", 16),
+                                block_size=self.engine_options.get("block_size", RouterConfig.block_size),
                                 max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight,
                                 max_inflight_requests=self.max_inflight_requests, batch_share=self.batch_share)
         except ValueError as exc:  # its messages start with the field's name: say the flag's

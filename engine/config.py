@@ -10,6 +10,10 @@ if TYPE_CHECKING:
 Role = Literal["both", "prefill", "decode"]
 # The one list of worker roles (router, deploy and workers import it); "both": colocated.
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+# Its subsets: the roles that decode (the router streams from them; a decode worker's default role
+# comes first) and the roles that move KV between workers (a colocated worker moves none).
+DECODE_ROLES: tuple[str, ...] = ("decode", "both")
+KV_ROLES: tuple[str, ...] = ("prefill", "decode")
 
 # A decode-role worker prefills only what the router keeps local (a short tail, or a prompt the
 # prefill pool is too busy for); its decodes come first, so by default such a step takes at most

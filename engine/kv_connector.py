@@ -21,8 +21,8 @@ process), the chained hashes of the prompt's full blocks and an xxhash of every 
 transfer ended SUCCESS over every layer of every block; the epoch in the transfer's `begin`
 equals the report's; the block hashes equal its own for the same tokens; the checksum of the
 bytes in its blocks equals the report's. Anything else is a failed load, by reason
-(`FAILURE_REASONS`, counted in `failures`), which falls back to local prefill or fails the request
-(`on_transfer_failure`): never wrong tokens.
+(`FAILURE_REASONS`, engine/kv_hooks.py; counted in `failures`), which falls back to local
+prefill or fails the request (`on_transfer_failure`): never wrong tokens.
 """
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ import torch
 
 from engine.block_hash import hash_full_blocks
 from engine.kv_hooks import ImportPlan, KVDestination
-from engine.request import Request
+from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
+# What a decode worker does after a failed load: prefill the prompt itself, or fail the request.
+ON_TRANSFER_FAILURE = ("fallback", "fail")
 FAULTS = ("drop_layer_group", "flip_byte")  # testing only: see KVConnectorConfig.inject_fault
 
 
@@ -107,8 +108,9 @@ class KVConnectorConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
-        if self.on_transfer_failure not in ("fallback", "fail"):
-            raise ValueError(f"on_transfer_failure must be fallback or fail, got {self.on_transfer_failure!r}")
+        if self.on_transfer_failure not in ON_TRANSFER_FAILURE:
+            raise ValueError(f"on_transfer_failure must be one of {', '.join(ON_TRANSFER_FAILURE)}, "
+                             f"got {self.on_transfer_failure!r}")
         if self.layer_group_size < 0 or self.hold_send_s < 0:
             raise ValueError("layer_group_size and hold_send_s must be >= 0")
         if self.inject_fault is not None and self.inject_fault not in FAULTS:
@@ -189,8 +191,7 @@ class _Send:
     src_block_ids: list[int] = field(default_factory=list)
     opened: bool = False
     pushed: list[int] = field(default_factory=list)  # per layer group: blocks pushed so far
-    sending: bool = False  # SENDING_KV: the prompt is done
-    finished_at: float = 0.0  # when it became SENDING_KV (monotonic)
+    finished_at: float = 0.0  # when the prompt was done: request_finished, then SENDING_KV (monotonic)
     checksum: int = 0
     block_hashes: tuple[bytes, ...] = ()
     error: str | None = None
@@ -258,7 +259,7 @@ class KVConnector:
         if send is None:
             return False
         now = time.monotonic()
-        send.sending, send.finished_at = True, now
+        send.finished_at = now  # the scheduler makes the request SENDING_KV once this returns True
         try:
             if not send.opened and send.error is None:
                 self._open(send)  # push-after-prefill or a hold: nothing was opened yet
@@ -369,7 +370,8 @@ class KVConnector:
         send = self._sends.get(request_id)
         if send is None:
             return None
-        if send.sending and now >= send.finished_at + self.config.hold_send_s:
+        sending = send.request.status is RequestStatus.SENDING_KV  # the prompt is done
+        if sending and now >= send.finished_at + self.config.hold_send_s:
             self._push_rest(send)  # after a hold (testing); a no-op once every group is pushed
         status = None
         if send.opened:
@@ -384,7 +386,7 @@ class KVConnector:
         if error is not None:
             self.failures["transfer"] += 1
             return self._end_send(send, error, sent)
-        if not send.sending:
+        if not sending:
             return None
         if status is not None and status.ok:
             return self._end_send(send, None, sent)

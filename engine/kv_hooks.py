@@ -12,6 +12,9 @@ Decode role:   WAITING_FOR_KV -> RUNNING -> FINISHED
 
 Either role: `request_ended(request)` runs before the blocks of a request that ends early (abort,
 error) are freed, so that no transfer reads or writes them afterwards.
+
+`FAILURE_REASONS`: why the connector counts a transfer as failed (its `failures`; the router
+exports them per worker), here so that readers need neither torch nor the connector.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.request import Request
+
+FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
 
 
 class SchedulerConnector(Protocol):

@@ -39,7 +39,7 @@ import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config import KV_ROLES, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
@@ -152,7 +152,7 @@ class ModelRunner:
     @property
     def _holds_transfer_cache(self) -> bool:
         """Rank 0 of a tensor-parallel prefill or decode worker (see the module docstring)."""
-        return self.tp is not None and self.tp.rank == 0 and self.config.role in ("prefill", "decode")
+        return self.tp is not None and self.tp.rank == 0 and self.config.role in KV_ROLES
 
     @property
     def kv_shards(self) -> "ModelRunner | None":

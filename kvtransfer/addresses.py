@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
-KNOWN_SCHEMES = ("tcp", "shm", "ucx", "nccl")
+# The one list of KV transports (an address's scheme names its transport), in the order `auto`
+# prefers them where several are usable; TRANSPORT_CHOICES is what a `--transport` flag takes. Here,
+# not in factory.py, so that configs and command lines can name them without loading a transport.
+TRANSPORT_NAMES: tuple[str, ...] = ("tcp", "shm", "ucx", "nccl")
+TRANSPORT_CHOICES: tuple[str, ...] = ("auto", *TRANSPORT_NAMES)
+
+
+def check_transport_choice(name: str) -> None:
+    """Raise ValueError unless `name` is a `--transport` choice."""
+    if name not in TRANSPORT_CHOICES:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -46,9 +56,9 @@ def parse_address(address: str) -> list[Endpoint]:
     for part in address.split(","):
         part = part.strip()
         parsed = urlsplit(part)
-        if parsed.scheme not in KNOWN_SCHEMES:
+        if parsed.scheme not in TRANSPORT_NAMES:
             raise ValueError(f"address {part!r}: unknown transport {parsed.scheme!r} "
-                             f"(known: {', '.join(KNOWN_SCHEMES)})")
+                             f"(known: {', '.join(TRANSPORT_NAMES)})")
         if not parsed.hostname:
             raise ValueError(f"address {part!r} names no host")
         try:

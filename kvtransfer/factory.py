@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .addresses import TRANSPORT_NAMES
 from .config import TransferConfig
 from .layout import KVLayout, PackedBlocks
 from .shared_memory import SharedMemory
@@ -23,7 +24,6 @@ from .sender import KVSender
 from .status import TransportUnavailableError
 from .transports.base import Transport
 
-TRANSPORT_NAMES = ("tcp", "shm", "ucx", "nccl")
 
 
 def _transport_class(name: str) -> type[Transport]:

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .status import LayoutMismatchError
+from .status import LayoutMismatchError, dtype_description
 
 _DTYPES_BY_NAME = {
     str(dtype).removeprefix("torch."): dtype
@@ -41,11 +41,6 @@ class PackedBlocks(Protocol):
 # K reference row (engine/kv_quant.py; `from_caches` checks the sum against the format's).
 SCALE_BYTES = 4
 REF_BYTES = 2
-
-
-def dtype_description(kv_format: str, dtype: str) -> str:
-    """How a layout's values are named in mismatch messages (this side's and a peer's alike)."""
-    return f"{kv_format} with float32 scales and bf16 K references" if kv_format else dtype
 
 
 @dataclass(frozen=True)

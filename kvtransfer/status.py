@@ -1,4 +1,5 @@
-"""Transfer states, the status snapshot that `poll()` returns, and kvtransfer's exceptions."""
+"""Transfer states, the status snapshot that `poll()` returns, kvtransfer's exceptions and how a
+layout mismatch names the values (torch-free: the wire imports it)."""
 from __future__ import annotations
 
 import enum
@@ -49,3 +50,8 @@ class LayoutMismatchError(TransferError):
 
 class TransportUnavailableError(TransferError):
     """The requested transport cannot be used in this process (missing dependency, platform)."""
+
+
+def dtype_description(kv_format: str, dtype: str) -> str:
+    """How a layout's values are named in mismatch messages (this side's and a peer's alike)."""
+    return f"{kv_format} with float32 scales and bf16 K references" if kv_format else dtype

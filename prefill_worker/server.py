@@ -33,14 +33,12 @@ class PrefillWorkerConfig:
     model: str = "default"
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the sender's transports; "auto": whatever the receiver offers
-    kv_timeout_s: float = 5.0  # a silent receiver fails the transfer after this long
+    kv_timeout_s: float = kvtransfer.TransferConfig.timeout_s  # a silent receiver fails the transfer after this long
     # the lease (how long blocks stay pinned for a send), layer-wise push, test-only faults
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", *kvtransfer.TRANSPORT_NAMES):
-            raise ValueError(f"transport must be auto or one of {', '.join(kvtransfer.TRANSPORT_NAMES)}, "
-                             f"got {self.transport!r}")
+        kvtransfer.check_transport_choice(self.transport)
 
 
 class PrefillWorker(wire.services().PrefillServiceServicer):
@@ -64,7 +62,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
                                             on_transfer_end=on_transfer_end, packed=kv_cache.kv_format)
 
         self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
-                                                 "prefill", make_sender, config.connector)
+                                                 self.role, make_sender, config.connector)
         self.sender = self.engine.engine.kv_connector.transport
         self.layout = layout_to_wire(self.sender.layout)
 
@@ -114,10 +112,10 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
         return serving.abort(self.engine, request.request_id)
 
     async def Health(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return serving.health(self.engine, "prefill", self.config.model)
+        return serving.health(self.engine, self.role, self.config.model)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await serving.stats(self.engine, "prefill", context, kv_bytes_sent=self.sender.total_bytes_sent)
+        return await serving.stats(self.engine, self.role, context, kv_bytes_sent=self.sender.total_bytes_sent)
 
     async def KVEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for batch in serving.kv_events(self.engine, context):

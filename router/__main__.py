@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from router.config import DECODE_POLICIES, LOOPBACK_HOST, PREFILL_POLICIES, RouterConfig
+from router.config import DECODE_POLICIES, LOOPBACK_HOST, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
 
 
 def _addresses(values: list[str] | None) -> list[str]:
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="append", metavar="HOST:PORT",
                    help="a colocated (prefill+decode) worker (repeatable)")
     p.add_argument("--host", default=LOOPBACK_HOST, help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=RouterConfig.port, help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PDSERVE_API_KEY)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
-    if config.host not in (LOOPBACK_HOST, "localhost", "::1") and config.api_key is None:
+    if config.host not in LOOPBACK_HOSTS and config.api_key is None:
         logging.getLogger("router").warning("binding %s without --api-key: anyone who can reach it can use it",
                                             config.host)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)

@@ -4,10 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_hash import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS
+from engine.config import CacheConfig
 
 PREFILL_POLICIES = ("prefix_affinity", "round_robin")
 DECODE_POLICIES = ("power_of_two", "round_robin")
 LOOPBACK_HOST = "127.0.0.1"
+# Hosts that only this machine reaches: binding one needs no --api-key; a worker on one advertises it.
+LOOPBACK_HOSTS: tuple[str, ...] = (LOOPBACK_HOST, "localhost", "::1")
 
 
 def check_grpc_address(address: str, what: str) -> str:
@@ -46,7 +49,7 @@ class RouterConfig:
     prefill_policy: str = "prefix_affinity"
     decode_policy: str = "power_of_two"
     # KV block size used for prefix-affinity hashes until a worker reports its own.
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     # Per worker, how many routed block hashes not yet reported by its KV events the index keeps.
     affinity_capacity_blocks: int = 65536

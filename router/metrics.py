@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engine.kv_connector import FAILURE_REASONS
 from engine.kv_events import TIERS
+from engine.kv_hooks import FAILURE_REASONS
 from engine.step_times import STEP_TIME_BUCKETS
 from router.pool import WorkerPool
 
@@ -125,32 +125,33 @@ class RequestTimer:
 
 _WORKER_GAUGES = (
     ("healthy", "1 when the worker answers its health checks.", lambda w: float(w.healthy)),
-    ("running_requests", "Requests running on the worker.", lambda w: w.stat("running")),
-    ("waiting_requests", "Requests waiting on the worker.", lambda w: w.stat("waiting")),
-    ("kv_blocks_total", "KV cache blocks of the worker.", lambda w: w.stat("kv_blocks_total")),
-    ("kv_blocks_free", "Free KV cache blocks of the worker.", lambda w: w.stat("kv_blocks_free")),
-    ("kv_blocks_cached", "KV blocks holding reusable prefixes.", lambda w: w.stat("kv_blocks_cached")),
+    ("running_requests", "Requests running on the worker.", lambda w: w.stats.running),
+    ("waiting_requests", "Requests waiting on the worker.", lambda w: w.stats.waiting),
+    ("kv_blocks_total", "KV cache blocks of the worker.", lambda w: w.stats.kv_blocks_total),
+    ("kv_blocks_free", "Free KV cache blocks of the worker.", lambda w: w.stats.kv_blocks_free),
+    ("kv_blocks_cached", "KV blocks holding reusable prefixes.", lambda w: w.stats.kv_blocks_cached),
     ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
-     lambda w: w.prefix_cache_hit_rate or 0.0),
+     lambda w: w.stats.prefix_cache_hit_rate or 0.0),
     ("prefill_tokens_queued", "Prompt tokens the worker has not computed yet.",
-     lambda w: w.stat("prefill_tokens_queued")),
+     lambda w: w.stats.prefill_tokens_queued),
     ("host_cache_blocks_used", "KV blocks kept in the worker's host-memory prefix cache tier.",
-     lambda w: w.stat("host_cache_blocks_used")),
+     lambda w: w.stats.host_cache_blocks_used),
     ("host_cache_hit_tokens", "Prompt tokens copied back from the host tier instead of recomputed (cumulative).",
-     lambda w: w.stat("host_cache_hits")),
+     lambda w: w.stats.host_cache_hits),
     ("router_inflight_requests", "This router's requests on the worker.", lambda w: w.inflight_requests),
-    ("resident_bytes", "The worker process's resident memory.", lambda w: w.stat("rss_bytes")),
-    ("weight_bytes", "Of it, the model's weights (pre-blocked copies included).", lambda w: w.stat("weight_bytes")),
+    ("resident_bytes", "The worker process's resident memory.", lambda w: w.stats.rss_bytes),
+    ("weight_bytes", "Of it, the model's weights (pre-blocked copies included).", lambda w: w.stats.weight_bytes),
     ("spec_decode_acceptance_rate", "Speculative decoding: draft tokens accepted / verified (cumulative; 0 before "
-     "any draft).", lambda w: w.spec_acceptance_rate or 0.0),
+     "any draft).", lambda w: w.stats.spec_acceptance_rate or 0.0),
 )
 
 # Speculative decoding counters per worker (vLLM's names, pdserve's prefix): tokens per step of a
 # request with a draft = 1 + accepted / drafts.
 _SPEC_COUNTERS = (
-    ("spec_decode_num_drafts", "Drafts verified (one per decode step of a request that had one).", "spec_drafts"),
-    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_draft_tokens"),
-    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_accepted_tokens"),
+    ("spec_decode_num_drafts", "Drafts verified (one per decode step of a request that had one).",
+     lambda w: w.stats.spec_drafts),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", lambda w: w.stats.spec_draft_tokens),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda w: w.stats.spec_accepted_tokens),
 )
 
 
@@ -171,7 +172,7 @@ class _PoolCollector:
                                        "KV transfers that failed on the worker, by reason (then recomputed or "
                                        "failed per --on-transfer-failure).", labels=["worker", "role", "reason"])
         for worker in workers:
-            counts = dict(worker.stats.kv_transfer_failures) if worker.stats is not None else {}
+            counts = worker.stats.kv_transfer_failures
             for reason in FAILURE_REASONS:
                 failures.add_metric([worker.address, worker.role, reason], float(counts.get(reason, 0)))
         yield failures
@@ -180,10 +181,10 @@ class _PoolCollector:
         for tier in (*TIERS, "pending"):
             index.add_metric([tier], float(self._pool.kv_index.size(tier)))
         yield index
-        for name, help_text, stat in _SPEC_COUNTERS:
+        for name, help_text, read in _SPEC_COUNTERS:
             family = CounterMetricFamily(f"pdserve:{name}", help_text, labels=["worker", "role"])
             for worker in workers:
-                family.add_metric([worker.address, worker.role], float(worker.stat(stat)))
+                family.add_metric([worker.address, worker.role], float(read(worker)))
             yield family
         yield _step_times(workers)
 
@@ -198,10 +199,9 @@ def _step_times(workers) -> HistogramMetricFamily:
                                    labels=["worker", "role", "kind"])
     bounds = [*(f"{b:g}" for b in STEP_TIME_BUCKETS), "+Inf"]
     for worker in workers:
-        for entry in (worker.stats.step_times if worker.stats is not None else ()):
-            if len(entry.bucket_counts) != len(bounds):  # a worker of another version: other buckets
+        for kind, (counts, total) in worker.stats.step_times.items():
+            if len(counts) != len(bounds):  # a worker of another version: other buckets
                 continue
-            cumulative = itertools.accumulate(entry.bucket_counts)
-            family.add_metric([worker.address, worker.role, entry.kind], list(zip(bounds, map(float, cumulative))),
-                              entry.sum_seconds)
+            cumulative = itertools.accumulate(counts)
+            family.add_metric([worker.address, worker.role, kind], list(zip(bounds, map(float, cumulative))), total)
     return family

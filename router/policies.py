@@ -114,12 +114,12 @@ class PowerOfTwoDecode:
         self._rng = random.Random(config.seed)
 
     def _short_of_kv(self, worker: WorkerInfo) -> bool:
-        total = worker.stat("kv_blocks_total")
-        return bool(total) and worker.stat("kv_blocks_free") / total < self.low_watermark
+        total = worker.stats.kv_blocks_total
+        return bool(total) and worker.stats.kv_blocks_free / total < self.low_watermark
 
     @staticmethod
     def _requests(worker: WorkerInfo) -> int:
-        return max(worker.inflight_requests, worker.stat("running") + worker.stat("waiting"))
+        return max(worker.inflight_requests, worker.stats.running + worker.stats.waiting)
 
     def _load(self, worker: WorkerInfo) -> tuple[bool, int]:
         return self._short_of_kv(worker), self._requests(worker)
@@ -187,10 +187,10 @@ def prefill_locally(decode: Choice, prefill: Choice, num_tokens: int, block_size
     local = max(0, num_tokens - decode.matched_blocks * block_size)
     remote = max(0, num_tokens - prefill.matched_blocks * block_size)
     wait = prefill.worker.prefill_load_tokens
-    chunk = prefill.worker.stat("prefill_chunk_tokens")
+    chunk = prefill.worker.stats.prefill_chunk_tokens
     if chunk:
         wait = min(wait, chunk)
-    running = max(decode.worker.inflight_requests, decode.worker.stat("running"))
+    running = max(decode.worker.inflight_requests, decode.worker.stats.running)
     stall = weight * running * local if running else 0.0  # inf * 0 is nan
     return decode.worker.prefill_load_tokens + local + stall < wait + remote
 

@@ -29,7 +29,8 @@ from engine.config import ROLES
 from router.client import WorkerClient
 from router.config import RouterConfig, check_grpc_address
 from router.kv_index import KVIndex
-from wire.convert import kv_event_batch_from_wire
+from wire.kv_events import kv_event_batch_from_wire
+from wire.stats import WorkerStats, worker_stats_from_wire
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class WorkerInfo:
     address: str  # gRPC host:port
     healthy: bool = False
     draining: bool = False
-    stats: Any = None  # the last WorkerStats message
+    stats: WorkerStats = field(default_factory=WorkerStats)  # the last Stats answer (zeros before one)
     model: str = ""
     transport_address: str = ""
     consecutive_failures: int = 0
@@ -62,20 +63,6 @@ class WorkerInfo:
     def serves_decode(self) -> bool:
         return self.role in ("decode", "both")
 
-    def stat(self, name: str, default: int = 0) -> int:
-        return int(getattr(self.stats, name)) if self.stats is not None else default
-
-    @property
-    def prefix_cache_hit_rate(self) -> float | None:
-        queries = self.stat("prefix_cache_queries")
-        return self.stat("prefix_cache_hits") / queries if queries else None
-
-    @property
-    def spec_acceptance_rate(self) -> float | None:
-        """Speculative decoding: draft tokens accepted / verified (None before any draft)."""
-        drafted = self.stat("spec_draft_tokens")
-        return self.stat("spec_accepted_tokens") / drafted if drafted else None
-
     @property
     def prefill_load_tokens(self) -> int:
         """Queued prefill tokens: this router's outstanding ones, exact and current, plus the rest of
@@ -83,27 +70,28 @@ class WorkerInfo:
         stale as soon as a request it counted finishes its prefill: a sequence of requests would
         each see the previous one still queued. So this router's outstanding tokens at poll time
         (the larger of the counts at sending and at answering) come off the polled count."""
-        others = max(0, self.stat("prefill_tokens_queued") - self.outstanding_at_poll)
+        others = max(0, self.stats.prefill_tokens_queued - self.outstanding_at_poll)
         return self.outstanding_prefill_tokens + others
 
     def status(self) -> dict[str, Any]:
+        s = self.stats
         return {"role": self.role, "address": self.address, "healthy": self.healthy, "draining": self.draining,
                 "model": self.model, "transport_address": self.transport_address,
-                "running": self.stat("running"), "waiting": self.stat("waiting"),
-                "kv_blocks_total": self.stat("kv_blocks_total"), "kv_blocks_free": self.stat("kv_blocks_free"),
-                "kv_blocks_cached": self.stat("kv_blocks_cached"), "block_size": self.stat("block_size"),
-                "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-                "prefix_cache_hits": self.stat("prefix_cache_hits"),
-                "prompt_tokens_computed": self.stat("prompt_tokens_computed"),
-                "prefill_tokens_queued": self.stat("prefill_tokens_queued"),
-                "num_preemptions": self.stat("num_preemptions"),
-                "host_cache_blocks_total": self.stat("host_cache_blocks_total"),
-                "host_cache_blocks_used": self.stat("host_cache_blocks_used"),
-                "host_cache_hits": self.stat("host_cache_hits"),
-                "kv_bytes_sent": self.stat("kv_bytes_sent"), "kv_bytes_received": self.stat("kv_bytes_received"),
-                "spec_drafts": self.stat("spec_drafts"), "spec_draft_tokens": self.stat("spec_draft_tokens"),
-                "spec_accepted_tokens": self.stat("spec_accepted_tokens"),
-                "spec_acceptance_rate": self.spec_acceptance_rate,
+                "running": s.running, "waiting": s.waiting,
+                "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+                "kv_blocks_cached": s.kv_blocks_cached, "block_size": s.block_size,
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "prompt_tokens_computed": s.prompt_tokens_computed,
+                "prefill_tokens_queued": s.prefill_tokens_queued,
+                "num_preemptions": s.num_preemptions,
+                "host_cache_blocks_total": s.host_cache_blocks_total,
+                "host_cache_blocks_used": s.host_cache_blocks_used,
+                "host_cache_hits": s.host_cache_hits,
+                "kv_bytes_sent": s.kv_bytes_sent, "kv_bytes_received": s.kv_bytes_received,
+                "spec_drafts": s.spec_drafts, "spec_draft_tokens": s.spec_draft_tokens,
+                "spec_accepted_tokens": s.spec_accepted_tokens,
+                "spec_acceptance_rate": s.spec_acceptance_rate,
                 "router_inflight_requests": self.inflight_requests,
                 "router_outstanding_prefill_tokens": self.outstanding_prefill_tokens,
                 "router_num_routed": self.num_routed,
@@ -235,7 +223,7 @@ class WorkerPool:
     def block_size(self) -> int:
         """The KV block size the workers report (the config's until one has)."""
         for worker in self._workers.values():
-            size = worker.stat("block_size")
+            size = worker.stats.block_size
             if size:
                 return size
         return self.config.block_size
@@ -314,7 +302,7 @@ class WorkerPool:
             self._poll_failed(worker, f"registered as a {worker.role} worker but reports role {reported!r}",
                               at_once=True)
             return
-        worker.stats = stats
+        worker.stats = worker_stats_from_wire(stats)
         worker.outstanding_at_poll = max(outstanding_at_send, worker.outstanding_prefill_tokens)
         if not health.ok:
             self._poll_failed(worker, "the worker reports it is not ok", at_once=True)

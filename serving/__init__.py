@@ -56,9 +56,10 @@ def add_kv_arguments(parser: argparse.ArgumentParser, side: str) -> None:
     """The KV connector's flags; `side` is "sender" (prefill) or "receiver" (decode)."""
     import kvtransfer
     group = parser.add_argument_group("kv transfer")
-    group.add_argument("--transport", default="auto", choices=("auto", *kvtransfer.TRANSPORT_NAMES),
+    group.add_argument("--transport", default="auto", choices=kvtransfer.TRANSPORT_CHOICES,
                        help=f"the KV {side}'s transports: auto (what the receiver offers / shm and tcp on CPU)")
-    group.add_argument("--kv-timeout-s", type=float, default=5.0, help="a silent peer fails a transfer after this")
+    group.add_argument("--kv-timeout-s", type=float, default=kvtransfer.TransferConfig.timeout_s,
+                       help="a silent peer fails a transfer after this (s; default: %(default)s)")
     group.add_argument("--inject-kv-fault", default=None, choices=FAULTS, help="testing only: break every transfer")
 
 
@@ -108,7 +109,7 @@ def health(engine, role: str, model: str, transport_address: str = "") -> Any:
 
 async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes) -> Any:
     """The worker's Stats from the engine thread's latest snapshot; UNAVAILABLE once it died."""
-    from wire.convert import worker_stats_to_wire
+    from wire.stats import worker_stats_to_wire
     try:
         snapshot, queued = engine.stats()
     except RuntimeError as exc:
@@ -123,7 +124,7 @@ async def kv_events(engine, context: grpc.aio.ServicerContext) -> AsyncIterator[
     until the caller leaves. A caller that falls behind gets RESOURCE_EXHAUSTED and subscribes
     again (a new snapshot); a dead engine, UNAVAILABLE."""
     from engine.async_engine import KVEventsOverflow
-    from wire.convert import kv_event_batch_to_wire
+    from wire.kv_events import kv_event_batch_to_wire
     try:
         feed = await engine.subscribe_kv_events()
     except RuntimeError as exc:

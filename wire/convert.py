@@ -1,15 +1,15 @@
-"""Conversions between the wire schema (proto/pdserve.proto) and engine objects, for both worker
-kinds (the decode worker is the prefill service's client) and the router."""
+"""Conversions between the wire schema (proto/pdserve.proto) and engine objects for both worker
+kinds (the decode worker is the prefill service's client). What routers read, a worker's Stats
+and KV events, is in the torch-free wire/stats.py and wire/kv_events.py."""
 from __future__ import annotations
 
 from typing import Any
 
 from engine.kv_connector import KVSendResult, ProducerReport
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
 from engine.scheduler import SampledToken
-from kvtransfer.layout import dtype_description
+from kvtransfer.status import dtype_description
 from wire.schema import messages, sampling_to_wire
 
 
@@ -114,54 +114,3 @@ def producer_report_from_wire(response: Any, want_logprobs: bool) -> ProducerRep
     return ProducerReport(sampled_token_from_wire(response.first_token, want_logprobs), int(response.producer_epoch),
                           int(response.kv_checksum), tuple(bytes(h) for h in response.block_hashes),
                           int(response.num_cached_tokens), int(response.kv_bytes_sent))
-
-
-def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, block_size: int,
-                         kv_bytes_sent: int = 0, kv_bytes_received: int = 0, rss_bytes: int = 0,
-                         weight_bytes: int = 0) -> Any:
-    """`stats` is engine.scheduler.SchedulerStats; requests waiting for their KV count as waiting."""
-    return messages().WorkerStats(
-        role=role, running=stats.running, waiting=stats.waiting + stats.waiting_for_kv,
-        kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
-        kv_blocks_cached=stats.kv_blocks_cached, prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits, prefill_tokens_queued=prefill_tokens_queued,
-        num_preemptions=stats.num_preemptions, kv_bytes_sent=kv_bytes_sent, kv_bytes_received=kv_bytes_received,
-        prompt_tokens_computed=stats.prompt_tokens_computed, decode_tokens=stats.decode_tokens,
-        block_size=block_size, host_cache_blocks_total=stats.host_cache_slots,
-        host_cache_blocks_used=stats.host_cache_used, host_cache_hits=stats.host_cache_hits,
-        kv_transfer_failures=stats.kv_transfer_failures, rss_bytes=rss_bytes,
-        weight_bytes=weight_bytes, spec_drafts=stats.spec_drafts, spec_draft_tokens=stats.spec_draft_tokens,
-        spec_accepted_tokens=stats.spec_accepted_tokens, prefill_chunk_tokens=stats.prefill_chunk_tokens,
-        step_times=[messages().StepTimes(kind=kind, bucket_counts=counts, sum_seconds=total)
-                    for kind, (counts, total) in stats.step_times.items()])
-
-
-def kv_event_batch_to_wire(batch: KVEventBatch) -> Any:
-    pb = messages()
-    events = []
-    for event in batch.events:
-        if isinstance(event, BlockStored):
-            events.append(pb.KVCacheEvent(stored=pb.BlockStored(
-                block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash or b"",
-                token_ids=list(event.token_ids), block_size=event.block_size, tier=event.tier)))
-        elif isinstance(event, BlockRemoved):
-            events.append(pb.KVCacheEvent(removed=pb.BlockRemoved(block_hashes=list(event.block_hashes),
-                                                                  tier=event.tier, reason=event.reason)))
-        else:
-            events.append(pb.KVCacheEvent(cleared=pb.AllBlocksCleared()))
-    return pb.KVEventBatch(seq=batch.seq, ts=batch.ts, events=events, snapshot=batch.snapshot)
-
-
-def kv_event_batch_from_wire(message: Any) -> KVEventBatch:
-    events = []
-    for event in message.events:
-        kind = event.WhichOneof("event")
-        if kind == "stored":
-            stored = event.stored
-            events.append(BlockStored(tuple(stored.block_hashes), stored.parent_block_hash or None,
-                                      tuple(stored.token_ids), stored.block_size, stored.tier))
-        elif kind == "removed":
-            events.append(BlockRemoved(tuple(event.removed.block_hashes), event.removed.tier, event.removed.reason))
-        elif kind == "cleared":
-            events.append(AllBlocksCleared())
-    return KVEventBatch(message.seq, message.ts, events, message.snapshot)

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from wire.stats import WorkerStats
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -30,7 +32,7 @@ class FakeHandle:
     fail_start: str | None = None  # start() raises ValueError(fail_start)
     hold_start: bool = False  # start() waits until release_start()
     reply: dict[str, Any] = field(default_factory=lambda: {"running": 0, "waiting": 0, "kv_blocks_total": 100,
-                                                           "kv_blocks_free": 100})  # what Stats answers
+                                                           "kv_blocks_free": 100})  # what Stats answers (WorkerStats fields)
     unresponsive: bool = False
     stats_hang: bool = False  # Stats does not answer; stop() cancels the open calls (see stop())
     stopped_with_grace: float | None = None
@@ -61,7 +63,7 @@ class FakeHandle:
     def die(self, reason: str = "killed") -> None:
         self._died.set_result(reason)
 
-    async def stats(self, timeout_s: float) -> dict[str, Any]:
+    async def stats(self, timeout_s: float) -> WorkerStats:
         if self.unresponsive:
             raise ConnectionError("connection refused")
         if self.stats_hang:
@@ -71,7 +73,7 @@ class FakeHandle:
                 await call
             finally:
                 self.open_calls.discard(call)
-        return dict(self.reply)
+        return WorkerStats(**self.reply)
 
     async def hand_over(self) -> int:
         """Its streams end (their requests are aborted): nothing runs any more."""

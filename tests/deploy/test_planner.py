@@ -6,6 +6,7 @@ import random
 import pytest
 
 from deploy.planner import Planner, PlannerConfig
+from wire.stats import WorkerStats
 
 MU = 1000.0  # prompt tokens/s one prefill worker computes
 
@@ -51,7 +52,7 @@ class SimulatedCluster:
             worker["decode_tokens"] += int(batch / tpot(batch) * dt)
 
     def stats(self):
-        return [(address, w["role"], dict(w)) for address, w in self.workers.items()]
+        return [(address, w["role"], WorkerStats(**w)) for address, w in self.workers.items()]
 
 
 def simulate(planner: Planner, cluster: SimulatedCluster, phases, apply: bool = True):

@@ -1,6 +1,6 @@
 """The step-time histogram (engine/step_times.py): every model step the engine times lands in its
 kind's bucket, in the scheduler's stats and on the wire."""
-from wire.convert import worker_stats_to_wire
+from wire.stats import worker_stats_to_wire
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams

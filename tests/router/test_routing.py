@@ -12,6 +12,8 @@ from router.kv_index import KVIndex, Match
 from router.policies import Choice, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin, prefill_locally
 from router.pool import WorkerInfo, WorkerPool
 from tests.router.harness import reply_script, wait_until
+import wire
+from wire.stats import WorkerStats
 
 
 def hashes(tokens, block_size=4):
@@ -128,20 +130,19 @@ def test_prefill_load_uses_queued_tokens_then_requests_sent():
     policy = PrefixAffinityPrefill(RouterConfig())
     p0, p1, p2 = workers("prefill", 3)
     p0.outstanding_prefill_tokens = 10
-    p1.stats = type("Stats", (), {"prefill_tokens_queued": 5})()  # the worker's own count
+    p1.stats = WorkerStats(prefill_tokens_queued=5)  # the worker's own count
     assert policy.choose([p0, p1, p2], []).worker is p2
     p2.outstanding_prefill_tokens = 10
     assert policy.choose([p0, p1, p2], []).worker is p1
     p1.outstanding_prefill_tokens = 10
-    p1.stats = None
+    p1.stats = WorkerStats()
     p0.num_routed, p1.num_routed, p2.num_routed = 3, 1, 2
     assert policy.choose([p0, p1, p2], []).worker is p1
 
 
-class Stats:
-    def __init__(self, running=0, waiting=0, kv_blocks_total=100, kv_blocks_free=100):
-        self.running, self.waiting = running, waiting
-        self.kv_blocks_total, self.kv_blocks_free = kv_blocks_total, kv_blocks_free
+def Stats(running=0, waiting=0, kv_blocks_total=100, kv_blocks_free=100) -> WorkerStats:
+    return WorkerStats(running=running, waiting=waiting, kv_blocks_total=kv_blocks_total,
+                       kv_blocks_free=kv_blocks_free)
 
 
 def test_power_of_two_takes_the_less_loaded_of_two():
@@ -176,8 +177,6 @@ def test_prefill_locally_weighs_the_prefill_wait_against_the_decode_batch():
     (d,), (p,) = workers("decode", 1), workers("prefill", 1)
     local = lambda n, weight=8.0, d_matched=0, p_matched=0: prefill_locally(  # noqa: E731
         Choice(d, "power_of_two", Match(d_matched)), Choice(p, "load", Match(p_matched)), n, 16, weight)
-    stats = lambda **kw: type("Stats", (), {"prefill_tokens_queued": 0, "prefill_chunk_tokens": 0,  # noqa: E731
-                                            "running": 0, **kw})()
     assert not local(256)  # both idle: disaggregate
     p.outstanding_prefill_tokens = 1024  # a long prompt ahead on the prefill worker
     assert local(90)  # an idle decode worker takes a short prompt rather than let it queue
@@ -187,18 +186,18 @@ def test_prefill_locally_weighs_the_prefill_wait_against_the_decode_batch():
     d.inflight_requests = 2  # ...two make the stall dearer than the wait
     assert not local(90) and local(90, weight=2.0)
     assert not local(90, weight=float("inf"))
-    d.stats = stats(running=2)  # the worker's own count (other routers' streams) counts too
+    d.stats = WorkerStats(running=2)  # the worker's own count (other routers' streams) counts too
     d.inflight_requests = 0
     assert not local(90)
-    d.stats = None
-    p.stats = stats(prefill_chunk_tokens=512)  # chunks: a newcomer waits for one, not the whole prompt
+    d.stats = WorkerStats()
+    p.stats = WorkerStats(prefill_chunk_tokens=512)  # chunks: a newcomer waits for one, not the whole prompt
     d.inflight_requests = 1
     assert not local(90)  # 90 + 720 > 512 + 90
     d.inflight_requests = 0
     assert local(90)  # 90 < 512 + 90
     d.outstanding_prefill_tokens = 600  # the decode worker's own queue is its wait
     assert not local(90)
-    p.outstanding_prefill_tokens, p.stats, d.outstanding_prefill_tokens = 0, None, 0
+    p.outstanding_prefill_tokens, p.stats, d.outstanding_prefill_tokens = 0, WorkerStats(), 0
     assert local(256, d_matched=8)  # the decode worker holds half the prompt (a second turn), no stream runs
     assert not local(256, d_matched=8, p_matched=8)
 
@@ -226,7 +225,7 @@ def test_a_polled_queue_does_not_count_this_routers_finished_prefills():
             return type("Health", (), {"ok": True, "role": "prefill", "model": "m", "transport_address": ""})()
 
         async def stats(self, timeout):
-            return type("Stats", (), {"role": "prefill", "prefill_tokens_queued": Client.queued})()
+            return wire.messages().WorkerStats(role="prefill", prefill_tokens_queued=Client.queued)
 
     pool = WorkerPool(RouterConfig(decode=["127.0.0.1:5001"], prefill=["127.0.0.1:5002"]),
                       client_factory=lambda address, role: Client())
@@ -354,7 +353,7 @@ def test_decode_worker_prefills_locally_when_the_prefill_pool_is_backed_up(make_
     assert 'pdserve:routing_decisions_total{reason="local_queue",role="prefill"} 1.0' in metrics
     for prefill in prefills:
         prefill.queued_tokens = 0
-    wait_until(lambda: all(router.state.pool.get(p.address).stat("prefill_tokens_queued") == 0 for p in prefills),
+    wait_until(lambda: all(router.state.pool.get(p.address).stats.prefill_tokens_queued == 0 for p in prefills),
                message="the prefill workers' queues to drain")
     httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "another prompt", "max_tokens": 2})
     assert decode.requests[-1].prefill_address in {p.address for p in prefills}
