@@ -23,8 +23,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        choices=ON_TRANSFER_FAILURE,
                        help="after a failed, timed-out or unverifiable KV transfer: prefill locally, or fail the request")
     group.add_argument("--transfer-timeout-s", type=float, default=KVConnectorConfig.transfer_timeout_s,
-                       help="longest wait for a remote prefill: queueing, compute and transfer "
-                            "(s; default: %(default)s)")
+                       help="longest wait for a remote prefill's progress: its first KV (queue and first "
+                            "chunk), then more KV, then its answer (s; default: %(default)s)")
     return parser.parse_args(argv)
 
 

@@ -46,7 +46,7 @@ class DecodeWorkerConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the receiver's transports: auto (shm + tcp on CPU), tcp, shm, ucx, nccl
     kv_timeout_s: float = kvtransfer.TransferConfig.timeout_s  # a silent sender fails the transfer after this long
-    # local-prefill threshold, transfer timeout (the whole remote prefill), on_transfer_failure
+    # local-prefill threshold, transfer timeout (a remote prefill without progress), on_transfer_failure
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
     advertise_host: str | None = None
     host: str = "127.0.0.1"
@@ -123,6 +123,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
             except RuntimeError as exc:  # a host-cache copy failed; the engine already ended the request
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             async for delta in stream:
+                if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:
+                    prefill.cancel()  # the load failed and this worker prefilled: stop the prefill worker's side
                 yield chunk_from_delta(delta, want_logprobs)
         finally:
             stream.close()  # aborts an unfinished request (stopping its transfer) in the engine
@@ -150,8 +152,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         message = prefill_request_to_wire(engine_request, plan, self.transport_address, self.receiver.layout)
         report, error = None, None
         try:
-            response = await self.prefill_stub(address).Prefill(
-                message, timeout=self.config.connector.transfer_timeout_s)
+            # No deadline on the call: the connector bounds the wait by progress (a long prompt's KV
+            # arrives chunk by chunk) and the call is cancelled when the load ends without it.
+            response = await self.prefill_stub(address).Prefill(message)
             if response.finish_reason:
                 error = f"prefill worker {address}: {response.finish_reason}: {response.error}"
             else:

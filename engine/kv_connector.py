@@ -85,7 +85,9 @@ class KVReceiverTransport(Protocol):
 class KVConnectorConfig:
     """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send (after the
         hold, when testing with one).
-    transfer_timeout_s: decode; longest wait for a remote prefill (queueing, compute, bytes).
+    transfer_timeout_s: decode; longest wait for a remote prefill's progress: for its first KV
+        (the prefill worker's queue and first chunk), then for more KV (each chunk is pushed as it
+        is computed, so a long prompt is not cut off by its length), then for the report.
     local_prefill_threshold: decode; fewer uncached prompt tokens than this are prefilled here.
     on_transfer_failure: decode; "fallback" (local prefill) or "fail" (end with the error).
     layerwise: prefill; push each layer group as it is computed (False: after the whole prompt).
@@ -204,6 +206,10 @@ class _Load:
     started: float
     report: ProducerReport | None = None
     producer_error: str | None = None
+    # At each deadline the wait is extended if KV arrived since the last one, so a load fails
+    # after transfer_timeout_s to 2x that without progress, however long the prompt takes.
+    checked: float = 0.0
+    bytes_seen: int = 0
 
 
 class KVConnector:
@@ -412,7 +418,7 @@ class KVConnector:
         """Engine thread, after the scheduler allocated the blocks the transfer must fill."""
         self.transport.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
         now = time.monotonic()
-        self._loads[request.request_id] = _Load(request, plan, now)
+        self._loads[request.request_id] = _Load(request, plan, now, checked=now)
         heapq.heappush(self._deadlines, (now + self.config.transfer_timeout_s, request.request_id))
 
     def report_producer(self, request_id: str, report: ProducerReport | None, error: str | None = None) -> bool:
@@ -438,9 +444,14 @@ class KVConnector:
         if status.done and not status.ok:
             return self._fail_load(load, "transfer", f"KV transfer failed: {status.error}")
         if load.report is None:
-            if now - load.started >= self.config.transfer_timeout_s:
-                return self._fail_load(load, "timeout", f"no KV within {self.config.transfer_timeout_s} s")
-            return None
+            timeout = self.config.transfer_timeout_s
+            if now - load.checked < timeout:
+                return None
+            if status.bytes_transferred > load.bytes_seen:  # still arriving: wait another stretch
+                load.checked, load.bytes_seen = now, status.bytes_transferred
+                heapq.heappush(self._deadlines, (now + timeout, request_id))
+                return None
+            return self._fail_load(load, "timeout", f"no KV arrived for {timeout:g} s")
         if not status.ok:
             return self._fail_load(load, "short", f"the prefill worker reported its send complete, but only "
                                                   f"{status.layers_done} of {status.num_layers} layers arrived")

@@ -178,6 +178,27 @@ def test_a_transfer_stalled_past_the_decode_timeout_is_recomputed(pair_factory, 
     assert final.finish_reason == "error" and pair.prefill.kv_connector.failures == {"transfer": 1}
 
 
+def test_a_long_prefill_whose_kv_keeps_arriving_outlives_the_decode_timeout(pair_factory, reference):
+    """The timeout bounds a stretch without progress, not the whole prefill: a prompt pushed chunk
+    by chunk over ~4x the timeout is received, not recomputed (which once doubled a long
+    prompt's time to first token)."""
+    import time
+    pair = pair_factory(decode=dict(transfer_timeout_s=0.5), long_prefill_chunk_tokens=8)
+    tokens = prompt(14, 48)  # 6 chunks of 8 tokens, a step each
+    pair.start("a", tokens)
+    deltas, started = [], time.monotonic()
+    while not any(d.finished for d in deltas):
+        deltas += pair.prefill.step()
+        pair.decode.step()  # its deadlines pass meanwhile
+        time.sleep(0.35)
+    assert time.monotonic() - started > 4 * 0.5
+    pair.report("a", deltas)
+    out, finals = pair.run_decode()
+    assert out["a"] == reference(tokens) and finals["a:import"].prefilled_remotely
+    assert not pair.decode.kv_connector.failures
+    pair.assert_nothing_held()
+
+
 @pytest.mark.parametrize("forged", ["epoch", "block_hash", "short"])
 def test_a_report_that_does_not_match_the_bytes_is_refused(pair_factory, reference, forged):
     pair = pair_factory(prefill=dict(hold_send_s=2.0) if forged == "short" else None)

@@ -33,7 +33,7 @@ RESTART_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def cluster():
-    names = ["slow", "hold", "victim", "victim_fail", "restartable", "decode", "decode_fail"]
+    names = ["slow", "hold", "victim", "victim_fail", "restartable", "decode", "decode_fail", "decode_impatient"]
     workers = start_workers([
         ("prefill", ["--num-blocks", "256", "--max-num-seqs", "1", "--max-num-batched-tokens", "32"]),
         ("prefill", ["--num-blocks", "128"] + HOLD),
@@ -42,6 +42,7 @@ def cluster():
         ("prefill", ["--num-blocks", "64", "--port", str(RESTART_PORT)] + HOLD),
         ("decode", DECODE),
         ("decode", DECODE + ["--on-transfer-failure", "fail", "--transfer-timeout-s", "8"]),
+        ("decode", DECODE + ["--transfer-timeout-s", "3"]),
     ])
     cluster = dict(zip(names, workers))
     yield cluster
@@ -195,7 +196,22 @@ def test_timed_out_transfer_fails_cleanly_and_frees_both_sides(cluster):
     result = generate(decode, "timed-out", random_prompt(12, 60), hold, params=sampling(5))
     assert result.finish_reason == "error"
     assert "remote prefill failed" in result.error
-    assert "no KV within 8.0 s" in result.error or "DEADLINE_EXCEEDED" in result.error
+    assert "no KV arrived for 8 s" in result.error
+
+
+def test_a_timed_out_remote_prefill_is_recomputed_and_the_prefill_side_cancelled_at_once(cluster):
+    """Fallback mode: once the decode worker gives up waiting for KV it cancels the Prefill call, so
+    a prefill worker that had only queued the prompt drops it rather than computing it for nobody."""
+    decode, slow = cluster["decode_impatient"], cluster["slow"]
+    long_one = Streaming(cluster["decode"], "blocking", random_prompt(16, 4000), slow)
+    wait_until(lambda: slow.stats().running == 1, what="the long prompt to be RUNNING (prefilling)")
+    queued = Streaming(decode, "timed-out-fallback", random_prompt(17, 60), slow, max_tokens=4000)
+    assert queued.first_chunk.wait(120)  # after the 3 s timeout, prefilled by the decode worker
+    assert not queued.chunks[0].prefilled_remotely
+    wait_until(lambda: slow.stats().waiting == 0, what="the prefill worker to drop the queued prompt")
+    assert slow.stats().running == 1 and not long_one.chunks  # still prefilling the long one
+    queued.cancel()
+    long_one.cancel()
 
 
 def test_a_prefill_worker_restarted_at_the_same_address_mid_transfer(cluster):
