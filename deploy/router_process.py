@@ -86,7 +86,6 @@ async def _run(spec: RouterSpec) -> None:
     from engine.tokenizer import Tokenizer
     from router.app import create_app
     from router.config import RouterConfig
-    from router.pool import WorkerPool
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -95,11 +94,10 @@ async def _run(spec: RouterSpec) -> None:
     client = ControllerClient(find_controller(spec.controller, spec.namespace))
     config = RouterConfig(**spec.router)
     tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, config.model)
-    pool = WorkerPool(config)
-    app = create_app(config, tokenizer=tokenizer, pool=pool)
-    app.include_router(admin_routes(client, config.api_key))
     planner = PlannerMetrics(client)
-    app.state.router.metrics.registry.register(planner)
+    app = create_app(config, tokenizer=tokenizer, collectors=[planner])
+    app.include_router(admin_routes(client, config.api_key))
+    pool = app.state.router.pool
     sync = MembershipSync(pool, client.router_sync, spec.sync_interval_s, router_id=router_id(spec.index, os.getpid()))
     await _warm_up(sync, pool, spec.warm_up_s)
     sync.start()

@@ -19,7 +19,7 @@ import secrets
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,9 +28,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from router import protocol, tools
 from router.choices import Choices, candidate_params
 from router.config import RouterConfig
-from router.dispatch import ClientGone, Dispatcher
+from router.dispatch import ClientGone, Dispatcher, LiveGenerations
 from router.errors import (context_length_exceeded, install_error_handlers, invalid_request,
                            model_not_found, payload_too_large, unauthorized, unavailable)
+from router.kv_index import KVIndex
 from router.logprobs import TokenText
 from router.metrics import RouterMetrics
 from router.policies import make_decode_policy, make_prefill_policy
@@ -55,9 +56,10 @@ class RouterState:
     created: int
 
 
-def create_app(config: RouterConfig, tokenizer: Any = None, pool: WorkerPool | None = None) -> FastAPI:
-    """Build the app. `tokenizer` defaults to `Tokenizer.from_pretrained(config.model)`; `pool`
-    to a `WorkerPool` over the config's static worker lists (the Ray controller passes its own)."""
+def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence[Any] = ()) -> FastAPI:
+    """Build the app. `tokenizer` defaults to `Tokenizer.from_pretrained(config.model)`. Its
+    `WorkerPool` (`app.state.router.pool`) starts with the config's static worker lists; the Ray
+    deployment then adds and removes workers. `collectors`: more Prometheus collectors for /metrics."""
     if tokenizer is None:
         from engine.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_pretrained(config.model)
@@ -65,11 +67,19 @@ def create_app(config: RouterConfig, tokenizer: Any = None, pool: WorkerPool | N
     if not max_model_len:
         raise ValueError(f"the tokenizer at {config.model!r} does not say the model's context length; "
                          "set max_model_len (--max-model-len)")
-    pool = pool or WorkerPool(config)
+    index = KVIndex(config.kv_pending_ttl_s, config.affinity_capacity_blocks)
+    routed_on = index if config.kv_events else None  # None: each policy keeps its own estimate
+    prefill_policy, decode_policy = make_prefill_policy(config, routed_on), make_decode_policy(config, routed_on)
+    live = LiveGenerations()
+
+    def forget(address: str) -> None:
+        prefill_policy.forget(address)
+        decode_policy.forget(address)
+    pool = WorkerPool(config, kv_index=index, on_removed=forget, on_unreachable=live.worker_unreachable)
     metrics = RouterMetrics(pool)
-    index = pool.kv_index if config.kv_events else None
-    dispatcher = Dispatcher(config, pool, make_prefill_policy(config, index), make_decode_policy(config, index),
-                            metrics)
+    for collector in collectors:
+        metrics.registry.register(collector)
+    dispatcher = Dispatcher(config, pool, prefill_policy, decode_policy, metrics, live)
     state = RouterState(config, tokenizer, max_model_len, pool, metrics, dispatcher, TokenText(tokenizer),
                         protocol.now())
 

@@ -75,9 +75,28 @@ def rpc_error_to_api(exc: grpc.aio.AioRpcError, retry_after_s: int) -> APIError:
     return upstream_failed(f"the decode worker failed the request ({code.name}): {details}")
 
 
+class LiveGenerations:
+    """The generations in flight, so that a decode worker that stops answering cuts theirs (each
+    then migrates, see Generation). Built before the pool, which reports such a worker here."""
+
+    def __init__(self) -> None:
+        self._generations: set[Generation] = set()
+
+    def add(self, generation: "Generation") -> None:
+        self._generations.add(generation)
+
+    def discard(self, generation: "Generation") -> None:
+        self._generations.discard(generation)
+
+    def worker_unreachable(self, address: str) -> None:
+        for generation in list(self._generations):
+            if generation.decode_address == address:
+                generation.worker_lost()
+
+
 class Dispatcher:
     def __init__(self, config: RouterConfig, pool: WorkerPool, prefill_policy: Policy, decode_policy: Policy,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, live: LiveGenerations) -> None:
         self.config = config
         self.pool = pool
         self.prefill_policy = prefill_policy
@@ -88,15 +107,7 @@ class Dispatcher:
         self.batch_limit = max(1, int(config.max_inflight_requests * config.batch_share))
         self._finished: collections.deque[float] = collections.deque()  # when requests closed (monotonic)
         self._background: set[asyncio.Task] = set()
-        self._live: set[Generation] = set()
-        pool.removal_listeners.extend([prefill_policy.forget, decode_policy.forget])
-        pool.unreachable_listeners.append(self._worker_unreachable)
-
-    def _worker_unreachable(self, address: str) -> None:
-        """A hung worker: its streams are cut, so their generations migrate (see Generation)."""
-        for generation in list(self._live):
-            if generation.decode_address == address:
-                generation.worker_lost()
+        self._live = live
 
     def generation(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                    timer: RequestTimer, cache_salt: str | None = None, priority: int = 0) -> "Generation":

@@ -146,15 +146,18 @@ class WorkerPool:
     _poll_task: asyncio.Task | None = None
     _background: set[asyncio.Task] = field(default_factory=set)
     _no_kv_events: set[str] = field(default_factory=set)  # workers whose KVEvents is UNIMPLEMENTED
+    # Where prompt blocks are cached, per worker and tier, from the workers' KV events (the policies
+    # route on it); None: a new one.
+    kv_index: KVIndex | None = None
     # Called with a worker's address once it has left the pool (policies forget it).
-    removal_listeners: list[Callable[[str], None]] = field(default_factory=list)
+    on_removed: Callable[[str], None] | None = None
     # Called with a worker's address when it stops answering polls (not when it reports "not ok":
-    # a draining worker still finishes what it runs).
-    unreachable_listeners: list[Callable[[str], None]] = field(default_factory=list)
+    # a draining worker still finishes what it runs); its streams are cut, so they migrate.
+    on_unreachable: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
-        # Where prompt blocks are cached, per worker and tier (the policies route on it).
-        self.kv_index = KVIndex(self.config.kv_pending_ttl_s, self.config.affinity_capacity_blocks)
+        if self.kv_index is None:
+            self.kv_index = KVIndex(self.config.kv_pending_ttl_s, self.config.affinity_capacity_blocks)
         for role, addresses in (("prefill", self.config.prefill), ("decode", self.config.decode),
                                 ("both", self.config.colocated)):
             for address in addresses:
@@ -248,8 +251,8 @@ class WorkerPool:
             client = self._clients.pop(address, None)
             if client is not None:
                 self._spawn(client.close())
-            for listener in self.removal_listeners:
-                listener(address)
+            if self.on_removed is not None:
+                self.on_removed(address)
             logger.info("worker %s (%s) removed from the pool", address, worker.role)
 
     # ---- polling -------------------------------------------------------------------------------
@@ -291,9 +294,8 @@ class WorkerPool:
         except (grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
             was_healthy = worker.healthy
             self._poll_failed(worker, _describe_rpc_error(exc))
-            if was_healthy and not worker.healthy:
-                for listener in self.unreachable_listeners:
-                    listener(worker.address)
+            if was_healthy and not worker.healthy and self.on_unreachable is not None:
+                self.on_unreachable(worker.address)
             return
         worker.last_poll_time = time.time()
         worker.model, worker.transport_address = health.model, health.transport_address

@@ -252,9 +252,8 @@ def test_round_robin_cycles_in_address_order():
 
 def test_pool_membership_changes():
     config = RouterConfig(prefill=["127.0.0.1:7001"], decode=["127.0.0.1:7002"])
-    pool = WorkerPool(config)
     forgotten = []
-    pool.removal_listeners.append(forgotten.append)
+    pool = WorkerPool(config, on_removed=forgotten.append)
     assert [w.role for w in pool.workers()] == ["prefill", "decode"]
     assert not pool.ready  # nothing polled yet
     for w in pool.workers():
