@@ -6,7 +6,7 @@ and one decode worker answer, or one colocated worker does), `GET /metrics` (Pro
 `GET /status` (each worker's health and load, freshly polled).
 
 A generation request: read the body (size-capped) -> validate (400/404) -> tokenize -> admit
-(429/503; each of `n` / `best_of` sequences, router/choices.py) -> `Generation.start()` picks
+(429/503; each sequence: `n`, `best_of`, each prompt of a batch, router/choices.py) -> `Generation.start()` picks
 workers and waits for the first token (so worker-side refusals still become proper HTTP
 statuses) -> stream SSE or collect one body. A client that
 disconnects at any point cancels its Generate stream, and the decode worker frees the blocks.
@@ -14,6 +14,7 @@ disconnects at any point cancels its Generate stream, and the decode worker free
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import uuid
@@ -176,26 +177,33 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     timer = state.metrics.start_request()
     model_cls = protocol.CompletionRequest if endpoint == "completions" else protocol.ChatCompletionRequest
     request = await _parse_body(state, http_request, model_cls)
-    prompt_token_ids = await _prompt_token_ids(state, request)
+    prompts = await _prompt_token_ids(state, request)
     outside = [t for t in request.logit_bias_ids if t >= state.tokenizer.vocab_size]
     if outside:
         raise invalid_request(f"logit_bias token id {outside[0]} is outside the vocabulary "
                               f"(size {state.tokenizer.vocab_size})", "logit_bias")
-    max_tokens, logprobs = _max_tokens(state, request, len(prompt_token_ids)), _logprobs(request)
+    keep, count = request.num_choices, request.num_candidates
+    sequences, limit = len(prompts) * count, state.config.max_inflight_requests
+    if sequences > limit:
+        raise invalid_request(f"this request needs {sequences} sequences ({len(prompts)} prompt(s) x {count}) and the "
+                              f"router runs at most {limit} at once (--max-inflight-requests): send fewer prompts "
+                              f"per request", "prompt")
+    max_tokens, logprobs = [_max_tokens(state, request, len(ids)) for ids in prompts], _logprobs(request)
     # echo with max_tokens 0 (the prompt's logprobs only): one token is generated and not returned
     echo = isinstance(request, protocol.CompletionRequest) and request.echo
     tool_plan = request.tool_plan if isinstance(request, protocol.ChatCompletionRequest) else None
-    no_output = echo and max_tokens == 0
-    generated = 1 if no_output else max_tokens
+    no_output = echo and max_tokens[0] == 0
+    generated = [1 if no_output else m for m in max_tokens]
     if request.has_constraint():
-        params = await asyncio.to_thread(request.sampling_params, generated, logprobs)
+        params = await asyncio.to_thread(request.sampling_params, generated[0], logprobs)
     else:
-        params = request.sampling_params(generated, logprobs)
+        params = request.sampling_params(generated[0], logprobs)
+    # Prompts of a batch differ in max_tokens only where it was left to the room in the context.
+    per_prompt = [candidate_params(dataclasses.replace(params, max_tokens=g) if g != params.max_tokens else params,
+                                   count, keep) for g in generated]
 
     request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
-    keep, count = request.num_choices, request.num_candidates
-    sequence_params = candidate_params(params, count, keep)
-    choices = Choices(state.dispatcher, request_id, prompt_token_ids, sequence_params, timer,
+    choices = Choices(state.dispatcher, request_id, list(zip(prompts, per_prompt)), timer,
                       request.cache_salt, request.priority)
     watcher = _DisconnectWatcher(http_request, choices.cancel)
     try:
@@ -207,14 +215,16 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
 
-    streams = [ChoiceStream(index, generation, OutputAssembler(state.tokenizer, prompt_token_ids, p), chunk)
-               for index, (generation, p, chunk) in enumerate(zip(choices.generations, sequence_params, first_chunks))]
+    echoed = _echoed_prompts(state, request, prompts) if echo else [""] * len(prompts)
+    streams = [ChoiceStream(p * count + j, generation, OutputAssembler(state.tokenizer, prompts[p], sequence_params),
+                            chunk, prompt_index=p, echoed=echoed[p])
+               for p, (group, group_params, chunks) in enumerate(zip(choices.groups, per_prompt, first_chunks))
+               for j, (generation, sequence_params, chunk) in enumerate(zip(group, group_params, chunks))]
     context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
                               want_logprobs=params.logprobs is not None,
                               include_usage=request.include_usage_in_stream,
-                              tool_plan=tool_plan,
-                              echo=echo, prompt=_prompt_text(state, request, prompt_token_ids) if echo else "",
-                              no_output=no_output, want_prompt_logprobs=request.prompt_logprobs is not None)
+                              tool_plan=tool_plan, echo=echo, no_output=no_output,
+                              want_prompt_logprobs=request.prompt_logprobs is not None)
     if request.stream:
         async def body():
             try:
@@ -257,40 +267,45 @@ async def _read_json_body(request: Request, limit: int) -> Any:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-async def _prompt_token_ids(state: RouterState, request: Any) -> list[int]:
+async def _prompt_token_ids(state: RouterState, request: Any) -> list[list[int]]:
+    """Each prompt's token ids (a chat request has one; a completions request one or a batch); a
+    400 for an empty prompt, an id outside the vocabulary, or a prompt that fills the context."""
     tokenizer = state.tokenizer
     if isinstance(request, protocol.ChatCompletionRequest):
         param = "messages"
         try:
             messages = tools.render_messages(request.messages, request.tool_plan)
-            token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
-                                                request.add_generation_prompt)
+            prompts = [await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                               request.add_generation_prompt)]
         except ValueError as exc:
             raise invalid_request(str(exc), param) from None
     else:
         param = "prompt"
-        prompt = request.single_prompt()
-        if isinstance(prompt, str):
-            token_ids = await asyncio.to_thread(tokenizer.encode, prompt) if prompt else []
-        else:
-            token_ids = prompt
+        prompts = []
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                prompts.append(await asyncio.to_thread(tokenizer.encode, prompt) if prompt else [])
+                continue
             vocab_size = tokenizer.vocab_size
-            bad = next((t for t in token_ids if t >= vocab_size), None)
+            bad = next((t for t in prompt if t >= vocab_size), None)
             if bad is not None:
                 raise invalid_request(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})", param)
-    if not token_ids:
-        raise invalid_request("the prompt is empty", param)
-    if len(token_ids) >= state.max_model_len:
-        raise context_length_exceeded(
-            f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
-            f"{len(token_ids)} tokens, leaving no room to generate. Shorten the {param}.", param)
-    return token_ids
+            prompts.append(prompt)
+    for index, token_ids in enumerate(prompts):
+        which = f"prompt {index} of the batch" if len(prompts) > 1 else "the prompt"
+        if not token_ids:
+            raise invalid_request(f"{which} is empty", param)
+        if len(token_ids) >= state.max_model_len:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {state.max_model_len} tokens; {which} has "
+                f"{len(token_ids)} tokens, leaving no room to generate. Shorten the {param}.", param)
+    return prompts
 
 
-def _prompt_text(state: RouterState, request: Any, prompt_token_ids: list[int]) -> str:
-    """What echo returns: a text prompt as sent, token ids decoded."""
-    prompt = request.single_prompt()
-    return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_token_ids, False)
+def _echoed_prompts(state: RouterState, request: Any, prompts: list[list[int]]) -> list[str]:
+    """What echo returns for each prompt: a text prompt as sent, token ids decoded."""
+    return [prompt if isinstance(prompt, str) else state.tokenizer.decode(token_ids, False)
+            for prompt, token_ids in zip(request.prompts(), prompts)]
 
 
 def _max_tokens(state: RouterState, request: Any, num_prompt_tokens: int) -> int:

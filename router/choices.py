@@ -1,4 +1,4 @@
-"""`n` > 1 and `best_of`: several sequences from one prompt, the prompt computed once.
+"""`n` > 1, `best_of` and batched prompts: several sequences per request, each prompt computed once.
 
 A request for `n` choices (or `best_of` candidates, of which the `n` with the highest cumulative
 logprob are returned) becomes that many Generations (router/dispatch.py), one per sequence,
@@ -10,6 +10,10 @@ count; each computes only the prompt's last partial block again (at most block_s
 a prompt of whole blocks, its last token). So the prompt crosses the KV transport once and the
 prefill worker computes it once. If that worker cannot take them, they are routed as usual.
 
+A completions request may also carry a batch of prompts (OpenAI's list of strings or of token-id
+lists): each prompt is a group of its own, started as above, all groups at once; the response's
+choice `i * n + j` is prompt i's choice j.
+
 Sampling: choice i draws with `seed + i` when the request has a seed, so the n seeded samples
 differ from each other and come out the same on every run; without a seed each draws from its
 worker's generator. Each choice is its own request on the workers: it aborts, fails or migrates
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Awaitable, Iterable, Sequence
 
 from engine.sampling_params import SamplingParams
 from router.dispatch import Dispatcher, Generation
@@ -42,35 +46,47 @@ def candidate_params(params: SamplingParams, count: int, keep: int) -> list[Samp
 
 
 class Choices:
-    """The Generations of one request's choices (one without `n` / `best_of`)."""
+    """The Generations of one request's choices: per prompt, its sequences (one without `n`,
+    `best_of` or a batch of prompts)."""
 
-    def __init__(self, dispatcher: Dispatcher, request_id: str, prompt_token_ids: Sequence[int],
-                 params: Sequence[SamplingParams], timer: RequestTimer, cache_salt: str | None,
-                 priority: int) -> None:
-        """Admit every sequence (a 429 or 503 for any of them closes those already admitted)."""
-        self.generations: list[Generation] = []
+    def __init__(self, dispatcher: Dispatcher, request_id: str,
+                 prompts: Sequence[tuple[Sequence[int], Sequence[SamplingParams]]], timer: RequestTimer,
+                 cache_salt: str | None, priority: int) -> None:
+        """Admit every sequence of every prompt, given as (token ids, each sequence's params); a
+        429 or 503 for any of them closes those already admitted."""
+        self.groups: list[list[Generation]] = []
         try:
-            for index, sequence_params in enumerate(params):
-                sequence_id = request_id if len(params) == 1 else f"{request_id}-{index}"
-                sequence_timer = timer if index == 0 else RequestTimer(timer.metrics, timer.arrival)
-                self.generations.append(dispatcher.generation(sequence_id, prompt_token_ids, sequence_params,
-                                                              sequence_timer, cache_salt, priority))
+            for prompt_index, (prompt_token_ids, params) in enumerate(prompts):
+                group: list[Generation] = []
+                self.groups.append(group)
+                for index, sequence_params in enumerate(params):
+                    sequence_id = request_id + (f"-p{prompt_index}" if len(prompts) > 1 else "") + (
+                        f"-{index}" if len(params) > 1 else "")
+                    first = prompt_index == 0 and index == 0
+                    sequence_timer = timer if first else RequestTimer(timer.metrics, timer.arrival)
+                    group.append(dispatcher.generation(sequence_id, prompt_token_ids, sequence_params,
+                                                       sequence_timer, cache_salt, priority))
         except BaseException:
             self.close("abort")
             raise
 
-    async def start(self) -> list[Any]:
-        """Start the first sequence, then the rest beside it; each one's first TokenChunk."""
-        first, rest = self.generations[0], self.generations[1:]
+    @property
+    def generations(self) -> list[Generation]:
+        return [generation for group in self.groups for generation in group]
+
+    async def start(self) -> list[list[Any]]:
+        """Start every prompt's group at once; per group, each sequence's first TokenChunk."""
+        if len(self.groups) == 1:
+            return [await self._start_group(self.groups[0])]
+        return await _all(self._start_group(group) for group in self.groups)
+
+    @staticmethod
+    async def _start_group(group: list[Generation]) -> list[Any]:
+        """Start a prompt's first sequence, then the rest beside it."""
+        first, rest = group[0], group[1:]
         chunks = [await first.start()]
         if rest:
-            tasks = [asyncio.ensure_future(g.start(beside=first.decode_address)) for g in rest]
-            try:
-                chunks += await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            chunks += await _all(g.start(beside=first.decode_address) for g in rest)
         return chunks
 
     def cancel(self) -> None:
@@ -81,3 +97,14 @@ class Choices:
     def close(self, finish_reason: str) -> None:
         for generation in self.generations:
             generation.close(finish_reason)
+
+
+async def _all(coroutines: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Run them concurrently; the first failure cancels the others (and is raised once they end)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

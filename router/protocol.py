@@ -5,7 +5,8 @@ Field names follow OpenAI's; a few vLLM-style extensions are accepted (`top_k`, 
 `include_stop_str_in_output`, `cache_salt`, `priority`, and `structured_outputs` for regex,
 choice and grammar constraints next to OpenAI's `response_format`). Unknown fields are ignored,
 as OpenAI clients send ones that a server may not know. Values outside what this server supports
-(suffix, n or best_of above MAX_CHOICES) are refused with a 400 that says so. `n > 1` and `best_of` are served by the router (router/choices.py); `echo` and
+(suffix, n or best_of above MAX_CHOICES) are refused with a 400 that says so. `n > 1`, `best_of`
+and a completions batch of prompts are served by the router (router/choices.py); `echo` and
 vLLM's `prompt_logprobs` by the worker that prefills the prompt (router/streaming.py renders them). Tools: router/tools.py. Sampling ranges are
 the engine's (`engine.sampling_params.SamplingParams`), and so is the check of a constraint
 (`engine.structured_output.StructuredOutput`: a schema, regex or grammar that does not parse is a
@@ -263,17 +264,15 @@ class CompletionRequest(_GenerationRequest):
             return max(self.prompt_logprobs or 0, self.logprobs)
         return self.prompt_logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, text or token ids: one, or a batch (OpenAI's list of strings or
+        of token-id lists; choice `i * n + j` of the response is prompt i's choice j)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
-        if prompt and all(isinstance(item, int) for item in prompt):
-            return list(prompt)
-        if len(prompt) != 1:
-            raise invalid_request(f"got {len(prompt)} prompts; this server takes exactly one prompt per request",
-                                  "prompt")
-        return prompt[0] if isinstance(prompt[0], str) else list(prompt[0])
+            return [prompt]
+        if not prompt or all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]
+        return [item if isinstance(item, str) else list(item) for item in prompt]
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -101,8 +101,7 @@ class ResponseContext:
     want_logprobs: bool = False
     include_usage: bool = False
     tool_plan: ToolPlan | None = None
-    echo: bool = False  # completions: the prompt (`prompt`) comes first in the text and logprobs
-    prompt: str = ""
+    echo: bool = False  # completions: each choice's prompt (`ChoiceStream.echoed`) comes first
     no_output: bool = False  # echo with max_tokens 0: the generated token is not returned
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field on each choice
 
@@ -120,10 +119,12 @@ class ResponseContext:
         return self.tool_plan is None or self.tool_plan.is_call(text) is False
 
     def logprobs(self, entries: list[Any], text_offset: int) -> Any:
+        """`entries` rendered for the endpoint; completions' offsets start at `text_offset` in the
+        returned text (after an echoed prompt)."""
         if not self.want_logprobs:
             return None
-        if self.endpoint == "completions":  # offsets in the returned text: after an echoed prompt
-            return completion_logprobs(self.token_text, entries, text_offset + len(self.prompt))
+        if self.endpoint == "completions":
+            return completion_logprobs(self.token_text, entries, text_offset)
         return chat_logprobs(self.token_text, entries)
 
 
@@ -150,12 +151,15 @@ def sse(data: dict[str, Any] | str) -> str:
 @dataclass
 class ChoiceStream:
     """One choice of a response: its Generation (started: `first_chunk` is its first TokenChunk)
-    and its output. A request with `n` > 1 (or `best_of`) has one per sequence
-    (router/choices.py)."""
+    and its output. A request with `n` > 1, `best_of` or a batch of prompts has one per sequence
+    (router/choices.py); `prompt_index` is its prompt's place in the batch, `echoed` the text
+    that echo returns before its output ("" without echo)."""
     index: int
     generation: Generation
     assembler: OutputAssembler
     first_chunk: Any
+    prompt_index: int = 0
+    echoed: str = ""
     finish_reason: str = "abort"  # what close() reports unless the choice completes (the client went away)
 
     def close(self) -> None:
@@ -163,10 +167,19 @@ class ChoiceStream:
 
 
 def usage(choices: Sequence[ChoiceStream], no_output: bool = False) -> dict[str, Any]:
-    """Usage of a whole response: the prompt once (prefilled once), every choice's tokens."""
-    first = choices[0].assembler
+    """Usage of a whole response: each prompt once (prefilled once), every choice's tokens."""
+    firsts = [group[0].assembler for group in _by_prompt(choices)]
     completion = 0 if no_output else sum(c.assembler.num_completion_tokens for c in choices)
-    return protocol.usage_dict(first.num_prompt_tokens, completion, first.num_cached_tokens)
+    return protocol.usage_dict(sum(a.num_prompt_tokens for a in firsts), completion,
+                               sum(a.num_cached_tokens for a in firsts))
+
+
+def _by_prompt(choices: Sequence[ChoiceStream]) -> list[list[ChoiceStream]]:
+    """The choices grouped by prompt, in prompt order."""
+    groups: dict[int, list[ChoiceStream]] = {}
+    for choice in choices:
+        groups.setdefault(choice.prompt_index, []).append(choice)
+    return [groups[index] for index in sorted(groups)]
 
 
 async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIterator[dict[str, Any]]:
@@ -181,8 +194,8 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
         if ctx.endpoint == "chat":
             text = "" if ctx.tool_plan is None else None
         else:
-            text = ctx.prompt
-        logprobs = (echo_logprobs(ctx, assembler.prompt_token_ids, prompt_entries, [])
+            text = choice.echoed
+        logprobs = (echo_logprobs(ctx.token_text, choice.echoed, assembler.prompt_token_ids, prompt_entries, [])
                     if ctx.echo and ctx.want_logprobs else None)
         chunk = protocol.stream_chunk(*args, text, None, logprobs, first=ctx.endpoint == "chat", index=index)
         if ctx.want_prompt_logprobs:
@@ -200,10 +213,11 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
                 call, reason = ctx.tool_result(assembler)
                 rest = "" if call is not None else assembler.text[sent:]
                 text = rest if rest or ctx.endpoint == "completions" else None
-                logprobs = ctx.logprobs(held, sent) if held and call is None else None
+                logprobs = ctx.logprobs(held, len(choice.echoed) + sent) if held and call is None else None
                 yield protocol.stream_chunk(*args, text, reason, logprobs, tool_call=call, index=index)
             elif ctx.streams_text(assembler.text) and (len(assembler.text) > sent or held):
-                yield protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, sent), index=index)
+                yield protocol.stream_chunk(*args, assembler.text[sent:], None,
+                                            ctx.logprobs(held, len(choice.echoed) + sent), index=index)
                 sent, held = len(assembler.text), []
     except APIError:
         choice.finish_reason = "error"
@@ -284,8 +298,9 @@ async def _collect_choice(ctx: ResponseContext, choice: ChoiceStream) -> list[An
 
 async def collect(ctx: ResponseContext, choices: Sequence[ChoiceStream], keep: int | None = None) -> dict[str, Any]:
     """The whole (non-streaming) response body; APIError / ClientGone propagate. With `keep`
-    below the number of choices (`best_of`), the `keep` with the highest cumulative logprob (their
-    generations must have asked for logprobs), best first."""
+    below the number of choices per prompt (`best_of`), each prompt's `keep` with the highest
+    cumulative logprob (their generations must have asked for logprobs), best first, as choices
+    `prompt_index * keep + rank`."""
     tasks = [asyncio.ensure_future(_collect_choice(ctx, choice)) for choice in choices]
     try:
         entries = await asyncio.gather(*tasks)
@@ -295,22 +310,27 @@ async def collect(ctx: ResponseContext, choices: Sequence[ChoiceStream], keep: i
         await asyncio.gather(*tasks, return_exceptions=True)
         for choice in choices:
             choice.close()
-    ranked = list(zip(choices, entries))
-    if keep is not None and keep < len(ranked):
-        ranked = sorted(ranked, key=lambda pair: -sum(entry.logprob for entry in pair[1]))[:keep]
+    entries_of = {id(choice): choice_entries for choice, choice_entries in zip(choices, entries)}
+    ranked: list[tuple[int, ChoiceStream]] = []
+    for group in _by_prompt(choices):
+        if keep is not None and keep < len(group):
+            best = sorted(group, key=lambda c: -sum(entry.logprob for entry in entries_of[id(c)]))[:keep]
+            ranked += [(c.prompt_index * keep + rank, c) for rank, c in enumerate(best)]
+        else:
+            ranked += [(c.index, c) for c in group]
     body_choices = []
-    for index, (choice, choice_entries) in enumerate(ranked):
+    for index, choice in ranked:
         assembler = choice.assembler
         call, reported_finish = ctx.tool_result(assembler)
         text = "" if ctx.no_output else assembler.text
-        shown = [] if ctx.no_output else choice_entries
+        shown = [] if ctx.no_output else entries_of[id(choice)]
         if ctx.echo:
-            logprobs = (echo_logprobs(ctx, assembler.prompt_token_ids, assembler.prompt_logprobs, shown)
-                        if ctx.want_logprobs else None)
-            text = ctx.prompt + text
+            logprobs = (echo_logprobs(ctx.token_text, choice.echoed, assembler.prompt_token_ids,
+                                      assembler.prompt_logprobs, shown) if ctx.want_logprobs else None)
+            text = choice.echoed + text
         else:
             logprobs = ctx.logprobs(shown, 0) if call is None else None
-        body = protocol.completion_choice(ctx.endpoint, index if keep is not None else choice.index, text,
+        body = protocol.completion_choice(ctx.endpoint, index, text,
                                           "length" if ctx.no_output else reported_finish, logprobs, call)
         if ctx.want_prompt_logprobs:
             body["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, assembler.prompt_logprobs)
@@ -319,14 +339,14 @@ async def collect(ctx: ResponseContext, choices: Sequence[ChoiceStream], keep: i
                                     usage(choices, ctx.no_output))
 
 
-def echo_logprobs(ctx: ResponseContext, prompt_token_ids: Sequence[int], prompt_entries: Sequence[Any],
-                  entries: Sequence[Any]) -> dict[str, Any]:
+def echo_logprobs(token_text: TokenText, echoed: str, prompt_token_ids: Sequence[int],
+                  prompt_entries: Sequence[Any], entries: Sequence[Any]) -> dict[str, Any]:
     """Completions' `logprobs` with echo: the prompt's tokens first (the first one has no logprob:
     nothing predicts it; the others are `prompt_entries`), then the output's `entries`, text
-    offsets running through both."""
-    first = ctx.token_text.token_str(prompt_token_ids[0])
-    prompt = completion_logprobs(ctx.token_text, prompt_entries, len(first))
-    output = completion_logprobs(ctx.token_text, entries, len(ctx.prompt))
+    offsets running through both (the output's start after `echoed`, the prompt's text)."""
+    first = token_text.token_str(prompt_token_ids[0])
+    prompt = completion_logprobs(token_text, prompt_entries, len(first))
+    output = completion_logprobs(token_text, entries, len(echoed))
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     return {key: head[key] + prompt[key] + output[key] for key in head}
 

@@ -287,3 +287,43 @@ def test_best_of_keeps_the_candidate_with_the_highest_cumulative_logprob(client,
     assert all(r.sampling.HasField("logprobs") and r.sampling.logprobs == 0 for r in decode.requests[before:])
     assert out.usage.completion_tokens == sum(len(tokenizer.encode(t, add_special_tokens=False)) + 1
                                               for t in replies.values())
+
+
+def test_a_batch_of_prompts_returns_each_prompts_choices_in_order(client, decode, tokenizer):
+    """OpenAI's list of prompts: prompt i's choice j is choice i * n + j, each prompt is sent to
+    the workers as its own sequences (with n: one per choice), echo returns each choice's own
+    prompt, and usage counts each prompt once and every choice's tokens."""
+    replies = {"Once upon a time": "there was a fox", "Hello": "world", "1 2 3": "4 5 6"}
+    by_prompt = {tuple(tokenizer.encode(prompt)): reply_script(tokenizer, reply) for prompt, reply in replies.items()}
+    decode.script = lambda request: by_prompt[tuple(request.prompt_token_ids)](request)
+    before = len(decode.requests)
+    prompts = list(replies)
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=20, n=2, echo=True)
+    sent = decode.requests[before:]
+    assert sorted(tuple(r.prompt_token_ids) for r in sent) == sorted(list(by_prompt) * 2)
+    assert len({r.request_id for r in sent}) == 6
+    expected = [prompt + reply for prompt, reply in replies.items() for _ in range(2)]
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [(i, text, "stop") for i, text in
+                                                                          enumerate(expected)]
+    assert out.usage.prompt_tokens == sum(len(ids) for ids in by_prompt)
+    assert out.usage.completion_tokens == 2 * sum(len(tokenizer.encode(r, add_special_tokens=False)) + 1
+                                                  for r in replies.values())
+    pieces = [""] * 6
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=20, n=2, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert pieces == [reply for reply in replies.values() for _ in range(2)]
+    as_ids = client.completions.create(model="tiny", prompt=[tokenizer.encode(p) for p in prompts], max_tokens=20)
+    assert [c.text for c in as_ids.choices] == list(replies.values())
+
+
+def test_best_of_ranks_the_candidates_of_each_prompt_of_a_batch_apart(client, decode, tokenizer):
+    """best_of over a batch: each prompt keeps its own most likely candidate (the shortest reply
+    here: the fake worker's logprobs fall with each token), at choice index = prompt index."""
+    replies = {("A", 1): "a b c d", ("A", 2): "a", ("B", 1): "b", ("B", 2): "b c d e f"}
+    scripts = {(tuple(tokenizer.encode(p)), seed): reply_script(tokenizer, text, per_chunk=64)
+               for (p, seed), text in replies.items()}
+    decode.script = lambda request: scripts[tuple(request.prompt_token_ids), request.sampling.seed](request)
+    out = client.completions.create(model="tiny", prompt=["A", "B"], max_tokens=20, temperature=1.0, seed=1,
+                                    n=1, best_of=2)
+    assert [(c.index, c.text) for c in out.choices] == [(0, "a"), (1, "b")]

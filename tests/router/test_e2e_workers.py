@@ -351,6 +351,44 @@ def test_best_of_returns_the_most_likely_of_its_candidates(client):
     assert best.usage.completion_tokens == 3 * 6
 
 
+def test_a_batch_of_prompts_gives_each_prompt_what_it_gets_alone(client, offline):
+    """OpenAI's list of prompts (what evaluation harnesses send): choice i * n + j is prompt i's
+    choice j; greedy choices equal the offline engine's output for their prompt, streamed or
+    not; seeded ones and best_of equal the same prompt sent alone; echo with logprobs and
+    max_tokens 0 (a batch of loglikelihoods) scores each prompt as it does alone."""
+    prompts = [PLAIN, "def fibonacci(n):", "Once upon a time"]
+    greedy = client.completions.create(model="default", prompt=prompts, max_tokens=8, temperature=0, n=2)
+    expected = [offline_greedy(offline, p, max_tokens=8)[0] for p in prompts]
+    assert [c.index for c in greedy.choices] == list(range(6))
+    assert _texts(greedy) == [text for text in expected for _ in range(2)]
+    assert greedy.usage.prompt_tokens == sum(len(offline.tokenizer.encode(p)) for p in prompts)
+    as_ids = client.completions.create(model="default", prompt=[offline.tokenizer.encode(p) for p in prompts],
+                                       max_tokens=8, temperature=0)
+    assert _texts(as_ids) == expected
+    pieces = [""] * 3
+    for chunk in client.completions.create(model="default", prompt=prompts, max_tokens=8, temperature=0,
+                                           stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert pieces == expected
+
+    def sampled(prompt, **extra):
+        return _texts(client.completions.create(model="default", prompt=prompt, max_tokens=6, temperature=1.0,
+                                                seed=5, **extra))
+    batch = sampled(prompts[:2], n=2)
+    assert batch == sampled(prompts[0], n=2) + sampled(prompts[1], n=2)
+    assert sampled(prompts[:2], extra_body={"best_of": 3}) == (sampled(prompts[0], extra_body={"best_of": 3}) +
+                                                                sampled(prompts[1], extra_body={"best_of": 3}))
+    scored = client.completions.create(model="default", prompt=prompts, max_tokens=0, echo=True, logprobs=0,
+                                       temperature=0)
+    for choice, prompt in zip(scored.choices, prompts):
+        alone = client.completions.create(model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                          temperature=0).choices[0]
+        assert choice.text == alone.text == prompt
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
+
+
 def test_echo_and_prompt_logprobs_match_transformers(client, cluster, offline):
     """echo with logprobs and max_tokens 0 (what evaluation harnesses send for a loglikelihood):
     the prompt back, each prompt token's logprob (the first: none) within 1e-4 of transformers'

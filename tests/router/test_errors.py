@@ -73,7 +73,9 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
     (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens]"),
     (COMPLETIONS, {"model": "tiny", "prompt": "x", "speculative": "no"}, "speculative", "valid boolean"),
-    (COMPLETIONS, {"model": "tiny", "prompt": ["a", "b"]}, "prompt", "exactly one prompt"),
+    (COMPLETIONS, {"model": "tiny", "prompt": ["a", ""]}, "prompt", "prompt 1 of the batch is empty"),
+    (COMPLETIONS, {"model": "tiny", "prompt": [[5], [5, 99999]]}, "prompt", "outside the vocabulary"),
+    (COMPLETIONS, {"model": "tiny", "prompt": []}, "prompt", "the prompt is empty"),
     (COMPLETIONS, {"model": "tiny", "prompt": ""}, "prompt", "the prompt is empty"),
     (COMPLETIONS, {"model": "tiny", "prompt": [5, 99999]}, "prompt", "outside the vocabulary"),
     (COMPLETIONS, {"model": "tiny", "prompt": [5, -1]}, "prompt", "prompt"),
@@ -276,6 +278,16 @@ def test_router_inflight_limit_is_a_429(make_router, decode, loop, tokenizer):
     wait_until(lambda: router.state.dispatcher.inflight == 0, message="the held request to be released")
     decode.script = reply_script(tokenizer, "ok")
     assert httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"}).status_code == 200
+
+
+def test_a_batch_needing_more_sequences_than_the_inflight_limit_is_a_400_not_a_429(make_router, decode):
+    """A 429 would invite a retry that can never be admitted."""
+    router = make_router(decode=[decode.address], max_inflight_requests=4)
+    r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": ["a", "b", "c"], "n": 2})
+    error = error_of(r, 400)
+    assert error["param"] == "prompt" and "needs 6 sequences (3 prompt(s) x 2)" in error["message"]
+    assert "at most 4 at once" in error["message"] and router.state.dispatcher.inflight == 0
+    assert not decode.requests
 
 
 def test_priority_over_0_requests_hold_at_most_their_share_and_leave_room_for_the_rest(make_router, decode, tokenizer):
