@@ -82,7 +82,12 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
         fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)  # a fresh memfd reads as zeros
-            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE allocates every page now (~0.2 s per 512 MiB, before the worker is
+            # ready). Left untouched, they would be allocated by the first same-host peer's own
+            # MAP_POPULATE mapping of this file: ~1.4 s per 512 MiB instead of ~30 ms, in the
+            # first transfer, holding that worker's GIL (its engine thread stalls).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise

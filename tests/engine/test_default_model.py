@@ -59,8 +59,8 @@ def test_greedy_batched_paged_matches_transformers(default_setup):
             ref_logits = hf(ids).logits[0, -1]
             ref = hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                               pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
-        # fp32 GEMMs sum in a CPU-dependent order: up to 5e-5 apart on AVX2 and Zen 4 VMs, 1.2e-4 on a
-        # Sapphire Rapids (AMX) VM, with or without pdserve's fused ops, on logits up to ~30; a real
+        # fp32 GEMMs sum in a CPU-dependent order: up to 5e-5 apart on AVX2 and Zen 4 VMs, 1.2e-4 on an
+        # Intel Xeon VM with AMX, with or without pdserve's fused ops, on logits up to ~30; a real
         # error (a wrong head, mask or position) moves them by 1e-2 or more.
         torch.testing.assert_close(first_logits[i], ref_logits, atol=LOGITS_ATOL, rtol=0)
         assert outputs[i] == ref, f"prompt {i} diverges at token {next(j for j, (a, b) in enumerate(zip(outputs[i], ref)) if a != b)}"

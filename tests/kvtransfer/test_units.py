@@ -635,3 +635,19 @@ def test_cpu_staging_buffers_are_private_huge_page_aligned_memory():
     assert mapping["range"].split()[1].endswith("p")  # private, so anonymous THP applies (not shmem)
     if THP_ON:
         assert "hg" in mapping["VmFlags"].split()  # advised into huge pages
+
+
+def test_shared_caches_are_allocated_at_start_so_a_peers_first_mapping_does_not_allocate_them():
+    """A receiver maps the sender's caches with MAP_POPULATE at its first connection: if the
+    sender's pages did not exist yet, that mapping would allocate them (seconds per GiB, holding
+    the receiver's GIL). allocate_shared commits them up front, zeroed."""
+    nbytes = 8 << 20
+    raw, shared, mapping = kvtransfer.allocate_shared(nbytes)
+    try:
+        import os
+        assert os.fstat(shared.fd).st_blocks * 512 >= nbytes  # every page of the memfd exists
+        assert int(raw.count_nonzero()) == 0
+    finally:
+        del raw
+        mapping.close()
+        os.close(shared.fd)
