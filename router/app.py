@@ -281,16 +281,15 @@ async def _prompt_token_ids(state: RouterState, request: Any) -> list[list[int]]
             raise invalid_request(str(exc), param) from None
     else:
         param = "prompt"
-        prompts = []
-        for prompt in request.prompts():
-            if isinstance(prompt, str):
-                prompts.append(await asyncio.to_thread(tokenizer.encode, prompt) if prompt else [])
-                continue
+        given = request.prompts()  # all text or all token ids (the request's schema)
+        if isinstance(given[0], str):  # one trip to a thread for the whole batch
+            prompts = await asyncio.to_thread(lambda: [tokenizer.encode(text) if text else [] for text in given])
+        else:
+            prompts = given
             vocab_size = tokenizer.vocab_size
-            bad = next((t for t in prompt if t >= vocab_size), None)
+            bad = next((t for ids in prompts for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise invalid_request(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})", param)
-            prompts.append(prompt)
     for index, token_ids in enumerate(prompts):
         which = f"prompt {index} of the batch" if len(prompts) > 1 else "the prompt"
         if not token_ids:
