@@ -1,15 +1,21 @@
 """SLO classes under a flood, with real processes: a colocated worker on a tiny random Llama and
 the router (`python -m router --max-inflight-requests 32 --batch-share 0.75`).
 
-500 priority-10 requests arrive at once. Batch traffic may hold 24 of the 32 slots, so the rest is
+500 priority-10 streams arrive at once. Batch traffic may hold 24 of the 32 slots, so the rest is
 shed at once with 429 and a Retry-After, never a hang or a 5xx. Meanwhile 20 priority-0 requests,
 one after another, are all admitted and served: their median latency (one token: a TTFT) stays
 within a stated multiple of the same requests' median on the idle server, measured in this run.
 Without the classes the flood would hold every slot and the interactive requests would be shed.
+
+The admitted streams stay open until the interactive requests are done, then the client drops
+them, so the flood outlasts the measurement on any CPU (a fixed length did not on a fast one) and
+the server must abort all 24 and free their slots.
 """
 import asyncio
+import json
 import concurrent.futures
 import statistics
+import threading
 import time
 
 import httpx
@@ -58,12 +64,24 @@ def _one_token(url: str, index: int) -> float:
     return time.monotonic() - started
 
 
-async def _flood(url: str) -> list[httpx.Response]:
+async def _flood(url: str, stop: threading.Event) -> list[tuple[int, dict, str, bool]]:
+    """(status, headers, error body, ended on its own) per flood request. An admitted stream is
+    read until `stop` is set and then dropped, which aborts it on the server."""
     limits = httpx.Limits(max_connections=FLOOD, max_keepalive_connections=0)
+
+    async def one(client: httpx.AsyncClient, i: int):
+        async with client.stream("POST", url + "/v1/completions", json={
+                "model": "tiny", "prompt": [7, 8, 9, i % 100 + 10], "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "priority": 10, "stream": True}) as response:
+            if response.status_code != 200:
+                return response.status_code, dict(response.headers), (await response.aread()).decode(), True
+            async for _ in response.aiter_lines():
+                if stop.is_set():
+                    return 200, dict(response.headers), "", False
+            return 200, dict(response.headers), "", True
+
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        return await asyncio.gather(*(client.post(url + "/v1/completions", json={
-            "model": "tiny", "prompt": [7, 8, 9, i % 100 + 10], "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "priority": 10}) for i in range(FLOOD)))
+        return await asyncio.gather(*(one(client, i) for i in range(FLOOD)))
 
 
 def test_interactive_requests_are_admitted_and_served_through_a_batch_flood(server):
@@ -71,23 +89,28 @@ def test_interactive_requests_are_admitted_and_served_through_a_batch_flood(serv
         _one_token(server, i)
     idle = [_one_token(server, i) for i in range(INTERACTIVE)]
 
+    stop = threading.Event()
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    flood = pool.submit(asyncio.run, _flood(server))
+    flood = pool.submit(asyncio.run, _flood(server, stop))
     wait_until(lambda: httpx.get(server + "/status").json()["inflight_requests"] >= int(MAX_INFLIGHT * BATCH_SHARE),
                timeout=120, message="the flood to fill the batch share")
     loaded = [_one_token(server, i) for i in range(INTERACTIVE)]
-    still_flooded = httpx.get(server + "/status").json()["inflight_requests"] >= int(MAX_INFLIGHT * BATCH_SHARE)
+    stop.set()
     responses = flood.result(timeout=600)
     pool.shutdown()
 
-    assert still_flooded, "the flood ended before the interactive requests: the test measured nothing"
-    codes = [r.status_code for r in responses]
+    codes = [status for status, _, _, _ in responses]
     admitted = codes.count(200)
     assert admitted + codes.count(429) == FLOOD, sorted(set(codes))
     assert admitted >= int(MAX_INFLIGHT * BATCH_SHARE) and codes.count(429) >= FLOOD - 2 * MAX_INFLIGHT
-    shed = [r for r in responses if r.status_code == 429]
-    assert all(int(r.headers["retry-after"]) >= 1 for r in shed)
-    assert all("priority > 0" in r.json()["error"]["message"] for r in shed)
+    assert not any(ended for status, _, _, ended in responses if status == 200), \
+        "a flood stream ended before the interactive requests did: the test measured less than a full flood"
+    shed = [(headers, body) for status, headers, body, _ in responses if status == 429]
+    assert all(int(headers["retry-after"]) >= 1 for headers, _ in shed)
+    assert all("priority > 0" in json.loads(body)["error"]["message"] for _, body in shed)
+    # The dropped streams are aborted and give their slots back.
+    wait_until(lambda: httpx.get(server + "/status").json()["inflight_requests"] == 0, timeout=60,
+               message="the dropped flood streams to be aborted")
     ratio = statistics.median(loaded) / statistics.median(idle)
     print(f"interactive one-token latency: idle median {statistics.median(idle) * 1e3:.0f} ms, under the flood "
           f"{statistics.median(loaded) * 1e3:.0f} ms ({ratio:.1f}x); flood: {admitted} admitted, {len(shed)} shed")
