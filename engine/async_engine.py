@@ -1,4 +1,6 @@
 """AsyncEngine: runs `LLMEngine.step()` on one background thread and streams outputs to asyncio.
+A step's KV-transfer outcomes (`apply_kv_transfers`: an imported request's first token, a
+prefill worker's finished send) go out before its batch runs, not one model step later.
 
 Only the engine thread touches scheduler state: `generate()` and `abort()` post commands to an
 inbox that the thread drains before every step, so the event loop never waits for a forward
@@ -295,8 +297,14 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self._wait_for_work(self._idle_wait_s)
                     continue
-                deltas = self.engine.step()
-                self._refresh_snapshot()  # before the outputs go out (see _drain_inbox)
+                # The step in its two halves, the first one's outputs out before the batch runs.
+                transfers = self.engine.apply_kv_transfers()
+                if transfers:
+                    self._refresh_snapshot()  # before the outputs go out (see _drain_inbox)
+                    for delta in transfers:
+                        self._deliver(delta, delta.request_id)
+                deltas = self.engine.run_batch()
+                self._refresh_snapshot()
                 for delta in deltas:
                     self._deliver(delta, delta.request_id)
                 if self.engine.last_step_idle:  # e.g. every request waits for its KV transfer

@@ -268,16 +268,16 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
-        deltas = self._apply_kv_connector() if self.kv_connector is not None else []
-        batch = self.scheduler.schedule()
-        self.last_step_idle = batch.is_empty
-        if batch.is_empty:
-            return deltas
-        return deltas + self._run(batch)
+        return self.apply_kv_transfers() + self.run_batch()
 
-    def _apply_kv_connector(self) -> list[StreamDelta]:
-        """What the connector reports: ended sends finish (or fail) their SENDING_KV requests;
-        loads admit their request with the producer's first token, or fall back / fail it."""
+    def apply_kv_transfers(self) -> list[StreamDelta]:
+        """The first half of a step: what the KV connector reports. Ended sends finish (or fail)
+        their SENDING_KV requests; loads admit their request with the producer's first token, or
+        fall back / fail it. A driver that streams (AsyncEngine) delivers these deltas before it
+        calls `run_batch`, so an imported request's first token, or a prefill worker's finished
+        send, does not wait for a model step it takes no part in."""
+        if self.kv_connector is None:
+            return []
         deltas = []
         for done in self.kv_connector.poll():
             try:
@@ -286,6 +286,14 @@ class LLMEngine:
                 logger.exception("applying the KV transfer outcome of %s failed", done.request_id)
                 deltas.extend(self._fail([done.request_id], f"internal error: {exc}"))
         return deltas
+
+    def run_batch(self) -> list[StreamDelta]:
+        """The second half of a step: schedule, run the model, update."""
+        batch = self.scheduler.schedule()
+        self.last_step_idle = batch.is_empty
+        if batch.is_empty:
+            return []
+        return self._run(batch)
 
     def _apply(self, done: SendDone | LoadDone) -> list[StreamDelta]:
         if isinstance(done, SendDone):

@@ -91,16 +91,20 @@ class Pair:
                 self.prefill.wakeup.clear()
         return deltas
 
-    def report(self, request_id, deltas):
-        """What the decode server hands to the engine from the PrefillResponse."""
+    @staticmethod
+    def producer_report(deltas):
+        """(report, error): what the decode server makes of the PrefillResponse."""
         first = next(d for d in deltas if d.new_token_ids)
         final = next(d for d in deltas if d.finished)
         if final.finish_reason != "prefill_done":
-            return self.decode.report_kv_producer(request_id, None, f"prefill worker: {final.error}")
+            return None, f"prefill worker: {final.error}"
         result = final.kv_send
-        report = ProducerReport(SampledToken(first.new_token_ids[0]), result.epoch, result.checksum,
-                                result.block_hashes, final.num_cached_tokens, result.bytes_sent)
-        return self.decode.report_kv_producer(request_id, report)
+        return ProducerReport(SampledToken(first.new_token_ids[0]), result.epoch, result.checksum,
+                              result.block_hashes, final.num_cached_tokens, result.bytes_sent), None
+
+    def report(self, request_id, deltas):
+        """What the decode server hands to the engine from the PrefillResponse."""
+        return self.decode.report_kv_producer(request_id, *self.producer_report(deltas))
 
     def run_decode(self, timeout=30.0):
         tokens, finals = {}, {}

@@ -9,14 +9,20 @@ hand-off, or the local-prefill fallback after any fault), no block left held on 
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 
 import pytest
 import torch
 import transformers
 
 import kvtransfer
+from engine.async_engine import AsyncEngine
+from engine.engine import LLMEngine
 from engine.kv_connector import ProducerReport
+from engine.kv_hooks import KVDestination
+from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
 from tests.engine.kv_pair import BLOCK, PARAMS, Pair, make_engine, prompt
 
@@ -313,3 +319,77 @@ def test_engine_wakeups_do_not_grow_with_the_requests_in_flight(pair_factory):
     # each load is looked at once when its report arrives (and its transfer ended before),
     # not once per step while it waits
     assert len(looked_at) <= 64 + 64
+
+
+def test_an_imported_first_token_goes_out_before_the_next_model_step(model_dir, reference):
+    """AsyncEngine delivers what the connector reports before it runs the step's batch: the first
+    token of a request whose KV arrived waits for no decode step of the requests already running
+    (each such step costs a real model tens of milliseconds). The test holds the decode engine's
+    model steps at a gate and sees that token arrive while a step is held."""
+    pair = Pair(model_dir, "tcp")
+    decode = pair.decode
+    held = threading.Semaphore(0)  # one permit: one model step may run
+    entered = []  # model steps that reached the gate
+    gate = threading.Event()  # set: steps wait at the gate
+    execute = decode.runner.execute
+
+    def gated(batch, hook):
+        if gate.is_set():
+            entered.append(batch)
+            assert held.acquire(timeout=30), "the test never let this step run"
+        return execute(batch, hook)
+    decode.runner.execute = gated
+
+    async def until(condition, message):
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(message)
+
+    async def start(engine, request_id, tokens, params):
+        """The decode server's part: open the stream, allocate and expect the blocks, and the
+        prefill worker's part on this thread; returns the stream and the producer's answer."""
+        stream = engine.open_stream(request_id)
+        request = decode.make_request(tokens, params, request_id)
+        plan = await asyncio.wrap_future(engine.call(LLMEngine.add_imported, request))
+        destination = KVDestination(decode.kv_connector.transport.address,
+                                    tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+        pair.prefill.add(pair.prefill.make_request(tokens, params, request_id, kv_destination=destination),
+                         detokenize=False)
+        return stream, Pair.producer_report(pair.run_prefill())
+
+    async def main():
+        engine = AsyncEngine(decode)
+        try:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            running, answer = await start(engine, "running", prompt(7, 12), long)
+            engine.call(LLMEngine.report_kv_producer, "running", *answer)
+            assert (await running.__anext__()).new_token_ids  # it decodes from now on
+            stream, answer = await start(engine, "imported", prompt(8, 10), PARAMS)
+            gate.set()
+            await until(lambda: len(entered) == 1, "a decode step to reach the gate")
+            engine.call(LLMEngine.report_kv_producer, "imported", *answer)  # runs after the held step
+            held.release()
+            await until(lambda: len(entered) == 2, "the next decode step to reach the gate")
+            first = await asyncio.wait_for(stream.__anext__(), timeout=10)
+            assert len(entered) == 2, "the first token went out only after a model step ran"
+            assert first.new_token_ids == [answer[0].first_token.token_id]
+            gate.clear()
+            held.release()
+            tokens = list(first.new_token_ids)
+            async for delta in stream:
+                tokens.extend(delta.new_token_ids)
+            running.close()
+            assert tokens == reference(prompt(8, 10))
+            await until(lambda: not decode.has_unfinished(), "the aborted request to end")
+        finally:
+            gate.clear()
+            held.release()
+            engine.shutdown()
+
+    try:
+        asyncio.run(main())
+        pair.assert_nothing_held()
+    finally:
+        pair.close()

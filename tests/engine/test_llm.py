@@ -336,7 +336,7 @@ def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeyp
     def broken_step():
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(llm.engine, "step", broken_step)
+    monkeypatch.setattr(llm.engine, "run_batch", broken_step)
     engine = AsyncEngine(llm.engine)
     request_id = "dies"
 
