@@ -101,7 +101,8 @@ def cpu_model() -> str:
         import platform
         name = platform.processor() or platform.machine()
     features = cpu_features()
-    widest = "AVX512-BF16" if "avx512_bf16" in features else "AVX-512" if "avx512f" in features else "AVX2"
+    widest = ("AMX" if "amx_bf16" in features else "AVX512-BF16" if "avx512_bf16" in features
+              else "AVX-512" if "avx512f" in features else "AVX2")
     return f"{name} ({widest})"
 
 

@@ -65,13 +65,35 @@ def native_for(x: torch.Tensor):
 # no prefetch) with oneDNN above, and 1.07-1.15x faster at 32-128 than oneDNN; per layer the kernel
 # and oneDNN are even at 128-160 rows, and oneDNN is faster above (prefill chunks).
 SMALL_LINEAR_MAX_ROWS = 128
+# Where oneDNN's bf16 GEMM runs on AMX tiles it overtakes the kernel at a few rows. Measured on a
+# 2-vCPU Xeon with AMX, 1 thread, one layer's four linear layers of SmolLM2-135M: the kernel
+# 0.62x oneDNN's time at 1 row, 0.94x at 4, 1.9x at 8, 10.7x at 128. With 128 as the limit there,
+# a 1024-token prefill in 128-token chunks took 3.0 s (0.95 s at 4) and decode steps at batch 16
+# and 64 took 79 and 262 ms (56 and 115 ms at 4); batch 1 and 4 were the same either way.
+SMALL_LINEAR_MAX_ROWS_AMX = 4
+
+
+@functools.lru_cache(maxsize=1)
+def small_linear_max_rows() -> int:
+    """How many rows of a bf16 linear layer take the native kernel on a CPU with AVX512-BF16:
+    SMALL_LINEAR_MAX_ROWS, or SMALL_LINEAR_MAX_ROWS_AMX where oneDNN can use AMX."""
+    return SMALL_LINEAR_MAX_ROWS_AMX if _amx_usable() else SMALL_LINEAR_MAX_ROWS
+
+
+def _amx_usable() -> bool:
+    """Whether this process may run AMX tiles (the CPU has them and the OS grants them): then
+    oneDNN's bf16 GEMM uses them."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+    except AttributeError:  # a torch without these (private) probes: trust the CPU's flags
+        return "amx_bf16" in cpu_kernels.cpu_features()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear. For 1-64 float32 rows the native fp32 kernel (AVX2 or AVX-512; see
     SMALL_LINEAR_F32_MAX_ROWS), 1-16 when `packed` is given (PACKED_F32_MIN_ROWS), and oneDNN on the
-    pre-blocked copy above. For 1-128 bf16 rows (a decode step) the native kernel, which streams the
+    pre-blocked copy above. For 1-128 bf16 rows (a decode step; 1-4 with AMX: small_linear_max_rows) the native kernel, which streams the
     weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
     (engine/csrc/small_linear_cpu.cpp); for more rows, with
     `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight. On CPUs
@@ -87,7 +109,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and weight.dtype is torch.bfloat16 and weight.is_contiguous()
             and (bias is None or bias.dtype is torch.bfloat16) and _small_linear()):
         widened = bf16_computed_in_fp32()
-        if x.shape[0] <= (BF16_WIDENED_KERNEL_MAX_ROWS if widened else SMALL_LINEAR_MAX_ROWS):
+        if x.shape[0] <= (BF16_WIDENED_KERNEL_MAX_ROWS if widened else small_linear_max_rows()):
             return native.small_batch_linear(x, weight, bias)
         if widened:  # no bf16 arithmetic here: oneDNN's bf16 GEMM is the slowest way
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)

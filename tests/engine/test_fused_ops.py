@@ -143,7 +143,7 @@ def test_small_batch_linear_matches_f_linear(native, rows, out_features, in_feat
         for row in range(rows):
             pair = torch.stack([x[row], x[row]])
             assert torch.equal(native.small_batch_linear(pair, weight, b)[1], got[row])
-    if rows <= fused_ops.SMALL_LINEAR_MAX_ROWS:
+    if rows <= fused_ops.small_linear_max_rows():
         assert torch.equal(fused_ops.linear(x, weight, b), got)
 
 
@@ -156,7 +156,8 @@ def test_linear_takes_f_linear_outside_the_small_bf16_case(native):
         native.small_batch_linear(torch.randn(257, 64).to(BF16), weight)
 
 
-@pytest.mark.parametrize("rows", [fused_ops.SMALL_LINEAR_MAX_ROWS + 1, fused_ops.BF16_WIDENED_KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [fused_ops.SMALL_LINEAR_MAX_ROWS_AMX + 1, fused_ops.SMALL_LINEAR_MAX_ROWS + 1,
+                                  fused_ops.BF16_WIDENED_KERNEL_MAX_ROWS + 1])
 def test_bf16_linear_above_a_decode_step(native, rows):
     """With AVX512-BF16, oneDNN (on the pre-blocked weight where given); without it, never oneDNN's
     bf16 GEMM (several times slower than fp32 there): the kernel up to its limit, then fp32 sgemm."""
