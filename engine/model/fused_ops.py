@@ -93,9 +93,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear. For 1-64 float32 rows the native fp32 kernel (AVX2 or AVX-512; see
     SMALL_LINEAR_F32_MAX_ROWS), 1-16 when `packed` is given (PACKED_F32_MIN_ROWS), and oneDNN on the
-    pre-blocked copy above. For 1-128 bf16 rows (a decode step; 1-4 with AMX: small_linear_max_rows) the native kernel, which streams the
-    weights, cold in cache at every decode step, with prefetching (1.1-1.8x oneDNN there)
-    (engine/csrc/small_linear_cpu.cpp); for more rows, with
+    pre-blocked copy above. For 1-128 bf16 rows (a decode step; 1-4 with AMX: see
+    `small_linear_max_rows`) the native kernel, which streams the weights, cold in cache at every
+    decode step, with prefetching (1.1-1.8x oneDNN there) (engine/csrc/small_linear_cpu.cpp); for more rows, with
     `packed` (`prepack_linear_weight(weight)`), oneDNN on its pre-blocked copy of the weight. On CPUs
     without AVX512-BF16, bf16 is computed in fp32 (see BF16_WIDENED_KERNEL_MAX_ROWS)."""
     if (x.dtype is torch.float32 and x.device.type == "cpu" and x.dim() == 2
