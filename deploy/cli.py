@@ -28,7 +28,7 @@ from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMA
 from deploy.planner import PlannerConfig
 from engine.config import add_engine_arguments
 from engine.config import engine_options as engine_options_from_flags
-from router.config import RouterConfig
+from router.config import LOCAL_PREFILL_WEIGHT_HELP, RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,10 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routers", type=int, default=1,
                        help="router processes sharing the HTTP port; one that dies is restarted (default 1)")
     serve.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
-                       help="conditional disaggregation: how many tokens of time to first token one running stream's "
-                            "stalled token costs (about TTFT SLO / TPOT SLO); a decode worker prefills a prompt itself "
-                            "when that is cheaper than the prefill worker's wait; inf: never while it streams "
-                            "(default: %(default)s)")
+                       help=LOCAL_PREFILL_WEIGHT_HELP)
     serve.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
                        help="requests each router process admits at once; more get 429 with Retry-After "
                             "(default: %(default)s)")

@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 
-from router.config import DECODE_POLICIES, LOOPBACK_HOST, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
+from router.config import (DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, LOOPBACK_HOSTS, PREFILL_POLICIES,
+                           RouterConfig)
 
 
 def _addresses(values: list[str] | None) -> list[str]:
@@ -45,10 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                         "this many times per request; 0: never (default: %(default)s)")
     p.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
-                   help="conditional disaggregation: how many tokens of time to first token one running stream's "
-                        "stalled token costs (about TTFT SLO / TPOT SLO); a decode worker prefills a prompt itself "
-                        "when that is cheaper than the prefill worker's wait; inf: never while it streams "
-                        "(default: %(default)s)")
+                   help=LOCAL_PREFILL_WEIGHT_HELP)
     p.add_argument("--no-kv-events", action="store_true",
                    help="do not follow the workers' KV-cache events; route on what this router sent where "
                         "(an estimate: it cannot see evictions, host-tier copies or other routers' requests)")

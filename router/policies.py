@@ -177,12 +177,14 @@ def prefill_locally(decode: Choice, prefill: Choice, num_tokens: int, block_size
       newcomer in after one chunk, so then at most a chunk.
     - local: its time to first token on the decode worker (that worker's queued prefill tokens
       plus its own uncached ones), plus what it costs the decodes already running there: each of
-      them waits for those tokens in its next inter-token interval, a stall counted `weight` times
-      a token of time to first token (about the TTFT SLO over the TPOT SLO; 0: stalls are free).
+      them waits for those tokens in its next inter-token intervals (a decode worker caps each of
+      its steps with prompt tokens, `--max-step-ratio`), a stall counted `weight` times a token of
+      time to first token (1, the default: time for time; 0: stalls are free).
 
     The prompt stays local when that is cheaper: an idle decode worker takes prompts that would
-    queue on a busy prefill worker, a decode worker with running streams almost never does, and
-    an idle pair disaggregates (equal costs).
+    queue on a busy prefill worker, one with a stream or two running takes a short prompt while
+    the prefill worker is a chunk behind, a busier one rarely does, and an idle pair
+    disaggregates (equal costs).
     """
     local = max(0, num_tokens - decode.matched_blocks * block_size)
     remote = max(0, num_tokens - prefill.matched_blocks * block_size)

@@ -26,7 +26,7 @@ def test_serve_defaults_are_the_embedded_default():
     assert opts.ray.object_store_memory_mb == 150 and opts.engine_options == {}
     assert opts.max_migrations == 2 and options("--max-migrations", "0").max_migrations == 0
     assert opts.routers == 1 and options("--routers", "3").routers == 3
-    assert opts.router_config(port=8000).local_prefill_weight == 8.0
+    assert opts.router_config(port=8000).local_prefill_weight == 1.0
     assert options("--local-prefill-weight", "inf").router_config(port=8000).local_prefill_weight == float("inf")
     assert opts.router_config(port=8000).max_inflight_requests == 1024
     assert options("--max-inflight-requests", "8").router_config(port=8000).max_inflight_requests == 8
