@@ -41,10 +41,10 @@ def test_a_shared_cache_lives_in_a_memfd_that_another_mapping_sees():
     arch = _arch()
     cache = allocate_kv_cache(arch, 4, 16, torch.float32, "cpu", shared=True)
     nbytes = cache.data.numel() * 4
+    assert cache.memory_fd is not None and not cache.data.any()
     # every page exists before anything touches it: a peer's first MAP_POPULATE mapping must not
     # be the one that allocates them (engine/kv_cache.py)
     assert os.fstat(cache.memory_fd).st_blocks * 512 >= nbytes
-    assert cache.memory_fd is not None and not cache.data.any()
     assert os.fstat(cache.memory_fd).st_size == nbytes
     cache.layers[2][3, 1, 5].fill_(7.0)  # layer 2, block 3, V, token 5
     view = mmap.mmap(cache.memory_fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)

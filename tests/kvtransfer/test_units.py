@@ -3,6 +3,7 @@ selection, argument validation, dtypes, and refusals that need no second process
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import sys
@@ -644,7 +645,6 @@ def test_shared_caches_are_allocated_at_start_so_a_peers_first_mapping_does_not_
     nbytes = 8 << 20
     raw, shared, mapping = kvtransfer.allocate_shared(nbytes)
     try:
-        import os
         assert os.fstat(shared.fd).st_blocks * 512 >= nbytes  # every page of the memfd exists
         assert int(raw.count_nonzero()) == 0
     finally:
