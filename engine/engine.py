@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import StreamDelta, TokenLogprob
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.block_hash import DEFAULT_HASH_ALGORITHM
 from engine.kv_connector import KVConnector, KVConnectorConfig, LoadDone, ProducerReport, SendDone
@@ -371,6 +371,8 @@ class LLMEngine:
                             num_cached_tokens=out.num_cached_tokens, error=out.error)
         if request is not None:
             delta.num_prompt_tokens = request.num_prompt_tokens
+            if request.status is RequestStatus.SENDING_KV and out.new_token_ids:
+                delta.kv_send = self.kv_connector.send_report(out.request_id)
             if request.kv_import is not None and (out.new_token_ids or out.finished):
                 delta.kv_import, request.kv_import = request.kv_import, None
             if (request.prompt_logprobs is not None and out.new_token_ids

@@ -16,8 +16,11 @@ only at transfers that ended, reports that arrived and deadlines that passed: it
 does not grow with the requests in flight.
 
 Verified hand-off. The producer reports, with its first token, its epoch (the sender's, new per
-process), the chained hashes of the prompt's full blocks and an xxhash of every byte it sent
-(layer-major over the sent blocks). Before a decode-role request runs, its connector checks: the
+process), the chained hashes of the prompt's full blocks and an xxhash of every byte it sends
+(layer-major over the sent blocks). It reports once every layer group is pushed (`send_report`:
+the bytes may still be in flight), so the answer does not wait for an engine step to see the
+send end; a send that fails after that reaches the receiver as the sender's abort or a dead
+connection. Before a decode-role request runs, its connector has the report and checks: the
 transfer ended SUCCESS over every layer of every block; the epoch in the transfer's `begin`
 equals the report's; the block hashes equal its own for the same tokens; the checksum of the
 bytes in its blocks equals the report's. Anything else is a failed load, by reason
@@ -163,6 +166,13 @@ class LoadDone:
     fallback: bool  # on failure: prefill locally (else end the request with `error`)
 
 
+def answers_prefill(delta: Any) -> bool:
+    """Whether a prefill-role request's StreamDelta is the one its worker answers the decode
+    worker with: its first token's, when that carries the send's report (`send_report`), else
+    its final one (the send ended: its outcome; or the request failed)."""
+    return delta.finished or (delta.kv_send is not None and delta.kv_send.error is None)
+
+
 def kv_checksum(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
     """xxh3-64 of the bytes of `block_ids` in every layer, layer-major, block by block: the same
     on both sides whatever each cache's block ids are. Host caches are hashed in place, a run of
@@ -286,6 +296,22 @@ class KVConnector:
         heapq.heappush(self._deadlines, (now + self.config.hold_send_s + self.config.lease_s, request.request_id))
         self._look_again(request.request_id)  # it may have ended already (a failure mid-prefill)
         return True
+
+    def send_report(self, request_id: str) -> KVSendResult | None:
+        """The report a prefill worker answers with as soon as its request is SENDING_KV, when
+        every layer group is pushed (the bytes may still be in flight: the decode side's receiver
+        sees them land, or the sender's abort, and verifies them against this report), so the
+        answer does not wait for the next engine step to see the send end. None while something
+        is held back or failed: the answer then waits for the send's end (the final delta)."""
+        send = self._sends.get(request_id)
+        if (send is None or send.error is not None or not send.opened
+                or any(pushed < len(send.src_block_ids) for pushed in send.pushed)):
+            return None
+        try:
+            sent = self.transport.poll(request_id).bytes_transferred
+        except KeyError:  # the transfer ended meanwhile: the final delta says how
+            return None
+        return KVSendResult(None, sent, self.transport.epoch, send.checksum, send.block_hashes)
 
     def request_ended(self, request: Request) -> None:
         request_id = request.request_id
@@ -443,7 +469,8 @@ class KVConnector:
             return self._fail_load(load, "transfer", "the receiver no longer knows the transfer")
         if status.done and not status.ok:
             return self._fail_load(load, "transfer", f"KV transfer failed: {status.error}")
-        if load.report is None:
+        # The producer answers once every layer is pushed, not received: wait for both.
+        if load.report is None or not status.done:
             timeout = self.config.transfer_timeout_s
             if now - load.checked < timeout:
                 return None
@@ -451,10 +478,11 @@ class KVConnector:
                 load.checked, load.bytes_seen = now, status.bytes_transferred
                 heapq.heappush(self._deadlines, (now + timeout, request_id))
                 return None
-            return self._fail_load(load, "timeout", f"no KV arrived for {timeout:g} s")
-        if not status.ok:
-            return self._fail_load(load, "short", f"the prefill worker reported its send complete, but only "
-                                                  f"{status.layers_done} of {status.num_layers} layers arrived")
+            if load.report is None:
+                return self._fail_load(load, "timeout", f"no KV arrived for {timeout:g} s")
+            return self._fail_load(load, "short", f"the prefill worker pushed every layer, but only "
+                                                  f"{status.layers_done} of {status.num_layers} arrived "
+                                                  f"(nothing more for {timeout:g} s)")
         problem = self._verify(load, status)
         if problem is not None:
             return self._fail_load(load, *problem)

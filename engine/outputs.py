@@ -24,8 +24,9 @@ class StreamDelta:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     error: str | None = None
-    # Disaggregation (engine/kv_connector.py): a prefill-role request's final delta carries how
-    # its send ended (KVSendResult); a decode-role request's first one how it got its KV
+    # Disaggregation (engine/kv_connector.py): a prefill-role request's first-token delta carries
+    # its send's report once every layer is pushed (KVSendResult, error None; `answers_prefill`),
+    # its final delta how the send ended; a decode-role request's first one how it got its KV
     # (KVImportOutcome).
     kv_send: Any = None
     kv_import: Any = None

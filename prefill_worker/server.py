@@ -24,7 +24,7 @@ import grpc
 import kvtransfer
 import serving
 import wire
-from engine.kv_connector import KVConnectorConfig
+from engine.kv_connector import KVConnectorConfig, answers_prefill
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
 
@@ -87,16 +87,20 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         first = None
+        answered = False
         try:
             engine.add(engine_request, False)
-            async for delta in stream:  # the first token, then the end of the send
+            async for delta in stream:  # the first token (with the send's report), then the send's end
                 first = first or (delta if delta.new_token_ids else None)
-                if delta.finished:
+                if answers_prefill(delta):
+                    answered = True
                     return prefill_response(delta, first)
         except ValueError as exc:  # refused by the engine (e.g. larger than the whole cache)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
-            stream.close()  # cancelled by the decode worker: aborts the request, stopping the send
+            # Cancelled by the decode worker before the answer: abort, stopping the send. After
+            # it, the send goes on (the engine frees the blocks when it ends).
+            stream.close(abort=not answered)
 
     def _destination(self, message: Any):
         if not same_layout(message.layout, self.layout):

@@ -90,8 +90,9 @@ def destination_from_wire(message: Any) -> KVDestination:
 
 
 def prefill_response(delta: StreamDelta, first: StreamDelta | None) -> Any:
-    """The PrefillResponse for a prefill-role request's final delta (`first`: the one with its
-    first token, if it got that far)."""
+    """The PrefillResponse for a prefill-role request's answering delta (engine.kv_connector
+    `answers_prefill`: the first token's with the send's report, or the final one; `first`: the
+    one with its first token, if it got that far)."""
     pb = messages()
     response = pb.PrefillResponse(num_cached_tokens=delta.num_cached_tokens)
     if first is not None and first.new_token_ids:
@@ -104,9 +105,10 @@ def prefill_response(delta: StreamDelta, first: StreamDelta | None) -> Any:
         response.producer_epoch = result.epoch
         response.kv_checksum = result.checksum
         response.block_hashes.extend(result.block_hashes)
-    if delta.finish_reason != "prefill_done" or result is None:
-        response.finish_reason = delta.finish_reason or "error"
-        response.error = delta.error or ("the request finished without a KV send" if result is None else "")
+    ended_badly = delta.finished and delta.finish_reason != "prefill_done"
+    if ended_badly or result is None or result.error is not None:
+        response.finish_reason = delta.finish_reason if ended_badly else "error"
+        response.error = delta.error or (result.error if result is not None else "the request finished without a KV send") or ""
     return response
 
 

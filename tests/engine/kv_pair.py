@@ -8,7 +8,7 @@ import torch
 
 import kvtransfer
 from engine.engine import LLMEngine
-from engine.kv_connector import KVConnectorConfig, ProducerReport
+from engine.kv_connector import KVConnectorConfig, ProducerReport, answers_prefill
 from engine.kv_hooks import KVDestination
 from engine.llm import build_engine_config
 from engine.model.loader import resolve_model
@@ -91,20 +91,29 @@ class Pair:
                 self.prefill.wakeup.clear()
         return deltas
 
+    def run_prefill_to_answer(self, request_id, timeout=30.0):
+        """Step the prefill engine until the delta its server answers `request_id` with
+        (`answers_prefill`); returns the deltas so far (of every request)."""
+        return self.run_prefill(until=lambda deltas: any(d.request_id == request_id and answers_prefill(d)
+                                                         for d in deltas), timeout=timeout)
+
     @staticmethod
     def producer_report(deltas):
-        """(report, error): what the decode server makes of the PrefillResponse."""
-        first = next(d for d in deltas if d.new_token_ids)
-        final = next(d for d in deltas if d.finished)
-        if final.finish_reason != "prefill_done":
-            return None, f"prefill worker: {final.error}"
-        result = final.kv_send
+        """(report, error): what the decode server makes of the PrefillResponse (answered by the
+        first delta that `answers_prefill`)."""
+        answer = next(d for d in deltas if answers_prefill(d))
+        first = next((d for d in deltas if d.new_token_ids), None)
+        result = answer.kv_send
+        if (answer.finished and answer.finish_reason != "prefill_done") or result is None or result.error:
+            return None, f"prefill worker: {answer.error or (result.error if result else 'no KV send')}"
         return ProducerReport(SampledToken(first.new_token_ids[0]), result.epoch, result.checksum,
-                              result.block_hashes, final.num_cached_tokens, result.bytes_sent), None
+                              result.block_hashes, answer.num_cached_tokens, result.bytes_sent), None
 
     def report(self, request_id, deltas):
-        """What the decode server hands to the engine from the PrefillResponse."""
-        return self.decode.report_kv_producer(request_id, *self.producer_report(deltas))
+        """What the decode server hands to the engine from the PrefillResponse (`deltas`: the
+        prefill engine's, of any requests)."""
+        mine = [d for d in deltas if d.request_id == request_id]
+        return self.decode.report_kv_producer(request_id, *self.producer_report(mine))
 
     def run_decode(self, timeout=30.0):
         tokens, finals = {}, {}
@@ -124,7 +133,7 @@ class Pair:
 
     def generate(self, request_id, tokens):
         self.start(request_id, tokens)
-        self.report(request_id, self.run_prefill())
+        self.report(request_id, self.run_prefill_to_answer(request_id))
         return self.run_decode()
 
     def assert_nothing_held(self):

@@ -20,7 +20,7 @@ import transformers
 import kvtransfer
 from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
-from engine.kv_connector import ProducerReport
+from engine.kv_connector import ProducerReport, answers_prefill
 from engine.kv_hooks import KVDestination
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
@@ -101,7 +101,7 @@ def test_layerwise_push_is_token_exact_and_verified(pair_factory, reference):
     follow = tokens[:32] + prompt(2, 20)
     plan = pair.start("b", follow)
     assert plan.blocks_to_fill[0][0] == 8
-    pair.report("b", pair.run_prefill())
+    pair.report("b", pair.run_prefill_to_answer("b"))
     assert pair.run_decode()[0]["b"] == reference(follow)
 
 
@@ -164,12 +164,18 @@ def test_a_flipped_byte_fails_the_request_in_fail_mode(pair_factory):
 
 
 def test_a_dropped_layer_group_ends_at_the_lease_and_is_recomputed(pair_factory, reference):
+    """The producer answers once every group is pushed; one never arrives, so the decode side
+    waits until the sender gives up at its lease (its abort reaches the receiver), then recomputes."""
     pair = pair_factory(prefill=dict(inject_fault="drop_layer_group", lease_s=0.5))
     tokens = prompt(6, 30)
-    out, _ = pair.generate("a", tokens)
+    pair.start("a", tokens)
+    pair.report("a", pair.run_prefill_to_answer("a"))
+    final = pair.run_prefill()[-1]  # SENDING_KV until the lease ends it
+    assert final.finish_reason == "error" and "lease" in final.error
+    out, _ = pair.run_decode()
     assert out["a"] == reference(tokens)
     assert pair.prefill.kv_connector.failures == {"lease": 1}
-    assert pair.decode.kv_connector.failures == {"producer": 1}
+    assert pair.decode.kv_connector.failures == {"transfer": 1}
 
 
 def test_a_transfer_stalled_past_the_decode_timeout_is_recomputed(pair_factory, reference):
@@ -207,14 +213,15 @@ def test_a_long_prefill_whose_kv_keeps_arriving_outlives_the_decode_timeout(pair
 
 @pytest.mark.parametrize("forged", ["epoch", "block_hash", "short"])
 def test_a_report_that_does_not_match_the_bytes_is_refused(pair_factory, reference, forged):
-    pair = pair_factory(prefill=dict(hold_send_s=2.0) if forged == "short" else None)
+    pair = pair_factory(**(dict(prefill=dict(hold_send_s=2.0), decode=dict(transfer_timeout_s=0.5))
+                           if forged == "short" else {}))
     tokens = prompt(8, 30)
     pair.start("a", tokens)
     deltas = pair.run_prefill(until=lambda ds: any(d.new_token_ids for d in ds) if forged == "short"
                               else any(d.finished for d in ds))
     first = next(d for d in deltas if d.new_token_ids)
     final = next((d for d in deltas if d.finished), None)
-    if forged == "short":  # the producer claims success before a byte moved
+    if forged == "short":  # the report comes; the bytes never do (nothing is pushed during the hold)
         report = ProducerReport(SampledToken(first.new_token_ids[0]), pair.prefill.kv_connector.transport.epoch, 0, ())
     else:
         report = ProducerReport(SampledToken(first.new_token_ids[0]), final.kv_send.epoch, final.kv_send.checksum,
@@ -386,6 +393,62 @@ def test_an_imported_first_token_goes_out_before_the_next_model_step(model_dir, 
         finally:
             gate.clear()
             held.release()
+            engine.shutdown()
+
+    try:
+        asyncio.run(main())
+        pair.assert_nothing_held()
+    finally:
+        pair.close()
+
+
+def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_step(model_dir, reference):
+    """A prefill worker answers once every layer group is pushed: the first token's delta carries
+    the send's report. It does not wait for its engine to see the send end, which takes a loop
+    turn, i.e. the next model step (a long prompt's chunk: hundreds of milliseconds). The test
+    holds the prefill engine's next step at a gate; the decode side imports the request and
+    generates it meanwhile, and the send still ends cleanly on the prefill side."""
+    pair = Pair(model_dir, "tcp")
+    prefill = pair.prefill
+    release = threading.Event()
+    entered = threading.Event()
+    execute = prefill.runner.execute
+
+    def gated(batch, hook):
+        if any(seq.request.request_id == "next" for seq in batch.seqs):
+            entered.set()
+            assert release.wait(30), "the test never let the step run"
+        return execute(batch, hook)
+    prefill.runner.execute = gated
+
+    async def main():
+        engine = AsyncEngine(prefill)
+        try:
+            tokens = prompt(15, 30)
+            plan = pair.decode.add_imported(pair.decode.make_request(tokens, PARAMS, "a"))
+            destination = KVDestination(pair.decode.kv_connector.transport.address,
+                                        tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+            stream = engine.open_stream("a")
+            engine.add(prefill.make_request(tokens, PARAMS, "a", kv_destination=destination), False)
+            first = await asyncio.wait_for(stream.__anext__(), timeout=30)
+            assert first.new_token_ids and answers_prefill(first) and first.kv_send.error is None
+            following = engine.open_stream("next")
+            engine.add(prefill.make_request(prompt(16, 30), PARAMS, "next"), False)
+            assert await asyncio.to_thread(entered.wait, 30), "the next prompt's step never started"
+            pair.report("a", [first])  # the answer; the prefill engine is inside its next step
+            out, finals = pair.run_decode()
+            assert out["a"] == reference(tokens) and finals["a:import"].prefilled_remotely
+            assert not pair.decode.kv_connector.failures
+            release.set()
+            final = await asyncio.wait_for(stream.__anext__(), timeout=30)  # the send's end, a step later
+            assert final.finish_reason == "prefill_done" and final.kv_send.error is None
+            assert final.kv_send.checksum == first.kv_send.checksum
+            async for delta in following:
+                assert delta.finish_reason in (None, "prefill_done")
+            stream.close()
+            following.close()
+        finally:
+            release.set()
             engine.shutdown()
 
     try:
