@@ -2,6 +2,7 @@
 driven as the two worker servers drive them (tests/engine: the KV connector, tensor parallelism)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -135,6 +136,15 @@ class Pair:
         self.start(request_id, tokens)
         self.report(request_id, self.run_prefill_to_answer(request_id))
         return self.run_decode()
+
+    def run_and_close(self, main):
+        """Run the coroutine function `main` (a test that drives an engine through AsyncEngine),
+        then check that neither engine holds anything; the pair is closed either way."""
+        try:
+            asyncio.run(main())
+            self.assert_nothing_held()
+        finally:
+            self.close()
 
     def assert_nothing_held(self):
         deadline = time.monotonic() + 10

@@ -395,11 +395,7 @@ def test_an_imported_first_token_goes_out_before_the_next_model_step(model_dir, 
             held.release()
             engine.shutdown()
 
-    try:
-        asyncio.run(main())
-        pair.assert_nothing_held()
-    finally:
-        pair.close()
+    pair.run_and_close(main)
 
 
 def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_step(model_dir, reference):
@@ -451,8 +447,4 @@ def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_ste
             release.set()
             engine.shutdown()
 
-    try:
-        asyncio.run(main())
-        pair.assert_nothing_held()
-    finally:
-        pair.close()
+    pair.run_and_close(main)
