@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -86,6 +87,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        await _warm_up(tokenizer)
         await pool.start()
         try:
             yield
@@ -100,6 +102,16 @@ def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence
     app.include_router(_token_routes(state))
     app.include_router(_ops_routes(state))
     return app
+
+
+async def _warm_up(tokenizer: Any) -> None:
+    """Pay at start what the first request would otherwise wait for (~200 ms on a CPU VM): anyio
+    imports its asyncio backend at the first task group, i.e. the first streamed response, and
+    jinja compiles the chat template at its first use."""
+    async with anyio.create_task_group():
+        pass
+    if tokenizer.has_chat_template:
+        await asyncio.to_thread(tokenizer.render_chat_template, [{"role": "user", "content": "hi"}])
 
 
 # ---- /v1 ----------------------------------------------------------------------------------------
