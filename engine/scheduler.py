@@ -10,7 +10,8 @@ request has `num_computed_tokens` catching up with `num_tokens`. Per step:
        speculative decoding (engine/speculative.py), their draft tokens from what is left,
     2. running prefill chunks (the rest of the budget; with `long_prefill_chunk_tokens`, a long
        prompt runs at most that many tokens per step while others wait, so they pass it, and
-       it skips one step, never two in a row, when a prompt that fits in a chunk is waiting),
+       it skips steps while prompts that fit in a chunk are waiting, until they have run a
+       chunk's worth of tokens since its last chunk),
     3. waiting requests in priority order (prefix-cache match first), while the token budget
        (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; a
        request that does not fit blocks those behind it, except requests already holding their
@@ -212,7 +213,8 @@ class Scheduler:
         self._recently_finished: dict[str, Request] = {}
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
-        self._yielded_last: str | None = None  # the long prompt that skipped the last step's chunk
+        # (the long prompt that skipped the last step's chunk, prompt tokens run in the steps it skipped in a row)
+        self._yielded: tuple[str, int] | None = None
 
         self._num_preemptions = 0
         self.num_swap_slots = num_swap_slots if scheduler_config.preemption_mode == "swap" else 0
@@ -345,7 +347,7 @@ class Scheduler:
                 budget = self._schedule_running(yielded, yielded.num_tokens - yielded.num_computed_tokens,
                                                 budget, scheduled, preempted)
             yielded = None
-        self._yielded_last = None if yielded is None else yielded.request_id
+        self._note_yield(yielded, scheduled)
 
         seqs = sorted(scheduled.values(), key=lambda s: not s.is_plain_decode)
         offloads, reloads = self.block_manager.take_host_copies()
@@ -390,18 +392,31 @@ class Scheduler:
 
     def _yields_to_short_prompts(self, request: Request) -> bool:
         """Whether a long prompt skips its chunk this step so that short prompts waiting behind it
-        run alone (shortest first: their TTFT is one short step, not a chunk plus their own
-        prefill). A short prompt is one whose uncomputed tokens fit in one chunk. A long prompt
-        yields at most one step in a row, so a stream of short prompts slows it to half speed at
-        worst, never starves it; one long prompt yields per step (the others keep running)."""
+        run alone (their TTFT is one short step, not a chunk plus their own prefill). A short
+        prompt is one whose uncomputed tokens fit in one chunk. A long prompt keeps yielding, step
+        after step, until the prompts that ran in the steps it skipped reach a chunk's worth of
+        tokens: two short prompts that arrive a moment apart both pass, and a stream of them takes
+        at most a chunk plus one short prompt between two of its chunks (a third of its speed at
+        worst), never starves it. One long prompt yields per step (the others keep running)."""
         cap = self.config.long_prefill_chunk_tokens
         if (cap is None or not self.config.enable_chunked_prefill
                 or request.num_tokens - request.num_computed_tokens <= cap
-                or request.request_id == self._yielded_last
+                or (self._yielded is not None and self._yielded[0] == request.request_id
+                    and self._yielded[1] >= cap)
                 or len(self.running) >= self.config.max_num_seqs):
             return False
         return any(not waiting.block_ids and waiting.num_tokens - waiting.num_computed_tokens <= cap
                    for waiting in self.waiting)
+
+    def _note_yield(self, yielded: Request | None, scheduled: dict[str, ScheduledSeq]) -> None:
+        """Count the prompt tokens that ran in a step `yielded` skipped (its yields in a row add up)."""
+        if yielded is None:
+            self._yielded = None
+            return
+        tokens = sum(seq.num_new_tokens for seq in scheduled.values() if not seq.is_plain_decode)
+        if self._yielded is not None and self._yielded[0] == yielded.request_id:
+            tokens += self._yielded[1]
+        self._yielded = (yielded.request_id, tokens)
 
     def _long_prefill_cap(self, request: Request) -> int:
         """How many of a running prompt's tokens this step may run: at most

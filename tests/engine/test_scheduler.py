@@ -471,9 +471,9 @@ def test_prefill_role_failed_send_ends_in_error_and_frees(make):
 
 def test_prefill_role_short_prompts_pass_between_a_long_prompts_chunks(make):
     """With long_prefill_chunk_tokens (the prefill role's default), a long prompt runs a chunk per
-    step, even alone; when a prompt that fits in one chunk is waiting, the long prompt skips one
-    step so that the short one runs without its chunk (never two steps in a row); prompts longer
-    than a chunk run chunks too."""
+    step, even alone; when a prompt that fits in one chunk is waiting, the long prompt skips the
+    step so that the short one runs without its chunk, until a chunk's worth of tokens ran in the
+    steps it skipped; prompts longer than a chunk run chunks too."""
     scheduler, runner = make(num_blocks=64, budget=32, role="prefill", connector=FakeConnector(pin=False),
                              long_chunk=8)
     long = prompt_of(124, 100)
@@ -496,8 +496,33 @@ def test_prefill_role_short_prompts_pass_between_a_long_prompts_chunks(make):
     assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
         ("medium", "prefill_done"), ("short2", "prefill_done"), ("short3", "prefill_done")]
     scheduler.add_request(req("short4", prompt_of(129, 6)))
-    batch, _ = step(scheduler, runner)  # it yielded the last step: not this one
+    batch, _ = step(scheduler, runner)  # the last step it skipped ran 15 tokens, a chunk is 8: not this one
     assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "short4": 6}
+    finals = run_until_done(scheduler, runner)
+    assert finals["long"].new_token_ids == reference_generate(long, 1)
+
+
+def test_a_long_prompt_yields_again_until_short_prompts_have_run_a_chunks_worth(make):
+    """Two short prompts arriving a moment apart (the second after the first's step began) both
+    run before the long prompt's next chunk; a third does not: by then they ran more than a chunk."""
+    scheduler, runner = make(num_blocks=64, budget=32, role="prefill", connector=FakeConnector(pin=False),
+                             long_chunk=8)
+    long = prompt_of(132, 100)
+    scheduler.add_request(req("long", long))
+    step(scheduler, runner)
+    scheduler.add_request(req("short", prompt_of(133, 5)))
+    batch, outputs = step(scheduler, runner)
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"short": 5}
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("short", "prefill_done")]
+    scheduler.add_request(req("short2", prompt_of(134, 6)))
+    batch, _ = step(scheduler, runner)  # 5 tokens ran in the step it skipped: it yields again
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"short2": 6}
+    scheduler.add_request(req("short3", prompt_of(135, 4)))
+    batch, _ = step(scheduler, runner)  # 11 tokens by now: its chunk runs, the short one beside it
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"long": 8, "short3": 4}
+    scheduler.add_request(req("short4", prompt_of(136, 6)))
+    batch, _ = step(scheduler, runner)  # a chunk ran since: it yields again
+    assert {seq.request.request_id: seq.num_new_tokens for seq in batch.seqs} == {"short4": 6}
     finals = run_until_done(scheduler, runner)
     assert finals["long"].new_token_ids == reference_generate(long, 1)
 
