@@ -395,9 +395,10 @@ class Scheduler:
         run alone (their TTFT is one short step, not a chunk plus their own prefill). A short
         prompt is one whose uncomputed tokens fit in one chunk. A long prompt keeps yielding, step
         after step, until the prompts that ran in the steps it skipped reach a chunk's worth of
-        tokens: two short prompts that arrive a moment apart both pass, and a stream of them takes
-        at most a chunk plus one short prompt between two of its chunks (a third of its speed at
-        worst), never starves it. One long prompt yields per step (the others keep running)."""
+        tokens: two short prompts that arrive a moment apart both pass, and a stream of them
+        cannot starve it (it skips no more steps once they ran a chunk's worth, however many
+        prompts its last skipped step admitted). One long prompt yields per step (the others keep
+        running)."""
         cap = self.config.long_prefill_chunk_tokens
         if (cap is None or not self.config.enable_chunked_prefill
                 or request.num_tokens - request.num_computed_tokens <= cap
