@@ -164,15 +164,7 @@ class AsyncEngine:
         """Run `fn(engine, *args)` on the engine thread; returns a concurrent Future (for stats, admin)."""
         import concurrent.futures
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, args, future, False))
-        return future
-
-    def call_and_deliver(self, fn, *args):
-        """Like `call`, and a StreamDelta that `fn` returns also goes to its request's stream
-        (e.g. `LLMEngine.abort`, whose final delta must reach the stream in order)."""
-        import concurrent.futures
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, args, future, True))
+        self._post(("call", fn, args, future))
         return future
 
     def shutdown(self) -> None:
@@ -239,7 +231,7 @@ class AsyncEngine:
                 elif self.is_open(request_id) and self.engine.scheduler.get_request(request_id) is None:
                     self._aborts_before_add.add(request_id)  # its add (or add_imported call) is on the way
             elif kind == "call":
-                _, fn, args, future, deliver = command
+                _, fn, args, future = command
                 # The call runs even if its caller gave up waiting (its effects, e.g. a finished
                 # import, must happen); marking the future running first means a cancel can no
                 # longer race with setting its result, which would raise here and stop the loop.
@@ -253,8 +245,6 @@ class AsyncEngine:
                     continue
                 self._abort_added()
                 self._refresh_snapshot()
-                if deliver and isinstance(result, StreamDelta):
-                    self._deliver(result, result.request_id)
                 if wanted:
                     future.set_result(result)
 

@@ -78,9 +78,6 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def is_cached(self, block_id: int) -> bool:
-        return self._block_hash[block_id] is not None
-
     def holder_ids(self) -> list[str]:
         """Ids of the requests that hold blocks."""
         return list(self._holders)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
+
+from engine.model.default_model import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +35,11 @@ PREFILL_ROLE_LONG_CHUNK_TOKENS = {"cpu": 128, "cuda": 1024}
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "int8")
 KV_CACHE_DTYPE_HELP = ("auto: the model's dtype; int8 / fp8_e4m3: 8-bit KV with per-block scales (0.53x bf16's "
                        "bytes in the cache and on every transfer; every worker of a deployment must agree)")
+
+# The one list of attention backends (`engine.attention.get_attention_backend` builds one by name);
+# `EngineConfig.attention_backend` also takes "auto": by device (`default_backend_name`).
+AttentionBackendName = Literal["cpu", "torch", "triton"]
+BACKEND_NAMES: tuple[str, ...] = get_args(AttentionBackendName)
 
 # torch is imported where a dtype or a device is resolved, not here: the control plane (deploy,
 # `pdserve status`, the router's spec) reads these configs without loading torch.
@@ -254,10 +261,10 @@ def speculative_options(args) -> dict:
 
 @dataclass
 class EngineConfig:
-    model: str = "default"
+    model: str = DEFAULT_MODEL_NAME
     dtype: str = "auto"
     device: str = "auto"
-    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto"] | AttentionBackendName = "auto"
     role: Role = "both"
     max_model_len: int | None = None  # None: the model's own context length
     # On CUDA (Triton backend), replay decode-only steps as CUDA graphs (engine/cuda_graphs.py).
@@ -273,8 +280,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", *BACKEND_NAMES):
+            raise ValueError(f"attention_backend must be auto or one of {', '.join(BACKEND_NAMES)}, "
+                             f"got {self.attention_backend!r}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -288,6 +296,5 @@ class EngineConfig:
     def backend_name(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        if self.device.startswith("cuda"):  # an 8-bit KV cache too: the Triton kernels read it in place
-            return "triton"
-        return "cpu"
+        from engine.attention.backend import default_backend_name  # torch: only the model runner asks
+        return default_backend_name(self.device)

@@ -28,7 +28,7 @@ from engine.outputs import StreamDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.block_hash import DEFAULT_HASH_ALGORITHM
-from engine.kv_connector import KVConnector, KVConnectorConfig, LoadDone, ProducerReport, SendDone
+from engine.kv_connector import KVConnector, KVConnectorConfig, KVTransport, LoadDone, ProducerReport, SendDone
 from engine.kv_hooks import ImportPlan
 from engine.scheduler import SampledToken, Scheduler, SchedulerStats, StepOutput
 from engine.structured_output import GrammarCompiler
@@ -44,7 +44,7 @@ Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
-                 kv_transport: Callable[[Any, Callable[[str], None]], Any] | None = None,
+                 kv_transport: Callable[[Any, Callable[[str], None]], KVTransport] | None = None,
                  kv_connector_config: KVConnectorConfig | None = None) -> None:
         """`runner` and `tokenizer` default to the real ones for `config.model` (a runner passed
         in comes with its tokenizer, or None: then prompts must be token ids).

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, Union, cast
 
 import torch
 
@@ -82,6 +82,10 @@ class KVReceiverTransport(Protocol):
     def poll(self, request_id: str) -> Any: ...  # TransferStatus
 
     def cancel(self, request_id: str) -> None: ...
+
+
+# A connector's transport: a sender for the prefill role, a receiver for the decode role.
+KVTransport = Union[KVSenderTransport, KVReceiverTransport]
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,7 @@ class KVConnector:
     blocks to the ranks once verified."""
 
     def __init__(self, role: str, config: KVConnectorConfig, kv_layers: Sequence[torch.Tensor], block_size: int,
-                 hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], Any],
+                 hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], KVTransport],
                  wakeup: Callable[[], None] = lambda: None, shards: KVShards | None = None) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a KV connector's role is prefill or decode, got {role!r}")
@@ -255,7 +259,17 @@ class KVConnector:
         size = config.layer_group_size or max(1, num_layers // 4)
         self.layer_groups = [range(start, min(num_layers, start + size)) for start in range(0, num_layers, size)]
         self._group_ending_at = {group[-1]: index for index, group in enumerate(self.layer_groups)}
-        self.transport = make_transport(self._on_transfer_end)
+        self.transport: KVTransport = make_transport(self._on_transfer_end)
+
+    @property
+    def _sender(self) -> KVSenderTransport:
+        """The transport of a prefill-role connector (only sends call this)."""
+        return cast(KVSenderTransport, self.transport)
+
+    @property
+    def _receiver(self) -> KVReceiverTransport:
+        """The transport of a decode-role connector (only loads call this)."""
+        return cast(KVReceiverTransport, self.transport)
 
     # ---- transport side (I/O thread) ------------------------------------------------------
 
@@ -311,7 +325,7 @@ class KVConnector:
             sent = self.transport.poll(request_id).bytes_transferred
         except KeyError:  # the transfer ended meanwhile: the final delta says how
             return None
-        return KVSendResult(None, sent, self.transport.epoch, send.checksum, send.block_hashes)
+        return KVSendResult(None, sent, self._sender.epoch, send.checksum, send.block_hashes)
 
     def request_ended(self, request: Request) -> None:
         request_id = request.request_id
@@ -371,7 +385,7 @@ class KVConnector:
         try:
             if self.shards is not None:
                 self.shards.gather_kv(self.layer_groups[group_index], send.src_block_ids[:blocks])
-            self.transport.send_layers(send.request.request_id, self.layer_groups[group_index], blocks)
+            self._sender.send_layers(send.request.request_id, self.layer_groups[group_index], blocks)
             send.pushed[group_index] = blocks
         except (KeyError, ValueError) as exc:  # the transfer ended meanwhile (poll() reports it)
             send.error = send.error or f"KV push failed: {exc}"
@@ -382,8 +396,8 @@ class KVConnector:
         first = send.destination.first_block_index
         send.src_block_ids = list(request.block_ids[first:first + len(send.destination.block_ids)])
         try:
-            self.transport.start(request.request_id, send.destination.address, send.src_block_ids,
-                                 list(send.destination.block_ids))
+            self._sender.start(request.request_id, send.destination.address, send.src_block_ids,
+                               list(send.destination.block_ids))
         except Exception as exc:  # e.g. no transport in common with the destination
             send.error = f"KV send failed to start: {exc}"
             self._look_again(request.request_id)
@@ -432,7 +446,7 @@ class KVConnector:
         del self._sends[request_id]
         if send.opened:
             self.transport.cancel(request_id)  # stop it, or drop the record of a finished one
-        return SendDone(request_id, KVSendResult(error, bytes_sent, self.transport.epoch,
+        return SendDone(request_id, KVSendResult(error, bytes_sent, self._sender.epoch,
                                                  send.checksum, send.block_hashes))
 
     # ---- decode side ----------------------------------------------------------------------
@@ -442,7 +456,7 @@ class KVConnector:
 
     def start_load(self, request: Request, plan: ImportPlan) -> None:
         """Engine thread, after the scheduler allocated the blocks the transfer must fill."""
-        self.transport.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
+        self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
         now = time.monotonic()
         self._loads[request.request_id] = _Load(request, plan, now, checked=now)
         heapq.heappush(self._deadlines, (now + self.config.transfer_timeout_s, request.request_id))

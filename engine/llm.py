@@ -16,11 +16,12 @@ from tqdm import tqdm
 from engine.config import (DECODE_ROLE_MAX_STEP_RATIO, PREFILL_ROLE_LONG_CHUNK_TOKENS, CacheConfig, EngineConfig,
                            SchedulerConfig, SpeculativeConfig)
 from engine.engine import LLMEngine, Prompt
+from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
-def build_engine_config(model: str = "default", **options) -> EngineConfig:
+def build_engine_config(model: str = DEFAULT_MODEL_NAME, **options) -> EngineConfig:
     """Sort flat keyword options into EngineConfig / CacheConfig / SchedulerConfig /
     SpeculativeConfig; unknown names raise."""
     groups = {name: {} for name in ("engine", "cache", "scheduler", "speculative")}
@@ -47,7 +48,7 @@ def build_engine_config(model: str = "default", **options) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str = "default", **options) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL_NAME, **options) -> None:
         self.engine = LLMEngine(build_engine_config(model, **options))
 
     @property

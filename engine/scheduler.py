@@ -257,10 +257,6 @@ class Scheduler:
         return len(self.waiting)
 
     @property
-    def num_waiting_for_kv(self) -> int:
-        return len(self._importing)
-
-    @property
     def num_sending_kv(self) -> int:
         return len(self._sending)
 

@@ -17,7 +17,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-DEFAULT_MODEL_NAME = "default"
+from engine.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Special tokens that end an assistant turn in common chat templates. They count as EOS when the
 # model's chat template uses them, even if the model's configured EOS is another token.
@@ -59,7 +60,6 @@ class Tokenizer:
             raise ValueError(f"tokenizer path must be a string, got {type(path).__name__}; expected {_EXPECTED}")
         path = os.fspath(path)
         if path == DEFAULT_MODEL_NAME and not os.path.exists(path):
-            from engine.model.default_model import default_gguf_path
             path = default_gguf_path()
         if not os.path.exists(path):
             raise ValueError(f"tokenizer path {path!r} does not exist; expected {_EXPECTED}")

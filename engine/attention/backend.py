@@ -11,9 +11,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.config import BACKEND_NAMES
 from engine.kv_quant import KVQuantFormat
-
-BACKEND_NAMES = ("cpu", "torch", "triton")
 
 
 @runtime_checkable
@@ -69,7 +68,8 @@ def get_attention_backend(name: str, kv_format: KVQuantFormat | None = None) -> 
 
 
 def default_backend_name(device: str | torch.device) -> str:
-    """The backend an engine uses when configured with "auto": triton on CUDA, cpu elsewhere."""
+    """The backend an engine uses when configured with "auto": triton on CUDA (an 8-bit KV cache
+    too: the Triton kernels read it in place), cpu elsewhere."""
     return "triton" if torch.device(device).type == "cuda" else "cpu"
 
 

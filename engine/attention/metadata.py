@@ -33,10 +33,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str) -> "AttentionMetadata":
