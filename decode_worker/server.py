@@ -2,17 +2,16 @@
 adapter between gRPC and the engine. The engine's KV connector (engine/kv_connector.py) does the
 hand-off; this module only carries the Prefill call to the prefill worker and its answer back.
 
-Lifecycle of one Generate call (one state per line; from WAITING_FOR_KV on, the request's
-RequestStatus):
+Lifecycle of one Generate call. `add_imported` matches the worker's own prefix cache and
+allocates blocks for the rest of the prompt; a short uncached tail (below
+--local-prefill-threshold), no prefill worker named, or a colocated worker: the prompt is
+prefilled locally (WAITING, the engine queue). Otherwise, one RequestStatus per line:
 
-    ALLOCATED       own prefix-cache match, blocks allocated for the rest of the prompt; a short
-                    uncached tail (below --local-prefill-threshold), no prefill worker named, or a
-                    colocated worker: prefill locally (WAITING, the engine queue)
     WAITING_FOR_KV  the receiver expects the blocks; Prefill called on the prefill worker; the
                     engine admits the request once every layer of every block is in and verified
                     (epoch, block hashes, checksum)
     RUNNING         the prefill worker's first token appended, tokens stream as the engine decodes
-    FINISHED        stop / length / abort / error: every block freed (or kept in the prefix cache)
+    FINISHED_*      stop / length / abort / error: every block freed (or kept in the prefix cache)
 
 A failed, late, short or unverifiable transfer (dead prefill worker, silent peer, flipped byte,
 refused request) falls back to local prefill, or ends the request with an error
@@ -36,12 +35,13 @@ from engine.config import DECODE_ROLES
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
+from engine.model.default_model import DEFAULT_MODEL_NAME
 from wire.convert import chunk_from_delta, prefill_request_to_wire, producer_report_from_wire
 
 
 @dataclass
 class DecodeWorkerConfig:
-    model: str = "default"
+    model: str = DEFAULT_MODEL_NAME
     role: str = "decode"  # "decode" or "both" (colocated: always prefills locally)
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the receiver's transports: auto (shm + tcp on CPU), tcp, shm, ucx, nccl
@@ -49,7 +49,7 @@ class DecodeWorkerConfig:
     # local-prefill threshold, transfer timeout (a remote prefill without progress), on_transfer_failure
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
     advertise_host: str | None = None
-    host: str = "127.0.0.1"
+    host: str = kvtransfer.TransferConfig.host  # where the KV receiver listens
 
     def __post_init__(self) -> None:
         if self.role not in DECODE_ROLES:
@@ -66,8 +66,10 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         self.role = config.role
         make_receiver = None
         if config.role == "decode":
+            # pending_timeout_s None: the connector times a transfer that does not start or stalls
+            # (--transfer-timeout-s, from the last progress) and cancels it; one timer, one reason.
             transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s, host=config.host,
-                                                        pending_timeout_s=config.connector.transfer_timeout_s,
+                                                        pending_timeout_s=None,
                                                         advertise_host=config.advertise_host)
 
             def make_receiver(kv_cache, on_transfer_end):

@@ -6,10 +6,11 @@ Lifecycle of one Prefill call (the request's RequestStatus, one per line):
     WAITING      queued in the engine with its KV destination (blocks for the whole prompt at admission)
     RUNNING      prefix-cache match, chunked prefill batched with other prompts; after each layer
                  group, the blocks it completed are pushed to the decode worker (layer-wise push)
-    SENDING_KV   first token sampled; blocks pinned until every block is acknowledged or the lease
-                 expires
-    FINISHED     blocks unpinned (they stay in the prefix cache); the response carries the first
-                 token, the bytes sent, the sender's epoch, the block hashes and the checksum
+    SENDING_KV   first token sampled; once every layer group is pushed, the answer goes out with
+                 it: the first token, the bytes sent, the sender's epoch, the block hashes and the
+                 checksum (a send held back or failed before then is answered when it ends);
+                 blocks pinned until every block is acknowledged or the lease expires
+    FINISHED_*   blocks unpinned (they stay in the prefix cache)
 
 Abort (the `Abort` RPC, or the decode worker cancelling the call) in any state stops the send
 first, then frees the blocks.
@@ -25,12 +26,13 @@ import kvtransfer
 import serving
 import wire
 from engine.kv_connector import KVConnectorConfig, answers_prefill
+from engine.model.default_model import DEFAULT_MODEL_NAME
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
 
 @dataclass
 class PrefillWorkerConfig:
-    model: str = "default"
+    model: str = DEFAULT_MODEL_NAME
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the sender's transports; "auto": whatever the receiver offers
     kv_timeout_s: float = kvtransfer.TransferConfig.timeout_s  # a silent receiver fails the transfer after this long
