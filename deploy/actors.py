@@ -18,7 +18,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from deploy.config import LOG_FORMAT, NODE_IP_HOST, ROLES, WorkerSpec
+from deploy.config import NODE_IP_HOST, ROLES, WorkerSpec
+from serving import LOG_FORMAT
 
 if TYPE_CHECKING:
     from wire.stats import WorkerStats

@@ -18,9 +18,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from deploy.client import ControllerClient
+from router.config import POOL_NAMES
 from router.errors import invalid_request, unauthorized
 
-POOL_FIELDS = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+POOL_FIELDS: tuple[str, ...] = tuple(POOL_NAMES.values())  # the pool sizes a scale request may set
 
 
 def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter:
@@ -57,7 +58,7 @@ def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter
 def parse_scale_body(body: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(body) - set(POOL_FIELDS) - {"drain", "wait", "timeout_s"})
     if unknown:
-        raise invalid_request(f"unknown field(s) {', '.join(unknown)}; send prefill, decode, colocated, drain, "
+        raise invalid_request(f"unknown field(s) {', '.join(unknown)}; send {', '.join(POOL_FIELDS)}, drain, "
                               "wait, timeout_s", unknown[0])
     sizes: dict[str, Any] = {}
     for name in POOL_FIELDS:
@@ -71,7 +72,7 @@ def parse_scale_body(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(drain, list) or not all(isinstance(a, str) for a in drain):
         raise invalid_request("drain must be a list of worker addresses (host:port)", "drain")
     if not sizes:
-        raise invalid_request("nothing to scale: send at least one of prefill, decode, colocated")
+        raise invalid_request(f"nothing to scale: send at least one of {', '.join(POOL_FIELDS)}")
     if not isinstance(body.get("wait", False), bool):
         raise invalid_request("wait must be true or false", "wait")
     sizes["drain"] = drain

@@ -23,12 +23,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, LOG_FORMAT, NODE_IP_HOST, ROLES, TRANSPORT_CHOICES,
-                           ControllerConfig, parse_resources, pool_flag, pool_name)
+from deploy.cluster import RaySettings
+from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, DEVICE_CHOICES, NODE_IP_HOST, ROLES,
+                           TRANSPORT_CHOICES, ControllerConfig, parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
+from deploy.serve import ServeOptions
 from engine.config import add_engine_arguments
 from engine.config import engine_options as engine_options_from_flags
-from router.config import LOCAL_PREFILL_WEIGHT_HELP, RouterConfig
+from engine.model.default_model import DEFAULT_MODEL_NAME
+from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,25 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,scale,status,bench}")
 
     serve = commands.add_parser("serve", help="start (or join) a Ray cluster and serve the OpenAI API")
-    serve.add_argument("--model", default="default", help="model folder, .gguf file or 'default' (SmolLM2-135M)")
+    serve.add_argument("--model", default=ServeOptions.model,
+                       help=f"model folder, .gguf file or {DEFAULT_MODEL_NAME!r} (SmolLM2-135M)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    serve.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    serve.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers (default 0)")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=RouterConfig.port,
+    serve.add_argument("--prefill", type=int, default=ServeOptions.prefill,
+                       help="prefill workers (default %(default)s)")
+    serve.add_argument("--decode", type=int, default=ServeOptions.decode, help="decode workers (default %(default)s)")
+    serve.add_argument("--colocated", type=int, default=ServeOptions.colocated,
+                       help="colocated (prefill+decode) workers (default %(default)s)")
+    serve.add_argument("--host", default=ServeOptions.host, help="HTTP bind address (default %(default)s)")
+    serve.add_argument("--port", type=int, default=ServeOptions.port,
                        help="HTTP port (default %(default)s; 0: any free port)")
-    serve.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+    serve.add_argument("--device", default=ServeOptions.device, choices=DEVICE_CHOICES,
                        help="auto: cuda when the Ray cluster has GPUs (one GPU per worker)")
-    serve.add_argument("--transport", default="auto", choices=TRANSPORT_CHOICES, help="KV transport between P and D")
+    serve.add_argument("--transport", default=ServeOptions.transport, choices=TRANSPORT_CHOICES,
+                       help="KV transport between P and D")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $PDSERVE_API_KEY)")
     engine = serve.add_argument_group("engine (every worker)")
     add_engine_arguments(engine)
     engine.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="decode workers prefill locally when fewer uncached prompt tokens than this")
-    serve.add_argument("--routers", type=int, default=1,
-                       help="router processes sharing the HTTP port; one that dies is restarted (default 1)")
+    serve.add_argument("--routers", type=int, default=ServeOptions.routers,
+                       help="router processes sharing the HTTP port; one that dies is restarted (default %(default)s)")
     serve.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
                        help=LOCAL_PREFILL_WEIGHT_HELP)
     serve.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
@@ -98,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                               help=f"tensor-parallel degree of the {pool_name(role)} workers (default: "
                                    "--tensor-parallel-size); prefill and decode degrees may differ")
     placement.add_argument("--worker-host", default=None,
-                           help=f"where workers listen (default 127.0.0.1 locally, 0.0.0.0 when joining; "
+                           help=f"where workers listen (default {LOOPBACK_HOST} locally, 0.0.0.0 when joining; "
                                 f"{NODE_IP_HOST}: the IP of each worker's Ray node)")
     placement.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance (default: all)")
-    placement.add_argument("--object-store-mb", type=int, default=150, help="object store of a local instance")
+    placement.add_argument("--object-store-mb", type=int, default=RaySettings.object_store_memory_mb,
+                           help="object store of a local instance (default %(default)s)")
     placement.add_argument("--include-dashboard", action="store_true", help="start Ray's dashboard (local instance)")
     placement.add_argument("--ray-temp-dir", default=None, help="Ray's temp/session folder for a local instance")
     placement.add_argument("--drain-timeout", type=float, default=ControllerConfig.drain_timeout_s,
@@ -189,9 +197,7 @@ def _add_locator_arguments(parser: argparse.ArgumentParser, with_ray_address: bo
 
 # ---- serve --------------------------------------------------------------------------------------
 
-def serve_options(args: argparse.Namespace):
-    from deploy.cluster import RaySettings
-    from deploy.serve import ServeOptions
+def serve_options(args: argparse.Namespace) -> ServeOptions:
     engine_options = engine_options_from_flags(args)
     ray_settings = RaySettings(address=args.ray_address, namespace=args.namespace, num_cpus=args.num_cpus,
                                object_store_memory_mb=args.object_store_mb, include_dashboard=args.include_dashboard,
@@ -215,6 +221,7 @@ def serve_options(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from serving import LOG_FORMAT
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

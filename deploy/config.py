@@ -11,15 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.planner import PlannerConfig
-from engine.config import ROLES  # noqa: F401  (re-exported: deploy's modules take it from here)
+from engine.config import KV_ROLES, ROLES  # noqa: F401  (re-exported: deploy's modules take them from here)
+from engine.model.default_model import DEFAULT_MODEL_NAME
 from kvtransfer.addresses import TRANSPORT_CHOICES, check_transport_choice
+from router.config import LOOPBACK_HOST, POOL_NAMES
 DEVICES = ("cpu", "cuda")
+DEVICE_CHOICES = ("auto", *DEVICES)  # `--device`; auto: cuda when the Ray cluster has GPUs
 NODE_IP_HOST = "node-ip"  # WorkerSpec.host / --worker-host: listen on the IP of the worker's Ray node
 DEFAULT_CONTROLLER_NAME = "pdserve-controller"
 DEFAULT_NAMESPACE = "pdserve"
 # How often each router process asks the controller for the pools' membership (deploy/router_sync.py).
 SYNC_INTERVAL_S = 0.5
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve and its router processes
 # Ray resources a worker holds through WorkerSpec.num_cpus / num_gpus (or that Ray accounts
 # itself): not accepted among a pool's custom resources.
 RESERVED_RESOURCES = {"CPU": "--worker-cpus", "GPU": "--worker-gpus", "memory": None, "object_store_memory": None}
@@ -77,11 +79,11 @@ class WorkerSpec:
     splits evenly over its ranks. Custom `resources` are per worker, whatever N.
     `actor_options(role)` and `threads(role)` are that arithmetic, in one place.
     """
-    model: str = "default"
+    model: str = DEFAULT_MODEL_NAME
     device: str = "cpu"
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK_HOST
     advertise_node_ip: bool = False
     num_cpus: float = 0.5
     num_gpus: float = 0.0
@@ -93,7 +95,8 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a non-empty string: a model folder, a .gguf file or 'default'")
+            raise ValueError("model must be a non-empty string: a model folder, a .gguf file or "
+                             f"{DEFAULT_MODEL_NAME!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} once resolved, got {self.device!r}")
         check_transport_choice(self.transport)
@@ -175,7 +178,13 @@ class PoolTargets:
                              "or one colocated worker")
 
     def counts(self) -> dict[str, int]:
-        return {"prefill": self.prefill, "decode": self.decode, "both": self.colocated}
+        """The pool sizes by role (the fields are named by pool: `POOL_NAMES`)."""
+        return {role: getattr(self, pool) for role, pool in POOL_NAMES.items()}
+
+    @classmethod
+    def from_counts(cls, counts: dict[str, int]) -> "PoolTargets":
+        """The inverse of `counts()`."""
+        return cls(**{pool: counts[role] for role, pool in POOL_NAMES.items()})
 
     def replace(self, prefill: int | None = None, decode: int | None = None,
                 colocated: int | None = None) -> "PoolTargets":
@@ -289,5 +298,5 @@ def tp_flag(role: str) -> str:
 
 
 def pool_name(role: str) -> str:
-    """What users call a role's pool: "colocated" for role "both"."""
-    return "colocated" if role == "both" else role
+    """What users call a role's pool: "colocated" for role "both" (`POOL_NAMES`)."""
+    return POOL_NAMES.get(role, role)

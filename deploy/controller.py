@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from deploy.config import ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
+from deploy.config import KV_ROLES, ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
 from deploy.planner import Planner
 from wire.stats import WorkerStats
 
@@ -195,8 +195,7 @@ class PoolController:
             return False
         if self._loop_task is not None:
             raise RuntimeError("the controller is already running")
-        counts = state["targets"]
-        self.targets = PoolTargets(counts["prefill"], counts["decode"], counts["both"])
+        self.targets = PoolTargets.from_counts(state["targets"])
         self._next_id = int(state["next_id"])
         now = self.clock()
         for saved in state["members"]:
@@ -448,7 +447,7 @@ class PoolController:
             return
         now = self.clock()
         self.planner.observe(now, [(m.grpc_address, m.role, m.stats) for m in self._members.values()
-                                   if m.state == READY and m.stats is not None and m.role in ("prefill", "decode")])
+                                   if m.state == READY and m.stats is not None and m.role in KV_ROLES])
         if not self.settled():  # a change under way: its workers' numbers are not in yet
             return
         decision = self.planner.decide(now, self.targets.prefill, self.targets.decode)

@@ -33,7 +33,8 @@ from typing import Any
 
 import uvicorn
 
-from deploy.config import LOG_FORMAT, SYNC_INTERVAL_S
+from deploy.config import KV_ROLES, SYNC_INTERVAL_S
+from serving import LOG_FORMAT
 
 SPEC_ENV = "PDSERVE_ROUTER_SPEC"
 _PR_SET_PDEATHSIG = 1
@@ -196,7 +197,7 @@ class PlannerMetrics:
         target = GaugeMetricFamily("pdserve:planner_target_workers", "The pools' target sizes, by role.",
                                    labels=["role"])
         last = status["last"]
-        for index, role in enumerate(("prefill", "decode")):
+        for index, role in enumerate(KV_ROLES):  # the pools the planner sizes, in its (prefill, decode) order
             if last is not None:
                 wanted.add_metric([role], float(last["wanted"][index]))
             target.add_metric([role], float(status["targets"][role]))

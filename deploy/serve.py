@@ -29,22 +29,23 @@ from typing import Any
 
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
                             start_or_join, write_state)
-from deploy.config import (DEFAULT_CONTROLLER_NAME, ROLES, SYNC_INTERVAL_S, ControllerConfig, PoolTargets, WorkerSpec,
-                           capacity_shortfall, tp_flag)
+from deploy.config import (DEFAULT_CONTROLLER_NAME, DEVICE_CHOICES, ROLES, SYNC_INTERVAL_S, ControllerConfig,
+                           PoolTargets, WorkerSpec, capacity_shortfall, tp_flag)
 from deploy.planner import PlannerConfig
-from router.config import LOOPBACK_HOSTS, RouterConfig
+from engine.model.default_model import DEFAULT_MODEL_NAME
+from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
 
 logger = logging.getLogger("pdserve")
 
 @dataclass
 class ServeOptions:
     """Everything `pdserve serve` takes; validated before Ray starts, so mistakes fail fast."""
-    model: str = "default"
+    model: str = DEFAULT_MODEL_NAME
     served_model_name: str | None = None
     prefill: int = 1
     decode: int = 1
     colocated: int = 0
-    host: str = "127.0.0.1"
+    host: str = RouterConfig.host
     port: int = RouterConfig.port
     device: str = "auto"  # auto: cuda when the Ray cluster has GPUs
     transport: str = "auto"
@@ -83,8 +84,8 @@ class ServeOptions:
             raise ValueError("--host must be a non-empty address")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must be non-empty when set")
         if self.worker_cpus is not None and self.worker_cpus <= 0:
@@ -98,9 +99,9 @@ class ServeOptions:
         if not 1 <= self.routers <= 64:
             raise ValueError(f"--routers must be in 1..64, got {self.routers}")
         self.router_config(port=self.port)  # bad router options fail here
-        if self.model != "default" and not Path(self.model).exists():
+        if self.model != DEFAULT_MODEL_NAME and not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
-                             "a .gguf file, or 'default')")
+                             f"a .gguf file, or {DEFAULT_MODEL_NAME!r})")
         from engine.llm import build_engine_config
         build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
         cuda = self.device == "cuda"  # (auto: checked again once the device is known)
@@ -119,7 +120,7 @@ class ServeOptions:
         # Every rank of every worker is a process with its own threads.
         ranks = sum(count * self.tensor_parallel_size.get(role, 1) for role, count in self.targets.counts().items())
         threads = self.omp_num_threads or max(1, (os.cpu_count() or 1) // ranks)
-        host = self.worker_host or ("127.0.0.1" if started_ray else "0.0.0.0")
+        host = self.worker_host or (LOOPBACK_HOST if started_ray else "0.0.0.0")
         return WorkerSpec(model=self.model, device=device, engine_options=dict(self.engine_options),
                           transport=self.transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
@@ -279,7 +280,7 @@ def _prepare_model(model: str) -> None:
     """Convert a GGUF model (the default one included) here, once, with a progress bar, before
     the workers start: otherwise each worker on this machine would convert it at the same time.
     A cached conversion costs only a stat."""
-    from engine.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+    from engine.model.default_model import default_gguf_path
     from engine.model.gguf_loader import convert_gguf, converted_dir, is_complete_conversion
     path = default_gguf_path() if model == DEFAULT_MODEL_NAME else os.path.expanduser(model)
     if not (path.endswith(".gguf") and os.path.isfile(path)) or is_complete_conversion(converted_dir(path)):
@@ -385,7 +386,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _url_host(host: str) -> str:
     if host in ("0.0.0.0", "::"):
-        return "127.0.0.1"
+        return LOOPBACK_HOST
     return f"[{host}]" if ":" in host else host
 
 

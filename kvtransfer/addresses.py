@@ -11,10 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
-# The one list of KV transports (an address's scheme names its transport), in the order `auto`
-# prefers them where several are usable; TRANSPORT_CHOICES is what a `--transport` flag takes. Here,
-# not in factory.py, so that configs and command lines can name them without loading a transport.
-TRANSPORT_NAMES: tuple[str, ...] = ("tcp", "shm", "ucx", "nccl")
+# The one registry of KV transports: each name (an address's scheme names its transport) and its
+# class, as "module:Class" under kvtransfer/transports/ (factory.py imports a module when its
+# transport is first asked for: ucx and nccl need optional packages), in the order `auto` prefers
+# them where several are usable; each class's `name` is its key here. TRANSPORT_CHOICES is what a
+# `--transport` flag takes. Here, not in factory.py, so that configs and command lines can name
+# them without loading a transport.
+TRANSPORT_CLASSES: dict[str, str] = {"tcp": "tcp:TcpTransport", "shm": "shm:ShmTransport",
+                                     "ucx": "ucx:UcxTransport", "nccl": "nccl:NcclTransport"}
+TRANSPORT_NAMES: tuple[str, ...] = tuple(TRANSPORT_CLASSES)
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", *TRANSPORT_NAMES)
 
 

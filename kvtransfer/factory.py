@@ -11,11 +11,12 @@
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Sequence
 
 import torch
 
-from .addresses import TRANSPORT_NAMES
+from .addresses import TRANSPORT_CLASSES, TRANSPORT_NAMES
 from .config import TransferConfig
 from .layout import KVLayout, PackedBlocks
 from .shared_memory import SharedMemory
@@ -25,22 +26,13 @@ from .status import TransportUnavailableError
 from .transports.base import Transport
 
 
-
 def _transport_class(name: str) -> type[Transport]:
-    if name == "tcp":
-        from .transports.tcp import TcpTransport
-        return TcpTransport
-    if name == "shm":
-        from .transports.shm import ShmTransport
-        return ShmTransport
-    if name == "ucx":
-        from .transports.ucx import UcxTransport
-        return UcxTransport
-    if name == "nccl":
-        from .transports.nccl import NcclTransport
-        return NcclTransport
-    raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORT_NAMES)} "
-                     "or auto")
+    """The class of transport `name` (`TRANSPORT_CLASSES`), its module imported now."""
+    if name not in TRANSPORT_CLASSES:
+        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORT_NAMES)} "
+                         "or auto")
+    module, _, class_name = TRANSPORT_CLASSES[name].partition(":")
+    return getattr(importlib.import_module(f".transports.{module}", __package__), class_name)
 
 
 def transport_unavailable_reason(name: str) -> str | None:

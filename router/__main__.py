@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from router.config import (DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, LOOPBACK_HOSTS, PREFILL_POLICIES,
-                           RouterConfig)
+from engine.model.default_model import DEFAULT_MODEL_NAME
+from router.config import DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
 
 
 def _addresses(values: list[str] | None) -> list[str]:
@@ -22,14 +22,15 @@ def _addresses(values: list[str] | None) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: the OpenAI-compatible HTTP API")
-    p.add_argument("--model", default="default",
-                   help="tokenizer source: a Hugging Face folder, a .gguf file or 'default' (default: %(default)s)")
+    p.add_argument("--model", default=RouterConfig.model,
+                   help=f"tokenizer source: a Hugging Face folder, a .gguf file or {DEFAULT_MODEL_NAME!r} "
+                        "(default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
     p.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill worker (repeatable)")
     p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeatable)")
     p.add_argument("--colocated", action="append", metavar="HOST:PORT",
                    help="a colocated (prefill+decode) worker (repeatable)")
-    p.add_argument("--host", default=LOOPBACK_HOST, help="address to bind (default: %(default)s)")
+    p.add_argument("--host", default=RouterConfig.host, help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=RouterConfig.port, help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PDSERVE_API_KEY)")

@@ -4,13 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_hash import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS
-from engine.config import CacheConfig
+from engine.config import ROLES, CacheConfig
+from engine.model.default_model import DEFAULT_MODEL_NAME
 
 PREFILL_POLICIES = ("prefix_affinity", "round_robin")
 DECODE_POLICIES = ("power_of_two", "round_robin")
 LOOPBACK_HOST = "127.0.0.1"
 # Hosts that only this machine reaches: binding one needs no --api-key; a worker on one advertises it.
 LOOPBACK_HOSTS: tuple[str, ...] = (LOOPBACK_HOST, "localhost", "::1")
+# What users call each role's pool (RouterConfig's worker lists, `pdserve serve`'s flags and pool
+# sizes): the workers of role "both" make up the colocated pool.
+POOL_NAMES: dict[str, str] = {**{role: role for role in ROLES}, "both": "colocated"}
 
 
 def check_grpc_address(address: str, what: str) -> str:
@@ -35,11 +39,12 @@ LOCAL_PREFILL_WEIGHT_HELP = (
 class RouterConfig:
     """Everything `create_app` needs.
 
-    `model` is the tokenizer source (a Hugging Face folder, a .gguf file or `default`);
+    `model` is the tokenizer source (a Hugging Face folder, a .gguf file or `DEFAULT_MODEL_NAME`);
     `served_model_name` is the name clients send in `model` (defaults to `model`).
-    Worker lists are the static pool; the Ray controller may add and remove workers later.
+    Worker lists are the static pool, one per role, each named by its pool (`POOL_NAMES`); the Ray
+    controller may add and remove workers later.
     """
-    model: str = "default"
+    model: str = DEFAULT_MODEL_NAME
     served_model_name: str | None = None
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
@@ -105,14 +110,15 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a non-empty string (a model folder, a .gguf file or 'default')")
+            raise ValueError("model must be a non-empty string (a model folder, a .gguf file or "
+                             f"{DEFAULT_MODEL_NAME!r})")
         if self.served_model_name is None:
             self.served_model_name = self.model
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
-        for role, addresses in (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated)):
+        for role, addresses in self.workers_by_role().items():
             for address in addresses:
-                check_grpc_address(address, f"{role} worker")
+                check_grpc_address(address, f"{POOL_NAMES[role]} worker")
         all_addresses = [*self.prefill, *self.decode, *self.colocated]
         duplicates = sorted({a for a in all_addresses if all_addresses.count(a) > 1})
         if duplicates:
@@ -150,3 +156,7 @@ class RouterConfig:
         for name in ("affinity_min_match_ratio", "kv_free_low_watermark", "host_hit_cost"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def workers_by_role(self) -> dict[str, list[str]]:
+        """The static worker lists by role ("both": the `colocated` list)."""
+        return {role: getattr(self, pool) for role, pool in POOL_NAMES.items()}

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import grpc
 
 from engine.block_hash import hash_full_blocks
+from engine.config import DECODE_ROLES
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.errors import APIError, invalid_request, overloaded, unavailable, upstream_failed
@@ -112,7 +113,7 @@ class Dispatcher:
     def generation(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                    timer: RequestTimer, cache_salt: str | None = None, priority: int = 0) -> "Generation":
         """Admit a request (429 when the router is full, 503 when no worker can serve it)."""
-        if not self.pool.routable("decode", "both"):
+        if not self.pool.routable(*DECODE_ROLES):
             raise unavailable("no healthy decode worker is available; try again shortly", self.config.retry_after_s)
         priority_class = "batch" if priority > 0 else "interactive"
         message = None
@@ -226,7 +227,7 @@ class Generation:
         for attempt in range(d.config.max_dispatch_retries + 1):
             if self._cancelled:
                 raise ClientGone()
-            candidates = [w for w in d.pool.routable("decode", "both") if w.address not in tried]
+            candidates = [w for w in d.pool.routable(*DECODE_ROLES) if w.address not in tried]
             if not candidates:
                 break
             sibling = next((w for w in candidates if w.address == beside), None) if attempt == 0 else None

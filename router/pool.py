@@ -60,10 +60,6 @@ class WorkerInfo:
         return self.healthy and not self.draining
 
     @property
-    def serves_decode(self) -> bool:
-        return self.role in ("decode", "both")
-
-    @property
     def prefill_load_tokens(self) -> int:
         """Queued prefill tokens: this router's outstanding ones, exact and current, plus the rest of
         the worker's own count at the last poll (other routers' work). The polled count alone goes
@@ -158,8 +154,7 @@ class WorkerPool:
     def __post_init__(self) -> None:
         if self.kv_index is None:
             self.kv_index = KVIndex(self.config.kv_pending_ttl_s, self.config.affinity_capacity_blocks)
-        for role, addresses in (("prefill", self.config.prefill), ("decode", self.config.decode),
-                                ("both", self.config.colocated)):
+        for role, addresses in self.config.workers_by_role().items():
             for address in addresses:
                 self.add_worker(role, address)
 

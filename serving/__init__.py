@@ -19,17 +19,22 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
+import kvtransfer
 import wire
 
 from engine import config as engine_config
-from engine.kv_connector import FAULTS
+from engine.model.default_model import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger(__name__)
+# The log line of every pdserve process: the workers here, and `pdserve serve`'s driver, router
+# processes and worker actors (deploy/ imports it).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="default", help="model folder, GGUF file or 'default' (SmolLM2-135M)")
+    group.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                       help=f"model folder, GGUF file or {DEFAULT_MODEL_NAME!r} (SmolLM2-135M)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -39,7 +44,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="gRPC and transport listen host")
+    group.add_argument("--host", default=kvtransfer.TransferConfig.host, help="gRPC and transport listen host")
     group.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     group.add_argument("--advertise-host", default=None, help="host written into the printed addresses")
     group.add_argument("--log-level", default="WARNING")
@@ -54,7 +59,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_kv_arguments(parser: argparse.ArgumentParser, side: str) -> None:
     """The KV connector's flags; `side` is "sender" (prefill) or "receiver" (decode)."""
-    import kvtransfer
+    from engine.kv_connector import FAULTS  # (torch) here: deploy's router processes import this module
     group = parser.add_argument_group("kv transfer")
     group.add_argument("--transport", default="auto", choices=kvtransfer.TRANSPORT_CHOICES,
                        help=f"the KV {side}'s transports: auto (what the receiver offers / shm and tcp on CPU)")
@@ -72,7 +77,7 @@ def build_async_engine(model: str, options: dict[str, Any], role: str, kv_transp
     # kv_events: the routers follow this worker's prefix cache through its KVEvents stream
     engine = LLMEngine(build_engine_config(model, role=role, kv_events=True, **options), kv_transport=kv_transport,
                        kv_connector_config=kv_connector_config)
-    return AsyncEngine(engine, idle_wait_s=0.05)
+    return AsyncEngine(engine)
 
 
 async def request_from_wire(engine, message: Any, request_id: str, **extra):
@@ -176,6 +181,5 @@ def run(args: argparse.Namespace, serve_worker: Callable[[argparse.Namespace], A
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
 

@@ -35,6 +35,14 @@ def test_serve_defaults_are_the_embedded_default():
         options("--batch-share", "0").router_config(port=8000)
 
 
+def test_serve_flags_default_to_serve_options():
+    from deploy.serve import ServeOptions
+    opts, defaults = options(), ServeOptions()
+    for name in ("model", "prefill", "decode", "colocated", "host", "port", "device", "transport", "routers"):
+        assert getattr(opts, name) == getattr(defaults, name), name
+    assert opts.ray.object_store_memory_mb == RaySettings().object_store_memory_mb
+
+
 def test_planner_flags_reach_the_controller():
     from deploy.planner import PlannerConfig
     worker = options().worker_spec({"CPU": 2.0}, started_ray=True)

@@ -424,6 +424,12 @@ def test_config_validation_messages():
         PoolTargets(colocated=-2)
 
 
+def test_pool_targets_by_role_and_back():
+    targets = PoolTargets(prefill=2, decode=3, colocated=1)
+    assert targets.counts() == {"prefill": 2, "decode": 3, "both": 1}
+    assert PoolTargets.from_counts(targets.counts()) == targets
+
+
 # ---- the controller's own death: durable state, adoption, orphans -------------------------------
 
 async def _die(controller):

@@ -182,6 +182,14 @@ def test_available_transports_and_unknown_names():
         create_receiver("carrier-pigeon", sentinel_caches(SMALL))
 
 
+def test_the_transport_registry_names_each_class():
+    from kvtransfer.addresses import TRANSPORT_CLASSES, TRANSPORT_NAMES
+    from kvtransfer.factory import _transport_class
+    assert TRANSPORT_NAMES == tuple(TRANSPORT_CLASSES) and kvtransfer.TRANSPORT_NAMES == TRANSPORT_NAMES
+    for name in TRANSPORT_NAMES:  # importing the ucx and nccl modules loads neither optional package
+        assert _transport_class(name).name == name
+
+
 def test_ucx_without_ucxx_is_a_clear_error(monkeypatch):
     from kvtransfer.transports import ucx
 
