@@ -11,6 +11,8 @@ prefilled locally (WAITING, the engine queue). Otherwise, one RequestStatus per 
                     engine admits the request once every layer of every block is in and verified
                     (epoch, block hashes, checksum)
     RUNNING         the prefill worker's first token appended, tokens stream as the engine decodes
+                    (the first one goes out as the prefill worker answers, before the KV is checked:
+                    it is right whatever becomes of the bytes; a fallback keeps it)
     FINISHED_*      stop / length / abort / error: every block freed (or kept in the prefix cache)
 
 A failed, late, short or unverifiable transfer (dead prefill worker, silent peer, flipped byte,
@@ -150,7 +152,6 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         return asyncio.ensure_future(self._remote_prefill(engine_request, plan, prefill_address))
 
     async def _remote_prefill(self, engine_request, plan, address: str) -> None:
-        request_id = engine_request.request_id
         message = prefill_request_to_wire(engine_request, plan, self.transport_address, self.receiver.layout)
         report, error = None, None
         try:
@@ -165,7 +166,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
             error = f"prefill worker {address}: {exc.code().name}: {exc.details()}"
         except Exception as exc:  # e.g. an answer that does not convert: fall back now, not at the timeout
             error = f"prefill worker {address}: {type(exc).__name__}: {exc}"
-        self.engine.call(LLMEngine.report_kv_producer, request_id, report, error)
+        self.engine.report_kv_producer(engine_request, report, error)  # streams the first token at once
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return serving.abort(self.engine, request.request_id)

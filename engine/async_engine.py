@@ -1,6 +1,8 @@
 """AsyncEngine: runs `LLMEngine.step()` on one background thread and streams outputs to asyncio.
 A step's KV-transfer outcomes (`apply_kv_transfers`: an imported request's first token, a
-prefill worker's finished send) go out before its batch runs, not one model step later.
+prefill worker's finished send) go out before its batch runs, not one model step later; and an
+imported request's first token goes out as the prefill worker's answer arrives
+(`report_kv_producer`), before the engine thread sees it.
 
 Only the engine thread touches scheduler state: `generate()` and `abort()` post commands to an
 inbox that the thread drains before every step, so the event loop never waits for a forward
@@ -25,7 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine.engine import LLMEngine, Prompt
+from engine.engine import LLMEngine, Prompt, token_logprobs
+from engine.kv_connector import ProducerReport
 from engine.kv_events import KVEventBatch
 from engine.outputs import StreamDelta
 from engine.request import Request
@@ -105,6 +108,25 @@ class AsyncEngine:
         """Queue a request whose stream was opened with `open_stream` (an invalid one's
         ValueError is raised to that stream's reader)."""
         self._post(("add", request, detokenize))
+
+    def report_kv_producer(self, request: Request, report: ProducerReport | None, error: str | None = None) -> None:
+        """Decode role, on the stream's event loop: the prefill worker answered for `request`
+        (added with `call(LLMEngine.add_imported, ...)`): its report, or why it failed. The
+        report's first token goes to the request's stream at once when the connector allows it
+        (`KVConnector.stream_first_token`: sampled from this prompt), rather than when the engine
+        thread next takes commands (after the model step in progress: up to a decode step later);
+        the engine's own delta for it then carries no token. The answer goes to the engine thread
+        either way, which checks the KV and admits the request, or falls back."""
+        connector = self.engine.kv_connector
+        streamed = (report is not None and error is None
+                    and connector.stream_first_token(request, report, self.engine.runner.vocab_size))
+        if streamed:
+            token = report.first_token
+            self._deliver(StreamDelta(request.request_id, [token.token_id],
+                                      new_logprobs=token_logprobs([token.token_id], [token]),
+                                      num_cached_tokens=request.num_cached_tokens,
+                                      num_prompt_tokens=request.num_prompt_tokens), request.request_id)
+        self.call(LLMEngine.report_kv_producer, request.request_id, report, error)
 
     def _close_stream(self, request_id: str, abort: bool) -> None:
         if abort:

@@ -42,6 +42,12 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
+
+def token_logprobs(token_ids: Sequence[int], sampled: Sequence[SampledToken | None]) -> list[TokenLogprob]:
+    """A delta's logprobs of `token_ids` (those sampled with one)."""
+    return [TokenLogprob(t, lp.logprob, lp.top_logprobs or []) for t, lp in zip(token_ids, sampled)
+            if lp is not None and lp.logprob is not None]
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
                  kv_transport: Callable[[Any, Callable[[str], None]], KVTransport] | None = None,
@@ -213,7 +219,7 @@ class LLMEngine:
             self.scheduler.fail_import(request.request_id, True)
             return None
         try:
-            connector.start_load(request, plan)
+            connector.start_load(request, plan, streamable=request.request_id not in self._detokenizers)
         except Exception as exc:
             self.scheduler.finish_with_error(request.request_id, f"cannot expect the KV: {exc}")
             raise RuntimeError(f"cannot expect the KV: {exc}") from exc
@@ -309,10 +315,17 @@ class LLMEngine:
             error = f"remote prefill failed (producer): first token {done.first_token.token_id} is outside the vocabulary"
             fallback = self.kv_connector.config.on_transfer_failure == "fallback"
         if error is None:
-            return [self._to_delta(self.scheduler.finish_import(done.request_id, done.first_token))]
-        logger.warning("%s: %s", done.request_id, error)
-        final = self.scheduler.fail_import(done.request_id, fallback, error)
-        return [self._to_delta(final)] if final is not None else []
+            out = self.scheduler.finish_import(done.request_id, done.first_token)
+        else:
+            logger.warning("%s: %s", done.request_id, error)
+            out = self.scheduler.fail_import(done.request_id, fallback, error,
+                                             done.first_token if done.first_token_streamed else None)
+            if out is None:
+                return []
+        delta = self._to_delta(out)
+        if done.first_token_streamed:  # the caller has it (KVConnector.stream_first_token)
+            delta.new_token_ids, delta.new_logprobs = [], []
+        return [delta]
 
     def _run(self, batch) -> list[StreamDelta]:
         # An internal failure ends the requests it touched, never the engine.
@@ -364,9 +377,7 @@ class LLMEngine:
     def _to_delta(self, out: StepOutput) -> StreamDelta:
         request = self.scheduler.get_request(out.request_id)
         delta = StreamDelta(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
-                            new_logprobs=[TokenLogprob(t, lp.logprob, lp.top_logprobs or [])
-                                          for t, lp in zip(out.new_token_ids, out.new_logprobs) if lp is not None
-                                          and lp.logprob is not None],
+                            new_logprobs=token_logprobs(out.new_token_ids, out.new_logprobs),
                             finished=out.finished, finish_reason=out.finish_reason,
                             num_cached_tokens=out.num_cached_tokens, error=out.error)
         if request is not None:

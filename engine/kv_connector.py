@@ -26,6 +26,14 @@ equals the report's; the block hashes equal its own for the same tokens; the che
 bytes in its blocks equals the report's. Anything else is a failed load, by reason
 (`FAILURE_REASONS`, engine/kv_hooks.py; counted in `failures`), which falls back to local
 prefill or fails the request (`on_transfer_failure`): never wrong tokens.
+
+The first token goes out before those checks. The report's first token is right whatever becomes
+of the bytes once the report's block hashes equal this prompt's (it was sampled from this prompt),
+so `stream_first_token` lets the caller stream it as the answer arrives (`AsyncEngine`), not at the
+engine thread's next step boundary, up to a decode step later. From then on the load keeps it: a
+verified load admits the request with it, a failed one falls back to a local prefill of the prompt
+and that token (or fails the request), and `LoadDone.first_token_streamed` tells the engine that
+the caller has it.
 """
 from __future__ import annotations
 
@@ -165,9 +173,10 @@ class SendDone:
 @dataclass(frozen=True)
 class LoadDone:
     request_id: str
-    first_token: Any  # None when the load failed
+    first_token: Any  # None when the load failed before its first token was streamed
     error: str | None
     fallback: bool  # on failure: prefill locally (else end the request with `error`)
+    first_token_streamed: bool = False  # the caller has `first_token` (`stream_first_token`)
 
 
 def answers_prefill(delta: Any) -> bool:
@@ -252,6 +261,9 @@ class KVConnector:
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries are skipped
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
+        # Under _lock, a load whose first token may be streamed early (`stream_first_token`): None
+        # until it is, then that token. Entries live exactly as long as their `_loads` entry.
+        self._first_tokens: dict[str, Any] = {}
         self._pushes: list[tuple[_Send, int]] = []  # this step's (send, blocks after it)
         self.failures: Counter[str] = Counter()
         self.polls = 0
@@ -332,7 +344,7 @@ class KVConnector:
         send = self._sends.pop(request_id, None)
         if send is not None and send.opened:
             self.transport.cancel(request_id)
-        if self._loads.pop(request_id, None) is not None:
+        if self._end_load(request_id) is not None:
             self.transport.cancel(request_id)
 
     # ---- prefill side ---------------------------------------------------------------------
@@ -454,12 +466,48 @@ class KVConnector:
     def wants_remote_prefill(self, plan: ImportPlan, num_tokens: int) -> bool:
         return bool(plan.blocks_to_fill) and num_tokens - plan.num_cached_tokens >= self.config.local_prefill_threshold
 
-    def start_load(self, request: Request, plan: ImportPlan) -> None:
-        """Engine thread, after the scheduler allocated the blocks the transfer must fill."""
+    def start_load(self, request: Request, plan: ImportPlan, streamable: bool = True) -> None:
+        """Engine thread, after the scheduler allocated the blocks the transfer must fill.
+        `streamable`: its first token may go out before the checks (`stream_first_token`); not
+        for a request the engine detokenizes (an early token would have no text)."""
         self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
         now = time.monotonic()
         self._loads[request.request_id] = _Load(request, plan, now, checked=now)
+        if streamable:
+            with self._lock:
+                self._first_tokens[request.request_id] = None
         heapq.heappush(self._deadlines, (now + self.config.transfer_timeout_s, request.request_id))
+
+    def stream_first_token(self, request: Request, report: ProducerReport, vocab_size: int) -> bool:
+        """Any thread, when the prefill worker's report arrives: may its first token go to the
+        caller now? Yes (once per load) if the load still waits and may stream, the report's block
+        hashes equal this prompt's and the token is in the vocabulary; the load then keeps that
+        token whatever becomes of the bytes (see the module docstring). No: the engine's checks
+        decide when it takes the report, as without this call."""
+        if not 0 <= report.first_token.token_id < vocab_size:
+            return False
+        # Its tokens (a resumed request's include its outputs) do not change while the KV is
+        # awaited; after the load ends they may, but then the claim below is refused.
+        mine = tuple(hash_full_blocks(list(request.all_token_ids), self.block_size, request.cache_salt,
+                                      self.hash_algorithm))
+        if report.block_hashes != mine:
+            return False
+        with self._lock:
+            request_id = request.request_id
+            if request_id not in self._first_tokens or self._first_tokens[request_id] is not None:
+                return False
+            self._first_tokens[request_id] = report.first_token
+            return True
+
+    def _end_load(self, request_id: str) -> _Load | None:
+        """Forget a load (engine thread); from now on its first token can no longer be streamed."""
+        with self._lock:
+            self._first_tokens.pop(request_id, None)
+        return self._loads.pop(request_id, None)
+
+    def _streamed_first_token(self, request_id: str) -> Any:
+        with self._lock:
+            return self._first_tokens.get(request_id)
 
     def report_producer(self, request_id: str, report: ProducerReport | None, error: str | None = None) -> bool:
         """Engine thread: the prefill worker answered (a report, or why it failed). False if the
@@ -502,11 +550,12 @@ class KVConnector:
             return self._fail_load(load, *problem)
         if self.shards is not None:
             self.shards.scatter_kv([block_id for _, block_id in load.plan.blocks_to_fill])
-        del self._loads[request_id]
+        streamed = self._streamed_first_token(request_id) is not None
+        self._end_load(request_id)
         self.transport.cancel(request_id)  # drops the finished record
         load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,
                                                  load.report.num_cached_tokens)
-        return LoadDone(request_id, load.report.first_token, None, False)
+        return LoadDone(request_id, load.report.first_token, None, False, streamed)
 
     def _verify(self, load: _Load, status: Any) -> tuple[str, str] | None:
         report = load.report
@@ -526,7 +575,8 @@ class KVConnector:
 
     def _fail_load(self, load: _Load, reason: str, message: str) -> LoadDone:
         request_id = load.request.request_id
-        del self._loads[request_id]
+        streamed = self._streamed_first_token(request_id)
+        self._end_load(request_id)
         try:
             received = self.transport.poll(request_id).bytes_transferred
         except KeyError:
@@ -534,8 +584,8 @@ class KVConnector:
         self.transport.cancel(request_id)  # no byte lands in its blocks after this
         self.failures[reason] += 1
         load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started)
-        return LoadDone(request_id, None, f"remote prefill failed ({reason}): {message}",
-                        self.config.on_transfer_failure == "fallback")
+        return LoadDone(request_id, streamed, f"remote prefill failed ({reason}): {message}",
+                        self.config.on_transfer_failure == "fallback", streamed is not None)
 
     # ---- once per step --------------------------------------------------------------------
 
@@ -570,7 +620,7 @@ class KVConnector:
 
     def cancel_load(self, request_id: str) -> None:
         """Stop expecting `request_id`'s KV (its import is finished or failed by the caller)."""
-        if self._loads.pop(request_id, None) is not None:
+        if self._end_load(request_id) is not None:
             self.transport.cancel(request_id)
 
     def next_deadline(self) -> float | None:

@@ -739,18 +739,31 @@ class Scheduler:
         return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,
                           request.num_cached_tokens, error)
 
-    def fail_import(self, request_id: str, fallback_to_local_prefill: bool,
-                    message: str = "KV transfer failed") -> StepOutput | None:
+    def fail_import(self, request_id: str, fallback_to_local_prefill: bool, message: str = "KV transfer failed",
+                    first_token: SampledToken | None = None) -> StepOutput | None:
         """The transfer failed or timed out. Either prefill locally from the cached prefix (the
-        request keeps its blocks and waits; returns None) or end it with an error."""
+        request keeps its blocks and waits; returns None) or end it with an error.
+
+        `first_token`: the prefill worker's, already streamed to the caller (only its KV failed).
+        A fallback keeps it: it is appended (its output is returned, finished if it ends the
+        request) and the local prefill covers the prompt and it, then samples the second token."""
         request = self._importing_request(request_id)
         if not fallback_to_local_prefill:
             return self._end(request_id, "error", message)
-        del self._importing[request_id]
         request.num_computed_tokens = request.num_cached_tokens
+        if first_token is not None:
+            request.append_output(first_token.token_id, first_token)
+            reason, error = self._after_token(request, first_token.token_id)
+            if reason is not None:
+                reason, error = self._finish(request, reason, error)
+                return StepOutput(request_id, [first_token.token_id], [first_token], True, reason,
+                                  request.num_cached_tokens, error)
+        del self._importing[request_id]
         request.status = RequestStatus.WAITING
         self._enqueue_waiting(request)
-        return None
+        if first_token is None:
+            return None
+        return StepOutput(request_id, [first_token.token_id], [first_token], False, None, request.num_cached_tokens)
 
     # ---- counters --------------------------------------------------------------------------
 

@@ -328,11 +328,12 @@ class Generation:
             return None
         if self.migrations:
             chunk.num_cached_tokens = 0  # usage reports the first worker's prefix-cache hit
+        if chunk.kv_transfer_seconds:  # the chunk that says how the KV arrived (after the first
+            # token: a decode worker streams that one as the prefill worker answers)
+            self.timer.kv_transfer(chunk.kv_bytes_received, chunk.kv_transfer_seconds)
         if chunk.token_ids:
             self.delivered.extend(chunk.token_ids)
             self.assignment.prefill_done()
-            if self.timer.first_token is None:
-                self.timer.kv_transfer(chunk.kv_bytes_received, chunk.kv_transfer_seconds)
             self.timer.tokens(len(chunk.token_ids))
         if chunk.finish_reason:
             self._stream_ended = True

@@ -28,7 +28,8 @@ def sampled_token_from_wire(message: Any, want_logprobs: bool) -> SampledToken:
 
 
 def chunk_from_delta(delta: StreamDelta, want_logprobs: bool) -> Any:
-    """A decode worker's TokenChunk; the first one of a request says how it got its KV."""
+    """A decode worker's TokenChunk; the one from the delta with `kv_import` says how the request
+    got its KV (the first token's, or the one after a first token streamed early)."""
     pb = messages()
     chunk = pb.TokenChunk(token_ids=delta.new_token_ids, finish_reason=delta.finish_reason or "",
                           num_cached_tokens=delta.num_cached_tokens, num_prompt_tokens=delta.num_prompt_tokens,

@@ -448,3 +448,134 @@ def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_ste
             engine.shutdown()
 
     pair.run_and_close(main)
+
+
+# ---- the first token streamed as the prefill worker answers --------------------------------
+
+def _stream_and_report(pair, request_id, report, error=None):
+    """What `AsyncEngine.report_kv_producer` does on the decode server's loop, on this thread:
+    claim the first token for the caller, then hand the answer to the engine."""
+    request = pair.decode.scheduler.get_request(request_id)
+    streamed = pair.decode.kv_connector.stream_first_token(request, report, pair.decode.runner.vocab_size)
+    pair.decode.report_kv_producer(request_id, report, error)
+    return streamed
+
+
+def test_a_streamed_first_token_is_not_sent_again_by_the_engine(pair_factory, reference):
+    pair = pair_factory()
+    tokens = prompt(20, 30)
+    pair.start("a", tokens)
+    report, _ = Pair.producer_report(pair.run_prefill_to_answer("a"))
+    assert _stream_and_report(pair, "a", report)
+    assert not pair.decode.kv_connector.stream_first_token(pair.decode.scheduler.get_request("a"), report,
+                                                           pair.decode.runner.vocab_size), "claimed twice"
+    out, finals = pair.run_decode()
+    assert [report.first_token.token_id] + out["a"] == reference(tokens)  # every token once
+    assert finals["a:import"].prefilled_remotely and not pair.decode.kv_connector.failures
+
+
+@pytest.mark.parametrize("max_tokens", [8, 1])
+def test_a_fallback_keeps_the_streamed_first_token(pair_factory, reference, model_dir, max_tokens):
+    """The KV fails its checksum after the first token went out: the decode worker prefills the
+    prompt and that token, and goes on from it. The prefill worker's token is replaced here by
+    another (as a sampled token may differ from the greedy one): the output continues from it,
+    and with max_tokens 1 it is the whole output (no local prefill at all)."""
+    pair = pair_factory(decode=dict(inject_fault="flip_byte"))
+    tokens = prompt(21, 30)
+    params = dataclasses.replace(PARAMS, max_tokens=max_tokens)
+    pair.start("a", tokens, params)
+    report, _ = Pair.producer_report(pair.run_prefill_to_answer("a"))
+    other = (report.first_token.token_id + 1) % 128
+    report = dataclasses.replace(report, first_token=SampledToken(other))
+    computed_before = pair.decode.scheduler.stats().prompt_tokens_computed
+    assert _stream_and_report(pair, "a", report)
+    out, finals = pair.run_decode()
+    assert pair.decode.kv_connector.failures == {"checksum": 1}
+    assert not finals["a:import"].prefilled_remotely
+    if max_tokens == 1:
+        assert out.get("a", []) == [] and finals["a"].finish_reason == "length"
+        assert pair.decode.scheduler.stats().prompt_tokens_computed == computed_before
+    else:
+        assert [other] + out["a"] == [other] + reference(tokens + [other])[:max_tokens - 1]
+
+
+def test_a_report_for_another_prompt_or_after_the_load_ended_is_not_streamed(pair_factory, reference):
+    pair = pair_factory()
+    tokens = prompt(22, 30)
+    pair.start("a", tokens)
+    report, _ = Pair.producer_report(pair.run_prefill_to_answer("a"))
+    forged = dataclasses.replace(report, block_hashes=report.block_hashes[::-1])
+    assert not _stream_and_report(pair, "a", forged)  # the engine's checks then refuse it and recompute
+    out, finals = pair.run_decode()
+    assert out["a"] == reference(tokens) and pair.decode.kv_connector.failures == {"block_hash": 1}
+    request = pair.decode.make_request(tokens, PARAMS, "late")
+    assert not pair.decode.kv_connector.stream_first_token(request, report, pair.decode.runner.vocab_size)
+
+
+def test_the_first_token_goes_out_as_the_answer_arrives_during_a_model_step(model_dir, reference):
+    """`AsyncEngine.report_kv_producer` streams the prefill worker's first token while the decode
+    engine is inside a model step of the requests already running (held at a gate here), instead
+    of after it; the engine's delta for the admitted request then carries the KV outcome and no
+    token, and the output is every token once."""
+    pair = Pair(model_dir, "tcp")
+    decode = pair.decode
+    held = threading.Semaphore(0)
+    entered = []
+    gate = threading.Event()
+    execute = decode.runner.execute
+
+    def gated(batch, hook):
+        if gate.is_set():
+            entered.append(batch)
+            assert held.acquire(timeout=30), "the test never let this step run"
+        return execute(batch, hook)
+    decode.runner.execute = gated
+
+    async def start(engine, request_id, tokens, params):
+        stream = engine.open_stream(request_id)
+        request = decode.make_request(tokens, params, request_id)
+        plan = await asyncio.wrap_future(engine.call(LLMEngine.add_imported, request))
+        destination = KVDestination(decode.kv_connector.transport.address,
+                                    tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+        pair.prefill.add(pair.prefill.make_request(tokens, params, request_id, kv_destination=destination),
+                         detokenize=False)
+        return request, stream, Pair.producer_report(pair.run_prefill())
+
+    async def main():
+        engine = AsyncEngine(decode)
+        try:
+            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            request, running, answer = await start(engine, "running", prompt(23, 12), long)
+            engine.report_kv_producer(request, *answer)
+            assert (await running.__anext__()).new_token_ids
+            request, stream, answer = await start(engine, "imported", prompt(24, 10), PARAMS)
+            gate.set()
+            for _ in range(1000):
+                if entered:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(entered) == 1, "no decode step reached the gate"
+            engine.report_kv_producer(request, *answer)
+            first = await asyncio.wait_for(stream.__anext__(), timeout=10)
+            assert len(entered) == 1, "the first token waited for the step in progress"
+            assert first.new_token_ids == [answer[0].first_token.token_id] and first.kv_import is None
+            gate.clear()
+            held.release()
+            tokens, outcomes = list(first.new_token_ids), []
+            async for delta in stream:
+                tokens.extend(delta.new_token_ids)
+                if delta.kv_import is not None:
+                    outcomes.append(delta.kv_import)
+            running.close()
+            assert tokens == reference(prompt(24, 10))
+            assert len(outcomes) == 1 and outcomes[0].prefilled_remotely
+            for _ in range(1000):
+                if not decode.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            gate.clear()
+            held.release()
+            engine.shutdown()
+
+    pair.run_and_close(main)

@@ -138,8 +138,15 @@ class Generation:
     error: str
 
     @property
-    def first(self):
-        return self.chunks[0]
+    def kv_outcome(self):
+        return kv_outcome(self.chunks)
+
+
+def kv_outcome(chunks: list):
+    """The chunk that says how a request got its KV: the one with a transfer's time (after the
+    first token when the decode worker streamed the prefill worker's as it answered), else the
+    first (a local prefill)."""
+    return next((chunk for chunk in chunks if chunk.kv_transfer_seconds), chunks[0])
 
 
 def generate(decode: WorkerProcess, request_id: str, prompt: list[int], prefill: WorkerProcess | None = None,

@@ -87,10 +87,10 @@ def test_disaggregated_greedy_is_token_exact(cluster, llm, bytes_per_block, tran
         result = generate(decode, f"{transport}-{index}", prompt, cluster["prefill"])
         assert result.token_ids == offline(llm, prompt)
         assert result.finish_reason == "length"
-        assert result.first.prefilled_remotely
+        assert result.kv_outcome.prefilled_remotely
         # every prompt position's KV arrives, including a partial last block
-        assert result.first.kv_bytes_received == blocks(len(prompt)) * bytes_per_block
-        assert result.first.num_prompt_tokens == len(prompt)
+        assert result.kv_outcome.kv_bytes_received == blocks(len(prompt)) * bytes_per_block
+        assert result.kv_outcome.num_prompt_tokens == len(prompt)
 
 
 def test_colocated_and_disaggregated_match_offline(cluster, llm):
@@ -107,8 +107,8 @@ def test_colocated_and_disaggregated_match_offline(cluster, llm):
         disaggregated = generate(decode, f"pd-{index}", prompt, cluster["prefill"], params=sampling(24))
         assert colocated.token_ids == reference
         assert disaggregated.token_ids == reference
-        assert not colocated.first.prefilled_remotely
-        assert disaggregated.first.prefilled_remotely
+        assert not colocated.kv_outcome.prefilled_remotely
+        assert disaggregated.kv_outcome.prefilled_remotely
     stats = cluster["colocated"].stats()
     assert stats.spec_draft_tokens > drafts_before and stats.spec_accepted_tokens > 0  # it did speculate
 
@@ -123,7 +123,7 @@ def test_seeded_sampling_and_logprobs_match_colocated(cluster, llm, repetitive):
     colocated = generate(cluster["colocated"], f"seeded-colo-{repetitive}", prompt, params=params)
     disaggregated = generate(cluster["decode"][TRANSPORTS[0]], f"seeded-pd-{repetitive}", prompt, cluster["prefill"],
                              params=params)
-    assert disaggregated.first.prefilled_remotely
+    assert disaggregated.kv_outcome.prefilled_remotely
     assert disaggregated.token_ids == colocated.token_ids
     colo_lp = [lp for chunk in colocated.chunks for lp in chunk.logprobs]
     pd_lp = [lp for chunk in disaggregated.chunks for lp in chunk.logprobs]
@@ -148,8 +148,8 @@ def test_a_resumed_generation_continues_exactly(cluster, llm):
         disaggregated = generate(decode, f"resume-pd-{params.seed}", prompt + full[:5], cluster["prefill"],
                                  params=params, num_resumed_tokens=5)
         assert colocated.token_ids == full[5:] and disaggregated.token_ids == full[5:]
-        assert disaggregated.first.prefilled_remotely
-        assert colocated.first.num_prompt_tokens == disaggregated.first.num_prompt_tokens == len(prompt)
+        assert disaggregated.kv_outcome.prefilled_remotely
+        assert colocated.kv_outcome.num_prompt_tokens == disaggregated.kv_outcome.num_prompt_tokens == len(prompt)
     assert full != generate(cluster["colocated"], "resume-greedy", prompt, params=sampling(20)).token_ids  # seeded differs
 
 
@@ -165,7 +165,7 @@ def test_shared_prefix_hits_the_prefill_workers_cache(cluster, llm):
     after = prefill.stats()
     assert after.prefix_cache_hits - before.prefix_cache_hits == 96
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(second) - 96
-    assert result.first.num_cached_tokens == 96
+    assert result.kv_outcome.num_cached_tokens == 96
     assert result.token_ids == offline(llm, second)
 
 
@@ -173,7 +173,7 @@ def test_follow_up_turn_transfers_only_missing_blocks(cluster, llm, bytes_per_bl
     decode, prefill = cluster["decode"][TRANSPORTS[0]], cluster["prefill"]
     turn1 = random_prompt(21, 50)
     answer = generate(decode, "turn-1", turn1, prefill)
-    assert answer.first.kv_bytes_received == blocks(len(turn1)) * bytes_per_block
+    assert answer.kv_outcome.kv_bytes_received == blocks(len(turn1)) * bytes_per_block
     turn2 = turn1 + answer.token_ids + random_prompt(22, 30)
     before = decode.stats()
     result = generate(decode, "turn-2", turn2, prefill)
@@ -182,8 +182,8 @@ def test_follow_up_turn_transfers_only_missing_blocks(cluster, llm, bytes_per_bl
     cached_blocks = (len(turn1) + len(answer.token_ids) - 1) // BLOCK
     assert after.prefix_cache_hits - before.prefix_cache_hits == cached_blocks * BLOCK
     expected = (blocks(len(turn2)) - cached_blocks) * bytes_per_block
-    assert result.first.prefilled_remotely
-    assert result.first.kv_bytes_received == expected
+    assert result.kv_outcome.prefilled_remotely
+    assert result.kv_outcome.kv_bytes_received == expected
     assert after.kv_bytes_received - before.kv_bytes_received == expected
     # imported prompt tokens count as computed: the decode worker ran only the decode steps
     assert after.prompt_tokens_computed == before.prompt_tokens_computed
@@ -208,7 +208,7 @@ def test_follow_up_turn_after_eviction_reloads_the_history_from_the_host_tier(cl
     restored = (len(turn1) + len(answer.token_ids) - 1) // BLOCK * BLOCK
     assert after.host_cache_hits - before.host_cache_hits == restored
     assert after.prefix_cache_hits - before.prefix_cache_hits == restored  # all of D's hit came from the tier
-    assert result.first.kv_bytes_received == (blocks(len(turn2)) - restored // BLOCK) * bytes_per_block
+    assert result.kv_outcome.kv_bytes_received == (blocks(len(turn2)) - restored // BLOCK) * bytes_per_block
     assert result.token_ids == offline(llm, turn2)
 
 
@@ -217,8 +217,8 @@ def test_short_uncached_tail_is_prefilled_locally(cluster, llm):
     prompt = random_prompt(31, THRESHOLD - 3)
     before = prefill.stats()
     result = generate(decode, "short", prompt, prefill)
-    assert not result.first.prefilled_remotely
-    assert result.first.kv_bytes_received == 0
+    assert not result.kv_outcome.prefilled_remotely
+    assert result.kv_outcome.kv_bytes_received == 0
     assert prefill.stats().prefix_cache_queries == before.prefix_cache_queries  # P never saw it
     assert result.token_ids == offline(llm, prompt)
 

@@ -54,10 +54,10 @@ def test_8bit_blocks_move_as_they_are_and_decode_token_exact(cluster, llm, trans
     expected = llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids
     result = generate(cluster["decode"][transport], f"int8-{transport}", prompt, cluster["prefill"])
     assert result.token_ids == expected and result.finish_reason == "length"
-    assert result.first.prefilled_remotely
-    assert result.first.kv_bytes_received == -(-len(prompt) // BLOCK) * block_bytes
+    assert result.kv_outcome.prefilled_remotely
+    assert result.kv_outcome.kv_bytes_received == -(-len(prompt) // BLOCK) * block_bytes
     # against the same blocks in bf16 (2 bytes a value): half, plus the scales and references
-    assert result.first.kv_bytes_received < 0.54 * 2 * values * -(-len(prompt) // BLOCK)
+    assert result.kv_outcome.kv_bytes_received < 0.54 * 2 * values * -(-len(prompt) // BLOCK)
 
 
 def test_a_decode_worker_with_another_kv_dtype_is_refused_naming_both_layouts(cluster, llm):
@@ -67,7 +67,7 @@ def test_a_decode_worker_with_another_kv_dtype_is_refused_naming_both_layouts(cl
     prompt = llm.tokenizer.encode("A decode worker with a float32 cache cannot take int8 blocks.")
     result = generate(decode, "mismatch", prompt, cluster["prefill"])
     assert result.finish_reason == "length" and not result.error and len(result.token_ids) == 12
-    assert not result.first.prefilled_remotely
+    assert not result.kv_outcome.prefilled_remotely
     wait_until(lambda: "KV layout mismatch" in "".join(decode.log), what="the decode worker to log the refusal")
     line = next(line for line in decode.log if "KV layout mismatch" in line)
     assert "dtype=float32" in line and "dtype=int8 with float32 scales and bf16 K references" in line, line

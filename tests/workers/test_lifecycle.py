@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 import wire
-from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
+from tests.workers.harness import all_blocks_free, generate, kv_outcome, sampling, start_workers, stop_workers, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,9 @@ def test_abort_while_decoding(cluster, how):
     decode, slow = cluster["decode"], cluster["slow"]
     stream = Streaming(decode, f"decoding-{how}", random_prompt(5 + len(how), 40), slow)
     assert stream.first_chunk.wait(120)
-    assert stream.chunks[0].prefilled_remotely
+    # the first token went out as the prefill worker answered; the KV outcome follows
+    wait_until(lambda: any(c.kv_transfer_seconds for c in stream.chunks), what="the KV outcome chunk")
+    assert kv_outcome(stream.chunks).prefilled_remotely
     if how == "abort_rpc":
         assert stream.abort_rpc().finish_reason == "abort"
     else:
@@ -168,7 +170,7 @@ def test_killed_prefill_worker_falls_back_to_local_prefill(cluster):
     victim.kill()
     stream.finish()
     assert stream.finish_reason == "length"
-    assert not stream.chunks[0].prefilled_remotely
+    assert not kv_outcome(stream.chunks).prefilled_remotely
     local = generate(decode, "local-reference", prompt, params=sampling(10))
     assert [t for c in stream.chunks for t in c.token_ids] == local.token_ids
 
@@ -207,7 +209,7 @@ def test_a_timed_out_remote_prefill_is_recomputed_and_the_prefill_side_cancelled
     wait_until(lambda: slow.stats().running == 1, what="the long prompt to be RUNNING (prefilling)")
     queued = Streaming(decode, "timed-out-fallback", random_prompt(17, 60), slow, max_tokens=4000)
     assert queued.first_chunk.wait(120)  # after the 3 s timeout, prefilled by the decode worker
-    assert not queued.chunks[0].prefilled_remotely
+    assert not kv_outcome(queued.chunks).prefilled_remotely
     wait_until(lambda: slow.stats().waiting == 0, what="the prefill worker to drop the queued prompt")
     assert slow.stats().running == 1 and not long_one.chunks  # still prefilling the long one
     queued.cancel()
@@ -224,7 +226,7 @@ def test_a_prefill_worker_restarted_at_the_same_address_mid_transfer(cluster):
     failures_before = sum(decode.stats().kv_transfer_failures.values())
     victim.kill()
     stream.finish()
-    assert stream.finish_reason == "length" and not stream.chunks[0].prefilled_remotely
+    assert stream.finish_reason == "length" and not kv_outcome(stream.chunks).prefilled_remotely
     local = generate(decode, "restart-local", prompt, params=sampling(10))
     assert [t for c in stream.chunks for t in c.token_ids] == local.token_ids
     # whichever the decode worker saw first: the connection drop, or the failed Prefill call
@@ -234,5 +236,5 @@ def test_a_prefill_worker_restarted_at_the_same_address_mid_transfer(cluster):
     assert restarted.grpc_address == victim.grpc_address
     follow = random_prompt(14, 60)
     result = generate(decode, "restart-after", follow, restarted, params=sampling(10))
-    assert result.first.prefilled_remotely and result.finish_reason == "length"
+    assert result.kv_outcome.prefilled_remotely and result.finish_reason == "length"
     assert result.token_ids == generate(decode, "restart-after-local", follow, params=sampling(10)).token_ids
