@@ -80,7 +80,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         self.engine = serving.build_async_engine(config.model, config.engine_options, config.role, make_receiver,
                                                  config.connector)
         connector = self.engine.engine.kv_connector
-        self.receiver = connector.transport if connector is not None else None
+        # The receiver built above (decode role): the connector needs only its KVReceiverTransport
+        # part, this server uses the rest of kvtransfer.KVReceiver (address, layout, bytes, close).
+        self.receiver: kvtransfer.KVReceiver | None = connector.transport if connector is not None else None
         self.transport_address = self.receiver.address if self.receiver is not None else ""
         self._channels: dict[str, Any] = {}
 

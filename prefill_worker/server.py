@@ -65,7 +65,9 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
 
         self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
                                                  self.role, make_sender, config.connector)
-        self.sender = self.engine.engine.kv_connector.transport
+        # The sender built above: the engine's connector needs only its KVSenderTransport part, this
+        # server uses the rest of kvtransfer.KVSender (layout, reachability, byte count, close).
+        self.sender: kvtransfer.KVSender = self.engine.engine.kv_connector.transport
         self.layout = layout_to_wire(self.sender.layout)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
