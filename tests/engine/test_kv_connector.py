@@ -328,74 +328,108 @@ def test_engine_wakeups_do_not_grow_with_the_requests_in_flight(pair_factory):
     assert len(looked_at) <= 64 + 64
 
 
-def test_an_imported_first_token_goes_out_before_the_next_model_step(model_dir, reference):
-    """AsyncEngine delivers what the connector reports before it runs the step's batch: the first
-    token of a request whose KV arrived waits for no decode step of the requests already running
-    (each such step costs a real model tens of milliseconds). The test holds the decode engine's
-    model steps at a gate and sees that token arrive while a step is held."""
+@pytest.mark.parametrize("streamed", [False, True], ids=["at_the_step_boundary", "as_the_answer_arrives"])
+def test_an_imported_first_token_does_not_wait_for_a_model_step(model_dir, reference, streamed):
+    """The decode engine is inside a model step of the requests already running (held at a gate
+    here; each costs a real model tens of milliseconds) when the prefill worker's answer comes.
+
+    - Handed to the engine thread (`LLMEngine.report_kv_producer`): the connector's outcome goes
+      out before the next step's batch runs (`AsyncEngine` delivers `apply_kv_transfers` first),
+      so the first token waits for the held step only.
+    - Through `AsyncEngine.report_kv_producer` (the decode worker's way): the token goes out at
+      once, while the step is still held; the engine's delta for the admitted request then carries
+      the KV outcome and no token.
+
+    Either way the output is every token once, equal to the colocated reference."""
     pair = Pair(model_dir, "tcp")
     decode = pair.decode
-    held = threading.Semaphore(0)  # one permit: one model step may run
-    entered = []  # model steps that reached the gate
-    gate = threading.Event()  # set: steps wait at the gate
-    execute = decode.runner.execute
-
-    def gated(batch, hook):
-        if gate.is_set():
-            entered.append(batch)
-            assert held.acquire(timeout=30), "the test never let this step run"
-        return execute(batch, hook)
-    decode.runner.execute = gated
-
-    async def until(condition, message):
-        for _ in range(1000):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(message)
-
-    async def start(engine, request_id, tokens, params):
-        """The decode server's part: open the stream, allocate and expect the blocks, and the
-        prefill worker's part on this thread; returns the stream and the producer's answer."""
-        stream = engine.open_stream(request_id)
-        request = decode.make_request(tokens, params, request_id)
-        plan = await asyncio.wrap_future(engine.call(LLMEngine.add_imported, request))
-        destination = KVDestination(decode.kv_connector.transport.address,
-                                    tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
-        pair.prefill.add(pair.prefill.make_request(tokens, params, request_id, kv_destination=destination),
-                         detokenize=False)
-        return stream, Pair.producer_report(pair.run_prefill())
+    steps = _StepGate(decode)
 
     async def main():
         engine = AsyncEngine(decode)
         try:
-            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-            running, answer = await start(engine, "running", prompt(7, 12), long)
-            engine.call(LLMEngine.report_kv_producer, "running", *answer)
-            assert (await running.__anext__()).new_token_ids  # it decodes from now on
-            stream, answer = await start(engine, "imported", prompt(8, 10), PARAMS)
-            gate.set()
-            await until(lambda: len(entered) == 1, "a decode step to reach the gate")
-            engine.call(LLMEngine.report_kv_producer, "imported", *answer)  # runs after the held step
-            held.release()
-            await until(lambda: len(entered) == 2, "the next decode step to reach the gate")
+            running = await _a_running_stream(pair, engine)
+            request, stream, answer = await _start_import(pair, engine, "imported", prompt(8, 10), PARAMS)
+            steps.gate.set()
+            await _until(lambda: len(steps.entered) == 1, "a decode step to reach the gate")
+            if streamed:
+                engine.report_kv_producer(request, *answer)
+            else:
+                engine.call(LLMEngine.report_kv_producer, "imported", *answer)  # runs after the held step
+                steps.held.release()
+                await _until(lambda: len(steps.entered) == 2, "the next decode step to reach the gate")
             first = await asyncio.wait_for(stream.__anext__(), timeout=10)
-            assert len(entered) == 2, "the first token went out only after a model step ran"
+            assert len(steps.entered) == (1 if streamed else 2), "the first token waited for a model step"
             assert first.new_token_ids == [answer[0].first_token.token_id]
-            gate.clear()
-            held.release()
-            tokens = list(first.new_token_ids)
+            assert (first.kv_import is None) == streamed
+            steps.open()
+            tokens, outcomes = list(first.new_token_ids), [first.kv_import] if first.kv_import else []
             async for delta in stream:
                 tokens.extend(delta.new_token_ids)
+                if delta.kv_import is not None:
+                    outcomes.append(delta.kv_import)
             running.close()
             assert tokens == reference(prompt(8, 10))
-            await until(lambda: not decode.has_unfinished(), "the aborted request to end")
+            assert len(outcomes) == 1 and outcomes[0].prefilled_remotely
+            await _until(lambda: not decode.has_unfinished(), "the aborted request to end")
         finally:
-            gate.clear()
-            held.release()
+            steps.open()
             engine.shutdown()
 
     pair.run_and_close(main)
+
+class _StepGate:
+    """Holds an engine's model steps while `gate` is set: each one that reaches it waits for a
+    permit (`held.release()`)."""
+
+    def __init__(self, engine):
+        self.held = threading.Semaphore(0)
+        self.entered = []  # model steps that reached the gate
+        self.gate = threading.Event()
+        execute = engine.runner.execute
+
+        def gated(batch, hook):
+            if self.gate.is_set():
+                self.entered.append(batch)
+                assert self.held.acquire(timeout=30), "the test never let this step run"
+            return execute(batch, hook)
+        engine.runner.execute = gated
+
+    def open(self):
+        self.gate.clear()
+        self.held.release()
+
+
+async def _until(condition, message):
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(message)
+
+
+async def _a_running_stream(pair, engine):
+    """A request decoding (400 tokens) on the decode engine behind `engine`; returns its stream."""
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    request, running, answer = await _start_import(pair, engine, "running", prompt(7, 12), long)
+    engine.report_kv_producer(request, *answer)
+    assert (await running.__anext__()).new_token_ids  # it decodes from now on
+    return running
+
+
+async def _start_import(pair, engine, request_id, tokens, params):
+    """The decode server's part through `engine` (an AsyncEngine): open the stream, allocate and
+    expect the blocks; and the prefill worker's part on this thread. Returns the decode side's
+    request, its stream and the producer's answer (report, error)."""
+    decode = pair.decode
+    stream = engine.open_stream(request_id)
+    request = decode.make_request(tokens, params, request_id)
+    plan = await asyncio.wrap_future(engine.call(LLMEngine.add_imported, request))
+    destination = KVDestination(decode.kv_connector.transport.address,
+                                tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+    pair.prefill.add(pair.prefill.make_request(tokens, params, request_id, kv_destination=destination),
+                     detokenize=False)
+    return request, stream, Pair.producer_report(pair.run_prefill())
 
 
 def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_step(model_dir, reference):
@@ -475,7 +509,7 @@ def test_a_streamed_first_token_is_not_sent_again_by_the_engine(pair_factory, re
 
 
 @pytest.mark.parametrize("max_tokens", [8, 1])
-def test_a_fallback_keeps_the_streamed_first_token(pair_factory, reference, model_dir, max_tokens):
+def test_a_fallback_keeps_the_streamed_first_token(pair_factory, reference, max_tokens):
     """The KV fails its checksum after the first token went out: the decode worker prefills the
     prompt and that token, and goes on from it. The prefill worker's token is replaced here by
     another (as a sampled token may differ from the greedy one): the output continues from it,
@@ -510,72 +544,3 @@ def test_a_report_for_another_prompt_or_after_the_load_ended_is_not_streamed(pai
     assert out["a"] == reference(tokens) and pair.decode.kv_connector.failures == {"block_hash": 1}
     request = pair.decode.make_request(tokens, PARAMS, "late")
     assert not pair.decode.kv_connector.stream_first_token(request, report, pair.decode.runner.vocab_size)
-
-
-def test_the_first_token_goes_out_as_the_answer_arrives_during_a_model_step(model_dir, reference):
-    """`AsyncEngine.report_kv_producer` streams the prefill worker's first token while the decode
-    engine is inside a model step of the requests already running (held at a gate here), instead
-    of after it; the engine's delta for the admitted request then carries the KV outcome and no
-    token, and the output is every token once."""
-    pair = Pair(model_dir, "tcp")
-    decode = pair.decode
-    held = threading.Semaphore(0)
-    entered = []
-    gate = threading.Event()
-    execute = decode.runner.execute
-
-    def gated(batch, hook):
-        if gate.is_set():
-            entered.append(batch)
-            assert held.acquire(timeout=30), "the test never let this step run"
-        return execute(batch, hook)
-    decode.runner.execute = gated
-
-    async def start(engine, request_id, tokens, params):
-        stream = engine.open_stream(request_id)
-        request = decode.make_request(tokens, params, request_id)
-        plan = await asyncio.wrap_future(engine.call(LLMEngine.add_imported, request))
-        destination = KVDestination(decode.kv_connector.transport.address,
-                                    tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
-        pair.prefill.add(pair.prefill.make_request(tokens, params, request_id, kv_destination=destination),
-                         detokenize=False)
-        return request, stream, Pair.producer_report(pair.run_prefill())
-
-    async def main():
-        engine = AsyncEngine(decode)
-        try:
-            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-            request, running, answer = await start(engine, "running", prompt(23, 12), long)
-            engine.report_kv_producer(request, *answer)
-            assert (await running.__anext__()).new_token_ids
-            request, stream, answer = await start(engine, "imported", prompt(24, 10), PARAMS)
-            gate.set()
-            for _ in range(1000):
-                if entered:
-                    break
-                await asyncio.sleep(0.01)
-            assert len(entered) == 1, "no decode step reached the gate"
-            engine.report_kv_producer(request, *answer)
-            first = await asyncio.wait_for(stream.__anext__(), timeout=10)
-            assert len(entered) == 1, "the first token waited for the step in progress"
-            assert first.new_token_ids == [answer[0].first_token.token_id] and first.kv_import is None
-            gate.clear()
-            held.release()
-            tokens, outcomes = list(first.new_token_ids), []
-            async for delta in stream:
-                tokens.extend(delta.new_token_ids)
-                if delta.kv_import is not None:
-                    outcomes.append(delta.kv_import)
-            running.close()
-            assert tokens == reference(prompt(24, 10))
-            assert len(outcomes) == 1 and outcomes[0].prefilled_remotely
-            for _ in range(1000):
-                if not decode.has_unfinished():
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            gate.clear()
-            held.release()
-            engine.shutdown()
-
-    pair.run_and_close(main)
