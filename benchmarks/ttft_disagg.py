@@ -69,13 +69,18 @@ def ttft(decode: Worker, prompt: list[int], prefill: Worker | None, request_id: 
                                  prefill_address=prefill.grpc if prefill else "")
     stub = wire.services().DecodeServiceStub(grpc.insecure_channel(decode.grpc, options=list(wire.GRPC_OPTIONS)))
     start = time.perf_counter()
+    elapsed, remote = None, False
     for chunk in stub.Generate(request, timeout=600):
-        if chunk.token_ids:
+        if chunk.token_ids and elapsed is None:
             elapsed = time.perf_counter() - start
-            if prefill is not None and not chunk.prefilled_remotely:
-                raise RuntimeError(f"{request_id} fell back to local prefill: not a disaggregated measurement")
-            return elapsed
-    raise RuntimeError(f"{request_id} returned no token")
+        # the chunk that says how the KV arrived: the first token's, or (a first token streamed as
+        # the prefill worker answered) a later one
+        remote = remote or chunk.prefilled_remotely
+    if elapsed is None:
+        raise RuntimeError(f"{request_id} returned no token")
+    if prefill is not None and not remote:
+        raise RuntimeError(f"{request_id} fell back to local prefill: not a disaggregated measurement")
+    return elapsed
 
 
 def main(argv=None) -> None:

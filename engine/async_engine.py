@@ -117,16 +117,15 @@ class AsyncEngine:
         thread next takes commands (after the model step in progress: up to a decode step later);
         the engine's own delta for it then carries no token. The answer goes to the engine thread
         either way, which checks the KV and admits the request, or falls back."""
-        connector = self.engine.kv_connector
-        streamed = (report is not None and error is None
-                    and connector.stream_first_token(request, report, self.engine.runner.vocab_size))
-        if streamed:
+        request_id = request.request_id
+        if report is not None and error is None:
             token = report.first_token
-            self._deliver(StreamDelta(request.request_id, [token.token_id],
-                                      new_logprobs=token_logprobs([token.token_id], [token]),
-                                      num_cached_tokens=request.num_cached_tokens,
-                                      num_prompt_tokens=request.num_prompt_tokens), request.request_id)
-        self.call(LLMEngine.report_kv_producer, request.request_id, report, error)
+            delta = StreamDelta(request_id, [token.token_id], new_logprobs=token_logprobs([token.token_id], [token]),
+                                num_cached_tokens=request.num_cached_tokens,
+                                num_prompt_tokens=request.num_prompt_tokens)
+            self.engine.kv_connector.stream_first_token(request_id, report, self.engine.runner.vocab_size,
+                                                        lambda: self._deliver(delta, request_id))
+        self.call(LLMEngine.report_kv_producer, request_id, report, error)
 
     def _close_stream(self, request_id: str, abort: bool) -> None:
         if abort:

@@ -233,6 +233,13 @@ class _Load:
     # after transfer_timeout_s to 2x that without progress, however long the prompt takes.
     checked: float = 0.0
     bytes_seen: int = 0
+    block_hashes: tuple[bytes, ...] = ()  # of every full block of its tokens (the report must match)
+
+
+@dataclass
+class _EarlyToken:
+    block_hashes: tuple[bytes, ...]
+    token: Any = None  # the first token, once streamed
 
 
 class KVConnector:
@@ -261,9 +268,9 @@ class KVConnector:
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries are skipped
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
-        # Under _lock, a load whose first token may be streamed early (`stream_first_token`): None
-        # until it is, then that token. Entries live exactly as long as their `_loads` entry.
-        self._first_tokens: dict[str, Any] = {}
+        # Under _lock: the loads whose first token may be streamed early (`stream_first_token`).
+        # An entry lives exactly as long as its `_loads` one, and is taken out with it.
+        self._early: dict[str, _EarlyToken] = {}
         self._pushes: list[tuple[_Send, int]] = []  # this step's (send, blocks after it)
         self.failures: Counter[str] = Counter()
         self.polls = 0
@@ -344,7 +351,7 @@ class KVConnector:
         send = self._sends.pop(request_id, None)
         if send is not None and send.opened:
             self.transport.cancel(request_id)
-        if self._end_load(request_id) is not None:
+        if self._end_load(request_id)[0] is not None:
             self.transport.cancel(request_id)
 
     # ---- prefill side ---------------------------------------------------------------------
@@ -472,42 +479,43 @@ class KVConnector:
         for a request the engine detokenizes (an early token would have no text)."""
         self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
         now = time.monotonic()
-        self._loads[request.request_id] = _Load(request, plan, now, checked=now)
+        # Its tokens (a resumed request's include its outputs) do not change while it loads.
+        hashes = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt,
+                                        self.hash_algorithm))
+        self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes)
         if streamable:
             with self._lock:
-                self._first_tokens[request.request_id] = None
+                self._early[request.request_id] = _EarlyToken(hashes)
         heapq.heappush(self._deadlines, (now + self.config.transfer_timeout_s, request.request_id))
 
-    def stream_first_token(self, request: Request, report: ProducerReport, vocab_size: int) -> bool:
-        """Any thread, when the prefill worker's report arrives: may its first token go to the
-        caller now? Yes (once per load) if the load still waits and may stream, the report's block
-        hashes equal this prompt's and the token is in the vocabulary; the load then keeps that
-        token whatever becomes of the bytes (see the module docstring). No: the engine's checks
-        decide when it takes the report, as without this call."""
+    def stream_first_token(self, request_id: str, report: ProducerReport, vocab_size: int,
+                           deliver: Callable[[], None]) -> bool:
+        """Any thread, when the prefill worker's report arrives: send its first token to the
+        caller now (`deliver`)? Yes, once per load, if the load still waits and may stream, the
+        report's block hashes equal this prompt's and the token is in the vocabulary; the load then
+        keeps that token whatever becomes of the bytes (see the module docstring). No: the engine's
+        checks decide when it takes the report, as without this call.
+
+        `deliver` runs under the connector's lock. The load ends (`_end_load`) under that lock
+        before the engine emits anything more for the request, so whatever the engine emits comes
+        after the token (given `deliver` and the engine queue outputs in one order, e.g. onto the
+        same event loop)."""
         if not 0 <= report.first_token.token_id < vocab_size:
             return False
-        # Its tokens (a resumed request's include its outputs) do not change while the KV is
-        # awaited; after the load ends they may, but then the claim below is refused.
-        mine = tuple(hash_full_blocks(list(request.all_token_ids), self.block_size, request.cache_salt,
-                                      self.hash_algorithm))
-        if report.block_hashes != mine:
-            return False
         with self._lock:
-            request_id = request.request_id
-            if request_id not in self._first_tokens or self._first_tokens[request_id] is not None:
+            early = self._early.get(request_id)
+            if early is None or early.token is not None or report.block_hashes != early.block_hashes:
                 return False
-            self._first_tokens[request_id] = report.first_token
+            early.token = report.first_token
+            deliver()
             return True
 
-    def _end_load(self, request_id: str) -> _Load | None:
-        """Forget a load (engine thread); from now on its first token can no longer be streamed."""
+    def _end_load(self, request_id: str) -> tuple[_Load | None, Any]:
+        """Forget a load (engine thread): (its record, its first token if `stream_first_token`
+        sent it). From then on its first token can no longer be streamed."""
         with self._lock:
-            self._first_tokens.pop(request_id, None)
-        return self._loads.pop(request_id, None)
-
-    def _streamed_first_token(self, request_id: str) -> Any:
-        with self._lock:
-            return self._first_tokens.get(request_id)
+            early = self._early.pop(request_id, None)
+        return self._loads.pop(request_id, None), early.token if early is not None else None
 
     def report_producer(self, request_id: str, report: ProducerReport | None, error: str | None = None) -> bool:
         """Engine thread: the prefill worker answered (a report, or why it failed). False if the
@@ -550,21 +558,18 @@ class KVConnector:
             return self._fail_load(load, *problem)
         if self.shards is not None:
             self.shards.scatter_kv([block_id for _, block_id in load.plan.blocks_to_fill])
-        streamed = self._streamed_first_token(request_id) is not None
-        self._end_load(request_id)
+        _, streamed = self._end_load(request_id)
         self.transport.cancel(request_id)  # drops the finished record
         load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,
                                                  load.report.num_cached_tokens)
-        return LoadDone(request_id, load.report.first_token, None, False, streamed)
+        return LoadDone(request_id, load.report.first_token, None, False, streamed is not None)
 
     def _verify(self, load: _Load, status: Any) -> tuple[str, str] | None:
         report = load.report
         if status.producer_epoch != report.epoch:
             return "epoch", (f"the KV was written by producer epoch {status.producer_epoch:x}, but the report "
                              f"comes from epoch {report.epoch:x} (the prefill worker restarted)")
-        request = load.request
-        mine = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt, self.hash_algorithm))
-        if report.block_hashes != mine:
+        if report.block_hashes != load.block_hashes:
             return "block_hash", "the prefill worker's block hashes differ from this prompt's (a different prompt)"
         block_ids = [block_id for _, block_id in load.plan.blocks_to_fill]
         if self.config.inject_fault == "flip_byte":
@@ -575,8 +580,7 @@ class KVConnector:
 
     def _fail_load(self, load: _Load, reason: str, message: str) -> LoadDone:
         request_id = load.request.request_id
-        streamed = self._streamed_first_token(request_id)
-        self._end_load(request_id)
+        _, streamed = self._end_load(request_id)
         try:
             received = self.transport.poll(request_id).bytes_transferred
         except KeyError:
@@ -620,7 +624,7 @@ class KVConnector:
 
     def cancel_load(self, request_id: str) -> None:
         """Stop expecting `request_id`'s KV (its import is finished or failed by the caller)."""
-        if self._end_load(request_id) is not None:
+        if self._end_load(request_id)[0] is not None:
             self.transport.cancel(request_id)
 
     def next_deadline(self) -> float | None:

@@ -328,8 +328,8 @@ class Generation:
             return None
         if self.migrations:
             chunk.num_cached_tokens = 0  # usage reports the first worker's prefix-cache hit
-        if chunk.kv_transfer_seconds:  # the chunk that says how the KV arrived (after the first
-            # token: a decode worker streams that one as the prefill worker answers)
+        if chunk.prefilled_remotely:  # the chunk that says how the KV arrived (not always the first
+            # token's: a decode worker streams that one as the prefill worker answers)
             self.timer.kv_transfer(chunk.kv_bytes_received, chunk.kv_transfer_seconds)
         if chunk.token_ids:
             self.delivered.extend(chunk.token_ids)

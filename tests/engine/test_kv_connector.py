@@ -413,7 +413,7 @@ async def _a_running_stream(pair, engine):
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     request, running, answer = await _start_import(pair, engine, "running", prompt(7, 12), long)
     engine.report_kv_producer(request, *answer)
-    assert (await running.__anext__()).new_token_ids  # it decodes from now on
+    assert (await running.__anext__()).new_token_ids  # its first token
     return running
 
 
@@ -489,10 +489,13 @@ def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_ste
 def _stream_and_report(pair, request_id, report, error=None):
     """What `AsyncEngine.report_kv_producer` does on the decode server's loop, on this thread:
     claim the first token for the caller, then hand the answer to the engine."""
-    request = pair.decode.scheduler.get_request(request_id)
-    streamed = pair.decode.kv_connector.stream_first_token(request, report, pair.decode.runner.vocab_size)
+    streamed = _stream(pair, request_id, report)
     pair.decode.report_kv_producer(request_id, report, error)
     return streamed
+
+
+def _stream(pair, request_id, report, deliver=lambda: None):
+    return pair.decode.kv_connector.stream_first_token(request_id, report, pair.decode.runner.vocab_size, deliver)
 
 
 def test_a_streamed_first_token_is_not_sent_again_by_the_engine(pair_factory, reference):
@@ -501,8 +504,7 @@ def test_a_streamed_first_token_is_not_sent_again_by_the_engine(pair_factory, re
     pair.start("a", tokens)
     report, _ = Pair.producer_report(pair.run_prefill_to_answer("a"))
     assert _stream_and_report(pair, "a", report)
-    assert not pair.decode.kv_connector.stream_first_token(pair.decode.scheduler.get_request("a"), report,
-                                                           pair.decode.runner.vocab_size), "claimed twice"
+    assert not _stream(pair, "a", report), "streamed twice"
     out, finals = pair.run_decode()
     assert [report.first_token.token_id] + out["a"] == reference(tokens)  # every token once
     assert finals["a:import"].prefilled_remotely and not pair.decode.kv_connector.failures
@@ -530,7 +532,7 @@ def test_a_fallback_keeps_the_streamed_first_token(pair_factory, reference, max_
         assert out.get("a", []) == [] and finals["a"].finish_reason == "length"
         assert pair.decode.scheduler.stats().prompt_tokens_computed == computed_before
     else:
-        assert [other] + out["a"] == [other] + reference(tokens + [other])[:max_tokens - 1]
+        assert out["a"] == reference(tokens + [other])[:max_tokens - 1]
 
 
 def test_a_report_for_another_prompt_or_after_the_load_ended_is_not_streamed(pair_factory, reference):
@@ -542,5 +544,43 @@ def test_a_report_for_another_prompt_or_after_the_load_ended_is_not_streamed(pai
     assert not _stream_and_report(pair, "a", forged)  # the engine's checks then refuse it and recompute
     out, finals = pair.run_decode()
     assert out["a"] == reference(tokens) and pair.decode.kv_connector.failures == {"block_hash": 1}
-    request = pair.decode.make_request(tokens, PARAMS, "late")
-    assert not pair.decode.kv_connector.stream_first_token(request, report, pair.decode.runner.vocab_size)
+    assert not _stream(pair, "a", report)  # the load ended (it fell back)
+
+
+def test_a_load_that_times_out_while_its_first_token_is_sent_keeps_it_and_emits_after_it(pair_factory, reference):
+    """The prefill worker's answer arrives just as the load times out (nothing was pushed: the
+    send is held). The token is being sent on another thread (`deliver` is slow here) when the
+    engine thread fails the load: the load's end waits for the send, then the fallback keeps the
+    token, so it is neither lost nor sampled again, and the engine's output comes after it."""
+    import time
+    from engine.block_hash import hash_full_blocks
+    pair = pair_factory(prefill=dict(hold_send_s=1.5, lease_s=5.0), decode=dict(transfer_timeout_s=0.3))
+    tokens = prompt(25, 30)
+    pair.start("a", tokens)
+    first = next(d for d in pair.run_prefill(until=lambda ds: any(d.new_token_ids for d in ds)) if d.new_token_ids)
+    connector = pair.decode.kv_connector
+    report = ProducerReport(SampledToken(first.new_token_ids[0]), pair.prefill.kv_connector.transport.epoch, 0,
+                            tuple(hash_full_blocks(tokens, BLOCK, None, connector.hash_algorithm)))
+    events, claimed = [], []
+
+    def deliver():
+        events.append("sending the token")
+        time.sleep(0.6)  # the load's deadline passes meanwhile
+        events.append("token sent")
+    fail_import = pair.decode.scheduler.fail_import
+
+    def recording_fail_import(*args, **kwargs):
+        events.append("fallback")
+        return fail_import(*args, **kwargs)
+    pair.decode.scheduler.fail_import = recording_fail_import
+    sender = threading.Thread(target=lambda: claimed.append(_stream(pair, "a", report, deliver)))
+    sender.start()
+    while not events:
+        time.sleep(0.005)
+    out, finals = pair.run_decode()  # its poll finds the deadline passed, and waits for the lock
+    sender.join()
+    assert claimed == [True] and events == ["sending the token", "token sent", "fallback"]
+    assert connector.failures == {"timeout": 1} and not finals["a:import"].prefilled_remotely
+    assert [first.new_token_ids[0]] + out["a"] == reference(tokens)
+    final = pair.run_prefill()[-1]  # the held send then finds no receiver waiting
+    assert final.finish_reason == "error"

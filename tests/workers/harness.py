@@ -142,11 +142,13 @@ class Generation:
         return kv_outcome(self.chunks)
 
 
-def kv_outcome(chunks: list):
+def kv_outcome(chunks: list, attempted: bool = False):
     """The chunk that says how a request got its KV: the one with a transfer's time (after the
     first token when the decode worker streamed the prefill worker's as it answered), else the
-    first (a local prefill)."""
-    return next((chunk for chunk in chunks if chunk.kv_transfer_seconds), chunks[0])
+    first (a local prefill). `attempted`: a remote prefill was tried, so that chunk must be there."""
+    found = next((chunk for chunk in chunks if chunk.kv_transfer_seconds), None)
+    assert found is not None or not attempted, "no chunk says how the KV transfer ended"
+    return found if found is not None else chunks[0]
 
 
 def generate(decode: WorkerProcess, request_id: str, prompt: list[int], prefill: WorkerProcess | None = None,

@@ -170,7 +170,7 @@ def test_killed_prefill_worker_falls_back_to_local_prefill(cluster):
     victim.kill()
     stream.finish()
     assert stream.finish_reason == "length"
-    assert not kv_outcome(stream.chunks).prefilled_remotely
+    assert not kv_outcome(stream.chunks, attempted=True).prefilled_remotely
     local = generate(decode, "local-reference", prompt, params=sampling(10))
     assert [t for c in stream.chunks for t in c.token_ids] == local.token_ids
 
@@ -209,7 +209,7 @@ def test_a_timed_out_remote_prefill_is_recomputed_and_the_prefill_side_cancelled
     wait_until(lambda: slow.stats().running == 1, what="the long prompt to be RUNNING (prefilling)")
     queued = Streaming(decode, "timed-out-fallback", random_prompt(17, 60), slow, max_tokens=4000)
     assert queued.first_chunk.wait(120)  # after the 3 s timeout, prefilled by the decode worker
-    assert not kv_outcome(queued.chunks).prefilled_remotely
+    assert not kv_outcome(queued.chunks, attempted=True).prefilled_remotely
     wait_until(lambda: slow.stats().waiting == 0, what="the prefill worker to drop the queued prompt")
     assert slow.stats().running == 1 and not long_one.chunks  # still prefilling the long one
     queued.cancel()
@@ -226,7 +226,7 @@ def test_a_prefill_worker_restarted_at_the_same_address_mid_transfer(cluster):
     failures_before = sum(decode.stats().kv_transfer_failures.values())
     victim.kill()
     stream.finish()
-    assert stream.finish_reason == "length" and not kv_outcome(stream.chunks).prefilled_remotely
+    assert stream.finish_reason == "length" and not kv_outcome(stream.chunks, attempted=True).prefilled_remotely
     local = generate(decode, "restart-local", prompt, params=sampling(10))
     assert [t for c in stream.chunks for t in c.token_ids] == local.token_ids
     # whichever the decode worker saw first: the connection drop, or the failed Prefill call
