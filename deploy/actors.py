@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from deploy.config import NODE_IP_HOST, ROLES, WorkerSpec
-from serving import LOG_FORMAT
+from serving import LOG_FORMAT, freeze_startup_objects
 
 if TYPE_CHECKING:
     from wire.stats import WorkerStats
@@ -61,6 +61,7 @@ class WorkerActor:
             raise RuntimeError(f"the {self.role} worker cannot listen on {host}")
         await server.start()
         self._server = server
+        freeze_startup_objects()
         return {"role": self.role, "grpc_address": f"{advertise}:{port}",
                 "transport_address": self._worker.transport_address,
                 "pid": os.getpid(), "node_id": node_id, "node_ip": node_ip}

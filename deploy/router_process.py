@@ -34,7 +34,7 @@ from typing import Any
 import uvicorn
 
 from deploy.config import KV_ROLES, SYNC_INTERVAL_S
-from serving import LOG_FORMAT
+from serving import LOG_FORMAT, freeze_startup_objects
 
 SPEC_ENV = "PDSERVE_ROUTER_SPEC"
 _PR_SET_PDEATHSIG = 1
@@ -103,6 +103,7 @@ async def _run(spec: RouterSpec) -> None:
     await _warm_up(sync, pool, spec.warm_up_s)
     sync.start()
     planner.start()
+    freeze_startup_objects()
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on"))
     sock = socket.socket(fileno=spec.listen_fd)
     serving = loop.create_task(server.serve(sockets=[sock]))

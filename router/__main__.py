@@ -7,6 +7,7 @@ route require `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if config.host not in LOOPBACK_HOSTS and config.api_key is None:
         logging.getLogger("router").warning("binding %s without --api-key: anyone who can reach it can use it",
                                             config.host)
+    gc.collect()  # then freeze: why in serving.freeze_startup_objects (the router does not import serving)
+    gc.freeze()
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -154,6 +155,17 @@ def resident_bytes() -> int:
         return 0
 
 
+def freeze_startup_objects() -> None:
+    """Call once a server process holds what it serves with (imports, model, tokenizer): collect,
+    then move every object to the permanent generation. A full garbage collection then walks only
+    what was made while serving. Without it, each walks the ~400k objects of torch's and
+    transformers' imports: ~150 ms with the GIL held in a worker with the default model (an
+    engine step, and every stream of the worker, stalled that long). Only for processes, never in
+    a library call: cycles among frozen objects are never collected."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,
                 ready_fields: Callable[[str], str], on_stop: Callable[[], Awaitable[None]]) -> None:
     """Bind, print the ready line, run until SIGTERM/SIGINT, then stop (grace 2 s) and `on_stop()`."""
@@ -163,6 +175,7 @@ async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port
     if bound == 0:
         raise SystemExit(f"cannot listen on {host}:{port}")
     await server.start()
+    freeze_startup_objects()
     address = f"{advertise_host or host}:{bound}"
     print(f"READY grpc={address} {ready_fields(address)}", flush=True)
     stop = asyncio.Event()
