@@ -42,11 +42,11 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
-
 def token_logprobs(token_ids: Sequence[int], sampled: Sequence[SampledToken | None]) -> list[TokenLogprob]:
     """A delta's logprobs of `token_ids` (those sampled with one)."""
     return [TokenLogprob(t, lp.logprob, lp.top_logprobs or []) for t, lp in zip(token_ids, sampled)
             if lp is not None and lp.logprob is not None]
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
