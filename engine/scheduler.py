@@ -751,19 +751,20 @@ class Scheduler:
         if not fallback_to_local_prefill:
             return self._end(request_id, "error", message)
         request.num_computed_tokens = request.num_cached_tokens
+        reason, error = None, None
         if first_token is not None:
             request.append_output(first_token.token_id, first_token)
             reason, error = self._after_token(request, first_token.token_id)
-            if reason is not None:
-                reason, error = self._finish(request, reason, error)
-                return StepOutput(request_id, [first_token.token_id], [first_token], True, reason,
-                                  request.num_cached_tokens, error)
-        del self._importing[request_id]
-        request.status = RequestStatus.WAITING
-        self._enqueue_waiting(request)
+        if reason is not None:
+            reason, error = self._finish(request, reason, error)
+        else:
+            del self._importing[request_id]
+            request.status = RequestStatus.WAITING
+            self._enqueue_waiting(request)
         if first_token is None:
             return None
-        return StepOutput(request_id, [first_token.token_id], [first_token], False, None, request.num_cached_tokens)
+        return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,
+                          request.num_cached_tokens, error)
 
     # ---- counters --------------------------------------------------------------------------
 
