@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import socket
 import mmap
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
+
+from .status import TransferError
+
+log = logging.getLogger(__name__)
 
 _HUGE_PAGE = 2 << 20
 
@@ -108,11 +115,42 @@ class TaskSet:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: failures are reported through transfer states
+        if task.cancelled():
+            return
+        exc = task.exception()
+        # A lost connection or a failed transfer reaches its transfers' states. Anything else is a
+        # bug that would vanish with the task (a watchdog or a serving loop that stopped): log it.
+        if exc is not None and not isinstance(exc, (OSError, TransferError, asyncio.TimeoutError)):
+            log.error("kvtransfer task %s failed", task.get_coro().__qualname__, exc_info=exc)
 
     async def cancel_all(self) -> None:
         await cancel_and_wait(self._tasks)
+
+
+# accept() errors that pass: out of descriptors or memory, or a peer that gave up while queued
+_ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED})
+
+
+async def accept_connections(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                             handle: Callable[[socket.socket, Any], None], what: str) -> None:
+    """A listener's accept loop, until cancelled: `handle(conn, peer_address)` per connection.
+    An error that passes is logged once and retried every 50 ms (no spinning); any other (the
+    socket is broken) ends the loop, logged, rather than retrying forever in silence."""
+    waiting = False
+    while True:
+        try:
+            conn, peer = await loop.sock_accept(sock)
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_RETRY:
+                log.error("%s stopped accepting connections: %s", what, exc)
+                return
+            if not waiting:
+                log.warning("%s cannot accept a connection now (%s): retrying", what, exc)
+                waiting = True
+            await asyncio.sleep(0.05)
+            continue
+        waiting = False
+        handle(conn, peer)
 
 
 async def cancel_and_wait(tasks) -> None:

@@ -16,6 +16,7 @@ pages cost nothing until touched, so a connection on a single-copy path never al
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import socket
@@ -28,12 +29,14 @@ import numpy as np
 import torch
 
 from . import _cma
-from .._common import cancel_and_wait, within
+from .._common import accept_connections, cancel_and_wait, within
 from .._payload import BlockSink, BlockSource, DiscardSink, chunk_addresses
 from ..addresses import Endpoint
 from ..status import TransferError
 from ._stream import AsyncSocket, StreamChannel
 from .base import Channel, ChannelClosed, Listener, Transport, TransportContext
+
+log = logging.getLogger(__name__)
 
 _SETUP = struct.Struct("!4sIQ")  # magic, number of slots, bytes per slot
 _SETUP_MAGIC = b"PDSM"
@@ -301,26 +304,20 @@ class _ShmListener(Listener):
         self.endpoint = Endpoint("shm", this_host(), None, token)
         self._on_channel = on_channel
         self._setups: set[asyncio.Task] = set()
-        self._task = ctx.loop.create_task(self._accept_loop())
+        self._task = ctx.loop.create_task(accept_connections(ctx.loop, self._sock, self._accepted, str(self.endpoint)))
 
-    async def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = await self._ctx.loop.sock_accept(self._sock)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
-            task = self._ctx.loop.create_task(self._set_up(conn))
-            self._setups.add(task)
-            task.add_done_callback(self._setups.discard)
+    def _accepted(self, conn: socket.socket, peer: object) -> None:
+        task = self._ctx.loop.create_task(self._set_up(conn))
+        self._setups.add(task)
+        task.add_done_callback(self._setups.discard)
 
     async def _set_up(self, conn: socket.socket) -> None:
         """Receive the sender's ring (fd + geometry) before the generic protocol starts."""
         pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                   struct.calcsize("3i")))[0]
         stream = AsyncSocket(conn, self._ctx.loop, f"{self.endpoint} peer pid {pid}")
+        fds: list[int] = []  # received descriptors not yet closed or kept: closed exactly once
         try:
-            fds: list[int] = []
             data = b""
             while len(data) < _SETUP.size:
                 try:
@@ -341,14 +338,15 @@ class _ShmListener(Listener):
                 if len(fds) == 2:  # the sender's shared caches, mapped if its hello offers them
                     peer_cache_fd = fds.pop()
             finally:
-                for fd in fds:
-                    os.close(fd)
-        except (ChannelClosed, OSError, asyncio.TimeoutError):
-            for fd in fds:
+                while fds:
+                    os.close(fds.pop())
+        except (ChannelClosed, OSError, asyncio.TimeoutError) as exc:
+            while fds:
                 try:
-                    os.close(fd)
+                    os.close(fds.pop())
                 except OSError:
                     pass
+            log.warning("shm: no channel from peer pid %d: %s", pid, str(exc) or type(exc).__name__)
             stream.close()
             return
         self._on_channel(ShmChannel(stream, _SlotRing(mapping, num_slots, slot_bytes), self._ctx,

@@ -3,11 +3,10 @@ blocks with scatter/gather syscalls (sendmsg / recvmsg_into), no intermediate co
 in host memory."""
 from __future__ import annotations
 
-import asyncio
 import socket
 from typing import Callable
 
-from .._common import cancel_and_wait
+from .._common import accept_connections, cancel_and_wait
 from ..addresses import Endpoint
 from ._stream import AsyncSocket, SocketPayloadChannel
 from .base import Channel, Listener, Transport, TransportContext
@@ -37,18 +36,11 @@ class TcpListener(Listener):
         self.port = self._sock.getsockname()[1]
         self.endpoint = Endpoint(scheme, config.public_host, self.port)
         self._on_socket = on_socket
-        self._loop = ctx.loop
-        self._task = ctx.loop.create_task(self._accept_loop())
+        self._task = ctx.loop.create_task(accept_connections(ctx.loop, self._sock, self._accepted, str(self.endpoint)))
 
-    async def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, peer = await self._loop.sock_accept(self._sock)
-            except OSError:
-                await asyncio.sleep(0.05)  # e.g. out of file descriptors: retry, do not spin
-                continue
-            tune_tcp_socket(conn)
-            self._on_socket(conn, f"{peer[0]}:{peer[1]}")
+    def _accepted(self, conn: socket.socket, peer: tuple) -> None:
+        tune_tcp_socket(conn)
+        self._on_socket(conn, f"{peer[0]}:{peer[1]}")
 
     async def close(self) -> None:
         await cancel_and_wait([self._task])

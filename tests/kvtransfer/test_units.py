@@ -659,3 +659,52 @@ def test_shared_caches_are_allocated_at_start_so_a_peers_first_mapping_does_not_
         del raw
         mapping.close()
         os.close(shared.fd)
+
+
+async def test_an_accept_loop_waits_out_a_lack_of_descriptors_and_stops_on_a_broken_socket(caplog):
+    import errno
+
+    from kvtransfer._common import accept_connections
+
+    class Loop:  # sock_accept as asyncio's, scripted: EMFILE twice, a connection, then EBADF
+        def __init__(self):
+            self.results = [OSError(errno.EMFILE, "Too many open files"), OSError(errno.EMFILE, "again"),
+                            ("conn", ("127.0.0.1", 5)), OSError(errno.EBADF, "Bad file descriptor")]
+
+        async def sock_accept(self, sock):
+            result = self.results.pop(0)
+            if isinstance(result, Exception):
+                raise result
+            return result
+
+    accepted = []
+    with caplog.at_level("WARNING", logger="kvtransfer._common"):
+        await asyncio.wait_for(accept_connections(Loop(), None, lambda c, p: accepted.append((c, p)), "tcp://x:1"), 5)
+    assert accepted == [("conn", ("127.0.0.1", 5))]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["tcp://x:1 cannot accept a connection now ([Errno 24] Too many open files): retrying",
+                        "tcp://x:1 stopped accepting connections: [Errno 9] Bad file descriptor"]
+
+
+async def test_a_transfer_task_that_fails_unexpectedly_is_logged_not_dropped(caplog):
+    from kvtransfer._common import TaskSet
+
+    async def lost_connection():
+        raise ConnectionResetError("peer gone")  # reported through its transfers: not logged again
+
+    async def refused():
+        raise TransferError("refused")
+
+    async def bug():
+        raise KeyError("no such transfer")
+
+    tasks = TaskSet()
+    with caplog.at_level("ERROR", logger="kvtransfer._common"):
+        for coro in (lost_connection(), refused(), bug()):
+            task = tasks.spawn(coro)
+            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)  # done callbacks run
+    [record] = caplog.records
+    assert record.getMessage() == ("kvtransfer task test_a_transfer_task_that_fails_unexpectedly_is_logged_not_dropped."
+                                   "<locals>.bug failed")
+    assert isinstance(record.exc_info[1], KeyError)
