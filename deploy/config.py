@@ -22,6 +22,7 @@ DEFAULT_CONTROLLER_NAME = "pdserve-controller"
 DEFAULT_NAMESPACE = "pdserve"
 # How often each router process asks the controller for the pools' membership (deploy/router_sync.py).
 SYNC_INTERVAL_S = 0.5
+SYNC_TIMEOUT_S = 10.0  # a membership call not answered by then fails its round (the last membership stays)
 # Ray resources a worker holds through WorkerSpec.num_cpus / num_gpus (or that Ray accounts
 # itself): not accepted among a pool's custom resources.
 RESERVED_RESOURCES = {"CPU": "--worker-cpus", "GPU": "--worker-gpus", "memory": None, "object_store_memory": None}

@@ -33,7 +33,7 @@ from typing import Any
 
 import uvicorn
 
-from deploy.config import KV_ROLES, SYNC_INTERVAL_S
+from deploy.config import KV_ROLES, SYNC_INTERVAL_S, SYNC_TIMEOUT_S
 from serving import LOG_FORMAT, freeze_startup_objects
 
 SPEC_ENV = "PDSERVE_ROUTER_SPEC"
@@ -177,7 +177,7 @@ class PlannerMetrics:
     async def _poll(self) -> None:
         while True:
             try:
-                self.status = await self.client.planner_status()
+                self.status = await asyncio.wait_for(self.client.planner_status(), SYNC_TIMEOUT_S)
             except Exception as exc:  # the controller is away: keep the last numbers
                 logger.debug("planner status: %s", exc)
             await asyncio.sleep(self.interval_s)

@@ -11,7 +11,8 @@ and receives the membership (role, address, draining) in the same call:
 
 The report is what lets the controller finish a drain: a worker leaves only after every live
 router has applied its draining flag and has nothing in flight on it. If the controller cannot
-be reached, the pool keeps its last membership and the next round tries again.
+be reached or does not answer within `timeout_s`, the pool keeps its last membership and the next
+round tries again.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import logging
 import uuid
 from typing import Any, Awaitable, Callable
 
-from deploy.config import SYNC_INTERVAL_S
+from deploy.config import SYNC_INTERVAL_S, SYNC_TIMEOUT_S
 from router.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -30,12 +31,14 @@ FetchMembership = Callable[[str, dict[str, dict[str, Any]]], Awaitable[list[dict
 
 class MembershipSync:
     def __init__(self, pool: WorkerPool, fetch: FetchMembership, interval_s: float = SYNC_INTERVAL_S,
-                 router_id: str | None = None) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+                 router_id: str | None = None, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        for name, value in (("interval_s", interval_s), ("timeout_s", timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self.pool = pool
         self.fetch = fetch
         self.interval_s = interval_s
+        self.timeout_s = timeout_s
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.last_error: str | None = None
         self._retiring: set[str] = set()
@@ -46,7 +49,10 @@ class MembershipSync:
                 for w in self.pool.workers()}
 
     async def sync_once(self) -> None:
-        membership = await self.fetch(self.router_id, self.report())
+        try:
+            membership = await asyncio.wait_for(self.fetch(self.router_id, self.report()), self.timeout_s)
+        except asyncio.TimeoutError:  # a hung controller: say so, rather than wait on it forever
+            raise TimeoutError(f"the controller did not answer within {self.timeout_s:g} s") from None
         self.apply(membership)
 
     def apply(self, membership: list[dict[str, Any]]) -> None:

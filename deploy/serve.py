@@ -37,6 +37,8 @@ from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
 
 logger = logging.getLogger("pdserve")
 
+ROUTERS_READY_TIMEOUT_S = 120.0  # from the workers being up to the routers routing to them
+
 @dataclass
 class ServeOptions:
     """Everything `pdserve serve` takes; validated before Ray starts, so mistakes fail fast."""
@@ -266,14 +268,26 @@ async def _unless_stopped(awaitable, stop: asyncio.Event):
     raise _Stopped()
 
 
-async def _wait_healthy(url: str) -> None:
+async def _wait_healthy(url: str, timeout_s: float = ROUTERS_READY_TIMEOUT_S) -> None:
+    """Until the routers can route (their /health: a healthy pair, or a colocated worker). The
+    workers are up by then, so a router that cannot reach them (e.g. a wrong --worker-host) is an
+    error with the router's last answer, not a silent wait."""
     import httpx
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
     async with httpx.AsyncClient(timeout=5.0) as http:
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get(f"{url}/health")).status_code == 200:
+        while time.monotonic() < deadline:
+            try:
+                answer = await http.get(f"{url}/health")
+                if answer.status_code == 200:
                     return
+                last = f"{answer.status_code} {answer.text}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
             await asyncio.sleep(0.2)
+    raise ServeError(f"the workers started, but the routers could not route to them within {timeout_s:g} s "
+                     f"(their /health answered: {last}); check that this machine reaches the workers' "
+                     "addresses in `pdserve status`")
 
 
 def _prepare_model(model: str) -> None:

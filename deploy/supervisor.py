@@ -6,7 +6,8 @@ kernel gives each new connection to whichever router accepts first. While a rout
 socket stays open in the supervisor, so connections wait in the backlog instead of being refused.
 
 - `start()` launches the routers and returns once each accepts connections (RouterStartError if
-  one exits first: a startup mistake the user must see, not a crash loop);
+  one exits first, or hangs past `start_timeout_s`: a startup mistake the user must see, not a
+  crash loop);
 - then a router that exits, for any reason, is restarted in the same slot: at once the first
   time, then with a backoff (0.5 s doubling to 30 s) while it keeps dying within a minute;
 - `stop()` sends SIGTERM (in-flight requests get up to 5 s), then SIGKILL after `grace_s`.
@@ -29,6 +30,7 @@ logger = logging.getLogger("pdserve")
 
 MAX_BACKOFF_S = 30.0
 HEALTHY_RUN_S = 60.0  # a router that ran this long before it died restarts at once
+ROUTER_START_TIMEOUT_S = 120.0  # a router not accepting connections by then is killed (and retried)
 
 
 class RouterStartError(Exception):
@@ -46,13 +48,15 @@ class _Slot:
 
 class RouterSupervisor:
     def __init__(self, spec: RouterSpec, count: int, sock: socket.socket, grace_s: float = 10.0,
-                 command: tuple[str, ...] = (sys.executable, "-m", "deploy.router_process")) -> None:
+                 command: tuple[str, ...] = (sys.executable, "-m", "deploy.router_process"),
+                 start_timeout_s: float = ROUTER_START_TIMEOUT_S) -> None:
         if count < 1:
             raise ValueError(f"the number of routers must be >= 1, got {count}")
         self.spec = spec
         self.command = command
         self.sock = sock
         self.grace_s = grace_s
+        self.start_timeout_s = start_timeout_s
         self.restarts = 0
         self._slots = [_Slot(index) for index in range(count)]
         self._tasks: list[asyncio.Task] = []
@@ -98,6 +102,9 @@ class RouterSupervisor:
             slot.process = await asyncio.create_subprocess_exec(
                 *self.command, env={**os.environ, SPEC_ENV: spec.to_json()},
                 pass_fds=(self.sock.fileno(), write_fd))
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
         slot.started_at = time.monotonic()
@@ -106,7 +113,13 @@ class RouterSupervisor:
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                     os.fdopen(read_fd, "rb", buffering=0))
         try:
-            line = await reader.readline()  # b"" when the router exits first
+            line = await asyncio.wait_for(reader.readline(), self.start_timeout_s)  # b"": it exited first
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                slot.process.kill()
+            await slot.process.wait()
+            raise RouterStartError(f"router {slot.index} did not accept connections within "
+                                   f"{self.start_timeout_s:g} s; killed it (its log is above)") from None
         finally:
             transport.close()
         if not line:

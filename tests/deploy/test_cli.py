@@ -374,3 +374,28 @@ def test_serve_refuses_a_tensor_parallel_size_that_cannot_split_the_model(monkey
     with pytest.raises(ValueError, match=r"^--colocated-tp 2: tensor_parallel_size 2 cannot split "
                                          r"LlamaForCausalLM: num_attention_heads \(9\) .*\(sizes that can: 1, 3\)"):
         _check_model_splits("default", WorkerSpec(tensor_parallel_size={"both": 2}))
+
+
+def test_serve_gives_up_with_the_routers_answer_when_they_never_become_ready():
+    """Workers up, routers never routing (e.g. they cannot reach the workers): an error that says
+    what the routers answered, not a silent wait."""
+    import asyncio
+
+    from deploy.serve import ServeError, _wait_healthy
+
+    async def scenario():
+        async def answer(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            body = b'{"error": "not ready: no healthy prefill + decode pair"}'
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            with pytest.raises(ServeError, match=r"within 0.5 s \(their /health answered: 503 .*no healthy "
+                                                 r"prefill \+ decode pair"):
+                await _wait_healthy(f"http://127.0.0.1:{port}", timeout_s=0.5)
+    asyncio.run(scenario())

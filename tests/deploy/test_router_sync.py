@@ -106,6 +106,26 @@ async def test_run_keeps_the_last_membership_while_the_controller_is_unreachable
     assert sync.last_error is None  # it recovered
 
 
+async def test_a_controller_that_never_answers_fails_the_round_and_keeps_the_membership():
+    calls = []
+    hung = asyncio.Event()
+
+    async def fetch(router_id, report):
+        calls.append(report)
+        if len(calls) == 1:
+            return [entry("prefill", "127.0.0.1:1001")]
+        hung.set()
+        await asyncio.Event().wait()  # a controller that takes the call and never answers
+
+    pool = WorkerPool(RouterConfig(model="tiny"), client_factory=NullClient)
+    sync = MembershipSync(pool, fetch, interval_s=0.01, router_id="r1", timeout_s=0.05)
+    await sync.sync_once()
+    with pytest.raises(TimeoutError, match="the controller did not answer within 0.05 s"):
+        await sync.sync_once()
+    assert hung.is_set()
+    assert [w.address for w in pool.workers()] == ["127.0.0.1:1001"]
+
+
 def test_interval_must_be_positive():
     pool = WorkerPool(RouterConfig(model="tiny"), client_factory=NullClient)
     with pytest.raises(ValueError, match="interval_s must be > 0"):

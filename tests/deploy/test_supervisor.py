@@ -1,6 +1,6 @@
 """RouterSupervisor over stand-in router processes (tests/deploy/fake_router.py): the routers
 share one listening socket, a killed one is restarted on it and answers there, a router that exits before it is
-ready fails the start, and stop() leaves no process."""
+ready or hangs in its start fails the start, and stop() leaves no process."""
 import asyncio
 import os
 import signal
@@ -88,6 +88,20 @@ def test_a_router_that_exits_before_it_is_ready_fails_the_start(monkeypatch):
             supervisor = RouterSupervisor(spec(), 1, sock, command=FAKE)
             with pytest.raises(RouterStartError, match="router 0 exited with status 3 before it accepted"):
                 await supervisor.start()
+            await supervisor.stop()
+    asyncio.run(scenario())
+
+
+def test_a_router_that_hangs_before_it_is_ready_is_killed_and_fails_the_start(monkeypatch):
+    monkeypatch.setenv("FAKE_ROUTER_HANG", "1")
+
+    async def scenario():
+        with listener() as sock:
+            supervisor = RouterSupervisor(spec(), 1, sock, command=FAKE, start_timeout_s=1.0)
+            with pytest.raises(RouterStartError, match="router 0 did not accept connections within 1 s; killed it"):
+                await supervisor.start()
+            [slot] = supervisor._slots
+            assert slot.process.returncode == -signal.SIGKILL  # killed and reaped, not left behind
             await supervisor.stop()
     asyncio.run(scenario())
 
