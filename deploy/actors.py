@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from deploy.config import NODE_IP_HOST, ROLES, WorkerSpec
-from serving import LOG_FORMAT, freeze_startup_objects
+from engine.process import configure_logging, freeze_startup_objects
 
 if TYPE_CHECKING:
     from wire.stats import WorkerStats
@@ -47,7 +47,7 @@ class WorkerActor:
         import wire
         if self._stopped is not None:
             raise RuntimeError(f"this {self.role} worker was already started")
-        logging.basicConfig(level=self.spec.log_level.upper(), format=LOG_FORMAT)
+        configure_logging(self.spec.log_level)
         self._stopped = asyncio.Event()
         node_id = ray.get_runtime_context().get_node_id()
         node_ip = ray.util.get_node_ip_address()

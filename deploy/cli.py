@@ -221,8 +221,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from serving import LOG_FORMAT
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    from engine.process import configure_logging
+    configure_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         options = serve_options(args)

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 from deploy.config import KV_ROLES, ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
 from deploy.planner import Planner
+from engine.process import configure_logging
 from wire.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -567,7 +568,7 @@ class ControllerActor:
     every call). Errors a caller can fix come back as {"error": message}, not as exceptions."""
 
     def __init__(self, config: ControllerConfig) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        configure_logging(logging.INFO)
         from deploy.actors import RayWorkerLauncher
         from deploy.durable import GcsStateStore
         self.config = config

@@ -34,7 +34,7 @@ from typing import Any
 import uvicorn
 
 from deploy.config import KV_ROLES, SYNC_INTERVAL_S, SYNC_TIMEOUT_S
-from serving import LOG_FORMAT, freeze_startup_objects
+from engine.process import configure_logging, freeze_startup_objects
 
 SPEC_ENV = "PDSERVE_ROUTER_SPEC"
 _PR_SET_PDEATHSIG = 1
@@ -73,8 +73,7 @@ def main() -> int:
     spec = RouterSpec.from_json(os.environ.pop(SPEC_ENV))
     _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level.upper(),
-                        format=LOG_FORMAT.replace("%(name)s", f"[router {spec.index}] %(name)s"))
+    configure_logging(spec.log_level, prefix=f"[router {spec.index}]")
     asyncio.run(_run(spec))
     return 0
 

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from engine.process import configure_logging
+
 log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 10.0
@@ -144,8 +146,7 @@ def main(argv: list[str]) -> int:
     rank, world_size, address, threads = int(argv[0]), int(argv[1]), argv[2], int(argv[3])
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING, prefix=f"tp rank {rank}")
     torch.set_num_threads(threads)
     config = pickle.load(sys.stdin.buffer)  # EOFError if rank 0 died before sending it
     _exit_at_end_of_stdin()

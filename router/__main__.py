@@ -7,12 +7,12 @@ route require `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
 
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.process import configure_logging, freeze_startup_objects
 from router.config import DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
 
 
@@ -76,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         config = config_from_args(args)
         from router.app import create_app
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.host not in LOOPBACK_HOSTS and config.api_key is None:
         logging.getLogger("router").warning("binding %s without --api-key: anyone who can reach it can use it",
                                             config.host)
-    gc.collect()  # then freeze: why in serving.freeze_startup_objects (the router does not import serving)
-    gc.freeze()
+    freeze_startup_objects()
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
     return 0
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
-import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -25,11 +23,9 @@ import wire
 
 from engine import config as engine_config
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.process import configure_logging, freeze_startup_objects
 
 logger = logging.getLogger(__name__)
-# The log line of every pdserve process: the workers here, and `pdserve serve`'s driver, router
-# processes and worker actors (deploy/ imports it).
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,17 +151,6 @@ def resident_bytes() -> int:
         return 0
 
 
-def freeze_startup_objects() -> None:
-    """Call once a server process holds what it serves with (imports, model, tokenizer): collect,
-    then move every object to the permanent generation. A full garbage collection then walks only
-    what was made while serving. Without it, each walks the ~400k objects of torch's and
-    transformers' imports: ~150 ms with the GIL held in a worker with the default model (an
-    engine step, and every stream of the worker, stalled that long). Only for processes, never in
-    a library call: cycles among frozen objects are never collected."""
-    gc.collect()
-    gc.freeze()
-
-
 async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,
                 ready_fields: Callable[[str], str], on_stop: Callable[[], Awaitable[None]]) -> None:
     """Bind, print the ready line, run until SIGTERM/SIGINT, then stop (grace 2 s) and `on_stop()`."""
@@ -192,7 +177,4 @@ def run(args: argparse.Namespace, serve_worker: Callable[[argparse.Namespace], A
     configure_logging(args.log_level)
     asyncio.run(serve_worker(args))
 
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
 
