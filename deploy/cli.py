@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--transport", default=ServeOptions.transport, choices=TRANSPORT_CHOICES,
                        help="KV transport between P and D")
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $PDSERVE_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and /admin "
+                            "(default: $PDSERVE_API_KEY)")
     engine = serve.add_argument_group("engine (every worker)")
     add_engine_arguments(engine)
     engine.add_argument("--local-prefill-threshold", type=int, default=None,

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=RouterConfig.host, help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=RouterConfig.port, help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+                        "(default: $PDSERVE_API_KEY)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-request-body-bytes", type=int, default=RouterConfig.max_request_body_bytes)
     p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests)
