@@ -227,24 +227,27 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
 
-    echoed = _echoed_prompts(state, request, prompts) if echo else [""] * len(prompts)
-    streams = [ChoiceStream(p * count + j, generation, OutputAssembler(state.tokenizer, prompts[p], sequence_params),
-                            chunk, prompt_index=p, echoed=echoed[p])
-               for p, (group, group_params, chunks) in enumerate(zip(choices.groups, per_prompt, first_chunks))
-               for j, (generation, sequence_params, chunk) in enumerate(zip(group, group_params, chunks))]
-    context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
-                              want_logprobs=params.logprobs is not None,
-                              include_usage=request.include_usage_in_stream,
-                              tool_plan=tool_plan, echo=echo, no_output=no_output,
-                              want_prompt_logprobs=request.prompt_logprobs is not None)
+    def end(finish_reason: str) -> None:  # however the response ends; a closed choice stays as it ended
+        watcher.stop()
+        choices.close(finish_reason)
+
+    try:
+        echoed = _echoed_prompts(state, request, prompts) if echo else [""] * len(prompts)
+        streams = [ChoiceStream(p * count + j, generation,
+                                OutputAssembler(state.tokenizer, prompts[p], sequence_params),
+                                chunk, prompt_index=p, echoed=echoed[p])
+                   for p, (group, group_params, chunks) in enumerate(zip(choices.groups, per_prompt, first_chunks))
+                   for j, (generation, sequence_params, chunk) in enumerate(zip(group, group_params, chunks))]
+        context = ResponseContext(endpoint, request_id, request.model, protocol.now(), state.token_text,
+                                  want_logprobs=params.logprobs is not None,
+                                  include_usage=request.include_usage_in_stream,
+                                  tool_plan=tool_plan, echo=echo, no_output=no_output,
+                                  want_prompt_logprobs=request.prompt_logprobs is not None)
+    except BaseException:
+        end("error")
+        raise
     if request.stream:
-        async def body():
-            try:
-                async for piece in sse_events(context, streams):
-                    yield piece
-            finally:
-                watcher.stop()
-        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return _EventStream(sse_events(context, streams), end)
     try:
         return JSONResponse(await collect(context, streams, keep if keep < count else None))
     except ClientGone:
@@ -340,6 +343,23 @@ def _logprobs(request: Any) -> int | None:
     if isinstance(request, protocol.ChatCompletionRequest):
         return request.requested_logprobs
     return request.logprobs
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response of a request's choices. `end("abort")` runs however the response ends:
+    after the last event (when every choice is closed already), and also when its body never ran
+    (the client gone before the first byte, or the server stopping), which a `finally` in the body
+    would miss: the generations would stay open and hold their admission slots."""
+
+    def __init__(self, events: Any, end: Callable[[str], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end("abort")
 
 
 class _DisconnectWatcher:

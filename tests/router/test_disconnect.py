@@ -66,3 +66,56 @@ def test_disconnect_before_the_first_token_frees_blocks(router, decode):
     assert free == total and inflight == 0
     metrics = httpx.get(router.url + "/metrics").text
     assert 'pdserve:request_finished_total{finish_reason="abort"} 1.0' in metrics
+
+
+def test_a_failure_between_the_first_token_and_the_response_ends_the_request(router, decode, tokenizer, monkeypatch):
+    """Anything that fails after the generations started (here, building the response context)
+    gives the client a 500 and ends them: the worker's stream is cancelled and the admission slot
+    comes back (else each such failure would hold one for good)."""
+    import router.app as app_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("response context broke")
+
+    decode.script = hanging_script(tokenizer)
+    monkeypatch.setattr(app_module, "ResponseContext", broken)
+    response = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 50,
+                                                                "stream": True}, timeout=30)
+    assert response.status_code == 500
+    request_id = decode.requests[-1].request_id
+    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
+    assert request_id in decode.cancelled
+    free, total, inflight = free_blocks_in_status(router, decode)
+    assert free == total and inflight == 0
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'pdserve:request_finished_total{finish_reason="error"} 1.0' in metrics
+
+
+def test_a_stream_whose_body_never_runs_still_ends_its_request():
+    """The SSE response ends its request even when the server never iterates its body (the client
+    went away before the first byte: sending the headers fails)."""
+    import asyncio
+
+    from router.app import _EventStream
+
+    started, ended = [], []
+
+    async def events():
+        started.append(True)
+        yield "data: never\n\n"
+
+    async def send(message):
+        raise OSError("connection reset")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def scenario():
+        response = _EventStream(events(), ended.append)
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}}
+        try:
+            await response(scope, receive, send)
+        except Exception:
+            pass  # starlette's ClientDisconnect
+    asyncio.run(scenario())
+    assert started == [] and ended == ["abort"]
