@@ -48,6 +48,7 @@ from typing import Any, Callable, Protocol, Sequence, Union, cast
 import torch
 
 from engine.block_hash import hash_full_blocks
+from engine.config import KV_ROLES
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.request import Request, RequestStatus
 
@@ -254,8 +255,8 @@ class KVConnector:
     def __init__(self, role: str, config: KVConnectorConfig, kv_layers: Sequence[torch.Tensor], block_size: int,
                  hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], KVTransport],
                  wakeup: Callable[[], None] = lambda: None, shards: KVShards | None = None) -> None:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"a KV connector's role is prefill or decode, got {role!r}")
+        if role not in KV_ROLES:
+            raise ValueError(f"a KV connector's role is one of {', '.join(KV_ROLES)}, got {role!r}")
         self.role = role
         self.config = config
         self.kv_layers = list(kv_layers)
