@@ -222,6 +222,7 @@ class LLMEngine:
             connector.start_load(request, plan, streamable=request.request_id not in self._detokenizers)
         except Exception as exc:
             self.scheduler.finish_with_error(request.request_id, f"cannot expect the KV: {exc}")
+            self._detokenizers.pop(request.request_id, None)  # its output never goes out: the caller gets the error
             raise RuntimeError(f"cannot expect the KV: {exc}") from exc
         return plan
 

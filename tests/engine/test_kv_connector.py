@@ -584,3 +584,27 @@ def test_a_load_that_times_out_while_its_first_token_is_sent_keeps_it_and_emits_
     assert [first.new_token_ids[0]] + out["a"] == reference(tokens)
     final = pair.run_prefill()[-1]  # the held send then finds no receiver waiting
     assert final.finish_reason == "error"
+
+
+def test_a_load_that_cannot_start_ends_the_request_and_keeps_nothing(pair_factory, monkeypatch):
+    """add_imported when the connector cannot expect the KV (here its transport refuses): the
+    caller gets the error, and the request leaves no blocks and no detokenizer behind."""
+    pair = pair_factory()
+    decode = pair.decode
+
+    def refuse(*args, **kwargs):
+        raise OSError("receiver closed")
+
+    class Letters:  # the detokenizer's Decoder protocol: a letter per token id
+        vocab_size = 128
+
+        def decode(self, token_ids, skip_special_tokens=True):
+            return "".join(chr(97 + t % 26) for t in token_ids)
+
+    monkeypatch.setattr(decode.kv_connector, "start_load", refuse)
+    monkeypatch.setattr(decode, "tokenizer", Letters())  # so that add_imported makes a detokenizer
+    request = decode.make_request(prompt(7, 3 * BLOCK), PARAMS, "refused")
+    with pytest.raises(RuntimeError, match="cannot expect the KV: receiver closed"):
+        decode.add_imported(request, detokenize=True)
+    assert decode._detokenizers == {}
+    assert not decode.has_unfinished()
