@@ -7,7 +7,9 @@ responses by endpoint and status code, prompt / generation / cached tokens, KV b
 routing decisions by role and reason. Per-worker gauges, each worker's failed KV transfers by
 reason (`pdserve:kv_transfer_failures_total{worker,role,reason}`, engine/kv_connector.py) and
 its model step times by kind (`pdserve:worker_step_seconds{worker,role,kind}`,
-engine/step_times.py) are read from the pool at scrape time.
+engine/step_times.py) are read from the pool at scrape time. Under `pdserve serve`, the goodput
+planner's metrics (`pdserve:planner_*`) join them through `create_app(collectors=...)`: the
+router processes read them from the controller (deploy/router_process.py, `PlannerMetrics`).
 """
 from __future__ import annotations
 
