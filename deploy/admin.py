@@ -11,28 +11,21 @@ Omitted pool sizes keep their value. Errors use the router's OpenAI-style error 
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from deploy.client import ControllerClient
+from router.app import bearer_auth
 from router.config import POOL_NAMES
-from router.errors import invalid_request, unauthorized
+from router.errors import invalid_request
 
 POOL_FIELDS: tuple[str, ...] = tuple(POOL_NAMES.values())  # the pool sizes a scale request may set
 
 
 def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter:
-    async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise unauthorized()
-
-    admin = APIRouter(prefix="/admin", dependencies=[Depends(require_api_key)])
+    admin = APIRouter(prefix="/admin", dependencies=[Depends(bearer_auth(api_key))])
 
     @admin.post("/scale")
     async def scale(request: Request) -> JSONResponse:

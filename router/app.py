@@ -116,19 +116,21 @@ async def _warm_up(tokenizer: Any) -> None:
 
 # ---- /v1 ----------------------------------------------------------------------------------------
 
-def _api_key_check(state: RouterState) -> Callable[[Request], Any]:
+def bearer_auth(api_key: str | None) -> Callable[[Request], Any]:
+    """The FastAPI dependency of every protected route (here, and /admin in deploy/admin.py): with
+    `api_key` set, a request must carry `Authorization: Bearer <api_key>` (compared in constant
+    time), else 401."""
     async def require_api_key(request: Request) -> None:
-        expected = state.config.api_key
-        if expected is None:
+        if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
             raise unauthorized()
     return require_api_key
 
 
 def _api_routes(state: RouterState) -> APIRouter:
-    api = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(state))])
+    api = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(state.config.api_key))])
 
     @api.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -155,7 +157,7 @@ def _api_routes(state: RouterState) -> APIRouter:
 def _token_routes(state: RouterState) -> APIRouter:
     """`/tokenize` and `/detokenize` (vLLM's endpoints, at the root): the router's own tokenizer
     and chat template, the same ones a generation request goes through."""
-    tokens = APIRouter(dependencies=[Depends(_api_key_check(state))])
+    tokens = APIRouter(dependencies=[Depends(bearer_auth(state.config.api_key))])
 
     @tokens.post("/tokenize")
     async def tokenize(http_request: Request) -> dict[str, Any]:
