@@ -242,11 +242,15 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
         logger.info("shutting down")
         await routers.stop()
         starting.cancel()
-        with contextlib.suppress(Exception):
+        try:
             final = await asyncio.wait_for(client.status(), 10)
             worker_pids.extend(w["pid"] for w in final["workers"] if w.get("pid"))
-        with contextlib.suppress(Exception):
+        except Exception as exc:  # only the local processes' exit check needs it
+            logger.debug("no final status from the controller: %r", exc)
+        try:
             await asyncio.wait_for(client.shutdown(), 60)
+        except Exception as exc:  # _teardown still ends the workers by name
+            logger.warning("the controller did not stop the workers (%r); ending them by name", exc)
         sock.close()
 
 
@@ -354,9 +358,12 @@ def _teardown(controller: Any, session: dict[str, Any], worker_pids: list[int], 
     if controller is not None:
         with contextlib.suppress(Exception):
             ray.kill(controller, no_restart=True)
-        with contextlib.suppress(Exception):  # the workers are detached: end them by name
+        try:  # the workers are detached: end them by name
             stop_all(name, namespace)
             GcsStateStore(name, namespace).clear()
+        except Exception as exc:
+            logger.warning("could not end the workers by name (%r): some may still run on the cluster; "
+                           "`ray list actors` shows them (namespace %s)", exc, namespace)
     ray.shutdown()
     if session.get("started"):
         _wait_exited(worker_pids, timeout_s=30.0)
