@@ -123,7 +123,7 @@ class Tokenizer:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        backend = getattr(self._hf, "backend_tokenizer", None)
+        backend = self.fast_backend
         if backend is not None:
             return backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
@@ -186,6 +186,17 @@ class Tokenizer:
     @property
     def hf_tokenizer(self) -> Any:
         return self._hf
+
+    @property
+    def fast_backend(self) -> Any:
+        """The `tokenizers.Tokenizer` of a fast (Rust) Hugging Face tokenizer; None for a slow one."""
+        return getattr(self._hf, "backend_tokenizer", None)
+
+    @property
+    def is_byte_level(self) -> bool:
+        """Whether tokens are byte-level BPE pieces (GPT-2 style: each byte one printable char)."""
+        decoder = getattr(self.fast_backend, "decoder", None)
+        return decoder is not None and "ByteLevel" in repr(decoder)
 
     def _special_token_id(self, token: str) -> int | None:
         for token_id, added in getattr(self._hf, "added_tokens_decoder", {}).items():

@@ -34,11 +34,8 @@ class TokenText:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        hf = tokenizer.hf_tokenizer
-        backend = getattr(hf, "backend_tokenizer", None)  # a fast (Rust) tokenizer's; slow ones lack it
-        decoder = getattr(backend, "decoder", None)
-        self._convert = hf.convert_ids_to_tokens
-        self._byte_level = decoder is not None and "ByteLevel" in repr(decoder)
+        self._convert = tokenizer.hf_tokenizer.convert_ids_to_tokens
+        self._byte_level = tokenizer.is_byte_level
         self._cache: dict[int, bytes] = {}
 
     def token_bytes(self, token_id: int) -> bytes:

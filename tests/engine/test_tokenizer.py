@@ -41,6 +41,7 @@ def test_gguf_tokenizer_facts(tokenizer):
     assert set(range(17)) <= set(tokenizer.all_special_ids)
     assert tokenizer.max_model_len == 8192
     assert tokenizer.has_chat_template
+    assert tokenizer.fast_backend is not None and tokenizer.is_byte_level  # GPT-2 style BPE (logprob bytes)
 
 
 @pytest.mark.slow  # transformers builds the tokenizer from the GGUF: ~6 s
