@@ -13,6 +13,17 @@ def free_blocks_in_status(router, decode):
     return worker["kv_blocks_free"], worker["kv_blocks_total"], status["inflight_requests"]
 
 
+def assert_ended(router, decode, request_id, finish_reason):
+    """The worker saw the request cancelled, every block is free, nothing is in flight, and the
+    router counted it as ended with `finish_reason`."""
+    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
+    assert request_id in decode.cancelled
+    free, total, inflight = free_blocks_in_status(router, decode)
+    assert free == total and inflight == 0
+    metrics = httpx.get(router.url + "/metrics").text
+    assert f'pdserve:request_finished_total{{finish_reason="{finish_reason}"}} 1.0' in metrics
+
+
 def hanging_script(tokenizer):
     """One token, then nothing until the request is cancelled or aborted."""
     first = reply_script(tokenizer, "Hello")
@@ -60,12 +71,7 @@ def test_disconnect_before_the_first_token_frees_blocks(router, decode):
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         wait_until(lambda: len(decode.active) == 1, message="the request to reach the worker")
         request_id = decode.requests[-1].request_id
-    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
-    assert request_id in decode.cancelled
-    free, total, inflight = free_blocks_in_status(router, decode)
-    assert free == total and inflight == 0
-    metrics = httpx.get(router.url + "/metrics").text
-    assert 'pdserve:request_finished_total{finish_reason="abort"} 1.0' in metrics
+    assert_ended(router, decode, request_id, "abort")
 
 
 def test_a_failure_between_the_first_token_and_the_response_ends_the_request(router, decode, tokenizer, monkeypatch):
@@ -82,13 +88,7 @@ def test_a_failure_between_the_first_token_and_the_response_ends_the_request(rou
     response = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 50,
                                                                 "stream": True}, timeout=30)
     assert response.status_code == 500
-    request_id = decode.requests[-1].request_id
-    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
-    assert request_id in decode.cancelled
-    free, total, inflight = free_blocks_in_status(router, decode)
-    assert free == total and inflight == 0
-    metrics = httpx.get(router.url + "/metrics").text
-    assert 'pdserve:request_finished_total{finish_reason="error"} 1.0' in metrics
+    assert_ended(router, decode, decode.requests[-1].request_id, "error")
 
 
 def test_a_stream_whose_body_never_runs_still_ends_its_request():
