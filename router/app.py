@@ -279,9 +279,11 @@ async def _read_json_body(request: Request, limit: int) -> Any:
     if not body:
         raise invalid_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    protocol.check_text(data)
+    return data
 
 
 async def _prompt_token_ids(state: RouterState, request: Any) -> list[list[int]]:

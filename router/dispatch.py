@@ -127,9 +127,10 @@ class Dispatcher:
         if message is not None:
             self.metrics.shed.labels(priority_class).inc()
             raise overloaded(message, self.admission_retry_after(time.monotonic()))
+        # Built before it is counted: a constructor that raises must not hold a slot for good.
+        generation = Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
         self.inflight += 1
         self.inflight_batch += priority_class == "batch"
-        generation = Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
         self._live.add(generation)
         return generation
 

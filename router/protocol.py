@@ -417,6 +417,25 @@ def _from_validation_error(exc: ValidationError) -> APIError:
     return invalid_request(f"invalid value for {path!r}: {first.get('msg', 'invalid')}", param)
 
 
+def check_text(data: Any, path: str = "") -> None:
+    """A 400 for a string anywhere in a parsed JSON body that is not Unicode text: JSON can carry
+    a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer or UTF-8 encoder takes."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            field = path.split("[", 1)[0].split(".", 1)[0] or None
+            raise invalid_request(f"{path or 'the body'} is not valid Unicode text: it has a lone UTF-16 "
+                                  "surrogate (an escape \\ud800-\\udfff without its pair)", field) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            check_text(key, path)
+            check_text(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            check_text(value, f"{path}[{index}]")
+
+
 def _is_type_tag(part: Any) -> bool:
     """pydantic puts the union member it tried ('str', 'list[int]', ...) into error locations."""
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "dict"})

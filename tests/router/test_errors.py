@@ -350,7 +350,12 @@ def test_malformed_bodies_never_cause_a_500(router):
               {"model": "tiny", "prompt": "x", "priority": 2**40}, {"model": "tiny", "prompt": "x", "n": 2**40},
               {"model": "tiny", "prompt": "x", "max_tokens": 2**40},
               {"model": "tiny", "prompt": "x", "stop_token_ids": [2**40]}, {"model": "tiny", "prompt": [2**40]},
-              {"model": "tiny", "prompt": "x", "temperature": 1e309}]
+              {"model": "tiny", "prompt": "x", "temperature": 1e309},
+              # lone surrogates: valid JSON, not valid text
+              {"model": "tiny", "prompt": "a \ud800 b"}, {"model": "tiny", "prompt": "x", "stop": ["\ud800"]},
+              {"model": "tiny", "prompt": "x", "cache_salt": "\udfff"},
+              {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "cache_salt": "\ud800"},
+              {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]}]
     import json
     for path in (COMPLETIONS, CHAT):
         for body in bodies:
@@ -358,3 +363,36 @@ def test_malformed_bodies_never_cause_a_500(router):
             r = httpx.post(router.url + path, content=content, headers={"content-type": "application/json"})
             assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path, body, param, where", [
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi \ud800"}]}, "messages",
+     "messages[0].content"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "x", "cache_salt": "\udfff"}, "cache_salt", "cache_salt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_where_it_is(router, decode, path, body, param, where):
+    import json
+    content = json.dumps(body).encode()  # escaped as \ud800: valid JSON, not valid text
+    error = error_of(httpx.post(router.url + path, content=content, headers={"content-type": "application/json"}),
+                     400)
+    assert error["param"] == param
+    assert error["message"].startswith(f"{where} is not valid Unicode text")
+    assert decode.requests == []
+
+
+def test_a_generation_that_fails_to_build_holds_no_admission_slot(make_router, decode, tokenizer, monkeypatch):
+    """An internal error while the router builds a request's generation is a 500, and the slot
+    it was about to take stays free (else each one would hold a slot until a restart)."""
+    router = make_router(decode=[decode.address], max_inflight_requests=1)
+    decode.script = reply_script(tokenizer, "ok")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("hashing broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(router.state.dispatcher, "block_hashes", broken)
+        for _ in range(2):
+            error_of(httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x", "max_tokens": 2}), 500)
+    assert router.state.dispatcher.inflight == 0
+    response = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert response.status_code == 200, response.text
