@@ -289,7 +289,12 @@ class WorkerPool:
         except (grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
             was_healthy = worker.healthy
             self._poll_failed(worker, _describe_rpc_error(exc))
-            if was_healthy and not worker.healthy and self.on_unreachable is not None:
+            # Unreachable once per run of failed polls: when they take it out of routing, or when
+            # they reach the limit on a worker taken out before (mark_unhealthy: another stream
+            # broke), whose streams would otherwise wait on a silent worker for good.
+            lost = ((was_healthy and not worker.healthy)
+                    or worker.consecutive_failures == self.config.unhealthy_after_failures)
+            if lost and self.on_unreachable is not None:
                 self.on_unreachable(worker.address)
             return
         worker.last_poll_time = time.time()

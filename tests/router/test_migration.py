@@ -107,10 +107,14 @@ def test_a_stream_that_ends_without_its_finish_reason_is_resumed(make_router, pa
     assert finish == ["length"] and usage == {}
 
 
-def test_a_hung_worker_is_detected_by_its_health_polls_and_left(make_router, pair, tokenizer):
+@pytest.mark.parametrize("taken_out_first", [False, True])
+def test_a_hung_worker_is_detected_by_its_health_polls_and_left(make_router, pair, tokenizer, taken_out_first):
     """A worker that stops answering (polls time out) while its stream is silent: the stream is
-    cut and the generation goes on elsewhere, instead of waiting forever."""
+    cut and the generation goes on elsewhere, instead of waiting forever. Also when the router
+    had taken the worker out of routing before (`mark_unhealthy`: another of its streams broke),
+    so that no poll flips it from healthy to unhealthy."""
     reply = tokenizer.encode(REPLY, add_special_tokens=False) + [min(tokenizer.eos_token_ids)]
+    routers = []
 
     def script(request):
         done = request.num_resumed_tokens
@@ -120,11 +124,14 @@ def test_a_hung_worker_is_detected_by_its_health_polls_and_left(make_router, pai
         for worker in pair:  # whichever got the request hangs after 3 tokens
             if request in worker.requests:
                 worker.silent = True
+                if taken_out_first:
+                    routers[0].state.pool.mark_unhealthy(worker.address, "another stream broke")
         return [*chunks[:3], Hang()]
 
     for worker in pair:
         worker.script = script
     router = make_router(colocated=[w.address for w in pair], rpc_timeout_s=0.2, unhealthy_after_failures=2)
+    routers.append(router)
     text, _, finish = stream_completion(router)
     assert text == REPLY and finish == ["stop"] and migrations(router) == 1
     hung = next(w for w in pair if w.silent)
