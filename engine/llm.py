@@ -77,19 +77,24 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list)]
         results: dict[str, RequestOutput] = {}
-        for request in requests:
-            self.engine.add(request)
-            results[request.request_id] = RequestOutput(request.request_id, list(request.prompt_token_ids))
-        want_logprobs = {r.request_id: r.sampling_params.logprobs is not None for r in requests}
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as progress:
-            pending = len(requests)
-            while pending:
-                for delta in self.engine.step():
-                    output = results[delta.request_id]
-                    output.append(delta, want_logprobs[delta.request_id])
-                    if delta.finished:
-                        pending -= 1
-                        progress.update(1)
+        try:
+            for request in requests:
+                self.engine.add(request)
+                results[request.request_id] = RequestOutput(request.request_id, list(request.prompt_token_ids))
+            want_logprobs = {r.request_id: r.sampling_params.logprobs is not None for r in requests}
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as progress:
+                pending = len(requests)
+                while pending:
+                    for delta in self.engine.step():
+                        output = results[delta.request_id]
+                        output.append(delta, want_logprobs[delta.request_id])
+                        if delta.finished:
+                            pending -= 1
+                            progress.update(1)
+        except BaseException:  # a prompt refused, a step that failed, Ctrl-C: end this call's requests
+            for request_id in results:
+                self.engine.abort(request_id)  # frees its blocks; None if it had finished
+            raise
         return [results[r.request_id] for r in requests]
 
 

@@ -249,6 +249,21 @@ def test_bad_requests_are_refused(llm):
         LLM("default", block_sise=16)
 
 
+def test_a_refused_prompt_in_a_batch_leaves_nothing_behind():
+    """generate() whose second prompt is refused when added (larger than this KV cache, within
+    the context): the error, and neither the first prompt nor its detokenizer stays in the
+    engine, so the next call works."""
+    with LLM("default", num_blocks=8, block_size=16) as small:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        with pytest.raises(ValueError):
+            small.generate([[5] * 10, [7] * 200], params, use_tqdm=False)
+        _assert_clean(small.engine)
+        assert small.engine._detokenizers == {}
+        [output] = small.generate([[9] * 10], params, use_tqdm=False)
+        assert len(output.token_ids) == 4
+        _assert_clean(small.engine)
+
+
 def test_async_engine_streams_and_aborts(llm, prompts, reference):
     engine = AsyncEngine(llm.engine)
 
