@@ -157,9 +157,14 @@ class AsyncEngine:
         def register(engine: LLMEngine) -> None:
             self._publish_kv_events()  # what happened before goes to the feeds that were there
             feed._offer(KVEventBatch(self._kv_seq, time.time(), engine.kv_snapshot(), snapshot=True))
-            with self._kv_lock:
-                self._kv_feeds.add(feed)
-        await asyncio.wrap_future(self.call(register))
+            with self._kv_lock, feed._lock:
+                if not feed._ended:  # closed meanwhile (its caller gave up): never subscribed
+                    self._kv_feeds.add(feed)
+        try:
+            await asyncio.wrap_future(self.call(register))
+        except BaseException:  # cancelled while the engine thread registers it: not left subscribed
+            feed.close()
+            raise
         return feed
 
     def _unsubscribe(self, feed: "KVEventFeed") -> None:

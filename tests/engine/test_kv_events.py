@@ -137,3 +137,26 @@ def test_a_reader_too_far_behind_is_ended_not_buffered(tiny):
     finally:
         engine.shutdown()
         plain.shutdown()
+
+
+def test_a_subscription_cancelled_while_it_registers_is_not_left_subscribed(tiny):
+    """A KVEvents call cancelled (its router gone) while the engine thread registers its feed:
+    the feed is closed, never left receiving batches that no one reads."""
+    engine = AsyncEngine(LLM(tiny, num_blocks=16, block_size=BS, kv_events=True).engine)
+
+    async def main():
+        for _ in range(5):
+            subscribing = asyncio.ensure_future(engine.subscribe_kv_events())
+            await asyncio.sleep(0)  # the registration is posted to the engine thread
+            subscribing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await subscribing
+        kept = await engine.subscribe_kv_events()  # after the 5 registrations ran
+        subscribed = len(engine._kv_feeds)
+        kept.close()
+        return subscribed
+
+    try:
+        assert asyncio.run(main()) == 1
+    finally:
+        engine.shutdown()
