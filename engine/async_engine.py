@@ -263,16 +263,22 @@ class AsyncEngine:
                 # longer race with setting its result, which would raise here and stop the loop.
                 wanted = future.set_running_or_notify_cancel()
                 try:
-                    result = fn(self.engine, *args)
-                except Exception as exc:
+                    try:
+                        result = fn(self.engine, *args)
+                    except Exception as exc:
+                        self._refresh_snapshot()
+                        if wanted:
+                            future.set_exception(exc)
+                            wanted = False
+                        continue
+                    self._abort_added()
                     self._refresh_snapshot()
                     if wanted:
-                        future.set_exception(exc)
-                    continue
-                self._abort_added()
-                self._refresh_snapshot()
-                if wanted:
-                    future.set_result(result)
+                        future.set_result(result)
+                        wanted = False
+                finally:
+                    if wanted:  # the loop failed around the call (it dies now): its caller must not wait for good
+                        future.set_exception(RuntimeError("engine loop died during this call"))
 
     def _abort_added(self) -> None:
         """Abort the requests whose abort arrived before they were added, once they are."""

@@ -377,6 +377,24 @@ def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeyp
         llm.engine.abort(request_id)  # the dead loop left it in the shared engine's scheduler
 
 
+def test_a_call_whose_loop_fails_after_it_ran_is_answered_not_left_waiting(llm):
+    """The engine loop fails right after a call ran (a bug in its bookkeeping): the call's caller
+    gets the error instead of waiting for good."""
+    engine = AsyncEngine(llm.engine)
+
+    def broken():
+        raise RuntimeError("injected failure")
+
+    engine._abort_added = broken  # runs after every call, on the engine thread
+    try:
+        with pytest.raises(RuntimeError, match="engine loop died during this call"):
+            engine.call(lambda e: 1).result(timeout=30)
+        with pytest.raises(RuntimeError, match="engine loop died: injected failure"):
+            engine.stats()
+    finally:
+        engine.shutdown()
+
+
 def test_async_engine_survives_a_cancelled_call(llm, prompts, reference):
     """A caller that cancels its `call` future before the engine thread runs it must not stop the
     engine loop (it once died with InvalidStateError and failed every open stream)."""
