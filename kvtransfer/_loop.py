@@ -16,7 +16,9 @@ class LoopThread:
 
     `call` runs a plain function on the loop thread and waits for it: everything that
     writes into KV blocks runs on this thread, so a `call` that flips a flag is ordered
-    against every write.
+    against every write. A `call` or `submit` from another thread either runs, or raises
+    RuntimeError once `stop()` began to stop the loop: never left waiting (`_lock` orders the
+    scheduling against the loop's own stop).
     """
 
     def __init__(self, name: str) -> None:
@@ -27,6 +29,7 @@ class LoopThread:
         self._thread.start()
         self._started.wait()
         self._stopped = False
+        self._lock = threading.Lock()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -37,9 +40,10 @@ class LoopThread:
         return threading.current_thread() is self._thread
 
     def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
-        if self._stopped:
-            raise RuntimeError(f"{self.name} is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self.name} is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run a coroutine on the loop and wait for its result (never from the loop thread)."""
@@ -56,8 +60,6 @@ class LoopThread:
         """Run `fn(*args)` on the loop thread and return its result."""
         if self.in_loop_thread():
             return fn(*args)
-        if self._stopped:
-            raise RuntimeError(f"{self.name} is closed")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def invoke() -> None:
@@ -66,7 +68,10 @@ class LoopThread:
             except BaseException as exc:  # handed to the caller's thread
                 future.set_exception(exc)
 
-        self.loop.call_soon_threadsafe(invoke)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self.name} is closed")
+            self.loop.call_soon_threadsafe(invoke)  # ahead of the loop's stop, so it runs
         return future.result()
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -85,8 +90,9 @@ class LoopThread:
         try:
             self.run(self._cancel_tasks(), timeout)
         finally:
-            self._stopped = True
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            with self._lock:
+                self._stopped = True
+                self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 self.loop.close()

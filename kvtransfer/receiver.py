@@ -35,6 +35,10 @@ from .layout import KVLayout, PackedBlocks, check_layouts
 from .status import LayoutMismatchError, TransferError, TransferState, TransferStatus
 from .transports.base import Channel, ChannelClosed, Listener, Transport, TransportContext
 
+# A connection with no transfer bound is closed after this much silence at least (4 x timeout_s
+# when longer): far beyond any sender's heartbeat, so only a dead peer's half-open one goes.
+IDLE_SILENCE_S = 60.0
+
 
 class _ExpectedTransfer:
     def __init__(self, request_id: str, dst_block_ids: list[int], layers: tuple[int, ...],
@@ -70,6 +74,7 @@ class _SenderConnection:
         self.channel = channel
         self.transfers: dict[str, _ExpectedTransfer] = {}  # uid -> bound transfer
         self.ended_uids = BoundedSet()
+        self.ping_pending = False  # one heartbeat at a time, even while a send is stuck
 
 
 class KVReceiver(TransferEndpoint):
@@ -154,6 +159,12 @@ class KVReceiver(TransferEndpoint):
     def _send_error(self, connection: _SenderConnection, uid: str, reason: str) -> None:
         message = {"type": proto.ERROR, "uid": uid, "error": reason}
         self._tasks.spawn(self._send_quietly(connection, message))
+
+    async def _ping(self, connection: _SenderConnection) -> None:
+        try:
+            await self._send_quietly(connection, {"type": proto.PING})
+        finally:
+            connection.ping_pending = False
 
     @staticmethod
     async def _send_quietly(connection: _SenderConnection, message: dict) -> None:
@@ -373,14 +384,19 @@ class KVReceiver(TransferEndpoint):
             now = time.monotonic()
             for connection in list(self._connections):
                 channel = connection.channel
-                if connection.transfers and now - channel.last_rx > config.timeout_s:
+                # Senders heartbeat idle connections too (every timeout_s / 4 of their own config):
+                # an idle one silent far longer is half-open (a dead peer), holding its buffers.
+                limit = config.timeout_s if connection.transfers else max(4 * config.timeout_s, IDLE_SILENCE_S)
+                if now - channel.last_rx > limit:
                     reason = (f"sender {channel.peer} sent nothing for {config.timeout_s:g} s "
                               "(dead or stalled)")
                     for record in list(connection.transfers.values()):
                         self._fail(record, reason, False)
+                    self._connections.discard(connection)  # closed once
                     self._tasks.spawn(channel.close())  # may wait on a blocked group op
-                elif now - channel.last_tx >= config.heartbeat_interval_s:
-                    self._tasks.spawn(self._send_quietly(connection, {"type": proto.PING}))
+                elif now - channel.last_tx >= config.heartbeat_interval_s and not connection.ping_pending:
+                    connection.ping_pending = True
+                    self._tasks.spawn(self._ping(connection))
             if config.pending_timeout_s is not None:
                 with self._lock:
                     stale = [record for record in self._transfers.values()

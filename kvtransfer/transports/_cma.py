@@ -11,7 +11,7 @@ import functools
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
 import numpy as np
@@ -73,6 +73,7 @@ def _split(copy_range: Callable[..., bool], local: np.ndarray, remote: np.ndarra
     edges = [len(local) * i // threads for i in range(threads + 1)]
     futures = [_pool(threads).submit(copy_range, local[lo:hi], remote[lo:hi], chunk_nbytes, keep_writing)
                for lo, hi in zip(edges, edges[1:]) if hi > lo]
+    wait(futures)  # every slice has stopped writing before this returns or raises
     return all([future.result() for future in futures])
 
 

@@ -354,6 +354,8 @@ class UcxChannel(Channel):
         try:
             return sink.scatter_from(buffer[:nbytes])
         finally:
+            if buffer.is_cuda:  # the scatter is only queued on the stream, and UCX writes the next
+                torch.cuda.current_stream(buffer.device).synchronize()  # payload outside it
             self._spare_buffers.append(buffer)
 
     def _abort_endpoint(self) -> None:

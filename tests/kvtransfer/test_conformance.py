@@ -395,6 +395,34 @@ def test_silent_sender_fails_within_the_timeout(transport, options, sender_optio
         receiver.close()
 
 
+def test_an_idle_connection_whose_sender_went_silent_is_closed(transport, options, sender_options, monkeypatch):
+    """No transfer bound, and the sender stopped heartbeating (frozen, or a dead peer's half-open
+    connection): the receiver closes the connection rather than hold its buffers for good."""
+    import time
+
+    import kvtransfer.receiver
+
+    monkeypatch.setattr(kvtransfer.receiver, "IDLE_SILENCE_S", 0.0)  # then 4 x timeout_s: 4 s
+    receiver = create_receiver(transport, sentinel_caches(SPEC), TransferConfig(timeout_s=SHORT_TIMEOUT_S, **options))
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=SHORT_TIMEOUT_S, **sender_options)
+    try:
+        receiver.expect("before", [5, 6])
+        peer.call("send", "before", receiver.address, [1, 2], [5, 6])
+        assert receiver.wait("before", GUARD_S).state is TransferState.SUCCESS
+        assert len(receiver._connections) == 1
+        time.sleep(3 * SHORT_TIMEOUT_S)
+        assert len(receiver._connections) == 1  # a live sender's heartbeats keep it
+        peer.freeze()
+        deadline = time.monotonic() + GUARD_S
+        while receiver._connections:
+            assert time.monotonic() < deadline, "the silent connection was never closed"
+            time.sleep(0.1)
+    finally:
+        peer.kill()
+        peer.close()
+        receiver.close()
+
+
 def test_killed_receiver_fails_the_sender_and_nothing_leaks(transport, options):
     baseline = _baseline(transport)
     peer = PeerProcess("receiver", transport, SPEC, 0, timeout_s=SHORT_TIMEOUT_S, **options)

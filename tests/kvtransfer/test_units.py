@@ -708,3 +708,24 @@ async def test_a_transfer_task_that_fails_unexpectedly_is_logged_not_dropped(cap
     assert record.getMessage() == ("kvtransfer task test_a_transfer_task_that_fails_unexpectedly_is_logged_not_dropped."
                                    "<locals>.bug failed")
     assert isinstance(record.exc_info[1], KeyError)
+
+
+def test_a_split_cross_memory_copy_raises_only_once_every_slice_stopped_writing():
+    """One slice fails while another still copies into the blocks: the failure is reported only
+    after that one ended, so nothing writes into blocks whose transfer was reported failed."""
+    import time
+
+    from kvtransfer.transports import _cma
+
+    finished = []
+
+    def copy_range(local, remote, chunk_nbytes, keep_writing):
+        if local[0] == 0:
+            raise OSError("the first slice failed")
+        time.sleep(0.3)
+        finished.append(local.tolist())
+        return True
+
+    with pytest.raises(OSError, match="the first slice failed"):
+        _cma._split(copy_range, np.arange(4), np.arange(4), 1, lambda: True, threads=2)
+    assert finished == [[2, 3]]
