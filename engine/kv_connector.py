@@ -351,9 +351,9 @@ class KVConnector:
         request_id = request.request_id
         send = self._sends.pop(request_id, None)
         if send is not None and send.opened:
-            self.transport.cancel(request_id)
+            self._cancel_transfer(request_id)
         if self._end_load(request_id)[0] is not None:
-            self.transport.cancel(request_id)
+            self._cancel_transfer(request_id)
 
     # ---- prefill side ---------------------------------------------------------------------
 
@@ -465,7 +465,7 @@ class KVConnector:
         request_id = send.request.request_id
         del self._sends[request_id]
         if send.opened:
-            self.transport.cancel(request_id)  # stop it, or drop the record of a finished one
+            self._cancel_transfer(request_id)  # stop it, or drop the record of a finished one
         return SendDone(request_id, KVSendResult(error, bytes_sent, self._sender.epoch,
                                                  send.checksum, send.block_hashes))
 
@@ -478,11 +478,12 @@ class KVConnector:
         """Engine thread, after the scheduler allocated the blocks the transfer must fill.
         `streamable`: its first token may go out before the checks (`stream_first_token`); not
         for a request the engine detokenizes (an early token would have no text)."""
-        self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
-        now = time.monotonic()
-        # Its tokens (a resumed request's include its outputs) do not change while it loads.
+        # Its tokens (a resumed request's include its outputs) do not change while it loads. Hashed
+        # before the receiver expects it: past `expect`, nothing may fail and leave its record.
         hashes = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt,
                                         self.hash_algorithm))
+        self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
+        now = time.monotonic()
         self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes)
         if streamable:
             with self._lock:
@@ -560,7 +561,7 @@ class KVConnector:
         if self.shards is not None:
             self.shards.scatter_kv([block_id for _, block_id in load.plan.blocks_to_fill])
         _, streamed = self._end_load(request_id)
-        self.transport.cancel(request_id)  # drops the finished record
+        self._cancel_transfer(request_id)  # drops the finished record
         load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,
                                                  load.report.num_cached_tokens)
         return LoadDone(request_id, load.report.first_token, None, False, streamed is not None)
@@ -586,7 +587,7 @@ class KVConnector:
             received = self.transport.poll(request_id).bytes_transferred
         except KeyError:
             received = 0
-        self.transport.cancel(request_id)  # no byte lands in its blocks after this
+        self._cancel_transfer(request_id)  # no byte lands in its blocks after this
         self.failures[reason] += 1
         load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started)
         return LoadDone(request_id, streamed, f"remote prefill failed ({reason}): {message}",
@@ -623,10 +624,19 @@ class KVConnector:
             return self._fail_load(load, "transfer", message)
         return None
 
+    def _cancel_transfer(self, request_id: str) -> None:
+        """Stop a transfer, or drop a finished one's record. A transport closed meanwhile (the
+        worker is stopping) has nothing left to stop: the request still ends here, never stuck
+        in SENDING_KV or WAITING_FOR_KV because its cancel raised."""
+        try:
+            self.transport.cancel(request_id)
+        except RuntimeError as exc:
+            logger.debug("KV transfer %s: not cancelled: %s", request_id, exc)
+
     def cancel_load(self, request_id: str) -> None:
         """Stop expecting `request_id`'s KV (its import is finished or failed by the caller)."""
         if self._end_load(request_id)[0] is not None:
-            self.transport.cancel(request_id)
+            self._cancel_transfer(request_id)
 
     def next_deadline(self) -> float | None:
         """When `poll()` must run next even if no transfer ends (monotonic seconds); None when

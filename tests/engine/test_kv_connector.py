@@ -608,3 +608,22 @@ def test_a_load_that_cannot_start_ends_the_request_and_keeps_nothing(pair_factor
         decode.add_imported(request, detokenize=True)
     assert decode._detokenizers == {}
     assert not decode.has_unfinished()
+
+
+def test_a_load_whose_transport_closed_meanwhile_still_ends(pair_factory, monkeypatch):
+    """The worker is stopping: its receiver refuses the cancel (closed). Aborting the waiting
+    request still ends it and frees its blocks, instead of leaving it in WAITING_FOR_KV."""
+    pair = pair_factory()
+    pair.start("a", prompt(12, 30))
+    real_cancel = pair.decode.kv_connector.transport.cancel
+
+    def closed(request_id):
+        raise RuntimeError("kv-receiver is closed")
+
+    monkeypatch.setattr(pair.decode.kv_connector.transport, "cancel", closed)
+    final = pair.decode.abort("a")
+    assert final.finish_reason == "abort"
+    assert not pair.decode.has_unfinished() and pair.decode.kv_connector.next_deadline() is None
+    monkeypatch.setattr(pair.decode.kv_connector.transport, "cancel", real_cancel)
+    real_cancel("a")  # the test's receiver is open: drop its record before the pair checks
+    assert pair.run_prefill()[-1].finish_reason in ("error", "prefill_done")
