@@ -586,6 +586,7 @@ def test_a_load_that_times_out_while_its_first_token_is_sent_keeps_it_and_emits_
     assert final.finish_reason == "error"
 
 
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)  # engine-side: one transport
 def test_a_load_that_cannot_start_ends_the_request_and_keeps_nothing(pair_factory, monkeypatch):
     """add_imported when the connector cannot expect the KV (here its transport refuses): the
     caller gets the error, and the request leaves no blocks and no detokenizer behind."""
@@ -610,6 +611,7 @@ def test_a_load_that_cannot_start_ends_the_request_and_keeps_nothing(pair_factor
     assert not decode.has_unfinished()
 
 
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)  # engine-side: one transport
 def test_a_load_whose_transport_closed_meanwhile_still_ends(pair_factory, monkeypatch):
     """The worker is stopping: its receiver refuses the cancel (closed). Aborting the waiting
     request still ends it and frees its blocks, instead of leaving it in WAITING_FOR_KV."""
