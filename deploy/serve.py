@@ -39,6 +39,7 @@ logger = logging.getLogger("pdserve")
 
 ROUTERS_READY_TIMEOUT_S = 120.0  # from the workers being up to the routers routing to them
 
+
 @dataclass
 class ServeOptions:
     """Everything `pdserve serve` takes; validated before Ray starts, so mistakes fail fast."""

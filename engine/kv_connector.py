@@ -7,8 +7,9 @@ One connector per engine, prefill or decode role, no threads of its own. Its two
 - worker side, called by `LLMEngine`: `start_load` (decode: expect the blocks an ImportPlan must
   fill), `layer_hook(seqs)` (prefill: before each forward, the callback the model runner calls
   after each layer's K/V store; every layer group is pushed as soon as it is written, for each
-  chunk of a prompt the blocks that chunk completed: layer-wise push), `report_producer` (decode: the prefill worker's
-  answer), and `poll()`, once per step, which returns the sends and loads that ended.
+  chunk of a prompt the blocks that chunk completed: layer-wise push), `report_producer`
+  (decode: the prefill worker's answer), and `poll()`, once per step, which returns the sends
+  and loads that ended.
 
 The transport (a kvtransfer sender or receiver) calls `on_transfer_end` from its I/O thread when
 a transfer ends; the connector records the id and rings the engine's wakeup, so `poll()` looks

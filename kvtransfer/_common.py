@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import socket
 import mmap
+import socket
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence
 
