@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import secrets
 import uuid
 from contextlib import asynccontextmanager
@@ -42,6 +43,8 @@ from router.streaming import ChoiceStream, OutputAssembler, ResponseContext, col
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (metrics only)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff); strict UTF-8 bytes cannot carry one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
                  "/status", "/metrics")
 
@@ -282,7 +285,8 @@ async def _read_json_body(request: Request, limit: int) -> Any:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    protocol.check_text(data)
+    if _SURROGATE_ESCAPE.search(body):  # the only way a lone surrogate gets in: skip the walk otherwise
+        protocol.check_text(data)
     return data
 
 
