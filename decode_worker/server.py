@@ -24,6 +24,8 @@ the prefill worker's side.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -59,6 +61,49 @@ class DecodeWorkerConfig:
         kvtransfer.check_transport_choice(self.transport)
 
 
+class PrefillChannels:
+    """One gRPC channel per prefill worker address, shared by the calls to it (gRPC reconnects by
+    itself when the worker there restarts). Prefill workers come and go on new addresses (scaling,
+    restarts), so a channel with no call in flight for `idle_close_s` is closed when the next call
+    starts: the map holds the addresses in use, not every address ever used."""
+
+    def __init__(self, idle_close_s: float = 300.0) -> None:
+        self.idle_close_s = idle_close_s
+        self._channels: dict[str, Any] = {}
+        self._in_flight: dict[str, int] = {}
+        self._last_used: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    @contextlib.asynccontextmanager
+    async def use(self, address: str) -> AsyncIterator[Any]:
+        await self._close_idle(exclude=address)
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=list(wire.GRPC_OPTIONS))
+        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+        try:
+            yield channel
+        finally:
+            self._in_flight[address] -= 1
+            self._last_used[address] = time.monotonic()
+
+    async def _close_idle(self, exclude: str) -> None:
+        now = time.monotonic()
+        idle = [address for address in self._channels if address != exclude and not self._in_flight[address]
+                and now - self._last_used[address] >= self.idle_close_s]
+        for address in idle:
+            channel = self._channels.pop(address)
+            del self._in_flight[address], self._last_used[address]
+            await channel.close()
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+
 class DecodeWorker(wire.services().DecodeServiceServicer):
     """The engine (decode or colocated role), whose connector's receiver takes the KV, and the
     DecodeService over it."""
@@ -84,14 +129,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         # part, this server uses the rest of kvtransfer.KVReceiver (address, layout, bytes, close).
         self.receiver: kvtransfer.KVReceiver | None = connector.transport if connector is not None else None
         self.transport_address = self.receiver.address if self.receiver is not None else ""
-        self._channels: dict[str, Any] = {}
-
-    def prefill_stub(self, address: str) -> Any:
-        channel = self._channels.get(address)
-        if channel is None:  # gRPC reconnects by itself when the worker there restarts
-            channel = grpc.aio.insecure_channel(address, options=list(wire.GRPC_OPTIONS))
-            self._channels[address] = channel
-        return wire.services().PrefillServiceStub(channel)
+        self.prefill_channels = PrefillChannels()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         wire.services().add_DecodeServiceServicer_to_server(self, server)
@@ -103,8 +141,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         return self.engine.hand_over()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self.prefill_channels.close()
         self.engine.shutdown()
         if self.receiver is not None:
             self.receiver.close()
@@ -159,7 +196,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         try:
             # No deadline on the call: the connector bounds the wait by progress (a long prompt's KV
             # arrives chunk by chunk) and the call is cancelled when the load ends without it.
-            response = await self.prefill_stub(address).Prefill(message)
+            async with self.prefill_channels.use(address) as channel:
+                response = await wire.services().PrefillServiceStub(channel).Prefill(message)
             if response.finish_reason:
                 error = f"prefill worker {address}: {response.finish_reason}: {response.error}"
             else:
