@@ -93,9 +93,11 @@ class PrefillChannels:
         now = time.monotonic()
         idle = [address for address in self._channels if address != exclude and not self._in_flight[address]
                 and now - self._last_used[address] >= self.idle_close_s]
-        for address in idle:
-            channel = self._channels.pop(address)
+        closing = []
+        for address in idle:  # all out of the map before the first await: a concurrent sweep finds none
+            closing.append(self._channels.pop(address))
             del self._in_flight[address], self._last_used[address]
+        for channel in closing:
             await channel.close()
 
     async def close(self) -> None:

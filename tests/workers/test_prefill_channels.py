@@ -1,5 +1,7 @@
 """The decode worker's channels to prefill workers: shared per address while in use, and closed
 once idle, so prefill workers that came and went (scaling, restarts on new ports) leave none."""
+import asyncio
+
 import grpc
 
 from decode_worker.server import PrefillChannels
@@ -26,4 +28,32 @@ async def test_recently_used_channels_stay_open():
         async with channels.use(f"127.0.0.1:{port}"):
             pass
     assert len(channels) == 3
+    await channels.close()
+
+
+
+class _SlowClosingChannel:
+    def __init__(self, address, options):
+        self.closed = 0
+
+    async def close(self):
+        self.closed += 1
+        await asyncio.sleep(0.01)  # a close that yields, as one with calls to cancel does
+
+
+async def test_concurrent_sweeps_close_each_channel_once(monkeypatch):
+    monkeypatch.setattr(grpc.aio, "insecure_channel", _SlowClosingChannel)
+    channels = PrefillChannels(idle_close_s=3600.0)
+    opened = []
+    for port in (1, 2, 3):
+        async with channels.use(f"127.0.0.1:{port}") as channel:
+            opened.append(channel)
+    channels.idle_close_s = 0.0  # all three idle now
+
+    async def call(port):
+        async with channels.use(f"127.0.0.1:{port}"):
+            await asyncio.sleep(0)
+
+    await asyncio.gather(call(4), call(5))  # two sweeps at once, neither fails
+    assert [channel.closed for channel in opened] == [1, 1, 1]
     await channels.close()
