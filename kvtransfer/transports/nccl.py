@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,9 @@ class NcclChannel(StreamChannel):
         self._store = self._store_factory()
         store = dist.PrefixStore(f"kvtransfer/{self._pair}", self._store)
         if self._ctx.layout.is_cuda:
+            # Read as the group is built; an operator's own setting wins. The TP groups of the
+            # worker's engine were built before any KV connection, with torch's default.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             torch.cuda.set_device(torch.device(self._ctx.layout.device))
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -99,7 +103,11 @@ class NcclChannel(StreamChannel):
     def _point_to_point(self, send: bool, tensor: torch.Tensor) -> None:
         peer = _RECEIVER_RANK if send else _SENDER_RANK
         op = self._group.send if send else self._group.recv
-        op([tensor], peer, 0).wait()
+        try:
+            op([tensor], peer, 0).wait(datetime.timedelta(seconds=self._ctx.config.timeout_s))
+        except RuntimeError:
+            self._group.abort()  # the pair's communicator goes now, not later by the watchdog
+            raise
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
 
