@@ -18,7 +18,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from deploy.config import NODE_IP_HOST, ROLES, WorkerSpec
+from deploy.config import NODE_IP_HOST, ROLES, PoolTargets, WorkerSpec, capacity_shortfall
 from engine.process import configure_logging, freeze_startup_objects
 
 if TYPE_CHECKING:
@@ -204,6 +204,11 @@ class RayWorkerLauncher:
 
     def live_worker_ids(self) -> list[str]:
         return worker_ids(self.controller_name, self.namespace)
+
+    def capacity_shortfall(self, targets: PoolTargets) -> str | None:
+        import ray
+        from deploy.cluster import node_resources
+        return capacity_shortfall(targets, self.spec, ray.cluster_resources(), node_resources())
 
 
 def worker_ids(controller_name: str, namespace: str) -> list[str]:

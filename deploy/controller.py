@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from deploy.config import KV_ROLES, ROLES, ControllerConfig, PoolTargets, capacity_shortfall, pool_name
+from deploy.config import KV_ROLES, ROLES, ControllerConfig, PoolTargets, pool_name
 from deploy.planner import Planner
 from engine.process import configure_logging
 from wire.stats import WorkerStats
@@ -81,6 +81,10 @@ class Launcher(Protocol):
 
     def live_worker_ids(self) -> list[str]:
         """Ids of every live worker launched under this controller's name."""
+
+    def capacity_shortfall(self, targets: PoolTargets) -> str | None:
+        """Why pools of these sizes cannot all be placed (workers that do not fit would wait for
+        resources, on a fixed cluster forever), or None."""
 
 
 class StateStore(Protocol):
@@ -142,7 +146,9 @@ class PoolController:
     _events: collections.deque = field(init=False)
     _backoff: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
     _prefer_drain: set[str] = field(default_factory=set, init=False)
-    _start_failures: list[str] = field(default_factory=list, init=False)
+    _start_failures: list[str] | None = field(default=None, init=False)  # while start(wait=True) waits
+    _saved: dict[str, Any] | None = field(default=None, init=False)  # what the store holds
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)  # set (and replaced) on a change
     _tasks: set[asyncio.Task] = field(default_factory=set, init=False)
     _loop_task: asyncio.Task | None = field(default=None, init=False)
     _next_id: int = field(default=1, init=False)
@@ -160,23 +166,48 @@ class PoolController:
         its target, or raise RuntimeError naming the first worker that failed to start."""
         if self._loop_task is not None:
             raise RuntimeError("the controller is already started")
+        self._start_failures = [] if wait else None
         self._reconcile()
         self._loop_task = asyncio.get_running_loop().create_task(self._health_loop(), name="pdserve-controller")
         if not wait:
             return
-        deadline = self.clock() + self.config.start_timeout_s
-        while not self.settled():
-            if self._closed:
-                raise RuntimeError("the controller was shut down while the pools were starting")
-            if self._start_failures:
-                raise RuntimeError(self._start_failures[0])
-            if self.clock() > deadline:
+        try:
+            if not await self._wait_for(self._start_done, self.config.start_timeout_s):
                 raise RuntimeError(f"the pools did not reach {self.targets} within {self.config.start_timeout_s} s")
-            await asyncio.sleep(0.05)
+        finally:
+            failures, self._start_failures = self._start_failures, None
+        if self._closed:
+            raise RuntimeError("the controller was shut down while the pools were starting")
+        if failures:
+            raise RuntimeError(failures[0])
+
+    def _start_done(self) -> bool:
+        return self._closed or bool(self._start_failures) or self.settled()
+
+    async def _wait_for(self, condition, timeout_s: float) -> bool:
+        """Wait until `condition()` holds (checked at every change), at most `timeout_s`."""
+        deadline = self.clock() + timeout_s
+        while True:
+            changed = self._changed
+            if condition():
+                return True
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _notify(self) -> None:
+        """Wake whoever waits for a change (of targets, membership or a worker's state)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def shutdown(self) -> None:
         """Stop every worker (grace), then forget them. The controller cannot be restarted."""
         self._closed = True
+        self._notify()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -228,12 +259,16 @@ class PoolController:
         return True
 
     def _save(self) -> None:
-        """Write targets and membership to the store (after every change)."""
+        """Write targets and membership to the store when they changed (checked every reconcile:
+        each health tick; the write is a blocking GCS call)."""
         if self.store is None or self._closed:
             return
         members = [{name: getattr(m, name) for name in _SAVED_FIELDS} for m in self._members.values()
                    if m.state != STOPPING]
-        self.store.save({"targets": self.targets.counts(), "next_id": self._next_id, "members": members})
+        state = {"targets": self.targets.counts(), "next_id": self._next_id, "members": members}
+        if state != self._saved:
+            self.store.save(state)
+            self._saved = state
 
     # ---- the public interface ------------------------------------------------------------------
 
@@ -249,6 +284,8 @@ class PoolController:
         unknown = [address for address in drain if address not in known]
         if unknown:
             raise ValueError(f"no worker at {', '.join(unknown)}; workers: {', '.join(sorted(known)) or 'none'}")
+        if targets != self.targets and self.planner is not None:
+            self.planner.targets_changed(self.clock())  # not undone from numbers measured before it
         self.targets = targets
         self._prefer_drain = set(drain)
         self._backoff.clear()
@@ -265,12 +302,7 @@ class PoolController:
         return True
 
     async def wait_settled(self, timeout_s: float) -> bool:
-        deadline = self.clock() + timeout_s
-        while not self.settled():
-            if self.clock() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
+        return await self._wait_for(self.settled, timeout_s)
 
     def membership(self) -> list[dict[str, Any]]:
         """The routable workers: READY ones, and DRAINING ones flagged `draining`."""
@@ -280,6 +312,7 @@ class PoolController:
 
     def router_sync(self, router_id: str, workers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """A router reports what it holds (address -> {"inflight", "draining"}) and gets the membership."""
+        self._routers = self._live_routers()  # a router gone quiet (stopped, restarted under a new id) is forgotten
         self._routers[router_id] = _RouterReport(self.clock(), dict(workers))
         return self.membership()
 
@@ -318,6 +351,7 @@ class PoolController:
             return
         self._adjust_pools()
         self._save()
+        self._notify()
 
     def _adjust_pools(self) -> None:
         for role, target in self.targets.counts().items():
@@ -372,8 +406,10 @@ class PoolController:
                 delay = min(self.config.max_start_backoff_s, 2.0 ** (failures - 1))
                 self._backoff[member.role] = (failures, self.clock() + delay)
                 message = f"{member.worker_id} failed to start: {reason}"
-                self._start_failures.append(message)
+                if self._start_failures is not None:
+                    self._start_failures.append(message)
                 self._event(f"{message} (next try in {delay:.0f} s)", logging.WARNING)
+                self._notify()
             self._spawn(self._quiet_stop(member.handle, 0.0))
             return
         if self._members.get(member.worker_id) is not member or member.state != STARTING:
@@ -443,23 +479,44 @@ class PoolController:
         self._reconcile()  # and saves
 
     def _plan(self) -> None:
-        """Feed the planner the ready workers' Stats; apply its decision once the pools are settled."""
-        if self.planner is None or self._closed:
-            return
+        """Feed the planner the ready workers' Stats; apply its decision once the pools are settled,
+        cut to what the cluster can place."""
+        if self.planner is None or self._closed or not (self.targets.prefill or self.targets.decode):
+            return  # colocated workers only: nothing for the planner to size
         now = self.clock()
         self.planner.observe(now, [(m.grpc_address, m.role, m.stats) for m in self._members.values()
                                    if m.state == READY and m.stats is not None and m.role in KV_ROLES])
         if not self.settled():  # a change under way: its workers' numbers are not in yet
+            self.planner.restart_interval(now)
             return
         decision = self.planner.decide(now, self.targets.prefill, self.targets.decode)
         if decision is None or decision.target is None:
             return
-        prefill, decode = decision.target
+        prefill, decode = self._placeable(*decision.target)
+        if (prefill, decode) == (self.targets.prefill, self.targets.decode):
+            self._event(f"planner wants {decision.target[0]} prefill, {decision.target[1]} decode; the cluster "
+                        f"has no room: {self.launcher.capacity_shortfall(self.targets.replace(*decision.target))}",
+                        logging.WARNING)
+            return
         if self.config.planner.dry_run:
             self._event(f"planner (dry run) would scale to {prefill} prefill, {decode} decode: {decision.reason}")
             return
         self._event(f"planner: {decision.reason}")
         self.scale(prefill=prefill, decode=decode)
+
+    def _placeable(self, prefill: int, decode: int) -> tuple[int, int]:
+        """The planner's target with the pools it grows cut back, one worker at a time (the one
+        that grew most first), until the cluster can place them all or they are back at their size."""
+        current = (self.targets.prefill, self.targets.decode)
+        while self.launcher.capacity_shortfall(self.targets.replace(prefill, decode)) is not None:
+            grown = (prefill - current[0], decode - current[1])
+            if max(grown) <= 0:
+                break
+            if grown[0] >= grown[1]:
+                prefill -= 1
+            else:
+                decode -= 1
+        return prefill, decode
 
     async def _poll(self, member: Member) -> None:
         """One Stats poll. Anything but an answer is a failed poll, a call cancelled under it
@@ -583,7 +640,13 @@ class ControllerActor:
         if self._restarted and self._recovery is None:
             self._recovery = asyncio.ensure_future(self.controller.recover())
         if self._recovery is not None:
-            await asyncio.shield(self._recovery)
+            recovery = self._recovery
+            try:
+                await asyncio.shield(recovery)
+            except Exception:
+                if self._recovery is recovery and recovery.done():
+                    self._recovery = None  # e.g. the GCS not answering yet: the next call tries again
+                raise
 
     async def start(self) -> dict[str, Any]:
         await self._resume()
@@ -597,16 +660,13 @@ class ControllerActor:
 
     async def scale(self, prefill: int | None = None, decode: int | None = None, colocated: int | None = None,
                     drain: list[str] | None = None) -> dict[str, Any]:
-        import ray
         await self._resume()
         try:
             targets = self.controller.scale(prefill, decode, colocated, drain or ())
         except ValueError as exc:
             return {"error": str(exc)}
         result: dict[str, Any] = {"targets": targets}
-        from deploy.cluster import node_resources
-        shortfall = capacity_shortfall(self.controller.targets, self.config.worker, ray.cluster_resources(),
-                                       node_resources())
+        shortfall = self.controller.launcher.capacity_shortfall(self.controller.targets)
         if shortfall:
             result["warning"] = f"{shortfall}; the workers that do not fit wait until resources free up"
             self.controller._event(result["warning"], logging.WARNING)

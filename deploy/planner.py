@@ -14,8 +14,17 @@ decode are sized separately, each from what the pool is measured to do.
 - **Decode.** A decode worker's time per output token grows with its batch: TPOT = a + c * b.
   Each interval gives (b = running sequences, TPOT = b / decode tokens per second) per worker;
   a least-squares line over the recent ones gives a and c, and the largest batch within the SLO,
-  `B = (slo_tpot - a) / c` (with one batch size seen so far, TPOT is taken as proportional to it). D = running sequences (all workers) * (1 + headroom) / B, rounded up.
-- Both at least 1; P + D at most `max_workers` (shared in proportion when the wish is larger).
+  `B = (slo_tpot - a) / c`. While the batch sizes seen span less than half their mean (or the
+  line's slope is not positive: noise), a line through them would extrapolate noise, so TPOT is
+  taken as proportional to the batch (the cautious reading: it ignores a > 0). D = sequences on
+  the decode workers (running, and waiting: they run next) * (1 + headroom) / B, rounded up.
+- Both at least 1; P + D at most `max_workers` (shared in proportion when the wish is larger); a
+  pool that should grow never shrinks to make room.
+
+A change of targets from elsewhere (`pdserve scale`, the admin API) counts as a change
+(`targets_changed`): it restarts the cooldown, the streak and the interval, so the planner does
+not undo it on its next decision from numbers measured before it. The controller asks for a
+decision only while the pools are settled, and feeds no interval that spans a change.
 
 Hysteresis, so it never flaps: a new size must be wanted by `stable_decisions` decisions in a
 row, and none is applied within `cooldown_s` of the last; a pool shrinks by one worker per change
@@ -74,6 +83,7 @@ class _Sample:
     decode_tokens: int
     queued: int
     running: int
+    waiting: int
 
 
 @dataclass
@@ -91,10 +101,15 @@ class Planner:
     num_changes: int = 0  # decisions with a target (applied, or logged in a dry run)
 
     def observe(self, now: float, workers: Iterable[tuple[str, str, WorkerStats]]) -> None:
-        """(address, role, Stats) of every ready worker, as polled at `now`."""
+        """(address, role, Stats) of every ready worker, as polled at `now`; a worker missing
+        from one call is forgotten (its address may come back as another worker)."""
+        workers = list(workers)
+        seen = {address for address, _, _ in workers}
+        for address in [a for a in self._last if a not in seen]:
+            del self._last[address]
         for address, role, stats in workers:
             sample = _Sample(now, role, stats.prompt_tokens_computed, stats.decode_tokens,
-                             stats.prefill_tokens_queued, stats.running + stats.waiting)
+                             stats.prefill_tokens_queued, stats.running, stats.waiting)
             previous = self._last.get(address)
             self._last[address] = sample
             if previous is None or previous.role != role or now <= previous.time:
@@ -105,6 +120,17 @@ class Planner:
                 self._tpot_points.append((sample.running, sample.running / rate))
         if self._window_start is None:
             self._window_start = now
+
+    def targets_changed(self, now: float) -> None:
+        """The pool sizes changed (the planner's own decision or anyone else's): the cooldown
+        starts now, the streak and the interval start over."""
+        self._last_change = now
+        self._streak = (None, 0)
+        self.restart_interval(now)
+
+    def restart_interval(self, now: float) -> None:
+        """Drop what the current interval has measured (it spans a change in progress)."""
+        self._window, self._window_start = [], now
 
     def decide(self, now: float, prefill: int, decode: int) -> Decision | None:
         """Every `interval_s`: the pool sizes to scale to now, or None before an interval has passed."""
@@ -126,10 +152,11 @@ class Planner:
                 # shrink one worker at a time, grow at once, never past max_workers in all
                 new_prefill = wanted[0] if wanted[0] >= prefill else prefill - 1
                 new_decode = wanted[1] if wanted[1] >= decode else decode - 1
+                # (a pool that should grow is never cut below its size to fit max_workers)
                 if new_prefill > prefill:
-                    new_prefill = min(new_prefill, self.config.max_workers - new_decode)
+                    new_prefill = max(prefill, min(new_prefill, self.config.max_workers - new_decode))
                 if new_decode > decode:
-                    new_decode = min(new_decode, self.config.max_workers - new_prefill)
+                    new_decode = max(decode, min(new_decode, self.config.max_workers - new_prefill))
                 if (new_prefill, new_decode) != (prefill, decode):
                     target = (new_prefill, new_decode)
                     self._last_change = now
@@ -166,11 +193,11 @@ class Planner:
                 if all(s.queued > 0 for s in samples):  # busy throughout: what one worker can do
                     self._prefill_capacity.append(served)
             else:
-                running += last.running
+                running += last.running + last.waiting
         mu = max(self._prefill_capacity) if self._prefill_capacity else None
         if mu:
             want_prefill = max(1, math.ceil(prefill_rate * (1 + cfg.headroom) / mu))
-            if queued / (prefill * mu) > cfg.slo_ttft_ms / 1000.0 and growth >= 0:
+            if queued / (max(prefill, 1) * mu) > cfg.slo_ttft_ms / 1000.0 and growth >= 0:
                 want_prefill = max(want_prefill, prefill + 1)  # a queue past the TTFT SLO, not draining
             prefill_why = (f"prefill {prefill_rate:.0f} tok/s arriving, {queued:.0f} queued, {mu:.0f} tok/s "
                            f"per busy worker")
@@ -199,11 +226,13 @@ class Planner:
         mean_b = sum(b for b, _ in points) / n
         mean_t = sum(t for _, t in points) / n
         slo = self.config.slo_tpot_ms / 1000.0
+        proportional = max(1.0, mean_b * slo / mean_t)  # TPOT taken as proportional to the batch
+        spread = max(b for b, _ in points) - min(b for b, _ in points)
+        if spread < 0.5 * mean_b:  # too narrow a range of batches to fit a line through
+            return proportional
         var = sum((b - mean_b) ** 2 for b, _ in points)
-        if var == 0:  # one batch size seen: assume TPOT proportional to the batch (the cautious reading)
-            return max(1.0, mean_b * slo / mean_t)
         slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var
+        if slope <= 0:  # noise: TPOT cannot fall as the batch grows
+            return proportional
         intercept = mean_t - slope * mean_b
-        if slope <= 0:
-            return float("inf") if intercept <= slo else 1.0
         return max(1.0, (slo - intercept) / slope)

@@ -124,6 +124,7 @@ class FakeLauncher:
     def __init__(self) -> None:
         self.handles: list[FakeHandle] = []
         self.plan: dict[str, list[dict[str, Any]]] = {}
+        self.capacity: int | None = None  # workers the fake cluster can place (None: any number)
         self._ports = itertools.count(41000, 10)
 
     def launch(self, role: str, worker_id: str) -> FakeHandle:
@@ -141,6 +142,12 @@ class FakeLauncher:
 
     def live_worker_ids(self) -> list[str]:
         return [h.worker_id for h in self.handles if h.alive]
+
+    def capacity_shortfall(self, targets) -> str | None:
+        wanted = sum(targets.counts().values())
+        if self.capacity is not None and wanted > self.capacity:
+            return f"{wanted} workers, room for {self.capacity}"
+        return None
 
     def of(self, role: str) -> list[FakeHandle]:
         return [h for h in self.handles if h.role == role]

@@ -505,3 +505,65 @@ async def test_recover_without_a_record_does_nothing():
     controller.store = MemoryStore()
     assert not await controller.recover()
     assert launcher.handles == []
+
+
+async def test_the_store_is_written_when_something_changed_not_every_tick():
+    """The write is a blocking call to the GCS on the controller's event loop."""
+    controller, launcher, clock = make_controller(prefill=1, decode=1)
+    controller.store = store = MemoryStore()
+    await controller.start()
+    saves = store.saves
+    for _ in range(5):
+        clock.advance(1)
+        await controller.tick()
+    assert store.saves == saves
+    controller.scale(decode=2)
+    await settle(20)
+    assert store.saves > saves and store.state["targets"]["decode"] == 2
+    await controller.shutdown()
+
+
+async def test_routers_gone_quiet_are_forgotten():
+    controller, _, clock = make_controller()
+    await controller.start()
+    for i in range(5):  # routers restarted under new ids
+        controller.router_sync(f"router-{i}", {})
+        clock.advance(controller.config.router_stale_after_s + 1)
+    controller.router_sync("router-last", {})
+    assert list(controller._routers) == ["router-last"]
+    await controller.shutdown()
+
+
+async def test_start_failures_after_start_are_not_kept():
+    controller, launcher, _ = make_controller(prefill=1, decode=1)
+    await controller.start()
+    launcher.plan["decode"] = [{"fail_start": "boom"}] * 3
+    launcher.of("decode")[0].die("SIGKILL")
+    await settle(20)
+    assert controller._start_failures is None  # nobody waits on start(): nothing to collect
+    assert any("failed to start" in e["message"] for e in controller.status()["events"])
+    await controller.shutdown()
+
+
+async def test_a_failed_recovery_is_retried_by_the_next_call():
+    """A restarted controller actor whose recovery failed once (e.g. the GCS not answering yet)
+    tries again on the next call instead of failing every call for good."""
+    from deploy.controller import ControllerActor
+
+    class Flaky:
+        attempts = 0
+
+        async def recover(self):
+            Flaky.attempts += 1
+            if Flaky.attempts == 1:
+                raise ConnectionError("GCS unavailable")
+            return True
+
+        def status(self):
+            return {"ok": True}
+
+    actor = object.__new__(ControllerActor)
+    actor.controller, actor._restarted, actor._recovery = Flaky(), True, None
+    with pytest.raises(ConnectionError):
+        await actor.status()
+    assert await actor.status() == {"ok": True} and Flaky.attempts == 2

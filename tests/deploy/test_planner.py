@@ -1,6 +1,7 @@
 """The goodput planner (deploy/planner.py) on a simulated cluster with a fake clock: a
 prefill-heavy phase, then a decode-heavy one. It moves the P:D ratio the right way each time,
 settles, never reverses a pool's direction within a phase, and respects max_workers."""
+import math
 import random
 
 import pytest
@@ -119,11 +120,12 @@ def test_planner_config_errors(kwargs, message):
 
 # ---- in the controller ----------------------------------------------------------------------
 
-async def _run_planned_controller(dry_run: bool):
+async def _run_planned_controller(dry_run: bool, capacity: int | None = None):
     from deploy.config import ControllerConfig, PoolTargets
     from deploy.controller import PoolController
     from tests.deploy.fakes import FakeClock, FakeLauncher, settle
     launcher, clock = FakeLauncher(), FakeClock()
+    launcher.capacity = capacity
     planner = PlannerConfig(slo_tpot_ms=100, max_workers=4, interval_s=10, stable_decisions=2, cooldown_s=0,
                             dry_run=dry_run)
     controller = PoolController(ControllerConfig(targets=PoolTargets(1, 1, 0), health_interval_s=3600.0,
@@ -159,3 +161,108 @@ async def test_the_controller_applies_the_planners_decisions_or_only_logs_them()
     controller, status = await _run_planned_controller(dry_run=True)
     assert status["targets"] == {"prefill": 1, "decode": 1, "both": 0}
     assert status["planner"]["dry_run"] and any("would scale to 1 prefill, 3 decode" in e["message"] for e in status["events"])
+
+
+async def test_the_planners_target_is_cut_to_what_the_cluster_can_place():
+    """It wants 3 decode workers; the cluster has room for 3 workers in all: it gets 2, and the
+    pools settle (a worker that could never be placed would keep them unsettled, and the planner
+    would decide nothing more, not even to shrink)."""
+    controller, status = await _run_planned_controller(dry_run=False, capacity=3)
+    assert status["targets"] == {"prefill": 1, "decode": 2, "both": 0} and status["settled"]
+    assert any("planner wants 1 prefill, 3 decode; the cluster has no room: 4 workers, room for 3" in e["message"]
+               for e in status["events"])
+
+
+async def test_a_planner_over_colocated_workers_only_does_nothing():
+    from deploy.config import ControllerConfig, PoolTargets
+    from deploy.controller import PoolController
+    from tests.deploy.fakes import FakeClock, FakeLauncher
+    launcher, clock = FakeLauncher(), FakeClock()
+    controller = PoolController(ControllerConfig(targets=PoolTargets(0, 0, 2), health_interval_s=3600.0,
+                                                 planner=PlannerConfig(interval_s=10)), launcher, clock=clock)
+    await controller.start()
+    for _ in range(30):
+        clock.advance(1.0)
+        await controller.tick()  # raised ZeroDivisionError once the prefill capacity was known
+    assert controller.status()["targets"] == {"prefill": 0, "decode": 0, "both": 2}
+    assert controller.planner.num_decisions == 0
+    await controller.shutdown()
+
+
+async def test_a_manual_scale_restarts_the_planners_cooldown():
+    from deploy.config import ControllerConfig, PoolTargets
+    from deploy.controller import PoolController
+    from tests.deploy.fakes import FakeClock, FakeLauncher
+    launcher, clock = FakeLauncher(), FakeClock()
+    controller = PoolController(ControllerConfig(targets=PoolTargets(1, 1, 0), health_interval_s=3600.0,
+                                                 planner=PlannerConfig(interval_s=10)), launcher, clock=clock)
+    await controller.start()
+    clock.advance(5.0)
+    controller.scale(decode=3)
+    assert controller.planner._last_change == clock() and controller.planner._streak == (None, 0)
+    await controller.shutdown()
+
+
+# ---- the model's edges ------------------------------------------------------------------------
+
+def _decode_stats(running, waiting, decode_tokens):
+    return WorkerStats(running=running, waiting=waiting, decode_tokens=decode_tokens)
+
+
+def test_waiting_requests_count_as_demand_not_as_the_measured_batch():
+    """A decode worker's waiting requests (many wait for their KV while prefill lags) run next, so
+    they count in the demand; the TPOT they are measured at is the running batch's."""
+    planner = Planner(PlannerConfig(slo_tpot_ms=100, max_workers=8, interval_s=10, stable_decisions=1))
+    tokens = 0
+    for second in range(1, 31):
+        batch = (10, 20, 30)[second % 3]  # a spread, so the line is fitted: B = 40 (tpot above)
+        tokens += int(batch / tpot(batch))
+        planner.observe(float(second), [("d1", "decode", _decode_stats(batch, 30, tokens))])
+    assert 39 <= planner._max_batch() <= 41
+    decision = planner.decide(31.0, 1, 1)
+    # the last sample: 10 running (second 30) and 30 waiting, x 1.2 / B
+    assert decision.wanted[1] == math.ceil((10 + 30) * 1.2 / planner._max_batch())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_narrow_spread_of_batches_is_read_cautiously_not_extrapolated(seed):
+    """Batches of 30-31 with noisy TPOTs: a line through them could slope either way. The planner
+    takes TPOT as proportional to the batch instead (never infinite, never 1)."""
+    rng = random.Random(seed)
+    planner = Planner(PlannerConfig(slo_tpot_ms=100, max_workers=8, interval_s=10))
+    for batch in [30, 31] * 20:
+        planner._tpot_points.append((batch, tpot(batch) * rng.uniform(0.75, 1.25)))
+    batch = planner._max_batch()
+    assert 20 <= batch <= 40  # proportional reading: 30.5 x 0.1 / ~0.081 s
+
+
+def test_a_pool_that_should_grow_is_not_cut_to_fit_max_workers():
+    """Pools that start above max_workers (or were scaled there by hand): growing one must not
+    shrink it below its size to make room."""
+    planner = Planner(PlannerConfig(max_workers=8, interval_s=10, stable_decisions=1, cooldown_s=0))
+    planner._wanted = lambda window, prefill, decode: ((3, 5), "test")
+    planner.observe(0.0, [])
+    decision = planner.decide(10.0, 2, 8)
+    assert decision.target == (2, 7)  # prefill stays (no room to grow), decode shrinks by one
+
+
+def test_a_change_from_elsewhere_restarts_the_streak_and_the_cooldown():
+    planner = Planner(PlannerConfig(max_workers=8, interval_s=10, stable_decisions=2, cooldown_s=60))
+    planner._wanted = lambda window, prefill, decode: ((1, 2), "test")
+    planner.observe(0.0, [])
+    assert planner.decide(10.0, 1, 2).target is None  # steady at (1, 2)
+    planner.targets_changed(15.0)  # an operator scaled decode to 4
+    assert planner.decide(20.0, 1, 4) is None  # the interval restarted at 15
+    decisions = [planner.decide(t, 1, 4) for t in (25.0, 35.0, 45.0, 55.0, 65.0, 75.0)]
+    assert [d.target for d in decisions[:5]] == [None] * 5  # streak, then cooling down until 75
+    assert decisions[5].target == (1, 3)
+
+
+def test_a_worker_gone_from_the_stats_is_forgotten():
+    """Its address may come back as a new worker whose counters start at zero: no negative rate
+    paired with the old worker's counters."""
+    planner = Planner(PlannerConfig(max_workers=8, interval_s=10))
+    planner.observe(1.0, [("d1", "decode", _decode_stats(4, 0, 5000))])
+    planner.observe(2.0, [])
+    planner.observe(3.0, [("d1", "decode", _decode_stats(4, 0, 40))])
+    assert planner._window == [] and list(planner._tpot_points) == []
