@@ -101,6 +101,9 @@ class ServeOptions:
             raise ValueError(f"sync_interval_s must be > 0, got {self.sync_interval_s}")
         if not 1 <= self.routers <= 64:
             raise ValueError(f"--routers must be in 1..64, got {self.routers}")
+        if self.planner is not None and self.targets.prefill + self.targets.decode > self.planner.max_workers:
+            raise ValueError(f"--prefill {self.targets.prefill} + --decode {self.targets.decode} is more than "
+                             f"--max-workers {self.planner.max_workers}, the planner's limit")
         self.router_config(port=self.port)  # bad router options fail here
         if self.model != DEFAULT_MODEL_NAME and not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "

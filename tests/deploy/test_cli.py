@@ -80,6 +80,8 @@ def test_engine_flags_reach_every_worker():
     (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
     (["--local-prefill-weight", "-1"], "--local-prefill-weight must be >= 0"),
     (["--routers", "0"], "--routers must be in 1..64, got 0"),
+    (["--planner", "--max-workers", "4", "--prefill", "2", "--decode", "3"],
+     "--prefill 2 + --decode 3 is more than --max-workers 4"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
     (["--block-size", "24"], "block_size must be a power of two"),
     (["--worker-cpus", "0"], "--worker-cpus must be > 0"),
