@@ -42,7 +42,7 @@ class _Slot:
     index: int
     process: asyncio.subprocess.Process | None = None
     router_id: str | None = None
-    started_at: float = 0.0
+    ready_at: float | None = None  # when its router last accepted connections (None: not yet)
     quick_failures: int = 0
 
 
@@ -95,6 +95,7 @@ class RouterSupervisor:
 
     async def _launch(self, slot: _Slot) -> None:
         """Start the slot's router; return when it accepts connections."""
+        slot.ready_at = None
         read_fd, write_fd = os.pipe()
         spec = replace(self.spec, index=slot.index, listen_fd=self.sock.fileno(), ready_fd=write_fd,
                        parent_pid=os.getpid())
@@ -107,7 +108,6 @@ class RouterSupervisor:
             raise
         finally:
             os.close(write_fd)
-        slot.started_at = time.monotonic()
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
@@ -127,16 +127,18 @@ class RouterSupervisor:
             raise RouterStartError(f"router {slot.index} exited with {_describe(status)} before it accepted "
                                    "connections (its log is above)")
         slot.router_id = line.decode().strip()
+        slot.ready_at = time.monotonic()
 
     async def _watch(self, slot: _Slot) -> None:
         while not self._stopping:
             status = await slot.process.wait()
             if self._stopping:
                 return
-            ran_s = time.monotonic() - slot.started_at
+            # how long it served: a router that never got ready (hung at start, killed) did not
+            ran_s = time.monotonic() - slot.ready_at if slot.ready_at is not None else 0.0
             slot.quick_failures = 0 if ran_s >= HEALTHY_RUN_S else slot.quick_failures + 1
             delay = 0.0 if slot.quick_failures <= 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (slot.quick_failures - 2))
-            logger.warning("router %d (pid %d) exited with %s after %.0f s; restarting it%s", slot.index,
+            logger.warning("router %d (pid %d) exited with %s after %.0f s serving; restarting it%s", slot.index,
                            slot.process.pid, _describe(status), ran_s, f" in {delay:g} s" if delay else "")
             died_at = time.monotonic()
             await asyncio.sleep(delay)
@@ -144,6 +146,9 @@ class RouterSupervisor:
                 await self._launch(slot)
             except RouterStartError as exc:
                 logger.warning("%s", exc)
+                continue
+            except Exception:  # e.g. no fork (ENOMEM, EAGAIN): the slot stays down, retried with the backoff
+                logger.exception("router %d could not be started", slot.index)
                 continue
             self.restarts += 1
             logger.info("router %d is back (pid %d), %.1f s after it exited", slot.index, slot.process.pid,

@@ -1,6 +1,7 @@
 """RouterSupervisor over stand-in router processes (tests/deploy/fake_router.py): the routers
 share one listening socket, a killed one is restarted on it and answers there, a router that exits before it is
-ready or hangs in its start fails the start, and stop() leaves no process."""
+ready or hangs in its start fails the start, a restart that hangs or cannot fork backs off and
+retries, and stop() leaves no process."""
 import asyncio
 import os
 import signal
@@ -116,4 +117,54 @@ def test_a_router_that_ignores_sigterm_is_killed_after_the_grace():
             await supervisor.stop()
             assert supervisor.pids == []
             assert start_time(pid) is None  # killed and reaped
+    asyncio.run(scenario())
+
+
+def test_a_router_that_hangs_at_every_restart_is_retried_with_a_growing_backoff(monkeypatch):
+    """Its time to the start timeout is not time served: the backoff grows instead of resetting
+    (a start timeout longer than HEALTHY_RUN_S used to read as a healthy run: instant restarts)."""
+    import deploy.supervisor as supervisor_module
+    monkeypatch.setattr(supervisor_module, "HEALTHY_RUN_S", 0.2)
+
+    async def scenario():
+        with listener() as sock:
+            supervisor = RouterSupervisor(spec(), 1, sock, grace_s=2.0, command=FAKE, start_timeout_s=0.5)
+            await supervisor.start()
+            [slot] = supervisor._slots
+            monkeypatch.setenv("FAKE_ROUTER_HANG", "1")  # every later start hangs
+            os.kill(supervisor.pids[0], signal.SIGKILL)
+            try:
+                await wait_for(lambda: slot.quick_failures >= 3, 30.0)
+            finally:
+                await supervisor.stop()
+            assert supervisor.restarts == 0
+    asyncio.run(scenario())
+
+
+def test_a_restart_that_cannot_fork_is_retried(monkeypatch):
+    """An OSError from starting the process (no memory, no pids) leaves the slot down for a
+    backoff, then it is tried again; it used to end the slot's watch for good, silently."""
+    real_exec = asyncio.create_subprocess_exec
+    failures = []
+
+    async def flaky_exec(*args, **kwargs):
+        if not failures and os.environ.get("FAKE_FORK_FAILS"):
+            failures.append(1)
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return await real_exec(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", flaky_exec)
+
+    async def scenario():
+        with listener() as sock:
+            supervisor = RouterSupervisor(spec(), 1, sock, grace_s=2.0, command=FAKE)
+            await supervisor.start()
+            monkeypatch.setenv("FAKE_FORK_FAILS", "1")
+            first = supervisor.pids[0]
+            os.kill(first, signal.SIGKILL)
+            try:
+                await wait_for(lambda: supervisor.restarts == 1 and supervisor.pids and supervisor.pids[0] != first, 30.0)
+            finally:
+                await supervisor.stop()
+            assert failures == [1]
     asyncio.run(scenario())
