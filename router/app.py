@@ -200,10 +200,13 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
         raise invalid_request(f"logit_bias token id {outside[0]} is outside the vocabulary "
                               f"(size {state.tokenizer.vocab_size})", "logit_bias")
     keep, count = request.num_choices, request.num_candidates
-    sequences, limit = len(prompts) * count, state.config.max_inflight_requests
+    sequences = len(prompts) * count
+    # A priority > 0 request is admitted within its class's share: more than that could never run.
+    limit, flag = ((state.dispatcher.batch_limit, "--batch-share of --max-inflight-requests") if request.priority > 0
+                   else (state.config.max_inflight_requests, "--max-inflight-requests"))
     if sequences > limit:
         raise invalid_request(f"this request needs {sequences} sequences ({len(prompts)} prompt(s) x {count}) and the "
-                              f"router runs at most {limit} at once (--max-inflight-requests): send fewer prompts "
+                              f"router runs at most {limit} of its priority at once ({flag}): send fewer prompts "
                               f"per request", "prompt")
     max_tokens, logprobs = [_max_tokens(state, request, len(ids)) for ids in prompts], _logprobs(request)
     # echo with max_tokens 0 (the prompt's logprobs only): one token is generated and not returned

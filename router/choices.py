@@ -53,7 +53,7 @@ class Choices:
                  prompts: Sequence[tuple[Sequence[int], Sequence[SamplingParams]]], timer: RequestTimer,
                  cache_salt: str | None, priority: int) -> None:
         """Admit every sequence of every prompt, given as (token ids, each sequence's params); a
-        429 or 503 for any of them closes those already admitted."""
+        429 or 503 for any of them withdraws those already admitted."""
         self.groups: list[list[Generation]] = []
         try:
             for prompt_index, (prompt_token_ids, params) in enumerate(prompts):
@@ -67,7 +67,8 @@ class Choices:
                     group.append(dispatcher.generation(sequence_id, prompt_token_ids, sequence_params,
                                                        sequence_timer, cache_salt, priority))
         except BaseException:
-            self.close("abort")
+            for generation in self.generations:
+                generation.withdraw()
             raise
 
     @property

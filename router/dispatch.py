@@ -362,15 +362,27 @@ class Generation:
             self.dispatcher.send_abort(self.assignment.decode.address, self.request_id)
         self._stream_ended = True
 
-    def close(self, finish_reason: str, output_token_ids: Sequence[int] = (), num_cached_tokens: int = 0) -> None:
-        if self._closed:
-            return
+    def withdraw(self) -> None:
+        """Undo the admission of a generation that never started, its request refused as a whole
+        (a later sequence of it got a 429): nothing finished, so the drain rate behind
+        Retry-After and the finish metrics do not count it."""
+        if not self._closed:
+            assert self.assignment is None and self._call is None, "withdraw() is for a generation never started"
+            self._release_slot()
+
+    def _release_slot(self) -> None:
         self._closed = True
         d = self.dispatcher
         d.inflight -= 1
         d.inflight_batch -= self.priority > 0
-        d.record_finished(time.monotonic())
         d._live.discard(self)
+
+    def close(self, finish_reason: str, output_token_ids: Sequence[int] = (), num_cached_tokens: int = 0) -> None:
+        if self._closed:
+            return
+        self._release_slot()
+        d = self.dispatcher
+        d.record_finished(time.monotonic())
         if self._call is not None and not self._stream_ended:
             self._call.cancel()
         if self.assignment is not None:

@@ -286,8 +286,31 @@ def test_a_batch_needing_more_sequences_than_the_inflight_limit_is_a_400_not_a_4
     r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": ["a", "b", "c"], "n": 2})
     error = error_of(r, 400)
     assert error["param"] == "prompt" and "needs 6 sequences (3 prompt(s) x 2)" in error["message"]
-    assert "at most 4 at once" in error["message"] and router.state.dispatcher.inflight == 0
-    assert not decode.requests
+    assert "at most 4 of its priority at once (--max-inflight-requests)" in error["message"]
+    assert router.state.dispatcher.inflight == 0 and not decode.requests
+    # priority > 0: the class's share is the limit (a 429 could never turn into a 200)
+    r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": ["a", "b", "c", "d"], "priority": 1})
+    error = error_of(r, 400)  # 4 <= max_inflight_requests, but more than its share, 3 (batch_share 0.75)
+    assert "needs 4 sequences" in error["message"] and "at most 3 of its priority at once (--batch-share" in error["message"]
+    assert router.state.dispatcher.inflight == 0 and not decode.requests
+
+
+def test_a_request_refused_part_way_through_admission_counts_as_nothing_finished(make_router, decode, tokenizer):
+    """n=3 with room for 2: the two admitted sequences are withdrawn. They finished nothing, so
+    they neither shorten the Retry-After (the drain rate) nor count as aborted requests."""
+    router = make_router(decode=[decode.address], max_inflight_requests=4)
+    decode.script = lambda request: [*reply_script(tokenizer, "a")(request)[:1], Hang()]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", router.url + COMPLETIONS, json=body) as first, \
+            httpx.stream("POST", router.url + COMPLETIONS, json=body) as second:
+        assert first.status_code == second.status_code == 200
+        finished = len(router.state.dispatcher._finished)
+        aborted = router.state.metrics.finished.labels("abort")._value.get()
+        r = httpx.post(router.url + COMPLETIONS, json={**body, "stream": False, "n": 3})
+        error_of(r, 429)
+        assert router.state.dispatcher.inflight == 2
+        assert len(router.state.dispatcher._finished) == finished
+        assert router.state.metrics.finished.labels("abort")._value.get() == aborted
 
 
 def test_priority_over_0_requests_hold_at_most_their_share_and_leave_room_for_the_rest(make_router, decode, tokenizer):
