@@ -72,9 +72,10 @@ def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence
     if not max_model_len:
         raise ValueError(f"the tokenizer at {config.model!r} does not say the model's context length; "
                          "set max_model_len (--max-model-len)")
-    index = KVIndex(config.kv_pending_ttl_s, config.affinity_capacity_blocks)
-    routed_on = index if config.kv_events else None  # None: each policy keeps its own estimate
-    prefill_policy, decode_policy = make_prefill_policy(config, routed_on), make_decode_policy(config, routed_on)
+    # One index for the pool and both policies: with --no-kv-events no events fill it, and it
+    # holds only what this router sent where (the estimate).
+    index = KVIndex.for_router(config)
+    prefill_policy, decode_policy = make_prefill_policy(config, index), make_decode_policy(config, index)
     live = LiveGenerations()
 
     def forget(address: str) -> None:

@@ -6,9 +6,10 @@ Per worker the index holds:
   stream starts with a snapshot, so a router that (re)connects knows the state at once.
 - the blocks this router sent there and the worker has not reported yet (`note_routed`): a burst
   of requests sharing a prefix must land together before the first one's prefill reports it.
-  While the worker's events flow, these count for `pending_ttl_s` only (the report replaces
-  them); for a worker without a KVEvents stream they are all there is (bounded, least recently
-  routed forgotten first), which is the estimate routers used before events.
+  For a worker that publishes events these count for `pending_ttl_s` only (its report replaces
+  them), also while its stream reconnects (a restarted worker's cache is empty); for a worker
+  without a KVEvents stream (or a router run with --no-kv-events) they are all there is
+  (bounded, least recently routed forgotten first): the estimate routers used before events.
 
 `match(address, hashes)` is what the worker's own lookup would find for a prompt: the leading
 blocks on the device (or pending), then the run after them in the host tier, which the worker
@@ -19,10 +20,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from engine.block_hash import BlockHash
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,11 @@ class _Worker:
     host: set[BlockHash] = field(default_factory=set)
     pending: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)  # hash -> when routed
     followed: bool = False  # its KVEvents stream is live (its sets are exact)
+    publishes: bool = False  # it has had a stream: its pending entries expire (its reports replace them)
 
 
 class KVIndex:
-    def __init__(self, pending_ttl_s: float = 10.0, pending_capacity_blocks: int = 65536,
+    def __init__(self, pending_ttl_s: float, pending_capacity_blocks: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if pending_capacity_blocks < 1:
             raise ValueError(f"pending_capacity_blocks must be >= 1, got {pending_capacity_blocks}")
@@ -53,12 +58,16 @@ class KVIndex:
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
 
+    @classmethod
+    def for_router(cls, config: RouterConfig) -> KVIndex:
+        return cls(config.kv_pending_ttl_s, config.affinity_capacity_blocks)
+
     # ---- events ------------------------------------------------------------------------------
 
     def apply(self, address: str, batch: KVEventBatch) -> None:
         """One batch of the worker's KVEvents stream, in order (a snapshot replaces its state)."""
         worker = self._workers.setdefault(address, _Worker())
-        worker.followed = True
+        worker.followed = worker.publishes = True
         for event in batch.events:
             if isinstance(event, BlockStored):
                 tier = worker.device if event.tier == "device" else worker.host
@@ -92,7 +101,12 @@ class KVIndex:
                 worker.pending.move_to_end(block_hash)
         while len(worker.pending) > self.pending_capacity_blocks:
             worker.pending.popitem(last=False)
-        if worker.followed:  # expired entries go from the front (oldest routed first)
+        self._expire(worker, now)
+
+    def _expire(self, worker: _Worker, now: float) -> None:
+        """Drop a publishing worker's pending entries older than the TTL, from the front (the
+        entries are in the order they were last routed)."""
+        if worker.publishes:
             while worker.pending and now - next(iter(worker.pending.values())) > self.pending_ttl_s:
                 worker.pending.popitem(last=False)
 
@@ -106,12 +120,10 @@ class KVIndex:
         worker = self._workers.get(address)
         if worker is None or not hashes:
             return Match()
-        now = self._clock()
+        self._expire(worker, self._clock())
         device = 0
         for block_hash in hashes:
-            routed = worker.pending.get(block_hash)
-            if block_hash in worker.device or (routed is not None and (
-                    not worker.followed or now - routed <= self.pending_ttl_s)):
+            if block_hash in worker.device or block_hash in worker.pending:
                 device += 1
             else:
                 break
@@ -130,5 +142,8 @@ class KVIndex:
         """Blocks reported in `tier` ("device", "host") or routed and not yet reported ("pending"),
         summed over the workers."""
         if tier == "pending":
+            now = self._clock()
+            for worker in self._workers.values():
+                self._expire(worker, now)
             return sum(len(w.pending) for w in self._workers.values())
         return sum(len(w.device if tier == "device" else w.host) for w in self._workers.values())

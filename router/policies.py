@@ -76,7 +76,7 @@ class PrefixAffinityPrefill:
     def __init__(self, config: RouterConfig, index: KVIndex | None = None) -> None:
         """`index`: the pool's (the workers' KV events); a private one holds only what this
         policy routed (the estimate)."""
-        self.index = index if index is not None else _estimate_index(config)
+        self.index = index if index is not None else KVIndex.for_router(config)
         self.min_match_ratio = config.affinity_min_match_ratio
         self.max_imbalance_tokens = config.affinity_max_imbalance_tokens
         self.host_weight = 1.0 - config.host_hit_cost
@@ -106,7 +106,7 @@ class PowerOfTwoDecode:
 
     def __init__(self, config: RouterConfig, index: KVIndex | None = None) -> None:
         """`index`: as for PrefixAffinityPrefill."""
-        self.index = index if index is not None else _estimate_index(config)
+        self.index = index if index is not None else KVIndex.for_router(config)
         self.min_match_ratio = config.affinity_min_match_ratio
         self.max_imbalance_requests = config.affinity_max_imbalance_requests
         self.host_weight = 1.0 - config.host_hit_cost
@@ -195,10 +195,6 @@ def prefill_locally(decode: Choice, prefill: Choice, num_tokens: int, block_size
     running = max(decode.worker.inflight_requests, decode.worker.stats.running)
     stall = weight * running * local if running else 0.0  # inf * 0 is nan
     return decode.worker.prefill_load_tokens + local + stall < wait + remote
-
-
-def _estimate_index(config: RouterConfig) -> KVIndex:
-    return KVIndex(config.kv_pending_ttl_s, config.affinity_capacity_blocks)
 
 
 def make_prefill_policy(config: RouterConfig, index: KVIndex | None = None) -> Policy:

@@ -153,7 +153,7 @@ class WorkerPool:
 
     def __post_init__(self) -> None:
         if self.kv_index is None:
-            self.kv_index = KVIndex(self.config.kv_pending_ttl_s, self.config.affinity_capacity_blocks)
+            self.kv_index = KVIndex.for_router(self.config)
         for role, addresses in self.config.workers_by_role().items():
             for address in addresses:
                 self.add_worker(role, address)
@@ -344,6 +344,9 @@ class WorkerPool:
             call = self.client(worker.address).kv_events()
             try:
                 async for message in call:
+                    if self._workers.get(worker.address) is not worker:  # removed from the pool meanwhile:
+                        call.cancel()  # a late batch must not bring it back into the index
+                        break
                     self.kv_index.apply(worker.address, kv_event_batch_from_wire(message))
                     delay = KV_EVENTS_RETRY_S
             except grpc.aio.AioRpcError as exc:

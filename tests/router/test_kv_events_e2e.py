@@ -110,6 +110,8 @@ def run_tenants(cluster, seed: int, *extra) -> tuple[int, int]:
                     if on_events:
                         settled(first[1], second[1])
         after = computed(cluster)
+        if not on_events:  # the estimate: what each router sent where, all of it pending
+            assert counter(first[1], "pdserve:kv_index_blocks", tier="pending") > 0
     finally:
         first[0].stop()
         second[0].stop()

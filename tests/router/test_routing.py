@@ -28,7 +28,7 @@ def workers(role, count):
 
 def test_routed_blocks_match_the_leading_run_and_the_oldest_are_forgotten():
     """A worker without KV events: the index holds what was routed there (bounded)."""
-    index = KVIndex(pending_capacity_blocks=4)
+    index = KVIndex(pending_ttl_s=10.0, pending_capacity_blocks=4)
     a = hashes(list(range(16)))  # 4 blocks
     index.note_routed("w", a)
     assert index.match("w", a) == Match(4, 0)
@@ -41,7 +41,7 @@ def test_routed_blocks_match_the_leading_run_and_the_oldest_are_forgotten():
     index.forget("w")
     assert index.size("pending") == 0
     with pytest.raises(ValueError, match="pending_capacity_blocks"):
-        KVIndex(pending_capacity_blocks=0)
+        KVIndex(pending_ttl_s=10.0, pending_capacity_blocks=0)
 
 
 def stored(block_hashes, tier="device"):
@@ -53,7 +53,7 @@ def test_events_make_the_index_exact_per_tier():
     removals, a snapshot replacing the state, and routed blocks that count only until their TTL
     while the worker's events flow."""
     now = [0.0]
-    index = KVIndex(pending_ttl_s=5.0, clock=lambda: now[0])
+    index = KVIndex(pending_ttl_s=5.0, pending_capacity_blocks=1024, clock=lambda: now[0])
     prompt = hashes(list(range(24)))  # 6 blocks
     index.apply("w", KVEventBatch(1, 0.0, [AllBlocksCleared(), stored(prompt[:2]), stored(prompt[2:5], "host")],
                                   snapshot=True))
@@ -79,8 +79,26 @@ def test_events_make_the_index_exact_per_tier():
     assert not index.followed("w") and index.match("w", prompt) == Match(0, 0)
 
 
+def test_routed_blocks_expire_while_a_publishing_workers_stream_reconnects():
+    """A worker that publishes events and whose stream broke (it restarted with an empty cache,
+    or its stream overflowed): what was routed there still expires after the TTL; the expired
+    entries also leave the pending count without another request routed there."""
+    now = [0.0]
+    index = KVIndex(pending_ttl_s=5.0, pending_capacity_blocks=1024, clock=lambda: now[0])
+    index.apply("w", KVEventBatch(1, 0.0, [AllBlocksCleared()], snapshot=True))
+    routed = hashes(list(range(32)))  # 8 blocks
+    index.note_routed("w", routed)
+    index.unfollow("w")
+    assert index.match("w", routed) == Match(8, 0)  # within the TTL: a burst still lands together
+    now[0] = 100.0
+    assert index.match("w", routed) == Match(0, 0)
+    index.note_routed("w", routed)
+    now[0] = 200.0
+    assert index.size("pending") == 0
+
+
 def test_a_host_tier_hit_attracts_the_prefill_weighted_by_its_reload_cost():
-    index = KVIndex()
+    index = KVIndex(pending_ttl_s=10.0, pending_capacity_blocks=1024)
     policy = PrefixAffinityPrefill(RouterConfig(block_size=4, host_hit_cost=0.25), index)
     p0, p1 = workers("prefill", 2)
     prompt = hashes(list(range(32)))  # 8 blocks
