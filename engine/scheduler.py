@@ -15,7 +15,10 @@ request has `num_computed_tokens` catching up with `num_tokens`. Per step:
     3. waiting requests in priority order (prefix-cache match first), while the token budget
        (`max_num_batched_tokens`), the running cap (`max_num_seqs`) and free blocks allow; a
        request that does not fit blocks those behind it, except requests already holding their
-       blocks (a KV import deferred or falling back), which may pass it.
+       blocks (a KV import deferred or falling back), which may pass it. If nothing runs and
+       waiting requests that hold blocks still cannot be admitted (each needs one block more and
+       they hold them all), the last of them in queue order gives its blocks back (a recompute
+       preemption) until one can: no step would free a block otherwise.
 
 When a running request needs a block and none is free, the least important running request is
 preempted: its blocks are freed, its outputs are kept, and it is requeued by priority/arrival;
@@ -48,8 +51,10 @@ Conventions and choices beyond the shared contract:
   the KV connector says its blocks wait for a send (`request_finished`), it becomes SENDING_KV
   instead (blocks pinned, the first token's output not final) until `finish_sending`.
 - decode role: `finish_import` returns the StepOutput of the first token; if `max_num_seqs` is
-  reached, the request waits (status WAITING, blocks kept) instead of joining `running` at once.
-  `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks are short.
+  reached or others wait, the request waits (status WAITING, blocks kept) and is admitted in
+  queue order. `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks
+  are short, or while a waiting request ahead of it (priority, then arrival) could not get its
+  blocks at the last admission: imports do not take the blocks it waits for.
 - `get_request(id)` also finds requests finished since the last `schedule()` call.
 - a request that ends early (abort, error) in any state first has the connector's
   `request_ended` stop its transfer, then its blocks are freed.
@@ -208,6 +213,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []  # same order; the last one is the first to be preempted
         self._importing: dict[str, Request] = {}
+        # the first fresh waiting request the last admission could not give blocks (decode role:
+        # imports must not take the blocks it waits for)
+        self._short_of_blocks: Request | None = None
         self._sending: dict[str, Request] = {}  # SENDING_KV
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._recently_finished: dict[str, Request] = {}
@@ -337,6 +345,8 @@ class Scheduler:
         if not preempted:
             before = len(scheduled)
             budget = self._admit_waiting(budget, scheduled)
+            while not self.running and self._release_a_waiting_holder():
+                budget = self._admit_waiting(budget, scheduled)
             admitted = len(scheduled) - before
         if yielded is not None and not admitted:  # nobody took the step: the chunk runs after all
             if budget > 0 and yielded.status is RequestStatus.RUNNING:
@@ -460,6 +470,7 @@ class Scheduler:
         that already hold their blocks (imports falling back or deferred by the seq cap) may pass
         it: they need no more than a block, and their progress is what frees blocks."""
         blocked = False
+        self._short_of_blocks = None
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[index]
@@ -487,6 +498,8 @@ class Scheduler:
                     or not self.block_manager.allocate_slots(
                         request, request.num_tokens if self.role == "prefill" else computed + num_new,
                         prefix_blocks, host_hits)):
+                if fresh and not blocked:
+                    self._short_of_blocks = request
                 blocked = True
                 index += 1
                 continue
@@ -503,6 +516,19 @@ class Scheduler:
             scheduled[request.request_id] = self._scheduled_seq(request, num_new)
             budget -= num_new
         return budget
+
+    def _release_a_waiting_holder(self) -> bool:
+        """Nothing runs: give back the blocks of the last waiting request (queue order) that holds
+        some, as a recompute preemption. False when none does."""
+        for request in reversed(self.waiting):
+            if request.block_ids:
+                request.num_computed_tokens = 0
+                self.block_manager.free(request)
+                request.status = RequestStatus.PREEMPTED
+                request.num_preemptions += 1
+                self._num_preemptions += 1
+                return True
+        return False
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSeq]) -> int:
         """Swap or recompute preemption. Returns the budget given back if the victim was already
@@ -692,6 +718,11 @@ class Scheduler:
         if request.needs_prompt_logprobs:
             raise ValueError("prompt_logprobs are computed where the prompt is prefilled: send this request "
                              "without a prefill worker")
+        ahead = self._short_of_blocks
+        if ahead is not None and ahead.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) \
+                and not ahead.block_ids and ahead.priority <= request.priority:
+            raise KVCacheFullError(f"request {ahead.request_id} waits for free KV blocks ahead of "
+                                   f"{request.request_id}")
         prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
         host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
         # The imported KV covers every token so far: the prompt, and a resumed request's outputs.
@@ -731,9 +762,9 @@ class Scheduler:
             reason, error = self._finish(request, reason, error)
         else:
             del self._importing[request_id]
-            if len(self.running) < self.config.max_num_seqs:
+            if len(self.running) < self.config.max_num_seqs and not self.waiting:
                 self._enqueue_running(request)
-            else:
+            else:  # admitted in queue order with those already waiting
                 request.status = RequestStatus.WAITING
                 self._enqueue_waiting(request)
         return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,

@@ -678,6 +678,74 @@ def test_request_holding_blocks_may_pass_a_blocked_head_of_queue(make):
     assert [s.request.request_id for b in runner.batches[-4:] for s in b.seqs] == ["imported", "imported", "big", "big"]
 
 
+def test_waiting_requests_holding_every_block_give_one_back_when_nothing_runs(make):
+    """Two imports fall back to local prefill with the first token kept (their prompts fill their
+    one block each: with it they need two); they hold every block and nothing runs, so no step
+    would ever free one. The last in queue order gives its blocks back; both finish, exact."""
+    scheduler, runner = make(num_blocks=2, role="decode")
+    requests = {}
+    for request_id, seed in (("a", 144), ("b", 145)):
+        requests[request_id] = request = req(request_id, prompt_of(seed, 4), max_tokens=4, arrival=float(seed))
+        scheduler.add_imported_request(request)
+    expected = {rid: reference_generate(r.prompt_token_ids, 4) for rid, r in requests.items()}
+    for request_id in ("a", "b"):
+        scheduler.fail_import(request_id, True, "short", first_token=SampledToken(expected[request_id][0]))
+    assert scheduler.block_manager.num_free_blocks == 0
+    run_until_done(scheduler, runner, max_steps=200)
+    for request_id, request in requests.items():
+        assert request.output_token_ids == expected[request_id]
+    assert scheduler.stats().num_preemptions >= 1 and scheduler.block_manager.num_free_blocks == 2
+
+
+def test_a_finished_import_queues_behind_requests_already_waiting(make):
+    """A slot that frees goes to the oldest waiting request, not to the next import to finish."""
+    scheduler, runner = make(num_blocks=400, role="decode", max_seqs=2)
+
+    def imported(request_id, arrival, max_tokens):
+        request = req(request_id, prompt_of(int(arrival) + 146, 7), max_tokens=max_tokens, arrival=arrival)
+        plan = scheduler.add_imported_request(request)
+        runner.import_kv(request, plan.blocks_to_fill)
+        scheduler.finish_import(request_id, SampledToken(reference_generate(request.prompt_token_ids, 1)[0]))
+        return request
+
+    imported("a", 0.0, 3)
+    imported("b", 1.0, 50)
+    old = imported("old", 2.0, 4)  # deferred: running is full
+    assert old.status is RequestStatus.WAITING
+    arrival = 3.0
+    for _ in range(10):
+        _, outputs = step(scheduler, runner)
+        if any(output.finished for output in outputs):
+            imported(f"new{arrival:.0f}", arrival, 3)
+            arrival += 1
+    assert old.status is RequestStatus.FINISHED_LENGTH
+    assert old.output_token_ids == reference_generate(old.prompt_token_ids, 4)
+
+
+def test_imports_do_not_take_the_blocks_an_older_waiting_request_needs(make):
+    """A prompt queued for local prefill because blocks were short (a KVCacheFullError) is not
+    starved by later imports taking every block that frees: they are refused while it waits."""
+    scheduler, runner = make(num_blocks=24, budget=64, max_seqs=8, role="decode")
+    for index in range(4):
+        request = req(f"r{index}", prompt_of(150 + index, 16), max_tokens=6, arrival=float(index))
+        plan = scheduler.add_imported_request(request)
+        runner.import_kv(request, plan.blocks_to_fill)
+        scheduler.finish_import(request.request_id, SampledToken(1))
+    big = req("big", prompt_of(160, 40), max_tokens=4, arrival=10.0)
+    with pytest.raises(KVCacheFullError):
+        scheduler.add_imported_request(big)
+    scheduler.add_request(big)  # what the decode worker does: prefill it here when blocks free up
+    step(scheduler, runner)
+    assert big.status is RequestStatus.WAITING and not big.block_ids  # still short of blocks
+    later = req("later", prompt_of(161, 8), max_tokens=2, arrival=11.0)
+    with pytest.raises(KVCacheFullError, match="request big waits for free KV blocks ahead of later"):
+        scheduler.add_imported_request(later)
+    urgent = req("urgent", prompt_of(162, 8), max_tokens=2, priority=-1, arrival=12.0)
+    scheduler.fail_import(scheduler.add_imported_request(urgent).request_id, False)  # more important: admitted
+    run_until_done(scheduler, runner)
+    assert big.output_token_ids == reference_generate(big.prompt_token_ids, 4)
+
+
 # ---- counters --------------------------------------------------------------------------------
 
 def test_stats_counters(make):
