@@ -144,7 +144,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
 
     async def close(self) -> None:
         await self.prefill_channels.close()
-        self.engine.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: not on this event loop
         if self.receiver is not None:
             self.receiver.close()
 

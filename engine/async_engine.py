@@ -20,6 +20,7 @@ batches, so snapshot + batches is exactly the cache's history from then on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -207,13 +208,16 @@ class AsyncEngine:
     def _post(self, command: tuple) -> None:
         self._inbox.put(command)
         self._wakeup.set()
-        if self._died is not None:  # nobody will run it: fail it now (the loop may have just died)
-            self._fail_inbox()
+        if self._died is not None or self._stopped.is_set():  # nobody will run it: fail it now
+            self._fail_inbox(self._end_message())
 
-    def _fail_inbox(self) -> None:
-        """After the loop died: fail every queued call and the stream of every queued request."""
+    def _end_message(self) -> str:
+        return f"engine loop died: {self._died}" if self._died is not None else "engine is shut down"
+
+    def _fail_inbox(self, message: str) -> None:
+        """After the loop ended: fail every queued call and the stream of every queued request."""
         for command in self._queued_commands():
-            error = RuntimeError(f"engine loop died: {self._died}")
+            error = RuntimeError(message)
             if command[0] == "call" and command[3].set_running_or_notify_cancel():
                 command[3].set_exception(error)
             elif command[0] == "add":
@@ -231,7 +235,8 @@ class AsyncEngine:
         with self._streams_lock:
             stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody reads it any more
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
 
     def _drain_inbox(self) -> None:
         # The stats snapshot is refreshed after each command and before its result or output is
@@ -334,15 +339,19 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in the loop: fail every open stream and call rather than hang them
             self._died = exc
             logger.exception("engine loop died")
-            with self._streams_lock:
-                ids = list(self._streams)
-            for request_id in ids:
-                self._deliver(RuntimeError(f"engine loop died: {exc}"), request_id)
-            with self._kv_lock:
-                feeds, self._kv_feeds = list(self._kv_feeds), set()
-            for feed in feeds:
-                feed._fail(RuntimeError(f"engine loop died: {exc}"))
-            self._fail_inbox()
+        self._fail_everything(self._end_message())  # (shut down: the same for what was still open)
+
+    def _fail_everything(self, message: str) -> None:
+        with self._streams_lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._deliver(RuntimeError(message), request_id)
+        with self._kv_lock:
+            feeds, self._kv_feeds = list(self._kv_feeds), set()
+        for feed in feeds:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody reads it any more
+                feed._fail(RuntimeError(message))
+        self._fail_inbox(message)
 
 
 class RequestStream:

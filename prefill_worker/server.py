@@ -17,6 +17,7 @@ first, then frees the blocks.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -78,7 +79,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
         return 0
 
     async def close(self) -> None:
-        self.engine.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: not on this event loop
         self.sender.close()
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

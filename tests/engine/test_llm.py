@@ -377,6 +377,28 @@ def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeyp
         llm.engine.abort(request_id)  # the dead loop left it in the shared engine's scheduler
 
 
+def test_shutdown_ends_open_streams_and_fails_later_calls(llm, prompts):
+    """Shut down under an open stream: its reader gets an error instead of waiting for good, and
+    a call made afterwards fails at once instead of sitting in the inbox."""
+    engine = AsyncEngine(llm.engine)
+    request_id = "open-at-shutdown"
+
+    async def run():
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="engine is shut down"):
+            async for delta in engine.generate(prompts[0], params, request_id=request_id):
+                if delta.new_token_ids:
+                    await asyncio.to_thread(engine.shutdown)
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 120))
+        with pytest.raises(RuntimeError, match="engine is shut down"):
+            engine.call(lambda e: 1).result(timeout=5)
+    finally:
+        engine.shutdown()
+        llm.engine.abort(request_id)  # left in the shared engine's scheduler
+
+
 def test_a_call_whose_loop_fails_after_it_ran_is_answered_not_left_waiting(llm):
     """The engine loop fails right after a call ran (a bug in its bookkeeping): the call's caller
     gets the error instead of waiting for good."""
