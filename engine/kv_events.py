@@ -16,6 +16,7 @@ Contract:
   engine step or command (engine/async_engine.py), numbered by `seq`.
 - A subscriber's first batch is a snapshot: `AllBlocksCleared`, then one `BlockStored` per block
   cached in each tier. Applying it, then every later batch in order, gives the worker's state.
+  On the wire a large batch goes in parts (`KVEventBatch.parts`, `more` on all but the last).
 """
 from __future__ import annotations
 
@@ -62,3 +63,14 @@ class KVEventBatch:
     ts: float  # time.time() when published
     events: list[KVEvent] = field(default_factory=list)
     snapshot: bool = False
+    more: bool = False  # a part of a batch sent in parts: the next part (same seq) continues it
+
+    def parts(self, max_events: int) -> list["KVEventBatch"]:
+        """The batch in parts of at most `max_events` events (a whole cache's snapshot is too
+        large for one message), every one but the last with `more`. Applied in order, the parts
+        give the same state as the batch."""
+        if len(self.events) <= max_events:
+            return [self]
+        chunks = [self.events[i:i + max_events] for i in range(0, len(self.events), max_events)]
+        return [KVEventBatch(self.seq, self.ts, chunk, self.snapshot, more=index < len(chunks) - 1)
+                for index, chunk in enumerate(chunks)]

@@ -67,7 +67,9 @@ class KVIndex:
     def apply(self, address: str, batch: KVEventBatch) -> None:
         """One batch of the worker's KVEvents stream, in order (a snapshot replaces its state)."""
         worker = self._workers.setdefault(address, _Worker())
-        worker.followed = worker.publishes = True
+        worker.publishes = True
+        if not batch.more:  # a snapshot in parts is exact once its last part is in
+            worker.followed = True
         for event in batch.events:
             if isinstance(event, BlockStored):
                 tier = worker.device if event.tier == "device" else worker.host

@@ -121,6 +121,9 @@ async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes
                                 **kv_bytes)
 
 
+KV_EVENTS_PER_MESSAGE = 4096  # ~0.5 MB of BlockStored events
+
+
 async def kv_events(engine, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
     """KVEvents (both services): the engine's KV-cache snapshot, then every batch of events,
     until the caller leaves. A caller that falls behind gets RESOURCE_EXHAUSTED and subscribes
@@ -133,7 +136,10 @@ async def kv_events(engine, context: grpc.aio.ServicerContext) -> AsyncIterator[
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     try:
         async for batch in feed:
-            yield kv_event_batch_to_wire(batch)
+            # in parts: a whole cache's snapshot would exceed the message limit, and converting it
+            # at once would hold this event loop (Generate, Health) for a second or more
+            for part in batch.parts(KV_EVENTS_PER_MESSAGE):
+                yield kv_event_batch_to_wire(part)
     except KVEventsOverflow as exc:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     except RuntimeError as exc:

@@ -21,7 +21,7 @@ def kv_event_batch_to_wire(batch: KVEventBatch) -> Any:
                                                                   tier=event.tier, reason=event.reason)))
         else:
             events.append(pb.KVCacheEvent(cleared=pb.AllBlocksCleared()))
-    return pb.KVEventBatch(seq=batch.seq, ts=batch.ts, events=events, snapshot=batch.snapshot)
+    return pb.KVEventBatch(seq=batch.seq, ts=batch.ts, events=events, snapshot=batch.snapshot, more=batch.more)
 
 
 def kv_event_batch_from_wire(message: Any) -> KVEventBatch:
@@ -36,4 +36,4 @@ def kv_event_batch_from_wire(message: Any) -> KVEventBatch:
             events.append(BlockRemoved(tuple(event.removed.block_hashes), event.removed.tier, event.removed.reason))
         elif kind == "cleared":
             events.append(AllBlocksCleared())
-    return KVEventBatch(message.seq, message.ts, events, message.snapshot)
+    return KVEventBatch(message.seq, message.ts, events, message.snapshot, message.more)
