@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_hash import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS
 from engine.config import ROLES, CacheConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
 
@@ -63,7 +62,6 @@ class RouterConfig:
     decode_policy: str = "power_of_two"
     # KV block size used for prefix-affinity hashes until a worker reports its own.
     block_size: int = CacheConfig.block_size
-    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     # Per worker, how many routed block hashes not yet reported by its KV events the index keeps.
     affinity_capacity_blocks: int = 65536
     # Follow every worker's KV-cache events (KVEvents stream) into the routing index; off: route on
@@ -131,8 +129,6 @@ class RouterConfig:
             raise ValueError(f"unknown prefill policy {self.prefill_policy!r}; choose one of {', '.join(PREFILL_POLICIES)}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"unknown decode policy {self.decode_policy!r}; choose one of {', '.join(DECODE_POLICIES)}")
-        if self.hash_algorithm not in HASH_ALGORITHMS:
-            raise ValueError(f"unknown hash algorithm {self.hash_algorithm!r}; choose one of {', '.join(HASH_ALGORITHMS)}")
         positive = {"max_request_body_bytes": self.max_request_body_bytes,
                     "max_inflight_requests": self.max_inflight_requests, "block_size": self.block_size,
                     "affinity_capacity_blocks": self.affinity_capacity_blocks,

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from engine.block_hash import hash_full_blocks
+from engine.block_hash import DEFAULT_HASH_ALGORITHM, hash_full_blocks
 from engine.config import DECODE_ROLES
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
@@ -155,7 +155,8 @@ class Dispatcher:
         return finished
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-        return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, self.config.hash_algorithm)
+        """The chained hashes the workers' prefix caches use (engine/block_hash.py's default)."""
+        return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, DEFAULT_HASH_ALGORITHM)
 
     def wire_request(self, generation: "Generation", prefill_address: str, resumed: Sequence[int] = ()) -> Any:
         import wire
