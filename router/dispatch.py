@@ -107,6 +107,7 @@ class Dispatcher:
         self.inflight_batch = 0  # of them, priority > 0 (see RouterConfig.batch_share)
         self.batch_limit = max(1, int(config.max_inflight_requests * config.batch_share))
         self._finished: collections.deque[float] = collections.deque()  # when requests closed (monotonic)
+        self._finished_batch: collections.deque[float] = collections.deque()  # of them, priority > 0
         self._background: set[asyncio.Task] = set()
         self._live = live
 
@@ -116,7 +117,7 @@ class Dispatcher:
         if not self.pool.routable(*DECODE_ROLES):
             raise unavailable("no healthy decode worker is available; try again shortly", self.config.retry_after_s)
         priority_class = "batch" if priority > 0 else "interactive"
-        message = None
+        message, batch_share_full = None, False
         if self.inflight >= self.config.max_inflight_requests:
             message = (f"the router already has {self.inflight} requests in flight "
                        f"(max_inflight_requests={self.config.max_inflight_requests})")
@@ -124,9 +125,12 @@ class Dispatcher:
             message = (f"the router already has {self.inflight_batch} requests of priority > 0 in flight, their "
                        f"share of the limit (batch_share={self.config.batch_share:g} of max_inflight_requests="
                        f"{self.config.max_inflight_requests}); priority <= 0 requests are still admitted")
+            batch_share_full = True
         if message is not None:
             self.metrics.shed.labels(priority_class).inc()
-            raise overloaded(message, self.admission_retry_after(time.monotonic()))
+            # the wait for a slot it may take: any slot, or one its class frees
+            window = self._finished_batch if batch_share_full else self._finished
+            raise overloaded(message, self.admission_retry_after(time.monotonic(), window))
         # Built before it is counted: a constructor that raises must not hold a slot for good.
         generation = Generation(self, request_id, list(prompt_token_ids), params, timer, cache_salt, priority)
         self.inflight += 1
@@ -134,25 +138,20 @@ class Dispatcher:
         self._live.add(generation)
         return generation
 
-    def admission_retry_after(self, now: float) -> int:
-        """Retry-After for a request refused because the router is full: the seconds until a
-        slot frees at the rate requests finished over the last DRAIN_WINDOW_S (1 to
-        MAX_RETRY_AFTER_S), or `retry_after_s` when none finished (nothing to go by)."""
-        finished = self._forget_finished_before(now - DRAIN_WINDOW_S)
+    def admission_retry_after(self, now: float, finished: collections.deque[float] | None = None) -> int:
+        """Retry-After for a request refused because the router (or its class's share) is full:
+        the seconds until a slot frees at the rate requests (of the class) finished over the last
+        DRAIN_WINDOW_S (1 to MAX_RETRY_AFTER_S), or `retry_after_s` when none finished (nothing to
+        go by)."""
+        finished = _forget_before(self._finished if finished is None else finished, now - DRAIN_WINDOW_S)
         if not finished:
             return self.config.retry_after_s
         rate = len(finished) / max(1.0, now - finished[0])
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(1.0 / rate)))
 
-    def record_finished(self, now: float) -> None:
-        self._forget_finished_before(now - DRAIN_WINDOW_S).append(now)
-
-    def _forget_finished_before(self, horizon: float) -> collections.deque[float]:
-        """`_finished` without its entries older than `horizon` (so it stays the window's size)."""
-        finished = self._finished
-        while finished and finished[0] < horizon:
-            finished.popleft()
-        return finished
+    def record_finished(self, now: float, batch: bool) -> None:
+        for finished in (self._finished, self._finished_batch) if batch else (self._finished,):
+            _forget_before(finished, now - DRAIN_WINDOW_S).append(now)
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         """The chained hashes the workers' prefix caches use (engine/block_hash.py's default)."""
@@ -383,7 +382,7 @@ class Generation:
             return
         self._release_slot()
         d = self.dispatcher
-        d.record_finished(time.monotonic())
+        d.record_finished(time.monotonic(), self.priority > 0)
         if self._call is not None and not self._stream_ended:
             self._call.cancel()
         if self.assignment is not None:
@@ -392,6 +391,13 @@ class Generation:
                 sequence = self.prompt_token_ids + list(output_token_ids)
                 d.decode_policy.record(self.assignment.decode, d.block_hashes(sequence, self.cache_salt))
         self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)
+
+
+def _forget_before(finished: collections.deque[float], horizon: float) -> collections.deque[float]:
+    """`finished` without its entries older than `horizon` (so it stays the window's size)."""
+    while finished and finished[0] < horizon:
+        finished.popleft()
+    return finished
 
 
 def _hit_tier(choice: Choice) -> str:

@@ -1,10 +1,14 @@
 """Each malformed request class gets the right status and an OpenAI-style error body; worker
 refusals and missing workers become 400/429/503 with Retry-After; never a 500 for a client's
 mistake."""
+import time
+
 import httpx
 import openai
 import pytest
 
+from engine.sampling_params import SamplingParams
+from router.errors import APIError
 from tests.router.harness import Fail, Hang, reply_script, wait_until
 
 import grpc
@@ -342,6 +346,21 @@ def test_a_full_routers_retry_after_follows_the_rate_requests_finish(make_router
     assert dispatcher.admission_retry_after(now + 31.0) == 1  # all older than the window: the default
     dispatcher._finished.append(now - 29.0)
     assert dispatcher.admission_retry_after(now) == 29  # one in 29 s
+
+
+def test_the_batch_classs_retry_after_follows_the_rate_its_own_requests_finish(make_router, decode):
+    """Fast interactive requests finishing say nothing about when a priority > 0 slot frees."""
+    dispatcher = make_router(decode=[decode.address], max_inflight_requests=4, batch_share=0.5).state.dispatcher
+    now = time.monotonic()
+    for seconds_ago in range(20):  # interactive: one a second
+        dispatcher.record_finished(now - seconds_ago, batch=False)
+    for seconds_ago in (19.5, 9.5):  # batch: about one every 10 s
+        dispatcher.record_finished(now - seconds_ago, batch=True)
+    dispatcher.inflight_batch = dispatcher.batch_limit  # the batch share is full
+    with pytest.raises(APIError) as refused:
+        dispatcher.generation("b", [1, 2], SamplingParams(max_tokens=1), None, priority=5)
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "10"
+    dispatcher.inflight_batch = 0
 
 
 def test_dead_decode_worker_is_retried_on_another(make_router, decode, loop, tokenizer):
