@@ -325,7 +325,8 @@ class Scheduler:
                 budget = self._add_drafts(scheduled, budget)
             if not decodes and self.config.step_target_set and scheduled:
                 target_s = None if self.config.max_step_ms is None else self.config.max_step_ms / 1000.0
-                cap = self.step_cost.prefill_budget(len(scheduled), target_s, self.config.max_step_ratio)
+                drafts = sum(len(seq.draft_token_ids) for seq in scheduled.values())
+                cap = self.step_cost.prefill_budget(len(scheduled), target_s, self.config.max_step_ratio, drafts)
                 if cap is not None:
                     budget = min(budget, cap)
             for request in list(self.running):
@@ -369,8 +370,10 @@ class Scheduler:
         self.step_times.observe("prefill" if prompt else "decode", seconds)
         if not self.config.step_target_set:
             return
-        decodes = sum(1 for seq in batch.seqs if seq.is_plain_decode)
-        self.step_cost.observe(decodes, batch.num_tokens - decodes, seconds)
+        # a decode runs 1 + its draft tokens: decode work, never prompt work
+        decoding = [seq for seq in batch.seqs if seq.sample and seq.num_new_tokens == 1 + len(seq.draft_token_ids)]
+        drafts = sum(len(seq.draft_token_ids) for seq in decoding)
+        self.step_cost.observe(len(decoding), batch.num_tokens - len(decoding) - drafts, seconds, drafts)
 
     def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Host-tier copies queued outside `schedule()` (a decode-role import's allocation): the

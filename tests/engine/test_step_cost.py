@@ -28,7 +28,7 @@ def trained(model: StepCostModel, steps: int = 60, noise: float = 0.02) -> StepC
 
 def test_the_model_learns_the_cost_of_a_step_and_the_prefill_that_fits_a_target():
     model = trained(StepCostModel())
-    base, per_decode, per_token = model.coefficients()
+    base, per_decode, per_token, _ = model.coefficients()
     assert base == pytest.approx(BASE, rel=0.2) and per_decode == pytest.approx(PER_DECODE, rel=0.1)
     assert per_token == pytest.approx(PER_TOKEN, rel=0.05)
     # 10 ms with 8 decodes: (10 - 2 - 4) ms / 0.05 ms per token = 80 tokens
@@ -53,6 +53,26 @@ def test_probe_chunks_until_prefill_steps_were_seen():
 def req(request_id: str, length: int, max_tokens: int) -> Request:
     prompt = [(7 * i + len(request_id)) % 97 + 3 for i in range(length)]
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def test_draft_tokens_are_decode_work_not_prompt_tokens():
+    """Speculative decoding: a decode with a 4-token draft runs 5 rows, nearly as cheap as one in a
+    memory-bound step. Counted as prompt tokens they made prompt tokens look 10x dearer and ended
+    the probe phase with no prompt run at all."""
+    per_draft = 0.00001
+    model = StepCostModel(min_tokens=16, min_prefill_steps=4)
+    for _ in range(50):  # decode-only steps, every decode drafting 4 tokens
+        model.observe(8, 0, cost(8, 0) + per_draft * 32, drafts=32)
+    assert model.coefficients() is None  # still probing: no prompt token has run
+    rng = random.Random(1)
+    for _ in range(60):
+        decodes, prefill = rng.randint(1, 32), rng.choice([0, rng.randint(16, 512)])
+        drafts = rng.randint(0, 4 * decodes)  # some proposals come back empty
+        model.observe(decodes, prefill, cost(decodes, prefill) + per_draft * drafts, drafts=drafts)
+    _, _, per_token, learned_draft = model.coefficients()
+    assert per_token == pytest.approx(PER_TOKEN, rel=0.05) and learned_draft == pytest.approx(per_draft, rel=0.2)
+    # 10 ms with 8 decodes and their 32 draft tokens: (10 - 2 - 4 - 0.32) ms / 0.05 ms = 73 tokens
+    assert model.prefill_budget(8, 0.010, drafts=32) == pytest.approx(73, abs=4)
 
 
 def test_the_scheduler_caps_prefill_chunks_only_while_decodes_run_and_outputs_are_unchanged():
