@@ -241,6 +241,17 @@ class BlockManager:
         self._holders.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past those `num_tokens` tokens need (a rejected draft's
+        slots). They hold no registered block: registration covers computed tokens only."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in request.block_ids[keep:]:
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        del request.block_ids[keep:]
+
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block (referenced ones stay), and the host tier.
         Returns how many device blocks."""

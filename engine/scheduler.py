@@ -43,7 +43,8 @@ Conventions and choices beyond the shared contract:
 - `Batch.seqs` puts every decode (one token that samples) before every prefill chunk; a decode
   with a draft (`ScheduledSeq.draft_token_ids`) runs 1 + k tokens and comes after the plain
   decodes. After its step the request has `num_computed_tokens == num_tokens - 1` again: the
-  rejected draft tokens' slots hold KV that nothing counts as computed.
+  rejected draft tokens' slots hold KV that nothing counts as computed, and blocks that only
+  they used go back to the free list.
 - `StepOutput.new_logprobs[i]` is the runner's `SampledToken` for `new_token_ids[i]`;
   `StepOutput.error` carries the message of an "error" finish.
 - prefill role: a request is admitted with blocks for its whole prompt (it never needs more, so it
@@ -601,6 +602,8 @@ class Scheduler:
             # new token is not computed yet). Without a draft that is `end`.
             request.num_computed_tokens = request.num_tokens - 1
             self.block_manager.cache_computed_blocks(request)
+            if seq.draft_token_ids and reason is None:  # the blocks of the rejected draft tokens' slots
+                self.block_manager.free_tail(request, request.num_tokens)
             if reason is not None:
                 reason, error = self._finish(request, reason, error)
             outputs.append(StepOutput(request.request_id, [t.token_id for t in new], new, reason is not None, reason,

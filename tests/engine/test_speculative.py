@@ -203,6 +203,30 @@ def test_drafts_under_preemption_keep_outputs_and_blocks_exact():
     assert_all_free(scheduler)
 
 
+class AlwaysWrong:
+    """Drafts that are always rejected (the fake model never continues with 1, 2, 3)."""
+
+    def propose(self, requests, limits):
+        return [[1, 2, 3][:k] for k in limits]
+
+
+def test_a_rejected_drafts_blocks_go_back_at_once():
+    """The slots of rejected draft tokens held their blocks until the request grew into them:
+    blocks that another request could be preempted for."""
+    scheduler, runner = scheduler_with(AlwaysWrong(), num_blocks=4, budget=4)
+    scheduler.add_request(req("d", range(10, 14), max_tokens=6))
+    step(scheduler, runner)
+    decoding = scheduler.get_request("d")
+    scheduler.add_request(Request("p", list(range(50, 55)), SamplingParams(max_tokens=2, temperature=0.0), priority=1))
+    while scheduler.has_unfinished():
+        step(scheduler, runner)
+        if not decoding.is_finished:
+            assert len(decoding.block_ids) == scheduler.block_manager.blocks_needed(decoding.num_tokens)
+    assert scheduler.stats().spec_drafts > 0
+    assert decoding.output_token_ids == reference_generate(list(range(10, 14)), 6)
+    assert_all_free(scheduler)
+
+
 # ---- real models: outputs are unchanged ---------------------------------------------------------
 
 CODE = """def total(items):
