@@ -153,9 +153,14 @@ class Dispatcher:
         for finished in (self._finished, self._finished_batch) if batch else (self._finished,):
             _forget_before(finished, now - DRAIN_WINDOW_S).append(now)
 
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-        """The chained hashes the workers' prefix caches use (engine/block_hash.py's default)."""
-        return hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, DEFAULT_HASH_ALGORITHM)
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None,
+                     known: Sequence[bytes] = ()) -> list[bytes]:
+        """The chained hashes the workers' prefix caches use (engine/block_hash.py's default).
+        `known`: those of a prefix of `token_ids` at this block size, continued from (a prompt's,
+        for the prompt and its output: the output's blocks only are hashed on the event loop)."""
+        known = list(known)
+        return known + hash_full_blocks(token_ids, self.pool.block_size(), cache_salt, DEFAULT_HASH_ALGORITHM,
+                                        parent=known[-1] if known else None, start_block=len(known))
 
     def wire_request(self, generation: "Generation", prefill_address: str, resumed: Sequence[int] = ()) -> Any:
         import wire
@@ -194,6 +199,7 @@ class Generation:
         self.cache_salt = cache_salt
         self.priority = priority
         self.hashes = dispatcher.block_hashes(prompt_token_ids, cache_salt)
+        self._hashes_block_size = dispatcher.pool.block_size()  # (the pool's changes when workers report theirs)
         self.assignment: Assignment | None = None
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._cancelled = False
@@ -223,7 +229,8 @@ class Generation:
         first TokenChunk."""
         d = self.dispatcher
         resumed = list(self.delivered)
-        hashes = d.block_hashes(self.prompt_token_ids + resumed, self.cache_salt) if resumed else self.hashes
+        hashes = d.block_hashes(self.prompt_token_ids + resumed, self.cache_salt, self._prompt_hashes()) \
+            if resumed else self.hashes
         last_error = ""
         for attempt in range(d.config.max_dispatch_retries + 1):
             if self._cancelled:
@@ -362,6 +369,10 @@ class Generation:
             self.dispatcher.send_abort(self.assignment.decode.address, self.request_id)
         self._stream_ended = True
 
+    def _prompt_hashes(self) -> list[bytes]:
+        """The prompt's hashes, to continue from; none if the pool's block size changed since."""
+        return self.hashes if self._hashes_block_size == self.dispatcher.pool.block_size() else []
+
     def withdraw(self) -> None:
         """Undo the admission of a generation that never started, its request refused as a whole
         (a later sequence of it got a 429): nothing finished, so the drain rate behind
@@ -389,7 +400,8 @@ class Generation:
             self.assignment.release()
             if finish_reason in ("stop", "length", "tool_calls") and output_token_ids:
                 sequence = self.prompt_token_ids + list(output_token_ids)
-                d.decode_policy.record(self.assignment.decode, d.block_hashes(sequence, self.cache_salt))
+                d.decode_policy.record(self.assignment.decode,
+                                       d.block_hashes(sequence, self.cache_salt, self._prompt_hashes()))
         self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)
 
 

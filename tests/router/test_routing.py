@@ -419,3 +419,15 @@ async def _add(pool, role, address):
 
 async def _remove(pool, address):
     pool.remove_worker(address)
+
+
+def test_a_sequences_hashes_continue_from_its_prompts(make_router, decode):
+    """The hashes of prompt + output, recorded for conversation affinity as a request ends, are
+    the prompt's (computed at admission) and the output blocks' only, and equal a full rehash."""
+    dispatcher = make_router(decode=[decode.address]).state.dispatcher
+    block = dispatcher.pool.block_size()
+    prompt, output = list(range(5 * block + 3)), list(range(1000, 1000 + 4 * block))
+    for salt in (None, "tenant-a"):
+        known = dispatcher.block_hashes(prompt, salt)
+        continued = dispatcher.block_hashes(prompt + output, salt, known)
+        assert continued == dispatcher.block_hashes(prompt + output, salt) and len(continued) == 9
