@@ -34,7 +34,8 @@ from wire.stats import WorkerStats, worker_stats_from_wire
 
 logger = logging.getLogger(__name__)
 
-KV_EVENTS_RETRY_S = 0.5  # first wait before reopening a broken KVEvents stream (doubles, up to 5 s)
+KV_EVENTS_RETRY_S = 0.5  # first wait before reopening a broken KVEvents stream (doubles, ...)
+KV_EVENTS_MAX_RETRY_S = 5.0  # (... up to this)
 KV_SNAPSHOT_WAIT_S = 5.0  # at start, how long to wait for the healthy workers' first snapshots
 
 
@@ -142,6 +143,7 @@ class WorkerPool:
     _poll_task: asyncio.Task | None = None
     _background: set[asyncio.Task] = field(default_factory=set)
     _no_kv_events: set[str] = field(default_factory=set)  # workers whose KVEvents is UNIMPLEMENTED
+    _snapshots_in: asyncio.Event | None = None  # at start: set once every healthy worker's snapshot is in
     # Where prompt blocks are cached, per worker and tier, from the workers' KV events (the policies
     # route on it); None: a new one.
     kv_index: KVIndex | None = None
@@ -259,11 +261,21 @@ class WorkerPool:
         for worker in self.workers():
             self._follow(worker)
         if self.config.kv_events:  # route the first request on what the workers hold
-            deadline = time.monotonic() + KV_SNAPSHOT_WAIT_S
-            while time.monotonic() < deadline and any(
-                    w.healthy and not self.kv_index.followed(w.address) and w.address not in self._no_kv_events
-                    for w in self.workers()):
-                await asyncio.sleep(0.02)
+            self._snapshots_in = asyncio.Event()
+            self._note_snapshot()
+            try:
+                await asyncio.wait_for(self._snapshots_in.wait(), KV_SNAPSHOT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._snapshots_in = None
+
+    def _note_snapshot(self) -> None:
+        """While start() waits: wake it once no healthy worker's snapshot is missing."""
+        if self._snapshots_in is not None and not any(
+                w.healthy and not self.kv_index.followed(w.address) and w.address not in self._no_kv_events
+                for w in self.workers()):
+            self._snapshots_in.set()
 
     async def stop(self) -> None:
         if self._poll_task is not None:
@@ -348,12 +360,14 @@ class WorkerPool:
                         call.cancel()  # a late batch must not bring it back into the index
                         break
                     self.kv_index.apply(worker.address, kv_event_batch_from_wire(message))
+                    self._note_snapshot()
                     delay = KV_EVENTS_RETRY_S
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     logger.info("worker %s publishes no KV events; routing on what was sent there", worker.address)
                     self.kv_index.unfollow(worker.address)
                     self._no_kv_events.add(worker.address)
+                    self._note_snapshot()
                     return
                 logger.debug("KV events of %s: %s", worker.address, exc.details())
             except asyncio.CancelledError:
@@ -361,7 +375,7 @@ class WorkerPool:
                 raise
             self.kv_index.unfollow(worker.address)
             await asyncio.sleep(delay)
-            delay = min(2 * delay, 5.0)
+            delay = min(2 * delay, KV_EVENTS_MAX_RETRY_S)
 
     def _spawn(self, coroutine) -> None:
         try:
