@@ -220,8 +220,11 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     else:
         params = request.sampling_params(generated[0], logprobs)
     # Prompts of a batch differ in max_tokens only where it was left to the room in the context.
-    per_prompt = [candidate_params(dataclasses.replace(params, max_tokens=g) if g != params.max_tokens else params,
-                                   count, keep) for g in generated]
+    try:
+        per_prompt = [candidate_params(dataclasses.replace(params, max_tokens=g) if g != params.max_tokens else params,
+                                       count, keep) for g in generated]
+    except ValueError as exc:  # e.g. min_tokens beyond the room a long prompt of the batch leaves
+        raise request.sampling_error(exc) from exc
 
     request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
     choices = Choices(state.dispatcher, request_id, list(zip(prompts, per_prompt)), timer,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
@@ -30,6 +30,8 @@ Int64 = Annotated[int, Strict(), Field(ge=-2**63, le=2**63 - 1)]
 UInt32 = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
+# OpenAI's "boolean or null" fields: null means the default, false
+OptionalBool = Annotated[bool, BeforeValidator(lambda value: False if value is None else value), Strict()]
 TokenIds = list[UInt32]
 
 # OpenAI's range; the engine takes more, but above 2 a model's output is noise.
@@ -41,7 +43,7 @@ MAX_CHOICES = 16
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: Bool = False
+    include_usage: OptionalBool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -76,13 +78,13 @@ class _GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice or grammar
 
     def check_supported(self) -> None:
-        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise invalid_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], as in OpenAI's API, got "
                                   f"{self.temperature:g}", "temperature")
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise invalid_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         for key in self.logit_bias or {}:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # ("²".isdigit() holds, and int() refuses it)
                 raise invalid_request(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
@@ -107,6 +109,8 @@ class _GenerationRequest(BaseModel):
         values: dict[str, Any] = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "seed") if getattr(self, name) is not None}
+        if values.get("top_p") == 0:  # OpenAI's range is [0, 1]: the smallest nucleus is the top token
+            values["top_p"], values["top_k"] = 1.0, 1
         stop = self._stop_strings()
         constraint = self.structured_output()
         try:
@@ -118,15 +122,19 @@ class _GenerationRequest(BaseModel):
                                   min_tokens=self.min_tokens, prompt_logprobs=self.engine_prompt_logprobs,
                                   speculative=self.speculative, **values)
         except ValueError as exc:
-            message = str(exc)
-            first_word = message.split(" ", 1)[0]
-            param = first_word if first_word in type(self).model_fields or first_word == "max_tokens" else None
-            if message.startswith("stop strings") or message.startswith("at most 16 stop"):
-                param = "stop"
-            sent = self._field_sent_as(param) if param is not None else None
-            if sent is not None and sent != param:  # name the field the client sent
-                message, param = sent + message[len(param):], sent
-            raise invalid_request(message, param) from exc
+            raise self.sampling_error(exc) from exc
+
+    def sampling_error(self, exc: ValueError) -> APIError:
+        """The 400 for SamplingParams' ValueError, naming the field the client sent."""
+        message = str(exc)
+        first_word = message.split(" ", 1)[0]
+        param = first_word if first_word in type(self).model_fields or first_word == "max_tokens" else None
+        if message.startswith("stop strings") or message.startswith("at most 16 stop"):
+            param = "stop"
+        sent = self._field_sent_as(param) if param is not None else None
+        if sent is not None and sent != param:  # name the field the client sent
+            message, param = sent + message[len(param):], sent
+        return invalid_request(message, param)
 
     def _field_sent_as(self, engine_field: str) -> str:
         """The request field that set the engine's `engine_field` (their names differ in places)."""
@@ -221,7 +229,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
-    echo: Bool = False
+    echo: OptionalBool = False
     best_of: Int32 | None = None
     suffix: str | None = None
 
@@ -279,7 +287,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: Int32 | None = None
     max_completion_tokens: Int32 | None = None
-    logprobs: Bool = False
+    logprobs: OptionalBool = False
     top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None

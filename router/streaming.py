@@ -274,7 +274,7 @@ async def sse_events(ctx: ResponseContext, choices: Sequence[ChoiceStream]) -> A
             yield sse("[DONE]")
             return
         if ctx.include_usage:
-            yield sse(protocol.usage_chunk(*args, usage(choices)))
+            yield sse(protocol.usage_chunk(*args, usage(choices, ctx.no_output)))
         yield sse("[DONE]")
     except ClientGone:
         return
@@ -345,7 +345,8 @@ def echo_logprobs(token_text: TokenText, echoed: str, prompt_token_ids: Sequence
     nothing predicts it; the others are `prompt_entries`), then the output's `entries`, text
     offsets running through both (the output's start after `echoed`, the prompt's text)."""
     first = token_text.token_str(prompt_token_ids[0])
-    prompt = completion_logprobs(token_text, prompt_entries, len(first))
+    # A BOS the tokenizer added is not in the text as sent: it takes no characters of it.
+    prompt = completion_logprobs(token_text, prompt_entries, len(first) if echoed.startswith(first) else 0)
     output = completion_logprobs(token_text, entries, len(echoed))
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     return {key: head[key] + prompt[key] + output[key] for key in head}

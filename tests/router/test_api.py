@@ -327,3 +327,59 @@ def test_best_of_ranks_the_candidates_of_each_prompt_of_a_batch_apart(client, de
     out = client.completions.create(model="tiny", prompt=["A", "B"], max_tokens=20, temperature=1.0, seed=1,
                                     n=1, best_of=2)
     assert [(c.index, c.text) for c in out.choices] == [(0, "a"), (1, "b")]
+
+
+def test_echoed_prompt_offsets_index_the_text_as_sent_when_the_tokenizer_adds_a_bos(tokenizer):
+    """The first prompt token is a BOS the tokenizer added (Llama-style tokenizers do; SmolLM2 does
+    not): it is not in the echoed text, so the offsets of the tokens after it start at 0."""
+    from types import SimpleNamespace
+
+    from router.logprobs import TokenText
+    from router.streaming import echo_logprobs
+    token_text = TokenText(tokenizer)
+    text = "Hello world"
+    ids = tokenizer.encode(text)
+    bos = tokenizer.all_special_ids[0]
+    entries = [SimpleNamespace(token_id=token_id, logprob=-1.0, top=[]) for token_id in ids]
+    logprobs = echo_logprobs(token_text, text, [bos] + ids, entries, [])
+    offsets = logprobs["text_offset"][1:]
+    assert [text[start:start + len(token)] for start, token in zip(offsets, logprobs["tokens"][1:])] == \
+        logprobs["tokens"][1:]
+    assert offsets[0] == 0
+    # without a BOS the first token is the text's own: the offsets run on after it
+    plain = echo_logprobs(token_text, text, ids, entries[1:], [])
+    assert plain["text_offset"] == offsets
+
+
+def test_openais_nullable_fields_sent_as_null_mean_their_default(client, decode, tokenizer):
+    """Clients that send every field (or proxies passing nulls through) send null for OpenAI's
+    "boolean or null" fields: chat `logprobs`, completions `echo`, `stream_options.include_usage`."""
+    decode.script = reply_script(tokenizer, REPLY)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"logprobs": None})
+    assert chat.choices[0].message.content == REPLY and chat.choices[0].logprobs is None
+    completion = client.completions.create(model="tiny", prompt="Hi", extra_body={"echo": None})
+    assert completion.choices[0].text == REPLY
+    chunks = list(client.completions.create(model="tiny", prompt="Hi", stream=True,
+                                            stream_options={"include_usage": None}))
+    assert all(chunk.usage is None for chunk in chunks)
+
+
+def test_top_p_0_is_greedy(client, decode, tokenizer):
+    """OpenAI's top_p range is [0, 1]; 0 (sent for determinism) keeps the most likely token only."""
+    decode.script = reply_script(tokenizer, REPLY)
+    out = client.completions.create(model="tiny", prompt="Hi", top_p=0, temperature=1.0)
+    assert out.choices[0].text == REPLY
+    sampling = decode.requests[-1].sampling
+    assert sampling.top_k == 1 and sampling.top_p == 1.0
+
+
+def test_echo_with_max_tokens_0_counts_no_completion_tokens_streamed_or_not(client, decode, tokenizer):
+    """echo + max_tokens 0 asks for the prompt's logprobs only: the one token generated for it is
+    not returned, and the streamed usage does not count it either (it did, once per choice)."""
+    decode.script = reply_script(tokenizer, REPLY)
+    whole = client.completions.create(model="tiny", prompt="Once upon", echo=True, max_tokens=0)
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon", echo=True, max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 0
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text == "Once upon"
