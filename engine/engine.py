@@ -321,8 +321,14 @@ class LLMEngine:
             logger.warning("%s: %s", done.request_id, error)
             out = self.scheduler.fail_import(done.request_id, fallback, error,
                                              done.first_token if done.first_token_streamed else None)
-            if out is None:
-                return []
+            if out is None:  # a fallback with no token yet: say now how the KV came (it did not), so
+                # the decode worker cancels the prefill worker's side at once, not at the first local token
+                request = self.scheduler.get_request(done.request_id)
+                if request is None or request.kv_import is None:
+                    return []
+                delta = StreamDelta(done.request_id, [], num_prompt_tokens=request.num_prompt_tokens)
+                delta.kv_import, request.kv_import = request.kv_import, None
+                return [delta]
         delta = self._to_delta(out)
         if done.first_token_streamed:  # the caller has it (KVConnector.stream_first_token)
             delta.new_token_ids, delta.new_logprobs = [], []

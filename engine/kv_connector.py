@@ -17,7 +17,8 @@ only at transfers that ended, reports that arrived and deadlines that passed: it
 does not grow with the requests in flight.
 
 Verified hand-off. The producer reports, with its first token, its epoch (the sender's, new per
-process), the chained hashes of the prompt's full blocks and an xxhash of every byte it sends
+process), the chained hashes of the prompt's blocks (`sent_token_hashes`: the full blocks, and
+a last one over a trailing partial block's tokens) and an xxhash of every byte it sends
 (layer-major over the sent blocks). It reports once every layer group is pushed (`send_report`:
 the bytes may still be in flight), so the answer does not wait for an engine step to see the
 send end; a send that fails after that reaches the receiver as the sender's abort or a dead
@@ -48,7 +49,7 @@ from typing import Any, Callable, Protocol, Sequence, Union, cast
 
 import torch
 
-from engine.block_hash import hash_full_blocks
+from engine.block_hash import hash_block, hash_full_blocks
 from engine.config import KV_ROLES
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.request import Request, RequestStatus
@@ -100,8 +101,8 @@ KVTransport = Union[KVSenderTransport, KVReceiverTransport]
 
 @dataclass(frozen=True)
 class KVConnectorConfig:
-    """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send (after the
-        hold, when testing with one).
+    """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send without
+        progress (after the hold, when testing with one): renewed while bytes are acknowledged.
     transfer_timeout_s: decode; longest wait for a remote prefill's progress: for its first KV
         (the prefill worker's queue and first chunk), then for more KV (each chunk is pushed as it
         is computed, so a long prompt is not cut off by its length), then for the report.
@@ -188,6 +189,18 @@ def answers_prefill(delta: Any) -> bool:
     return delta.finished or (delta.kv_send is not None and delta.kv_send.error is None)
 
 
+def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+                      algorithm: str) -> tuple[bytes, ...]:
+    """What both sides of a hand-off compare to prove the KV is this prompt's: the chained hashes
+    of its full blocks, then one over the trailing partial block's tokens (a prompt shorter than
+    a block, or its last few tokens, would otherwise go unchecked)."""
+    hashes = hash_full_blocks(token_ids, block_size, cache_salt, algorithm)
+    tail = token_ids[len(hashes) * block_size:]
+    if tail:
+        hashes.append(hash_block(hashes[-1] if hashes else None, tail, cache_salt, algorithm))
+    return tuple(hashes)
+
+
 def kv_checksum(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
     """xxh3-64 of the bytes of `block_ids` in every layer, layer-major, block by block: the same
     on both sides whatever each cache's block ids are. Host caches are hashed in place, a run of
@@ -222,6 +235,10 @@ class _Send:
     checksum: int = 0
     block_hashes: tuple[bytes, ...] = ()
     error: str | None = None
+    # The lease runs from the end of the prompt; at its deadline it is renewed if bytes were
+    # acknowledged since the last one (a long prompt's KV still draining over a slow link).
+    lease_due: float = 0.0
+    bytes_at_renewal: int = 0
 
 
 @dataclass
@@ -321,14 +338,15 @@ class KVConnector:
             send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
             # the tokens whose KV was sent: not the first token, sampled just now
             sent_tokens = request.all_token_ids[:request.num_computed_tokens]
-            send.block_hashes = tuple(hash_full_blocks(sent_tokens, self.block_size, request.cache_salt,
-                                                       self.hash_algorithm))
+            send.block_hashes = sent_token_hashes(sent_tokens, self.block_size, request.cache_salt,
+                                                  self.hash_algorithm)
         except Exception as exc:  # the send fails (poll() ends it), never the engine step
             logger.exception("finishing the KV send of %s failed", request.request_id)
             send.error = send.error or f"KV send failed: {exc}"
         if self.config.hold_send_s:
             heapq.heappush(self._deadlines, (now + self.config.hold_send_s, request.request_id))
-        heapq.heappush(self._deadlines, (now + self.config.hold_send_s + self.config.lease_s, request.request_id))
+        send.lease_due = now + self.config.hold_send_s + self.config.lease_s
+        heapq.heappush(self._deadlines, (send.lease_due, request.request_id))
         self._look_again(request.request_id)  # it may have ended already (a failure mid-prefill)
         return True
 
@@ -457,7 +475,11 @@ class KVConnector:
             return None
         if status is not None and status.ok:
             return self._end_send(send, None, sent)
-        if now >= send.finished_at + self.config.hold_send_s + self.config.lease_s:
+        if now >= send.lease_due:
+            if sent > send.bytes_at_renewal:  # still draining: the lease runs on from here
+                send.bytes_at_renewal, send.lease_due = sent, now + self.config.lease_s
+                heapq.heappush(self._deadlines, (send.lease_due, request_id))
+                return None
             self.failures["lease"] += 1
             return self._end_send(send, f"KV transfer lease of {self.config.lease_s:g} s expired", sent)
         return None
@@ -481,8 +503,7 @@ class KVConnector:
         for a request the engine detokenizes (an early token would have no text)."""
         # Its tokens (a resumed request's include its outputs) do not change while it loads. Hashed
         # before the receiver expects it: past `expect`, nothing may fail and leave its record.
-        hashes = tuple(hash_full_blocks(request.all_token_ids, self.block_size, request.cache_salt,
-                                        self.hash_algorithm))
+        hashes = sent_token_hashes(request.all_token_ids, self.block_size, request.cache_salt, self.hash_algorithm)
         self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
         now = time.monotonic()
         self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes)

@@ -27,7 +27,8 @@ class StreamDelta:
     # Disaggregation (engine/kv_connector.py): a prefill-role request's first-token delta carries
     # its send's report once every layer is pushed (KVSendResult, error None; `answers_prefill`),
     # its final delta how the send ended; a decode-role request's first one how it got its KV
-    # (KVImportOutcome).
+    # (KVImportOutcome; after a failed load that falls back before any token, at once, in a
+    # delta without tokens).
     kv_send: Any = None
     kv_import: Any = None
     # With SamplingParams.prompt_logprobs, on the delta of the first output token: one entry per

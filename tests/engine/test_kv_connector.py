@@ -629,3 +629,70 @@ def test_a_load_whose_transport_closed_meanwhile_still_ends(pair_factory, monkey
     monkeypatch.setattr(pair.decode.kv_connector.transport, "cancel", real_cancel)
     real_cancel("a")  # the test's receiver is open: drop its record before the pair checks
     assert pair.run_prefill()[-1].finish_reason in ("error", "prefill_done")
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)  # engine-side: one transport
+def test_the_lease_runs_on_while_a_slow_links_transfer_progresses(pair_factory, reference, monkeypatch):
+    """The prefill side's lease is renewed while bytes are acknowledged: a long prompt's KV still
+    draining over a slow link after the prompt ended is not cut off (and recomputed) at lease_s."""
+    import time
+
+    import kvtransfer.sender as sender_module
+    original = sender_module.KVSender._send_next_piece
+
+    async def slow(self, connection, transfer):  # 0.25 s per message, always progressing
+        await asyncio.sleep(0.25)
+        return await original(self, connection, transfer)
+
+    monkeypatch.setattr(sender_module.KVSender, "_send_next_piece", slow)
+    pair = pair_factory(prefill=dict(lease_s=0.6), decode=dict(transfer_timeout_s=1.0))
+    tokens = prompt(31, 45)
+    pair.start("a", tokens)
+    pair.report("a", pair.run_prefill_to_answer("a"))
+    out, outcome, deadline = [], None, time.monotonic() + 60
+    while pair.decode.has_unfinished() or pair.prefill.has_unfinished():  # both workers run on
+        assert time.monotonic() < deadline
+        pair.prefill.step()
+        for delta in pair.decode.step():
+            out.extend(delta.new_token_ids)
+            outcome = delta.kv_import or outcome
+        time.sleep(0.01)
+    assert outcome.prefilled_remotely and out == reference(tokens)
+    assert not pair.prefill.kv_connector.failures and not pair.decode.kv_connector.failures
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)  # engine-side: one transport
+@pytest.mark.parametrize("length", [3, 30])  # shorter than a block; full blocks and a partial one
+def test_kv_of_a_prompt_differing_only_in_its_last_partial_block_is_refused(pair_factory, reference, length):
+    """The block hashes compared cover the trailing partial block's tokens too: KV computed for a
+    prompt that differs only there is not admitted (a local prefill gives the right tokens)."""
+    pair = pair_factory()
+    mine = prompt(21, length)
+    other = mine[:-2] + [(t + 7) % 120 + 3 for t in mine[-2:]]
+    plan = pair.decode.add_imported(pair.decode.make_request(mine, PARAMS, "a"))
+    destination = KVDestination(pair.decode.kv_connector.transport.address,
+                                tuple(block for _, block in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+    pair.prefill.add(pair.prefill.make_request(other, PARAMS, "a", kv_destination=destination), detokenize=False)
+    pair.report("a", pair.run_prefill_to_answer("a"))
+    out, finals = pair.run_decode()
+    assert dict(pair.decode.kv_connector.failures) == {"block_hash": 1}
+    assert not finals["a:import"].prefilled_remotely and out["a"] == reference(mine)
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)  # engine-side: one transport
+def test_a_fallback_is_told_at_once_so_the_prefill_side_is_cancelled(pair_factory):
+    """A load that times out and falls back with no token yet: the decode worker learns it in the
+    same step (a delta with the import outcome and no token) and cancels the Prefill call then,
+    not when its own local prefill produces a first token, possibly seconds later."""
+    import time
+    pair = pair_factory(decode=dict(transfer_timeout_s=0.3), decode_options=dict(budget=8))
+    pair.start("a", prompt(41, 45))  # the prefill engine is never stepped: its worker is busy
+    deadline = time.monotonic() + 30
+    while not pair.decode.kv_connector.failures:
+        assert time.monotonic() < deadline
+        deltas = pair.decode.step()
+        time.sleep(0.02)
+    [told] = [delta for delta in deltas if delta.kv_import is not None]
+    assert not told.kv_import.prefilled_remotely and told.new_token_ids == [] and not told.finished
+    pair.run_decode()
+    pair.prefill.abort("a")
