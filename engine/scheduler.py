@@ -497,11 +497,14 @@ class Scheduler:
                 computed = request.num_computed_tokens
             remaining = request.num_tokens - computed
             num_new = min(remaining, budget, self._long_prefill_cap(request))
-            if ((num_new < remaining and not self.config.enable_chunked_prefill)
-                    # a prefill-role request takes its whole prompt now: it never asks again
-                    or not self.block_manager.allocate_slots(
-                        request, request.num_tokens if self.role == "prefill" else computed + num_new,
-                        prefix_blocks, host_hits)):
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                blocked = True
+                index += 1
+                continue
+            # a prefill-role request takes its whole prompt now: it never asks again
+            if not self.block_manager.allocate_slots(
+                    request, request.num_tokens if self.role == "prefill" else computed + num_new,
+                    prefix_blocks, host_hits):
                 if fresh and not blocked:
                     self._short_of_blocks = request
                 blocked = True
