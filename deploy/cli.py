@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: cuda when the Ray cluster has GPUs (one GPU per worker)")
     serve.add_argument("--transport", default=ServeOptions.transport, choices=TRANSPORT_CHOICES,
                        help="KV transport between P and D")
-    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+    serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and /admin "
                             "(default: $PDSERVE_API_KEY)")
     engine = serve.add_argument_group("engine (every worker)")
@@ -205,7 +205,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                                temp_dir=args.ray_temp_dir)
     return ServeOptions(model=args.model, served_model_name=args.served_model_name, prefill=args.prefill,
                         decode=args.decode, colocated=args.colocated, host=args.host, port=args.port,
-                        device=args.device, transport=args.transport, api_key=args.api_key or None,
+                        device=args.device, transport=args.transport, api_key=_api_key(args.api_key),
                         engine_options=engine_options, worker_cpus=args.worker_cpus,
                         worker_gpus=args.worker_gpus, pool_resources=_pool_resources(args),
                         tensor_parallel_size=_tensor_parallel_sizes(args),
@@ -237,16 +237,35 @@ def run_serve(args: argparse.Namespace) -> int:
 # ---- scale / status -----------------------------------------------------------------------------
 
 def _controller(args: argparse.Namespace) -> Any:
-    from deploy.cluster import connect, default_state_file, find_controller, read_state
+    from deploy.cluster import RAY_AUTH_ENV, connect, default_state_file, find_controller, read_state
     if args.ray_address:
         address, namespace, name = args.ray_address, args.namespace, args.controller_name
-        token_auth = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        token_auth = os.environ.get(RAY_AUTH_ENV, "").lower() == "token"
     else:
         state = read_state(args.state_file or default_state_file())
         address, namespace, name = state.ray_address, state.namespace, state.controller
         token_auth = state.token_auth
     connect(address, namespace, token_auth)
     return find_controller(name, namespace)
+
+
+CONTROLLER_CALL_TIMEOUT_S = 60.0  # a controller answers status and scale at once, or restarts within this
+
+
+def _controller_unavailable(exc: BaseException) -> str:
+    import ray.exceptions
+    if not isinstance(exc, ray.exceptions.RayError):
+        raise exc
+    kind = "did not answer in time" if isinstance(exc, ray.exceptions.GetTimeoutError) else "is unavailable"
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return (f"the controller {kind} (it may be restarting: try again in a minute; a scale it accepted "
+            f"goes on): {first_line}")
+
+
+def _api_key(flag: str | None) -> str | None:
+    """--api-key as given (an empty one is refused: an unset shell variable, not "no key"), else
+    $PDSERVE_API_KEY, where empty means none."""
+    return flag if flag is not None else (os.environ.get("PDSERVE_API_KEY") or None)
 
 
 def run_scale(args: argparse.Namespace) -> int:
@@ -259,7 +278,8 @@ def run_scale(args: argparse.Namespace) -> int:
     try:
         controller = _controller(args)
         import ray
-        result = ray.get(controller.scale.remote(args.prefill, args.decode, args.colocated, args.drain))
+        result = ray.get(controller.scale.remote(args.prefill, args.decode, args.colocated, args.drain),
+                         timeout=CONTROLLER_CALL_TIMEOUT_S)
         if "error" in result:
             raise ValueError(result["error"])
         targets = result["targets"]
@@ -268,10 +288,13 @@ def run_scale(args: argparse.Namespace) -> int:
         print(f"scaling to {targets['prefill']} prefill, {targets['decode']} decode, {targets['both']} colocated")
         if args.no_wait:
             return 0
-        status = ray.get(controller.wait_settled.remote(args.timeout))
+        status = ray.get(controller.wait_settled.remote(args.timeout), timeout=args.timeout + CONTROLLER_CALL_TIMEOUT_S)
     except (ValueError, ConnectionError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # ray.exceptions.RayError: the controller died, restarts or does not answer
+        print(f"pdserve: error: {_controller_unavailable(exc)}", file=sys.stderr)
+        return 1
     print(format_status(status, events=3))
     if not status["settled"]:
         print(f"pdserve: the pools did not settle within {args.timeout:.0f} s (see the events above)",
@@ -284,10 +307,13 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         controller = _controller(args)
         import ray
-        status = ray.get(controller.status.remote())
+        status = ray.get(controller.status.remote(), timeout=CONTROLLER_CALL_TIMEOUT_S)
     except (ValueError, ConnectionError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # ray.exceptions.RayError: the controller died, restarts or does not answer
+        print(f"pdserve: error: {_controller_unavailable(exc)}", file=sys.stderr)
+        return 1
     print(json.dumps(status, indent=2) if args.json else format_status(status, events=args.events))
     return 0
 

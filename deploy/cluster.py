@@ -77,13 +77,21 @@ def start_or_join(settings: RaySettings) -> dict[str, Any]:
     quiet_ray_environment(loopback=settings.loopback if started else is_loopback_address(address))
     import ray
     if started:
-        context = ray.init(num_cpus=settings.num_cpus or os.cpu_count() or 1, num_gpus=settings.num_gpus,
+        # "local": a new instance of its own, even where $RAY_ADDRESS is set or `ray start --head`
+        # runs (without it ray.init joins that one, and refuses num_cpus there)
+        context = ray.init(address="local", num_cpus=settings.num_cpus or os.cpu_count() or 1, num_gpus=settings.num_gpus,
                            include_dashboard=settings.include_dashboard,
                            object_store_memory=settings.object_store_memory_mb * 2**20,
                            namespace=settings.namespace, _temp_dir=settings.temp_dir,
                            logging_level=logging.WARNING)
     else:
-        context = ray.init(address=address, namespace=settings.namespace, logging_level=logging.WARNING)
+        try:
+            context = ray.init(address=address, namespace=settings.namespace, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ValueError(f"cannot join the Ray cluster at --ray-address {settings.address}"
+                             f"{f' ({address})' if address != settings.address else ''}: {exc}; start one "
+                             "(`ray start --head`), give its address, or leave --ray-address out to start "
+                             "a Ray instance of pdserve's own") from exc
     return {"address": context.address_info["gcs_address"], "started": started,
             "node_ip": context.address_info["node_ip_address"], "resources": ray.cluster_resources(),
             "nodes": node_resources(), "token_auth": os.environ.get(RAY_AUTH_ENV, "").lower() == "token"}

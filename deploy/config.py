@@ -230,6 +230,8 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.name or not self.namespace:
             raise ValueError("the controller name and namespace must be non-empty")
+        if ":" in self.name:  # its workers are the actors named "<name>:<worker id>"
+            raise ValueError(f"the controller name must not contain ':', got {self.name!r}")
         for name in ("health_interval_s", "rpc_timeout_s", "start_timeout_s", "drain_timeout_s",
                      "router_stale_after_s", "max_start_backoff_s"):
             if not getattr(self, name) > 0:

@@ -53,6 +53,7 @@ class RouterSpec:
     token_auth: bool
     controller: str
     router: dict[str, Any]  # RouterConfig's fields
+    planner: bool = False  # the controller runs the goodput planner: its decisions go on /metrics
     sync_interval_s: float = SYNC_INTERVAL_S
     warm_up_s: float = 10.0
     log_level: str = "INFO"
@@ -101,7 +102,8 @@ async def _run(spec: RouterSpec) -> None:
     sync = MembershipSync(pool, client.router_sync, spec.sync_interval_s, router_id=router_id(spec.index, os.getpid()))
     await _warm_up(sync, pool, spec.warm_up_s)
     sync.start()
-    planner.start()
+    if spec.planner:  # (without one there is nothing to read: no call to the controller every 2 s)
+        planner.start()
     freeze_startup_objects()
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on"))
     sock = socket.socket(fileno=spec.listen_fd)

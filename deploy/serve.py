@@ -214,7 +214,8 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
         RouterSpec(index=0, listen_fd=-1, ready_fd=-1, parent_pid=os.getpid(), ray_address=session["address"],
                    namespace=options.ray.namespace, token_auth=session["token_auth"],
                    controller=options.controller_name, router=dataclasses.asdict(router_config),
-                   sync_interval_s=options.sync_interval_s, log_level=options.log_level),
+                   planner=options.planner is not None, sync_interval_s=options.sync_interval_s,
+                   log_level=options.log_level),
         options.routers, sock)
     try:
         try:

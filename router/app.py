@@ -408,7 +408,8 @@ def _ops_routes(state: RouterState) -> APIRouter:
                               state.config.retry_after_s)
         return JSONResponse({"status": "ok"})
 
-    @ops.get("/status")
+    # /status names every worker's gRPC and KV addresses: behind the key, like the API
+    @ops.get("/status", dependencies=[Depends(bearer_auth(state.config.api_key))])
     async def status() -> dict[str, Any]:
         await state.pool.poll_all()
         return {"model": state.config.served_model_name, "ready": state.pool.ready,

@@ -80,6 +80,7 @@ def test_engine_flags_reach_every_worker():
     (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
     (["--local-prefill-weight", "-1"], "--local-prefill-weight must be >= 0"),
     (["--routers", "0"], "--routers must be in 1..64, got 0"),
+    (["--controller-name", "a:b"], "the controller name must not contain ':'"),
     (["--planner", "--max-workers", "4", "--prefill", "2", "--decode", "3"],
      "--prefill 2 + --decode 3 is more than --max-workers 4"),
     (["--model", "/no/such/model.gguf"], "no such file or folder"),
@@ -87,14 +88,18 @@ def test_engine_flags_reach_every_worker():
     (["--worker-cpus", "0"], "--worker-cpus must be > 0"),
     (["--worker-gpus", "2"], "--worker-gpus must be in (0, 1]"),
     (["--object-store-mb", "10"], "at least 75 MB"),
-    (["--api-key", ""], None),
+    (["--api-key", ""], "--api-key must be non-empty"),  # `--api-key "$KEY"` with KEY unset: not "no key"
 ])
 def test_bad_serve_options_fail_before_anything_starts(argv, message, capsys):
-    if message is None:  # an empty --api-key means "none" (as with an unset $PDSERVE_API_KEY)
-        assert options(*argv).api_key is None
-        return
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    assert options().api_key == "from-env" and options("--api-key", "flag").api_key == "flag"
+    monkeypatch.setenv("PDSERVE_API_KEY", "")  # an empty variable: no key
+    assert options().api_key is None
 
 
 def test_workers_on_cpu_get_fractional_cpus_and_a_thread_share():
@@ -401,3 +406,61 @@ def test_serve_gives_up_with_the_routers_answer_when_they_never_become_ready():
                                                  r"prefill \+ decode pair"):
                 await _wait_healthy(f"http://127.0.0.1:{port}", timeout_s=0.5)
     asyncio.run(scenario())
+
+
+def test_serve_starts_a_ray_instance_of_its_own_even_where_one_runs(monkeypatch):
+    """Without --ray-address: a new local instance ("local"), not the one $RAY_ADDRESS or the
+    latest `ray start --head` names (ray.init joins that one by default, then refuses num_cpus)."""
+    import ray
+
+    from deploy.cluster import RaySettings, start_or_join
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr("deploy.cluster.quiet_ray_environment", lambda **kwargs: None)  # this process's env
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
+    with pytest.raises(RuntimeError, match="stop here"):
+        start_or_join(RaySettings())
+    assert calls[0]["address"] == "local"
+
+
+def test_a_ray_cluster_that_cannot_be_joined_is_an_error_naming_the_flag(monkeypatch):
+    import ray
+
+    from deploy.cluster import RaySettings, start_or_join
+
+    def init(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr("deploy.cluster.quiet_ray_environment", lambda **kwargs: None)
+    with pytest.raises(ValueError, match=r"cannot join the Ray cluster at --ray-address 10.0.0.9:6379: Could not "
+                                         r"find any running Ray instance.; start one \(`ray start --head`\)"):
+        start_or_join(RaySettings(address="10.0.0.9:6379"))
+
+
+@pytest.mark.parametrize("command", ["status", "scale"])
+def test_a_controller_that_does_not_answer_is_an_error_not_a_traceback(command, monkeypatch, capsys):
+    """The controller restarting (or dead): `pdserve status` / `scale` say so and how to go on."""
+    import types
+
+    import ray
+    import ray.exceptions
+
+    import deploy.cli as cli
+    controller = types.SimpleNamespace(status=types.SimpleNamespace(remote=lambda: "ref"),
+                                       scale=types.SimpleNamespace(remote=lambda *args: "ref"))
+    monkeypatch.setattr(cli, "_controller", lambda args: controller)
+
+    def get(ref, timeout=None):
+        assert timeout is not None  # never an unbounded wait on an actor that may be gone
+        raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(ray, "get", get)
+    argv = ["status"] if command == "status" else ["scale", "--decode", "2"]
+    assert main(argv) == 1
+    assert "the controller did not answer in time (it may be restarting" in capsys.readouterr().err

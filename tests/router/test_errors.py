@@ -221,7 +221,11 @@ def test_api_key_is_required_on_v1_routes(make_router, decode, tokenizer):
     assert good.completions.create(**body).choices[0].text == "ok"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=router.url + "/v1", api_key="bad", max_retries=0).models.list()
-    assert httpx.get(router.url + "/health").status_code == 200  # operations routes stay open
+    assert httpx.get(router.url + "/health").status_code == 200  # probes and scrapers need no key
+    assert httpx.get(router.url + "/metrics").status_code == 200
+    error_of(httpx.get(router.url + "/status"), 401)  # it names every worker's address
+    status = httpx.get(router.url + "/status", headers={"authorization": "Bearer s3cret"}).json()
+    assert [w["address"] for w in status["workers"]] == [decode.address]
 
 
 def test_unknown_route_and_method_have_openai_bodies(router):
