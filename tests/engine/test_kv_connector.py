@@ -553,14 +553,15 @@ def test_a_load_that_times_out_while_its_first_token_is_sent_keeps_it_and_emits_
     engine thread fails the load: the load's end waits for the send, then the fallback keeps the
     token, so it is neither lost nor sampled again, and the engine's output comes after it."""
     import time
-    from engine.block_hash import hash_full_blocks
+
+    from engine.kv_connector import sent_token_hashes
     pair = pair_factory(prefill=dict(hold_send_s=1.5, lease_s=5.0), decode=dict(transfer_timeout_s=0.3))
     tokens = prompt(25, 30)
     pair.start("a", tokens)
     first = next(d for d in pair.run_prefill(until=lambda ds: any(d.new_token_ids for d in ds)) if d.new_token_ids)
     connector = pair.decode.kv_connector
     report = ProducerReport(SampledToken(first.new_token_ids[0]), pair.prefill.kv_connector.transport.epoch, 0,
-                            tuple(hash_full_blocks(tokens, BLOCK, None, connector.hash_algorithm)))
+                            sent_token_hashes(tokens, BLOCK, None, connector.hash_algorithm))
     events, claimed = [], []
 
     def deliver():
@@ -575,7 +576,9 @@ def test_a_load_that_times_out_while_its_first_token_is_sent_keeps_it_and_emits_
     pair.decode.scheduler.fail_import = recording_fail_import
     sender = threading.Thread(target=lambda: claimed.append(_stream(pair, "a", report, deliver)))
     sender.start()
+    deadline = time.monotonic() + 30
     while not events:
+        assert time.monotonic() < deadline and sender.is_alive(), f"the token was never sent: {claimed}"
         time.sleep(0.005)
     out, finals = pair.run_decode()  # its poll finds the deadline passed, and waits for the lock
     sender.join()
