@@ -168,12 +168,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
             except RuntimeError as exc:  # a host-cache copy failed; the engine already ended the request
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             async for delta in stream:
-                fell_back = delta.kv_import is not None and not delta.kv_import.prefilled_remotely
-                if fell_back and prefill is not None:
+                if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:
                     prefill.cancel()  # the load failed and this worker prefills: stop the prefill worker's side
-                if fell_back and not delta.new_token_ids and not delta.finished:
-                    continue  # that news alone is nothing for the caller
-                yield chunk_from_delta(delta, want_logprobs)
+                yield chunk_from_delta(delta, want_logprobs)  # (that news may come alone: how the KV came)
         finally:
             stream.close()  # aborts an unfinished request (stopping its transfer) in the engine
             if prefill is not None and not prefill.done():
