@@ -168,8 +168,12 @@ def serve(options: ServeOptions) -> int:
     session: dict[str, Any] = {}
     worker_pids: list[int] = []
     status = 0
+    sock = None
     try:
         check_state_file_free(state_file)
+        # The port first: a busy one is reported at once, not after Ray, the model and the workers
+        # started. Bound only: it listens once the routers are about to serve on it.
+        sock = _bind(options.host, options.port)
         with stopping:
             session = start_or_join(options.ray)
             spec = options.worker_spec(session["resources"], session["started"])
@@ -181,13 +185,15 @@ def serve(options: ServeOptions) -> int:
             _prepare_model(options.model)
             _check_model_splits(options.model, spec)
             controller = _create_controller(options.controller_config(spec))
-            status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids))
+            status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids, sock))
     except (ServeError, ValueError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
         status = 1
     except KeyboardInterrupt:
         pass
     finally:
+        if sock is not None:
+            sock.close()
         _teardown(controller, session, worker_pids, options.controller_name, options.ray.namespace)
         remove_state(state_file)
         print("pdserve stopped", flush=True)
@@ -195,7 +201,7 @@ def serve(options: ServeOptions) -> int:
 
 
 async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[str, Any], controller: Any,
-                       state_file: Path, worker_pids: list[int]) -> int:
+                       state_file: Path, worker_pids: list[int], sock: socket.socket) -> int:
     from deploy.client import ControllerClient
     from deploy.router_process import RouterSpec
     from deploy.supervisor import RouterStartError, RouterSupervisor
@@ -205,7 +211,8 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     client = ControllerClient(controller)
-    sock = _listen(options.host, options.port)
+    sock.listen(2048)
+    sock.setblocking(False)
     port = sock.getsockname()[1]
     url = f"http://{_url_host(options.host)}:{port}"
     starting = loop.create_task(client.start())
@@ -396,7 +403,7 @@ def _is_ray_process(pid: int) -> bool:
         return False
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -405,8 +412,6 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from None
-    sock.listen(2048)
-    sock.setblocking(False)
     return sock
 
 

@@ -464,3 +464,21 @@ def test_a_controller_that_does_not_answer_is_an_error_not_a_traceback(command, 
     argv = ["status"] if command == "status" else ["scale", "--decode", "2"]
     assert main(argv) == 1
     assert "the controller did not answer in time (it may be restarting" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_reported_before_ray_or_the_model_start(monkeypatch, tmp_path, capsys):
+    import socket
+
+    import deploy.serve as serve_module
+
+    def start_or_join(settings):
+        raise AssertionError("Ray must not start for a port that is taken")
+
+    monkeypatch.setattr(serve_module, "start_or_join", start_or_join)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        opts = options("--port", str(port), "--state-file", str(tmp_path / "state.json"))
+        assert serve_module.serve(opts) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
