@@ -152,6 +152,7 @@ class ServeState:
     url: str
     started_ray: bool
     token_auth: bool = False
+    ready: bool = False  # written as the controller is created (status and scale work while workers load), then ready
 
 
 def default_state_file() -> Path:

@@ -185,7 +185,13 @@ def serve(options: ServeOptions) -> int:
             _prepare_model(options.model)
             _check_model_splits(options.model, spec)
             controller = _create_controller(options.controller_config(spec))
-            status = asyncio.run(_serve_async(options, spec, session, controller, state_file, worker_pids, sock))
+            state = ServeState(pid=os.getpid(), ray_address=session["address"], namespace=options.ray.namespace,
+                               controller=options.controller_name,
+                               url=f"http://{_url_host(options.host)}:{sock.getsockname()[1]}",
+                               started_ray=session["started"], token_auth=session["token_auth"])
+            write_state(state_file, state)  # `pdserve status` shows the workers as they start
+            status = asyncio.run(_serve_async(options, spec, session, controller, state_file, state, worker_pids,
+                                              sock))
     except (ServeError, ValueError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
         status = 1
@@ -201,7 +207,7 @@ def serve(options: ServeOptions) -> int:
 
 
 async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[str, Any], controller: Any,
-                       state_file: Path, worker_pids: list[int], sock: socket.socket) -> int:
+                       state_file: Path, state: ServeState, worker_pids: list[int], sock: socket.socket) -> int:
     from deploy.client import ControllerClient
     from deploy.router_process import RouterSpec
     from deploy.supervisor import RouterStartError, RouterSupervisor
@@ -235,10 +241,7 @@ async def _serve_async(options: ServeOptions, spec: WorkerSpec, session: dict[st
             raise ServeError(f"the worker pools did not start: {exc}") from None
         await _unless_stopped(_wait_healthy(url), stop)
         worker_pids.extend(w["pid"] for w in status["workers"] if w.get("pid"))
-        write_state(state_file, ServeState(pid=os.getpid(), ray_address=session["address"],
-                                           namespace=options.ray.namespace, controller=options.controller_name,
-                                           url=url, started_ray=session["started"],
-                                           token_auth=session["token_auth"]))
+        write_state(state_file, dataclasses.replace(state, ready=True))
         colocated_tp = f" (tensor parallel {spec.tp('both')})" if spec.tp("both") > 1 else ""
         print(f"pdserve ready: {url}/v1 (model {options.model}; {options.prefill} prefill, {options.decode} "
               f"decode, {options.colocated} colocated worker(s){colocated_tp} on {spec.device}; "

@@ -482,3 +482,37 @@ def test_a_busy_port_is_reported_before_ray_or_the_model_start(monkeypatch, tmp_
         opts = options("--port", str(port), "--state-file", str(tmp_path / "state.json"))
         assert serve_module.serve(opts) == 1
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_an_old_state_file_without_ready_still_reads(tmp_path):
+    import json
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "ray_address": "127.0.0.1:1", "namespace": "pdserve",
+                                "controller": "pdserve-controller", "url": "http://127.0.0.1:8000",
+                                "started_ray": True}))
+    assert read_state(path).ready is False
+
+
+def test_the_state_file_is_written_while_the_workers_start(monkeypatch, tmp_path):
+    """`pdserve status` and `scale` work during a long startup (the workers' events say why one
+    fails to start); the file says it is not ready yet."""
+    import deploy.serve as serve_module
+    session = {"address": "127.0.0.1:1", "started": True, "resources": {"CPU": 2.0}, "nodes": [{"CPU": 2.0}],
+               "token_auth": False, "node_ip": "127.0.0.1"}
+    monkeypatch.setattr(serve_module, "start_or_join", lambda settings: session)
+    monkeypatch.setattr(serve_module, "_prepare_model", lambda model: None)
+    monkeypatch.setattr(serve_module, "_check_model_splits", lambda model, spec: None)
+    monkeypatch.setattr(serve_module, "_create_controller", lambda config: "controller")
+    monkeypatch.setattr(serve_module, "_teardown", lambda *args: None)
+    seen = []
+
+    async def serve_async(options, spec, session, controller, state_file, state, worker_pids, sock):
+        seen.append(read_state(state_file))
+        return 0
+
+    monkeypatch.setattr(serve_module, "_serve_async", serve_async)
+    state_file = tmp_path / "serve.json"
+    assert serve_module.serve(options("--port", "0", "--state-file", str(state_file))) == 0
+    [state] = seen
+    assert state.pid == os.getpid() and not state.ready and state.controller == "pdserve-controller"
+    assert state.url.startswith("http://127.0.0.1:") and not state_file.exists()  # removed at the end
