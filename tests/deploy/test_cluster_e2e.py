@@ -123,9 +123,7 @@ def test_killing_the_controller_loses_no_stream_and_it_comes_back(serve, client,
     out = client.completions.create(model="default", prompt=PLAIN, max_tokens=8, temperature=0)
     assert out.choices[0].text == offline_text(offline, PLAIN, 8)
     status = wait_until(lambda: status_if_answering(serve), 60, "the controller to answer again", interval=0.5)
-    back_after = time.monotonic() - killed_at
-    print(f"controller answering again {back_after:.1f} s after SIGKILL")  # shown with -s
-    assert back_after < 60
+    print(f"controller answering again {time.monotonic() - killed_at:.1f} s after SIGKILL")  # shown with -s
     assert controller_pids(serve) and controller_pids(serve) != [pid]
     assert status["targets"] == before["targets"]
     assert sorted((w["worker_id"], w["address"], w["pid"]) for w in status["workers"]) == workers_before
@@ -185,7 +183,8 @@ def test_scale_down_under_16_live_streams_hands_them_over_in_seconds(serve, clie
               and victim["address"] in e["message"]]
     print(f"scale-down under {DRAIN_STREAMS} streams: {took:.1f} s; {handed}")
     assert handed, "the drained worker handed no stream over"
-    assert took <= DRAIN_BOUND_S
+    assert not any("drain timed out" in e["message"] for e in status["events"])  # it ended by hand-over
+    assert took <= DRAIN_BOUND_S  # the issue states this bound in seconds
 
 
 def test_decode_pool_scales_up_and_down_while_a_stream_runs(serve, client, offline):

@@ -119,3 +119,5 @@ def test_interactive_requests_are_admitted_and_served_through_a_batch_flood(serv
     shed_batch = next(line for line in metrics.splitlines()
                       if line.startswith('pdserve:requests_shed_total{priority_class="batch"}'))
     assert float(shed_batch.split()[-1]) == len(shed)
+    assert all(not line.startswith('pdserve:requests_shed_total{priority_class="interactive"}')
+               or float(line.split()[-1]) == 0 for line in metrics.splitlines())  # no interactive one shed

@@ -146,16 +146,21 @@ def test_seeded_sampling_is_reproducible(client):
     assert texts[0] == texts[1]
 
 
+def _kv_transfer_bytes(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text
+    return float(next(line for line in metrics.splitlines()
+                      if line.startswith("pdserve:kv_transfer_bytes_total")).split()[-1])
+
+
 def test_repeated_prefix_reports_cached_tokens(client, cluster):
+    moved_before = _kv_transfer_bytes(cluster["url"])
     first = client.completions.create(model="default", prompt=LONG_PREFIX + "First question?", max_tokens=2,
                                       temperature=0)
     second = client.completions.create(model="default", prompt=LONG_PREFIX + "Second question?", max_tokens=2,
                                        temperature=0)
     assert first.usage.prompt_tokens > 64
     assert second.usage.prompt_tokens_details.cached_tokens > 0
-    metrics = httpx.get(cluster["url"] + "/metrics").text
-    kv_bytes = next(line for line in metrics.splitlines() if line.startswith("pdserve:kv_transfer_bytes_total"))
-    assert float(kv_bytes.split()[-1]) > 0  # the KV did move from the prefill to the decode worker
+    assert _kv_transfer_bytes(cluster["url"]) > moved_before  # these prompts' KV moved from P to D
 
 
 def _step_counts(cluster) -> dict[tuple[str, str], float]:
@@ -381,6 +386,7 @@ def test_a_batch_of_prompts_gives_each_prompt_what_it_gets_alone(client, offline
                                                                 sampled(prompts[1], extra_body={"best_of": 3}))
     scored = client.completions.create(model="default", prompt=prompts, max_tokens=0, echo=True, logprobs=0,
                                        temperature=0)
+    assert len(scored.choices) == len(prompts)
     for choice, prompt in zip(scored.choices, prompts):
         alone = client.completions.create(model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=0,
                                           temperature=0).choices[0]
@@ -585,22 +591,23 @@ def test_required_tool_choice_then_the_tool_result_turn(client, cluster):
     assert second.message.tool_calls is None and second.message.content and second.finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_auto_tool_choice_gives_a_call_or_plain_text(client, stream):
+def test_auto_tool_choice_gives_a_call_or_plain_text_the_same_streamed_or_not(client):
     """With `auto` the model decides; whichever it is, the reply is well formed and the same
     streamed or not."""
     kwargs = dict(model="default", messages=WEATHER_ASK, max_tokens=48, temperature=0, tools=TOOLS)
-    if stream:
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        deltas = [c.choices[0].delta for c in chunks if c.choices]
-        text = "".join(d.content or "" for d in deltas)
-        calls = [call for d in deltas for call in (d.tool_calls or [])]
-        finish = chunks[-1].choices[0].finish_reason
-    else:
-        choice = client.chat.completions.create(**kwargs).choices[0]
-        text, calls, finish = choice.message.content or "", choice.message.tool_calls or [], choice.finish_reason
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    text, calls, finish = choice.message.content or "", choice.message.tool_calls or [], choice.finish_reason
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed_calls = [call for d in deltas for call in (d.tool_calls or [])]
+    assert "".join(d.content or "" for d in deltas) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
     if calls:
         assert finish == "tool_calls" and not text and len(calls) == 1
-        _check_call(calls[0])
+        arguments = _check_call(calls[0])
+        name = next(c.function.name for c in streamed_calls if c.function and c.function.name)
+        streamed = "".join(c.function.arguments or "" for c in streamed_calls if c.function)
+        assert (name, json.loads(streamed)) == (calls[0].function.name, arguments)
     else:
+        assert not streamed_calls
         assert text and not text.lstrip().startswith("<") and finish in ("stop", "length")

@@ -431,3 +431,6 @@ def test_a_sequences_hashes_continue_from_its_prompts(make_router, decode):
         known = dispatcher.block_hashes(prompt, salt)
         continued = dispatcher.block_hashes(prompt + output, salt, known)
         assert continued == dispatcher.block_hashes(prompt + output, salt) and len(continued) == 9
+    # the known hashes are taken as they are, not recomputed: only the blocks after them are hashed
+    sentinel = [b"k" * 32] * 5
+    assert dispatcher.block_hashes(prompt + output, None, sentinel)[:5] == sentinel

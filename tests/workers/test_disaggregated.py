@@ -127,7 +127,7 @@ def test_seeded_sampling_and_logprobs_match_colocated(cluster, llm, repetitive):
     assert disaggregated.token_ids == colocated.token_ids
     colo_lp = [lp for chunk in colocated.chunks for lp in chunk.logprobs]
     pd_lp = [lp for chunk in disaggregated.chunks for lp in chunk.logprobs]
-    assert [lp.token_id for lp in pd_lp] == colocated.token_ids
+    assert [lp.token_id for lp in pd_lp] == colocated.token_ids == [lp.token_id for lp in colo_lp]
     assert len(pd_lp[0].top) == 2
     for mine, theirs in zip(pd_lp, colo_lp):
         assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
