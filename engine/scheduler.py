@@ -52,8 +52,8 @@ Conventions and choices beyond the shared contract:
   the KV connector says its blocks wait for a send (`request_finished`), it becomes SENDING_KV
   instead (blocks pinned, the first token's output not final) until `finish_sending`.
 - decode role: `finish_import` returns the StepOutput of the first token; if `max_num_seqs` is
-  reached or others wait, the request waits (status WAITING, blocks kept) and is admitted in
-  queue order. `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks
+  reached or an import deferred earlier still waits, the request waits (status WAITING, blocks
+  kept) and is admitted in queue order. `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks
   are short, or while a waiting request ahead of it (priority, then arrival) could not get its
   blocks at the last admission: imports do not take the blocks it waits for.
 - `get_request(id)` also finds requests finished since the last `schedule()` call.
@@ -771,9 +771,12 @@ class Scheduler:
             reason, error = self._finish(request, reason, error)
         else:
             del self._importing[request_id]
-            if len(self.running) < self.config.max_num_seqs and not self.waiting:
+            # Straight to running (its next token is a decode, scheduled before any prefill chunk)
+            # unless the seq cap is reached or an import deferred earlier still waits: then it is
+            # admitted in queue order after that one.
+            if len(self.running) < self.config.max_num_seqs and not any(r.block_ids for r in self.waiting):
                 self._enqueue_running(request)
-            else:  # admitted in queue order with those already waiting
+            else:
                 request.status = RequestStatus.WAITING
                 self._enqueue_waiting(request)
         return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,
