@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.harness import Serve, assert_chats_match_offline, ready_workers, running, wait_until
-from tests.deploy.ray_nodes import RayNodes
+from tests.deploy.ray_nodes import RayNodes, _pids
 
 pytestmark = pytest.mark.slow
 
@@ -122,10 +122,7 @@ def test_the_nodes_stop_and_leave_no_process(nodes):
     nodes._helper.stdin.close()
     assert nodes._helper.wait(60) == 0
     assert any("ray nodes stopped" in line for line in nodes.log)
-    wait_until(lambda: not _live(nodes.processes()), 60, "the nodes' processes to exit", interval=0.5)
+    wait_until(lambda: not _pids(nodes.processes()), 60, "the nodes' processes to exit", interval=0.5)
     nodes.stop()
 
-
-def _live(lines: list[str]) -> list[int]:
-    return [pid for pid in (int(line.split(":", 1)[0]) for line in lines) if running(pid)]
 
