@@ -11,7 +11,8 @@ import random
 import pytest
 
 from kvtransfer import (TRANSPORT_NAMES, KVLayout, LayoutMismatchError, TransferConfig, TransferState,
-                        create_receiver, create_sender, transport_unavailable_reason)
+                        create_receiver, create_sender)
+from ..transports import transport_params
 
 from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
                    kvtransfer_thread_stacks, kvtransfer_threads, open_fd_count, same_bytes,
@@ -19,13 +20,7 @@ from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
 
 # "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them);
 # "shm-mapped" has the sender's caches in shared memory, which the receiver maps and copies from.
-def _variant(name: str):
-    """A transport's cases are skipped, with the reason, where it is unavailable (not left out)."""
-    reason = transport_unavailable_reason(name.split("-")[0])
-    return pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
-
-
-TRANSPORTS = [_variant(name) for name in [*TRANSPORT_NAMES, "shm-cma", "shm-mapped"]]
+TRANSPORTS = transport_params([*TRANSPORT_NAMES, "shm-cma", "shm-mapped"])
 SPEC = CacheSpec()
 SEED = 1234
 TIMEOUT_S = 3.0  # dead/silent peer timeout of the long-lived pairs

@@ -22,6 +22,7 @@ from kvtransfer.layout import check_layouts
 from kvtransfer.transports._stream import AsyncSocket, SocketPayloadChannel
 
 from ..memory_maps import THP_ON, mapping_at
+from ..transports import transport_params
 from .peer import CacheSpec, is_sentinel, same_bytes, sentinel_caches, source_caches
 
 GUARD_S = 60.0
@@ -215,9 +216,7 @@ def tcp_pair():
     receiver.close()
 
 
-@pytest.mark.parametrize("transport", [
-    pytest.param(name, marks=pytest.mark.skipif(name not in available_transports(), reason=f"{name} unavailable"))
-    for name in ("ucx", "tcp", "shm")])
+@pytest.mark.parametrize("transport", transport_params(("ucx", "tcp", "shm")))
 def test_a_control_message_above_one_frame_arrives_whole(transport):
     """A `begin` naming 20000 blocks is ~120 KB of JSON: ucx sends control messages as one tagged
     message of at most 64 KiB, so this one goes in two parts and must arrive whole."""

@@ -15,11 +15,12 @@ import kvtransfer
 import wire
 from engine import LLM, SamplingParams
 from engine.model.loader import resolve_model
+from tests.transports import transport_params
 from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
 
 pytestmark = pytest.mark.slow
 
-TRANSPORTS = kvtransfer.available_transports()
+TRANSPORTS = kvtransfer.available_transports()  # the cluster's decode workers, one per transport
 BLOCK = 16
 NEW = 12
 THRESHOLD = 8
@@ -72,7 +73,7 @@ def blocks(num_tokens):
     return -(-num_tokens // BLOCK)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", transport_params())
 def test_disaggregated_greedy_is_token_exact(cluster, llm, bytes_per_block, transport):
     tok = llm.tokenizer
     text = tok.encode("The history of the Roman empire begins with the founding of the city, which according to "

@@ -7,11 +7,12 @@ import pytest
 
 import kvtransfer
 from engine import LLM, SamplingParams
+from tests.transports import transport_params
 from tests.workers.harness import all_blocks_free, generate, start_workers, stop_workers, wait_until
 
 pytestmark = pytest.mark.slow
 
-TRANSPORTS = kvtransfer.available_transports()
+TRANSPORTS = kvtransfer.available_transports()  # the cluster's decode workers, one per transport
 BLOCK = 16
 ENGINE = ["--num-blocks", "128", "--kv-cache-dtype", "int8"]
 
@@ -39,7 +40,7 @@ def no_blocks_held_after(cluster):
         wait_until(lambda: all_blocks_free(worker), what=f"{worker.grpc_address} to free every block")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", transport_params())
 def test_8bit_blocks_move_as_they_are_and_decode_token_exact(cluster, llm, transport):
     runner = llm.engine.runner
     block_bytes = runner.kv_format.block_bytes * runner.arch.num_hidden_layers  # one block id, every layer
