@@ -3,7 +3,7 @@
 Routes: `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`
 (Bearer `api_key` required on /v1 when configured), `GET /health` (200 only when one prefill
 and one decode worker answer, or one colocated worker does), `GET /metrics` (Prometheus),
-`GET /status` (each worker's health and load, freshly polled).
+`GET /status` (each worker's health and load, freshly polled; concurrent callers share one poll).
 
 A generation request: read the body (size-capped) -> validate (400/404) -> tokenize -> admit
 (429/503; each sequence: `n`, `best_of`, each prompt of a batch, router/choices.py) -> `Generation.start()` picks
@@ -411,7 +411,7 @@ def _ops_routes(state: RouterState) -> APIRouter:
     # /status names every worker's gRPC and KV addresses: behind the key, like the API
     @ops.get("/status", dependencies=[Depends(bearer_auth(state.config.api_key))])
     async def status() -> dict[str, Any]:
-        await state.pool.poll_all()
+        await state.pool.poll_all_shared()
         return {"model": state.config.served_model_name, "ready": state.pool.ready,
                 "max_model_len": state.max_model_len, "inflight_requests": state.dispatcher.inflight,
                 "prefill_policy": state.dispatcher.prefill_policy.name,

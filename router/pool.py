@@ -143,6 +143,7 @@ class WorkerPool:
     _poll_task: asyncio.Task | None = None
     _background: set[asyncio.Task] = field(default_factory=set)
     _no_kv_events: set[str] = field(default_factory=set)  # workers whose KVEvents is UNIMPLEMENTED
+    _shared_poll: asyncio.Future | None = None  # the poll_all_shared() under way
     _snapshots_in: asyncio.Event | None = None  # at start: set once every healthy worker's snapshot is in
     # Where prompt blocks are cached, per worker and tier, from the workers' KV events (the policies
     # route on it); None: a new one.
@@ -282,6 +283,8 @@ class WorkerPool:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
             self._poll_task = None
+        if self._shared_poll is not None:
+            self._shared_poll.cancel()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -289,6 +292,13 @@ class WorkerPool:
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(self.poll_worker(worker) for worker in self.workers()))
+
+    async def poll_all_shared(self) -> None:
+        """`poll_all` for callers that only read the result (`GET /status`): callers arriving while
+        one runs wait for that one instead of each polling every worker again."""
+        if self._shared_poll is None or self._shared_poll.done():
+            self._shared_poll = asyncio.ensure_future(self.poll_all())
+        await asyncio.shield(self._shared_poll)
 
     async def poll_worker(self, worker: WorkerInfo) -> None:
         if self._workers.get(worker.address) is not worker:

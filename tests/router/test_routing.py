@@ -262,6 +262,33 @@ def test_a_polled_queue_does_not_count_this_routers_finished_prefills():
     assert p.prefill_load_tokens == 500
 
 
+def test_concurrent_status_requests_share_one_poll():
+    """`GET /status` polls every worker: callers arriving during a poll wait for it rather than
+    each polling every worker again; a later caller polls afresh."""
+    calls = []
+
+    class Client:
+        async def health(self, timeout):
+            await asyncio.sleep(0.05)
+            return type("Health", (), {"ok": True, "role": "decode", "model": "m", "transport_address": ""})()
+
+        async def stats(self, timeout):
+            calls.append(timeout)
+            return wire.messages().WorkerStats(role="decode")
+
+    pool = WorkerPool(RouterConfig(decode=["127.0.0.1:5001", "127.0.0.1:5003"]),
+                      client_factory=lambda address, role: Client())
+
+    async def main():
+        await asyncio.gather(*(pool.poll_all_shared() for _ in range(10)))
+        assert len(calls) == 2  # one poll of each worker
+        assert all(w.healthy for w in pool.workers())
+        await pool.poll_all_shared()
+        assert len(calls) == 4
+
+    asyncio.run(main())
+
+
 def test_round_robin_cycles_in_address_order():
     policy = RoundRobin()
     ws = workers("decode", 3)
