@@ -153,6 +153,9 @@ class ServeState:
     started_ray: bool
     token_auth: bool = False
     ready: bool = False  # written as the controller is created (status and scale work while workers load), then ready
+    # when the pid's process started (Linux: /proc/PID/stat, clock ticks since boot): a pid reused by
+    # another process after serve died does not make the file look live; None where unknown
+    pid_started: int | None = None
 
 
 def default_state_file() -> Path:
@@ -177,7 +180,8 @@ def read_state(path: Path) -> ServeState:
                          "--ray-address to reach a cluster directly") from None
     except (json.JSONDecodeError, TypeError) as exc:
         raise ValueError(f"{path} is not a pdserve state file ({exc}); remove it") from None
-    if not pid_alive(state.pid):
+    if not pid_alive(state.pid) or (state.pid_started is not None and
+                                    process_started(state.pid) not in (None, state.pid_started)):
         raise ValueError(f"the `pdserve serve` that wrote {path} (pid {state.pid}) is no longer running; "
                          "remove the file or start a new one")
     return state
@@ -200,6 +204,16 @@ def remove_state(path: Path) -> None:
             path.unlink()
     except (OSError, ValueError):
         pass
+
+
+def process_started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the fields after the command name, which is in parentheses and may contain spaces; starttime is field 22
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def pid_alive(pid: int) -> bool:

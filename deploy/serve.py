@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, remove_state,
-                            start_or_join, write_state)
+from deploy.cluster import (RaySettings, ServeState, check_state_file_free, default_state_file, process_started,
+                            remove_state, start_or_join, write_state)
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEVICE_CHOICES, ROLES, SYNC_INTERVAL_S, ControllerConfig,
                            PoolTargets, WorkerSpec, capacity_shortfall, tp_flag)
 from deploy.planner import PlannerConfig
@@ -188,7 +188,8 @@ def serve(options: ServeOptions) -> int:
             state = ServeState(pid=os.getpid(), ray_address=session["address"], namespace=options.ray.namespace,
                                controller=options.controller_name,
                                url=f"http://{_url_host(options.host)}:{sock.getsockname()[1]}",
-                               started_ray=session["started"], token_auth=session["token_auth"])
+                               started_ray=session["started"], token_auth=session["token_auth"],
+                               pid_started=process_started(os.getpid()))
             write_state(state_file, state)  # `pdserve status` shows the workers as they start
             status = asyncio.run(_serve_async(options, spec, session, controller, state_file, state, worker_pids,
                                               sock))

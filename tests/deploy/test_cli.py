@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser, format_status, main, serve_options
-from deploy.cluster import RaySettings, ServeState, check_state_file_free, read_state, remove_state, write_state
+from deploy.cluster import (RaySettings, ServeState, check_state_file_free, process_started, read_state, remove_state,
+                            write_state)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -204,6 +205,16 @@ def test_state_file_round_trip_and_staleness(tmp_path):
         check_state_file_free(path)
     remove_state(path)
     assert path.exists()  # not ours: left alone
+    # the pid is alive but is another process than the one that wrote the file (a pid reused after
+    # serve died): stale
+    started = process_started(os.getppid())
+    assert started is not None and started <= process_started(os.getpid())
+    path.write_text(json.dumps({**state.__dict__, "pid": os.getppid(), "pid_started": started}))
+    assert read_state(path).pid == os.getppid()
+    path.write_text(json.dumps({**state.__dict__, "pid": os.getppid(), "pid_started": started + 1}))
+    with pytest.raises(ValueError, match=r"is no longer running"):
+        read_state(path)
+    check_state_file_free(path)
 
 
 def test_scale_and_status_without_a_server_say_so(tmp_path):
