@@ -222,60 +222,71 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, payload: 
     url = f"{config.api_root}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
     start = time.perf_counter()
     result.sent_at_s = start - clock_start
-    last_token_at = start
     texts: list[str] = []
-    try:
-        async with asyncio.timeout(config.request_timeout_s):
-            async with client.stream("POST", url, json=payload, headers=config.headers()) as response:
-                if response.status_code != 200:
-                    body = (await response.aread()).decode("utf-8", errors="replace")
-                    result.error = f"HTTP {response.status_code}: {_error_message(body)}"
-                    return
-                done = False
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+
+    async def stream() -> bool:
+        """Read the response into `result`; True when it ended with [DONE] (else result.error says why)."""
+        last_token_at = start
+        async with client.stream("POST", url, json=payload, headers=config.headers()) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", errors="replace")
+                result.error = f"HTTP {response.status_code}: {_error_message(body)}"
+                return False
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return True
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {_error_message(json.dumps(chunk))}"
+                    return False
+                now = time.perf_counter()
+                for choice in chunk.get("choices") or []:
+                    tokens, text = _chunk_tokens(choice, config.endpoint, config.use_logprobs)
+                    texts.append(text)
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+                    if tokens == 0:
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        result.error = f"stream error: {_error_message(json.dumps(chunk))}"
-                        return
-                    now = time.perf_counter()
-                    for choice in chunk.get("choices") or []:
-                        tokens, text = _chunk_tokens(choice, config.endpoint, config.use_logprobs)
-                        texts.append(text)
-                        if choice.get("finish_reason"):
-                            result.finish_reason = choice["finish_reason"]
-                        if tokens == 0:
-                            continue
-                        if result.ttft_s is None:
-                            result.ttft_s = now - start
-                            result.itl_s.extend([0.0] * (tokens - 1))
-                        else:
-                            result.itl_s.extend([(now - last_token_at) / tokens] * tokens)
-                        last_token_at = now
-                        result.streamed_tokens += tokens
-                    usage = chunk.get("usage")
-                    if usage:
-                        result.prompt_tokens = usage.get("prompt_tokens")
-                        result.completion_tokens = usage.get("completion_tokens")
-                        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                if not done:
-                    result.error = "the stream ended without [DONE]"
-                    return
+                    if result.ttft_s is None:
+                        result.ttft_s = now - start
+                        result.itl_s.extend([0.0] * (tokens - 1))
+                    else:
+                        result.itl_s.extend([(now - last_token_at) / tokens] * tokens)
+                    last_token_at = now
+                    result.streamed_tokens += tokens
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.completion_tokens = usage.get("completion_tokens")
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            result.error = "the stream ended without [DONE]"
+            return False
+
+    try:
+        if not await within(config.request_timeout_s, stream()):
+            return
         result.e2e_s = time.perf_counter() - start
         result.text = "".join(texts)
         if result.ttft_s is None:
             result.error = "the stream carried no token"
             return
         result.success = True
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):  # two classes before Python 3.11
         result.error = f"no complete response within --request-timeout {config.request_timeout_s:g} s"
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+
+
+async def within(seconds: float, awaitable):
+    """`await awaitable` with a time limit: TimeoutError (asyncio.TimeoutError before Python 3.11)
+    when it runs longer. asyncio.timeout where there is one (3.11+), else asyncio.wait_for."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _error_message(body: str) -> str:

@@ -268,6 +268,36 @@ def test_failed_requests_carry_a_clear_error(body, status, message):
     assert not result.success and result.error == message
 
 
+@pytest.mark.parametrize("python_3_10", [False, True], ids=["asyncio.timeout", "no asyncio.timeout"])
+def test_request_timeout_without_asyncio_timeout(monkeypatch, python_3_10):
+    """--request-timeout ends a stream that stalls, also on Python 3.10 (no asyncio.timeout there;
+    pyproject allows 3.10)."""
+    if python_3_10:
+        monkeypatch.delattr(asyncio, "timeout", raising=False)
+
+    async def stalled_body():
+        yield _sse(_chat_chunk("a", 1))
+        await asyncio.sleep(30)
+        yield _sse("[DONE]")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=stalled_body(), headers={"content-type": "text/event-stream"})
+
+    async def go() -> RequestResult:
+        config = BenchConfig(base_url="http://bench.test", request_timeout_s=0.2)
+        result = RequestResult(0, 0, "t", 0.0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            from benchmarks.serve import build_payload
+            payload = build_payload(config, "m", [{"role": "user", "content": "hi"}], 6)
+            await send_request(client, config, payload, result, time.perf_counter())
+        return result
+    started = time.perf_counter()
+    result = asyncio.run(go())
+    assert time.perf_counter() - started < 10
+    assert not result.success and result.error == "no complete response within --request-timeout 0.2 s"
+    assert result.ttft_s is not None and result.streamed_tokens == 1  # what came before the stall is kept
+
+
 # ---- against a live pdserve ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
