@@ -400,9 +400,11 @@ class LLMEngine:
         if detok is not None:
             if out.new_token_ids or out.finished:
                 change = self._detokenize(detok, delta, request)
-                if change.stopped and not out.finished:
-                    # A stop string matched: end the request now (frees its blocks).
-                    self.scheduler.abort(out.request_id)
+                if change.stopped:
+                    # A stop string matched: the text was cut there, so the reason is "stop" even
+                    # when the same token also reached max_tokens; end the request now (frees its blocks).
+                    if not out.finished:
+                        self.scheduler.abort(out.request_id)
                     delta.finished, delta.finish_reason = True, "stop"
             if delta.finished:
                 del self._detokenizers[out.request_id]

@@ -238,6 +238,20 @@ def test_stop_string_and_logprobs(llm, prompts, reference):
     _assert_clean(llm.engine)
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(llm, prompts, reference):
+    """The token that completes a stop string is also the max_tokens-th: the text is cut at the
+    stop, so the reason is "stop", not "length"."""
+    tok = llm.tokenizer
+    k = next(k for k in range(6, NEW) if len(tok.decode(reference[3][:k])) >= 4
+             and tok.decode(reference[3][:k])[-3:] not in tok.decode(reference[3][:k - 1]))
+    text = tok.decode(reference[3][:k])
+    stop = text[-3:]
+    out = llm.generate([prompts[3]], SamplingParams(max_tokens=k, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+    assert (out.finish_reason, out.text) == ("stop", text[:text.index(stop)])
+    assert len(out.token_ids) == k
+    _assert_clean(llm.engine)
+
+
 def test_bad_requests_are_refused(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY, use_tqdm=False)
