@@ -147,7 +147,7 @@ class RequestResult:
     streamed_tokens: int = 0
     prompt_tokens: int | None = None  # None: the server sent no usage
     completion_tokens: int | None = None
-    cached_tokens: int | None = None
+    cached_tokens: int | None = None  # None: the server did not report them (not 0)
     finish_reason: str | None = None
     text: str = ""
 
@@ -261,7 +261,7 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, payload: 
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens")
                     result.completion_tokens = usage.get("completion_tokens")
-                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             result.error = "the stream ended without [DONE]"
             return False
 
@@ -445,16 +445,21 @@ def percentile(sorted_values: list[float], p: float) -> float:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO) -> dict[str, Any]:
+    """The run's numbers over its successful requests. `cached_tokens` and `prefix_cache_hit_rate`
+    count only the requests whose server reported cached tokens; None when none did (a server that
+    does not report them has an unknown hit rate, not 0)."""
     ok = [r for r in results if r.success]
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    cached_tokens = sum(r.cached_tokens or 0 for r in ok)
+    reporting = [r for r in ok if r.cached_tokens is not None]
+    cached_tokens = sum(r.cached_tokens for r in reporting) if reporting else None
+    cached_of = sum(r.prompt_tokens or 0 for r in reporting)
     duration = max(duration_s, 1e-9)
     summary: dict[str, Any] = {
         "completed": len(ok), "errors": sum(1 for r in results if not r.success and not r.incomplete),
         "incomplete": sum(1 for r in results if r.incomplete), "duration_s": duration_s,
         "input_tokens": input_tokens, "output_tokens": output_tokens, "cached_tokens": cached_tokens,
-        "prefix_cache_hit_rate": cached_tokens / input_tokens if input_tokens else None,
+        "prefix_cache_hit_rate": cached_tokens / cached_of if cached_tokens is not None and cached_of else None,
         "request_throughput": len(ok) / duration, "output_token_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "goodput": sum(1 for r in ok if slo.met_by(r)) / duration if slo.is_set else None,
@@ -521,7 +526,10 @@ def format_report(report: dict[str, Any]) -> str:
     if s["incomplete"]:
         row("Unfinished at --timeout:", s["incomplete"])
     row("Duration (s):", f"{s['duration_s']:.2f}")
-    row("Input tokens (cached):", f"{s['input_tokens']} ({s['cached_tokens']})")
+    cached = "-" if s["cached_tokens"] is None else s["cached_tokens"]
+    row("Input tokens (cached):", f"{s['input_tokens']} ({cached})")
+    hit_rate = s["prefix_cache_hit_rate"]
+    row("Prefix cache hit rate:", "-" if hit_rate is None else f"{100 * hit_rate:.1f}%")
     row("Output tokens:", s["output_tokens"])
     row("Request throughput (req/s):", f"{s['request_throughput']:.3f}")
     if s["goodput"] is not None:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -18,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.serve import (SLO, BenchConfig, RequestResult, arrival_offsets, distribution, percentile,
-                              run_benchmark, send_request, summarize)
-from benchmarks.workloads import COMMON_WORDS, WorkloadConfig, build_workload
+from benchmarks.serve import (SLO, BenchConfig, RequestResult, RunOutcome, arrival_offsets, build_report, distribution,
+                              format_report, percentile, run_benchmark, send_request, summarize)
+from benchmarks.workloads import COMMON_WORDS, Conversation, Turn, Workload, WorkloadConfig, build_workload
 from tests.router.processes import Process, grpc_address, start_router
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,6 +196,28 @@ def test_summary_counts_goodput_against_the_slo():
     assert s["tpot_ms"]["median"] == pytest.approx(100.0) and s["itl_ms"]["count"] == 10 + 4 + 4
 
 
+def test_cached_tokens_not_reported_are_unknown_not_zero():
+    """A server that reports no cached tokens has an unknown prefix-cache hit rate: None in the
+    summary and '-' in the table, not 0%; the hit rate counts only the requests that report them."""
+    def done(prompt, cached):
+        return RequestResult(0, 0, "x", 0.0, success=True, ttft_s=0.1, e2e_s=0.2, completion_tokens=2,
+                             prompt_tokens=prompt, cached_tokens=cached, itl_s=[0.1])
+    silent = summarize([done(10, None), done(30, None)], 1.0, SLO())
+    assert silent["cached_tokens"] is None and silent["prefix_cache_hit_rate"] is None
+    assert silent["input_tokens"] == 40
+    mixed = summarize([done(10, None), done(30, 15), done(10, 0)], 1.0, SLO())
+    assert mixed["cached_tokens"] == 15 and mixed["prefix_cache_hit_rate"] == pytest.approx(15 / 40)
+    workload = Workload("random", [Conversation(0, [Turn("hi", 2, 1)])], "one request")
+    report = build_report(BenchConfig(base_url="http://h:1"), workload,
+                          RunOutcome([done(10, None)], 1.0, "m", None))
+    table = format_report(report)
+    assert "Input tokens (cached):" in table and "10 (-)" in table
+    assert re.search(r"Prefix cache hit rate:\s+-\n", table)
+    reported = format_report(build_report(BenchConfig(base_url="http://h:1"), workload,
+                                          RunOutcome([done(10, 4)], 1.0, "m", None)))
+    assert "10 (4)" in reported and re.search(r"Prefix cache hit rate:\s+40.0%", reported)
+
+
 # ---- the stream parser --------------------------------------------------------------------------
 
 def _sse(*events) -> bytes:
@@ -266,6 +289,14 @@ def test_completions_endpoint_counts_logprob_tokens():
 def test_failed_requests_carry_a_clear_error(body, status, message):
     result = _send(body, status)
     assert not result.success and result.error == message
+
+
+def test_usage_without_cached_tokens_leaves_them_unknown():
+    usage = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}}
+    result = _send(_sse(_chat_chunk("a", 1, "length"), usage, "[DONE]"))
+    assert result.success and result.prompt_tokens == 12 and result.cached_tokens is None
+    zero = {"choices": [], "usage": {**usage["usage"], "prompt_tokens_details": {"cached_tokens": 0}}}
+    assert _send(_sse(_chat_chunk("a", 1, "length"), zero, "[DONE]")).cached_tokens == 0
 
 
 @pytest.mark.parametrize("python_3_10", [False, True], ids=["asyncio.timeout", "no asyncio.timeout"])
