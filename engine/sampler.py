@@ -17,7 +17,8 @@ Contract:
 - Structured output: a row with a grammar first has the tokens its grammar does not allow set to
   -inf (engine/structured_output.py); everything after sees only the allowed tokens.
 - Logit bias (after the penalties): each row's `logit_bias` is added to its tokens' logits, and
-  the tokens it may not sample yet (`banned`: EOS and stop token ids before `min_tokens`) get -inf.
+  the tokens it may not sample yet (`banned`: EOS and stop token ids before `min_tokens`) get -inf,
+  unless its grammar allows nothing else (an output that has reached the grammar's end ends).
 - Logprobs are of the model's raw distribution (log_softmax of the unprocessed logits, before
   penalties and grammar masks).
 """
@@ -117,13 +118,15 @@ class SamplingMetadata:
                    top_k=None, max_top_k=0, top_p=None, min_p=None, seeded_uniforms=None,
                    penalties=penalties, num_logprobs=num_logprobs, max_num_logprobs=max_num_logprobs,
                    vocab_size=vocab_size)
-        meta.bias_positions, meta.bias_values = _build_bias(params, banned, vocab_size, device)
         grammar_rows = [i for i, g in enumerate(grammars or ()) if g is not None]
         if grammar_rows:
             meta.token_bitmask = allocate_bitmask(num_seqs, vocab_size)
             meta.bitmask_rows = grammar_rows
             for row in grammar_rows:
                 grammars[row].fill_bitmask(meta.token_bitmask, row)
+            if banned:
+                banned = _unban_where_the_grammar_must_end(banned, meta.token_bitmask, grammar_rows, vocab_size)
+        meta.bias_positions, meta.bias_values = _build_bias(params, banned, vocab_size, device)
         if all_greedy:
             return meta
         random_params = [p for p, g in zip(params, greedy) if not g]
@@ -145,6 +148,23 @@ class SamplingMetadata:
                         for p, out, g in zip(params, output_token_ids, greedy)]
             meta.seeded_uniforms = row_tensor(uniforms, torch.float32)
         return meta
+
+
+def _unban_where_the_grammar_must_end(banned: list[list[int]], bitmask: torch.Tensor, grammar_rows: list[int],
+                                      vocab_size: int) -> list[list[int]]:
+    """`min_tokens` bans EOS and the stop ids; a grammar that has reached its end allows only
+    those. Where the two together would leave no token, the grammar wins: the row may end."""
+    banned = list(banned)
+    shifts = torch.arange(32, dtype=torch.int32)
+    for row in grammar_rows:
+        if not banned[row]:
+            continue
+        allowed = ((bitmask[row][:, None] >> shifts) & 1).flatten()[:vocab_size].bool()
+        others = allowed.clone()
+        others[[t for t in banned[row] if t < vocab_size]] = False
+        if not bool(others.any()):
+            banned[row] = []
+    return banned
 
 
 def _build_bias(params: list[SamplingParams], banned: list[list[int]] | None, vocab_size: int,

@@ -100,6 +100,34 @@ def test_the_sampler_masks_only_rows_with_a_grammar_and_keeps_raw_logprobs():
     assert [t for t, _ in out.top_logprobs[0]] == raw[0].topk(2).indices.tolist()
 
 
+def test_min_tokens_does_not_ban_the_only_tokens_a_finished_grammar_allows():
+    """min_tokens bans EOS (2) and the stop ids (7); a grammar at its end allows only EOS. The
+    grammar wins there (the row ends); where it allows more, the ban holds."""
+    vocab = 40
+    logits = torch.zeros(3, vocab)
+    logits[:, 2] = 5.0  # EOS is the model's favourite everywhere
+    params = [SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7]),
+              SamplingParams(temperature=0.8, seed=1, min_tokens=4, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7])]
+    grammars = [_AllowOnly([2]), _AllowOnly([2, 7]), _AllowOnly([2, 7, 11])]
+    banned = [[2, 7]] * 3
+    meta = SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, vocab, "cpu", grammars=grammars, banned=banned)
+    out = Sampler()(logits.clone(), meta)
+    assert out.token_ids == [2, out.token_ids[1], 11]
+    assert out.token_ids[1] in (2, 7)  # only banned tokens allowed: may end
+    assert banned == [[2, 7]] * 3  # the caller's lists are not changed
+
+
+@pytest.mark.slow
+def test_min_tokens_with_a_constraint_ends_where_the_grammar_does(llm):
+    """A choice is shorter than min_tokens: the output is the choice, finished, not an error."""
+    for temperature in (0.0, 0.8):
+        out = _generate(llm, ASK, StructuredOutput.choice(["yes", "no"]), min_tokens=8, temperature=temperature,
+                        seed=5)
+        assert (out.finish_reason, out.text) in (("stop", "yes"), ("stop", "no")), out
+    _assert_clean(llm.engine)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
 def test_bitmask_application_matches_xgrammar_on_every_word_pattern(native, monkeypatch):
     """All-allowed, all-refused and mixed words, a vocabulary that is not a multiple of 32, and
