@@ -174,8 +174,9 @@ def bench(url: str, label: str, workload: str, num_requests: int, rate: float, p
     report = run_benchmark(config, workload, num_requests, options)
     report["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     s = report["summary"]
-    print(f"  {label}: {s['completed']} ok, {s['errors']} errors, TTFT median {_ms(s['ttft_ms']['median'])}, "
-          f"TPOT median {_ms(s['tpot_ms']['median'])}, {s['output_token_throughput']:.1f} out tok/s", flush=True)
+    print(f"  {label}: {s['completed']} ok, {s['errors']} errors, {s['incomplete']} unfinished or not sent, "
+          f"TTFT median {_ms(s['ttft_ms']['median'])}, TPOT median {_ms(s['tpot_ms']['median'])}, "
+          f"{s['output_token_throughput']:.1f} out tok/s", flush=True)
     return report
 
 
@@ -310,7 +311,7 @@ def plot_interference(results: dict[str, Any], out_dir: Path) -> Path:
         short = [r for r in requests if r["tag"] == "short" and r["success"] and r["tpot_ms"] is not None]
         ax.plot([r["sent_at_s"] + r["e2e_ms"] / 1000 for r in short], [r["tpot_ms"] for r in short], "k.",
                 markersize=5, label="short request TPOT (at its end)")
-        for index, r in enumerate(x for x in requests if x["tag"] == "long"):
+        for index, r in enumerate(x for x in requests if x["tag"] == "long" and x["sent_at_s"] is not None):
             end = r["sent_at_s"] + (r["ttft_ms"] or 0) / 1000
             ax.axvspan(r["sent_at_s"], end, color="red", alpha=0.12,
                        label="long prompt: sent -> first token" if index == 0 else None)
@@ -363,13 +364,15 @@ def plot_agent(results: dict[str, Any], out_dir: Path) -> Path:
 # ---- the headline table -------------------------------------------------------------------------
 
 def headline_table(results: dict[str, Any]) -> str:
-    """Markdown rows: per workload and system, throughput, goodput, TTFT and TPOT percentiles."""
+    """Markdown rows: per workload and system, throughput, goodput, TTFT and TPOT percentiles; "err"
+    counts every request that did not succeed (failed, unfinished or never sent)."""
     lines = ["| workload | system | ok/err | out tok/s | goodput req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
              "| ITL p99 (ms) | cached |", "|---|---|---|---|---|---|---|---|---|"]
 
     def row(name: str, system: str, s: dict[str, Any]) -> None:
         hit = "-" if s["prefix_cache_hit_rate"] is None else f"{100 * s['prefix_cache_hit_rate']:.0f}%"
-        lines.append(f"| {name} | {system} | {s['completed']}/{s['errors']} | {s['output_token_throughput']:.1f} | "
+        not_ok = s["errors"] + s.get("incomplete", 0)
+        lines.append(f"| {name} | {system} | {s['completed']}/{not_ok} | {s['output_token_throughput']:.1f} | "
                      f"{s['goodput']:.3f} | {_n(s['ttft_ms']['median'])} / {_n(s['ttft_ms']['p99'])} | "
                      f"{_n(s['tpot_ms']['median'])} / {_n(s['tpot_ms']['p99'])} | {_n(s['itl_ms']['p99'])} | {hit} |")
     systems = results["systems"]

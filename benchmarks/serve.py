@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -132,15 +133,24 @@ class BenchConfig:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+NOT_SENT_BEFORE_TIMEOUT = "not sent before --timeout ended the run"
+UNFINISHED_AT_TIMEOUT = "unfinished when --timeout ended the run"
+EARLIER_TURN_FAILED = "not sent: an earlier turn of its conversation failed"
+
+
 @dataclass
 class RequestResult:
+    """One planned request. Every request of the workload has one, sent or not: exactly one of
+    success, incomplete (not finished: still running when --timeout ended the run, or never sent,
+    `sent` False, with the reason in `error`) or failed (neither; `error` says why)."""
     conversation_id: int
     turn: int
     tag: str
-    sent_at_s: float  # since the benchmark started
+    sent_at_s: float  # since the benchmark started; meaningless while `sent` is False
     success: bool = False
-    incomplete: bool = False  # still running when --timeout ended the run
+    incomplete: bool = False
     error: str = ""
+    sent: bool = False
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -166,8 +176,8 @@ class RequestResult:
         def ms(value: float | None) -> float | None:
             return None if value is None else round(value * 1000, 3)
         return {"conversation_id": self.conversation_id, "turn": self.turn, "tag": self.tag,
-                "sent_at_s": round(self.sent_at_s, 4), "success": self.success, "incomplete": self.incomplete,
-                "error": self.error, "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s), "e2e_ms": ms(self.e2e_s),
+                "sent": self.sent, "sent_at_s": round(self.sent_at_s, 4) if self.sent else None,
+                "success": self.success, "incomplete": self.incomplete, "error": self.error, "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s), "e2e_ms": ms(self.e2e_s),
                 "itl_ms": [ms(g) for g in self.itl_s], "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
                 "streamed_tokens": self.streamed_tokens, "finish_reason": self.finish_reason}
@@ -221,6 +231,7 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, payload: 
     """Stream one request into `result` (never raises, except on cancellation)."""
     url = f"{config.api_root}/{'chat/completions' if config.endpoint == 'chat' else 'completions'}"
     start = time.perf_counter()
+    result.sent = True
     result.sent_at_s = start - clock_start
     texts: list[str] = []
 
@@ -343,7 +354,10 @@ def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
 
 
 async def run_workload(config: BenchConfig, workload: Workload, model: str | None = None) -> RunOutcome:
-    """Send every conversation of `workload` (arrivals, concurrency and timeouts as configured)."""
+    """Send every conversation of `workload` (arrivals, concurrency and timeouts as configured).
+    The outcome has one result per planned request (workload.num_requests, in conversation and
+    turn order), sent or not: a turn after a failed one is not sent (it would build on a reply
+    that does not exist), and what --timeout cut off is unfinished or not sent (`incomplete`)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -354,20 +368,21 @@ async def run_workload(config: BenchConfig, workload: Workload, model: str | Non
         rng = random.Random(config.seed)
         offsets = arrival_offsets(len(workload.conversations), config.request_rate, rng)
         semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-        results: list[RequestResult] = []
+        planned = [[RequestResult(c.conversation_id, index, turn.tag, 0.0) for index, turn in enumerate(c.turns)]
+                   for c in workload.conversations]
+        results = [result for conversation in planned for result in conversation]
         progress = _progress(workload.num_requests, config.show_progress, config.label or workload.name)
         clock_start = time.perf_counter()
 
-        async def conversation_task(conversation: Conversation, offset: float) -> None:
+        async def conversation_task(conversation: Conversation, offset: float, turn_results: list[RequestResult]) \
+                -> None:
             await asyncio.sleep(max(0.0, clock_start + offset - time.perf_counter()))
             messages = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt \
                 else []
-            for index, turn in enumerate(conversation.turns):
+            for index, (turn, result) in enumerate(zip(conversation.turns, turn_results)):
                 if turn.think_time_s > 0:
                     await asyncio.sleep(turn.think_time_s)
                 messages.append({"role": "user", "content": turn.content})
-                result = RequestResult(conversation.conversation_id, index, turn.tag, 0.0)
-                results.append(result)
                 payload = build_payload(config, model, list(messages), turn.max_tokens)
                 if semaphore is None:
                     await send_request(client, config, payload, result, clock_start)
@@ -375,11 +390,15 @@ async def run_workload(config: BenchConfig, workload: Workload, model: str | Non
                     async with semaphore:
                         await send_request(client, config, payload, result, clock_start)
                 progress.update(1)
-                if not result.success:
-                    return  # later turns would build on a reply that does not exist
+                if not result.success:  # later turns would build on a reply that does not exist
+                    for later in turn_results[index + 1:]:
+                        later.incomplete, later.error = True, EARLIER_TURN_FAILED
+                    progress.update(len(turn_results) - index - 1)
+                    return
                 messages.append({"role": "assistant", "content": result.text})
 
-        tasks = [asyncio.create_task(conversation_task(c, o)) for c, o in zip(workload.conversations, offsets)]
+        tasks = [asyncio.create_task(conversation_task(c, o, r))
+                 for c, o, r in zip(workload.conversations, offsets, planned)]
         try:
             done, pending = await asyncio.wait(tasks, timeout=config.timeout_s)
             for task in pending:
@@ -396,7 +415,7 @@ async def run_workload(config: BenchConfig, workload: Workload, model: str | Non
         for result in results:
             if not result.success and not result.error:
                 result.incomplete = True
-                result.error = "unfinished when --timeout ended the run"
+                result.error = UNFINISHED_AT_TIMEOUT if result.sent else NOT_SENT_BEFORE_TIMEOUT
         return RunOutcome(results, duration, model, max_model_len)
 
 
@@ -445,9 +464,11 @@ def percentile(sorted_values: list[float], p: float) -> float:
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO) -> dict[str, Any]:
-    """The run's numbers over its successful requests. `cached_tokens` and `prefix_cache_hit_rate`
-    count only the requests whose server reported cached tokens; None when none did (a server that
-    does not report them has an unknown hit rate, not 0)."""
+    """The run's numbers: `requests` = `completed` + `errors` (failed) + `incomplete` (unfinished
+    at --timeout or never sent; `not_sent` of them never sent, `incomplete_reasons` counts each
+    reason). Latencies and tokens are over the successful requests. `cached_tokens` and
+    `prefix_cache_hit_rate` count only the requests whose server reported cached tokens; None when
+    none did (a server that does not report them has an unknown hit rate, not 0)."""
     ok = [r for r in results if r.success]
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -456,8 +477,12 @@ def summarize(results: list[RequestResult], duration_s: float, slo: SLO) -> dict
     cached_of = sum(r.prompt_tokens or 0 for r in reporting)
     duration = max(duration_s, 1e-9)
     summary: dict[str, Any] = {
-        "completed": len(ok), "errors": sum(1 for r in results if not r.success and not r.incomplete),
-        "incomplete": sum(1 for r in results if r.incomplete), "duration_s": duration_s,
+        "requests": len(results), "completed": len(ok),
+        "errors": sum(1 for r in results if not r.success and not r.incomplete),
+        "incomplete": sum(1 for r in results if r.incomplete),
+        "not_sent": sum(1 for r in results if r.incomplete and not r.sent),
+        "incomplete_reasons": dict(sorted(Counter(r.error for r in results if r.incomplete).items())),
+        "duration_s": duration_s,
         "input_tokens": input_tokens, "output_tokens": output_tokens, "cached_tokens": cached_tokens,
         "prefix_cache_hit_rate": cached_tokens / cached_of if cached_tokens is not None and cached_of else None,
         "request_throughput": len(ok) / duration, "output_token_throughput": output_tokens / duration,
@@ -521,10 +546,12 @@ def format_report(report: dict[str, Any]) -> str:
 
     def row(name: str, value: Any) -> None:
         lines.append(f"{name:<56}{str(value):>20}")
+    row("Requests planned:", s["requests"])
     row("Successful requests:", s["completed"])
     row("Failed requests:", s["errors"])
-    if s["incomplete"]:
-        row("Unfinished at --timeout:", s["incomplete"])
+    row("Unfinished or not sent:", s["incomplete"])
+    for reason, count in s["incomplete_reasons"].items():
+        row(f"  {reason}:", count)
     row("Duration (s):", f"{s['duration_s']:.2f}")
     cached = "-" if s["cached_tokens"] is None else s["cached_tokens"]
     row("Input tokens (cached):", f"{s['input_tokens']} ({cached})")
@@ -622,7 +649,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
-    return 0 if report["summary"]["errors"] == 0 else 1
+    return exit_status(report)
+
+
+def exit_status(report: dict[str, Any]) -> int:
+    """0 when every planned request succeeded; 1 when any failed, was unfinished at --timeout or
+    was never sent."""
+    s = report["summary"]
+    return 0 if s["errors"] == 0 and s["incomplete"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -329,6 +329,141 @@ def test_request_timeout_without_asyncio_timeout(monkeypatch, python_3_10):
     assert result.ttft_s is not None and result.streamed_tokens == 1  # what came before the stall is kept
 
 
+# ---- whole runs against a mock server ------------------------------------------------------------
+
+class MockSSEServer:
+    """A tiny OpenAI-compatible server in a thread: /v1/models lists `mock`; /v1/chat/completions
+    streams max_tokens one-token chunks (with logprobs), `token_delay_s` apart, then usage and
+    [DONE]; `fail(payload)` true answers HTTP 500 instead."""
+
+    def __init__(self, token_delay_s: float = 0.0, fail=lambda payload: False) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(200, json.dumps({"data": [{"id": "mock", "max_model_len": 4096}]}).encode())
+
+            def do_POST(self) -> None:
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.payloads.append(payload)
+                if server.fail(payload):
+                    self._send(500, json.dumps({"error": {"message": "mock failure"}}).encode())
+                    return
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for index in range(payload["max_tokens"]):
+                        time.sleep(server.token_delay_s)
+                        finish = "length" if index == payload["max_tokens"] - 1 else None
+                        self.wfile.write(_sse(_chat_chunk("w ", 1, finish)))
+                        self.wfile.flush()
+                    usage = {"prompt_tokens": 20, "completion_tokens": payload["max_tokens"]}
+                    self.wfile.write(_sse({"choices": [], "usage": usage}, "[DONE]"))
+                except OSError:  # the client gave up (--timeout)
+                    pass
+
+        self.token_delay_s = token_delay_s
+        self.fail = fail
+        self.payloads: list[dict] = []
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        import threading
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+@pytest.fixture
+def mock_server():
+    servers: list[MockSSEServer] = []
+
+    def start(**kwargs) -> MockSSEServer:
+        servers.append(MockSSEServer(**kwargs))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_timeout_run_reports_every_planned_request(mock_server, tmp_path, capsys):
+    """`--timeout` before later arrivals: the requests never sent are in the report (not sent, with
+    the reason), the counts add up to --num-requests, and the exit status is 1."""
+    from benchmarks.serve import NOT_SENT_BEFORE_TIMEOUT, main
+    server = mock_server()
+    offsets = arrival_offsets(4, 0.5, random.Random(0))  # the run's arrivals (seed 0)
+    assert offsets[0] == 0 and min(offsets[1:]) > 0.6
+    out = tmp_path / "bench.json"
+    status = main(["--base-url", server.url, "--workload", "random", "--num-requests", "4", "--request-rate", "0.5",
+                   "--timeout", f"{min(offsets[1:]) / 2:.3f}", "--input-len", "8", "--output-len", "3",
+                   "--no-progress", "--json", str(out)])
+    assert status == 1
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert report["num_requests"] == s["requests"] == len(report["requests"]) == 4
+    assert (s["completed"], s["errors"], s["incomplete"], s["not_sent"]) == (1, 0, 3, 3)
+    assert s["incomplete_reasons"] == {NOT_SENT_BEFORE_TIMEOUT: 3}
+    assert sorted((r["conversation_id"], r["turn"]) for r in report["requests"]) == [(i, 0) for i in range(4)]
+    first, *rest = report["requests"]
+    assert first["success"] and first["sent"] and first["sent_at_s"] is not None
+    assert all(not r["sent"] and r["sent_at_s"] is None and r["incomplete"] and r["error"] == NOT_SENT_BEFORE_TIMEOUT
+               for r in rest)
+    assert len(server.payloads) == 1
+    table = capsys.readouterr().out
+    assert re.search(r"Requests planned:\s+4\n", table) and re.search(r"Unfinished or not sent:\s+3\n", table)
+    assert re.search(r"  not sent before --timeout ended the run:\s+3\n", table)
+
+
+def test_timeout_tells_unfinished_from_not_sent(mock_server):
+    """With --max-concurrency 1 and slow streams, --timeout finds one request streaming (unfinished)
+    and the rest waiting for a slot (not sent)."""
+    from benchmarks.serve import NOT_SENT_BEFORE_TIMEOUT, UNFINISHED_AT_TIMEOUT
+    server = mock_server(token_delay_s=0.5)
+    config = BenchConfig(base_url=server.url, max_concurrency=1, timeout_s=0.5, show_progress=False)
+    report = run_benchmark(config, "random", 3, {"input_len": 8, "output_len": 4})
+    s = report["summary"]
+    assert (s["requests"], s["completed"], s["errors"], s["incomplete"], s["not_sent"]) == (3, 0, 0, 3, 2)
+    assert s["incomplete_reasons"] == {NOT_SENT_BEFORE_TIMEOUT: 2, UNFINISHED_AT_TIMEOUT: 1}
+    assert [r["sent"] for r in report["requests"]].count(True) == 1
+
+
+def test_failed_agent_turn_reports_the_turns_not_sent(mock_server):
+    """A failed turn ends its conversation; its later turns are in the report as not sent."""
+    from benchmarks.serve import EARLIER_TURN_FAILED
+
+    def fail(payload):  # conversation 0's second turn (system, user, assistant, user)
+        messages = payload["messages"]
+        return len(messages) == 4 and messages[1]["content"].startswith("Task 0:")
+    server = mock_server(fail=fail)
+    config = BenchConfig(base_url=server.url, show_progress=False)
+    options = {"agent_turns": 3, "agent_system_tokens": 64, "agent_tool_result_tokens": 8, "agent_reply_tokens": 2,
+               "agent_think_time_s": 0.0}
+    report = run_benchmark(config, "agent", 6, options)
+    assert len(report["requests"]) == 6
+    s = report["summary"]
+    assert (s["requests"], s["completed"], s["errors"], s["incomplete"], s["not_sent"]) == (6, 4, 1, 1, 1)
+    assert s["incomplete_reasons"] == {EARLIER_TURN_FAILED: 1} and s["error_messages"] == ["HTTP 500: mock failure"]
+    rows = {(r["conversation_id"], r["turn"]): r for r in report["requests"]}
+    assert len(rows) == 6 and len(server.payloads) == 5
+    assert rows[0, 1]["error"] == "HTTP 500: mock failure" and rows[0, 1]["sent"]
+    assert not rows[0, 2]["sent"] and rows[0, 2]["incomplete"] and rows[0, 2]["error"] == EARLIER_TURN_FAILED
+    assert all(rows[1, turn]["success"] for turn in range(3))
+    assert report["by_tag"]["turn2"]["incomplete"] == 1
+
+
 # ---- against a live pdserve ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
