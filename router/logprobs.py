@@ -1,8 +1,9 @@
 """Token log-probabilities in the two OpenAI shapes (completions and chat).
 
-A token's text is its own bytes: byte-level BPE tokens (GPT-2 style, `Ġ` for a space) and byte
-fallback tokens (`<0xE4>`) map back to raw bytes, so a character split across tokens shows up
-as its UTF-8 pieces in `bytes` rather than as replacement characters only.
+A token's text is its own bytes: byte-level BPE tokens (GPT-2 style, `Ġ` for a space), byte
+fallback tokens (`<0xE4>`) and SentencePiece pieces (`▁` for a space) map back to raw bytes, so
+a character split across tokens shows up as its UTF-8 pieces in `bytes` rather than as
+replacement characters only.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_METASPACE = "\u2581"  # SentencePiece's word-boundary mark
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,6 +61,10 @@ class TokenText:
                 inverse = _byte_level_decoder()
                 if all(char in inverse for char in piece):
                     return bytes(inverse[char] for char in piece)
+            elif _METASPACE in piece:
+                # SentencePiece (Llama-2 style): "▁" is the space before a word. Decoding the token
+                # alone would strip it (the decoder drops a text's leading space).
+                return piece.replace(_METASPACE, " ").encode("utf-8")
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 

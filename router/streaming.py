@@ -201,7 +201,9 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
         if ctx.want_prompt_logprobs:
             chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, prompt_entries)
         yield chunk
-    sent, held = 0, []
+    # `sent`: characters of text sent; `offset`: where the next logprob entry's token starts (its
+    # text may still be held: offsets run over the tokens' own strings, as in a whole body)
+    sent, held, offset = 0, [], len(choice.echoed)
     try:
         async for event in drive(choice.generation, assembler, choice.first_chunk):
             held.extend(event.logprob_entries)
@@ -213,11 +215,12 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
                 call, reason = ctx.tool_result(assembler)
                 rest = "" if call is not None else assembler.text[sent:]
                 text = rest if rest or ctx.endpoint == "completions" else None
-                logprobs = ctx.logprobs(held, len(choice.echoed) + sent) if held and call is None else None
+                logprobs = ctx.logprobs(held, offset) if held and call is None else None
                 yield protocol.stream_chunk(*args, text, reason, logprobs, tool_call=call, index=index)
             elif ctx.streams_text(assembler.text) and (len(assembler.text) > sent or held):
-                yield protocol.stream_chunk(*args, assembler.text[sent:], None,
-                                            ctx.logprobs(held, len(choice.echoed) + sent), index=index)
+                yield protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, offset),
+                                            index=index)
+                offset += sum(len(ctx.token_text.token_str(entry.token_id)) for entry in held)
                 sent, held = len(assembler.text), []
     except APIError:
         choice.finish_reason = "error"

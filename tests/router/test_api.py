@@ -383,3 +383,66 @@ def test_echo_with_max_tokens_0_counts_no_completion_tokens_streamed_or_not(clie
                                             stream_options={"include_usage": True}))
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 0
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text == "Once upon"
+
+
+def test_streamed_completion_offsets_equal_the_whole_bodys_when_text_is_held(tokenizer):
+    """Text held back (a possible stop string's start, half a UTF-8 character) sends its tokens'
+    logprobs before their text: their offsets still run on, as in the whole body."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import wire
+    from engine.sampling_params import SamplingParams
+    from router.logprobs import TokenText
+    from router.streaming import ChoiceStream, OutputAssembler, ResponseContext, collect, sse_events
+    messages = wire.messages()
+    ids = tokenizer.encode("a\nb c\U0001f389d e", add_special_tokens=False)
+    prompt = tokenizer.encode("Hi")
+
+    async def run(stream):
+        chunks = [messages.TokenChunk(token_ids=[t], logprobs=[messages.TokenLogprob(token_id=t, logprob=-0.5)],
+                                      finish_reason="length" if i == len(ids) - 1 else "")
+                  for i, t in enumerate(ids)]
+        generation = SimpleNamespace(next_chunk=None, abort=lambda: None, close=lambda *a: None)
+        rest = iter(chunks[1:])
+
+        async def next_chunk():
+            return next(rest, None)
+        generation.next_chunk = next_chunk
+        params = SamplingParams(max_tokens=len(ids), stop=["\n\n"], logprobs=0)
+        choice = ChoiceStream(0, generation, OutputAssembler(tokenizer, prompt, params), chunks[0])
+        ctx = ResponseContext("completions", "id", "m", 0, TokenText(tokenizer), want_logprobs=True)
+        if not stream:
+            return (await collect(ctx, [choice]))["choices"][0]["logprobs"]["text_offset"]
+        offsets = []
+        async for line in sse_events(ctx, [choice]):
+            if line.startswith("data: {"):
+                logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                offsets += logprobs["text_offset"] if logprobs else []
+        return offsets
+
+    whole = asyncio.run(run(False))
+    assert len(whole) == len(ids) and whole == sorted(set(whole))  # one per token, increasing
+    assert asyncio.run(run(True)) == whole
+
+
+def test_sentencepiece_token_text_keeps_the_space_its_metaspace_stands_for():
+    """Llama-2-style tokenizers: the piece "▁World" is " World" in logprobs (decoding it alone
+    would strip the space), so offsets index the text and `bytes` are the token's own."""
+    from types import SimpleNamespace
+
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.tokenizer import Tokenizer
+    from router.logprobs import TokenText, chat_logprobs, completion_logprobs
+    from tests.engine.test_detokenizer import ByteFallbackTokenizer
+    tokenizer = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=ByteFallbackTokenizer().raw), source="test")
+    text = "Hello World é"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    entries = [SimpleNamespace(token_id=token_id, logprob=-1.0, top=[]) for token_id in ids]
+    token_text = TokenText(tokenizer)
+    logprobs = completion_logprobs(token_text, entries, 0)
+    assert "".join(logprobs["tokens"]) == " " + text  # the first word's metaspace too
+    assert "" not in logprobs["tokens"]
+    assert b"".join(bytes(item["bytes"]) for item in chat_logprobs(token_text, entries)["content"]) == \
+        (" " + text).encode()
