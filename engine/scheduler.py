@@ -288,8 +288,10 @@ class Scheduler:
         prompt = request.all_token_ids  # a resumed request's outputs so far are computed like its prompt
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise ValueError("prompt token ids must be non-negative integers")
+        # below 2**32: block hashes (engine/block_hash.py) and the wire pack token ids as uint32, and a
+        # larger one would fail in schedule(), outside any one request, and stop the engine loop
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 32 for t in prompt):
+            raise ValueError("prompt token ids must be non-negative integers below 2**32")
         if len(prompt) > self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_model_len ({self.max_model_len})")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size

@@ -104,6 +104,10 @@ def test_invalid_requests_and_configs_raise_clear_errors(make):
         scheduler.add_request(req("huge", range(17)))
     with pytest.raises(ValueError, match="non-negative integers"):
         scheduler.add_request(req("neg", [1, -2]))
+    with pytest.raises(ValueError, match=r"below 2\*\*32"):  # block hashes pack them as uint32
+        scheduler.add_request(req("wide", [1, 2 ** 32]))
+    scheduler.add_request(req("widest", [2 ** 32 - 1]))  # the largest one is fine
+    scheduler.abort("widest")
     scheduler.add_request(req("dup", [1, 2]))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(req("dup", [3]))
