@@ -77,7 +77,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                                              seq_lens.to(torch.int32), scale, fmt.block_size,
                                                              fmt.num_kv_heads, fmt.name == "fp8_e4m3")
         if self._kernels is None or query.device.type != "cpu" or kv_cache.dtype != query.dtype:
-            return TorchAttentionBackend._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale)
+            return super()._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale)
         return self._kernels.paged_decode_attention(query, kv_cache, block_tables.to(torch.int32),
                                                     seq_lens.to(torch.int32), scale)
 

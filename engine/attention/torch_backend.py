@@ -1,4 +1,6 @@
-"""Attention in plain torch: the CPU default and the reference the Triton kernels are tested against.
+"""Attention in plain torch on any device: the reference the Triton kernels are tested against, and
+the paths the "cpu" backend (the CPU default, `backend.default_backend_name`) takes where its
+native kernels do not apply or could not be built.
 
 Vectorized where it counts on CPU: all single-token queries (decodes) of a batch are attended
 in one `scaled_dot_product_attention` call over K/V gathered through their block tables; only

@@ -27,6 +27,7 @@ from engine.attention import (  # noqa: E402
     get_attention_backend,
     store_kv,
 )
+from engine.kv_quant import KVQuantFormat  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCALE = 0.125
@@ -186,6 +187,48 @@ def test_cpu_backend_equals_torch_backend_on_every_batch_kind(case):
     expected, _ = run_backend(TorchAttentionBackend(), batch)
     out, _ = run_backend(backend, batch)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def cpu_kernels_unavailable(monkeypatch):
+    """The "cpu" backend as where its native kernels did not build or `PDSERVE_CPU_KERNELS=0`:
+    `cpu_kernels.load()` gives None, so it must run the torch backend's paths."""
+    from engine import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_backend_without_its_kernels_equals_torch_backend(cpu_kernels_unavailable, case, dtype):
+    backend = get_attention_backend("cpu")
+    assert not backend.native
+    query_lens, seq_lens = CASES[case]
+    batch = make_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, dtype=dtype, seed=13)
+    expected, expected_cache = run_backend(TorchAttentionBackend(), batch)
+    out, cache = run_backend(backend, batch)
+    assert torch.equal(out, expected)
+    assert torch.equal(cache, expected_cache)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_backend_without_its_kernels_equals_torch_backend_on_an_int8_cache(cpu_kernels_unavailable, case):
+    query_lens, seq_lens = CASES[case]
+    batch = make_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, seed=17)
+    fmt = KVQuantFormat("int8", block_size=16, num_kv_heads=3, head_dim=64)
+    reference, backend = get_attention_backend("torch", fmt), get_attention_backend("cpu", fmt)
+    assert not backend.native
+    # each sequence's tokens before this step, stored as earlier steps would have
+    slots = torch.tensor([table[p // 16] * 16 + p % 16 for table, query_len, seq_len
+                          in zip(batch.block_tables, query_lens, seq_lens) for p in range(seq_len - query_len)],
+                         dtype=torch.int64)
+    cached = batch.kv_cache.transpose(1, 2).reshape(-1, 2, 3, 64).index_select(0, slots)
+    expected_layer = torch.zeros(batch.kv_cache.shape[0], fmt.block_bytes, dtype=torch.uint8)
+    reference.store_kv(cached[:, 0], cached[:, 1], expected_layer, slots)
+    layer = expected_layer.clone()
+    expected = reference.forward(batch.query, batch.key, batch.value, expected_layer, batch.meta, SCALE)
+    out = backend.forward(batch.query, batch.key, batch.value, layer, batch.meta, SCALE)
+    assert torch.equal(out, expected)
+    assert torch.equal(layer, expected_layer)
 
 
 # Prefill-bearing batches for the bf16 flash-prefill kernel: (num_heads, num_kv_heads, head_dim,
