@@ -16,9 +16,12 @@ workloads are conversations of one turn.
                 the answer repeats most of the code, what speculative decoding by prompt lookup is for
   json_echo     a JSON record (seeded) to return with one field changed: an answer that copies its prompt
 
-Text is drawn from common English words, each of which is one token in the usual BPE
-vocabularies (SmolLM2's included), so a prompt of N words is close to N tokens; the server's
-usage reports the exact counts. Output lengths are exact when the server honours `ignore_eos`.
+Text is drawn from common English words, most of them one token in the usual BPE vocabularies
+(SmolLM2's included), so a prompt of N words is close to N tokens: about 1.1 N with capitals and
+full stops, plus ~30 for the chat template (SmolLM2: 1536 words are 1708-1710 tokens). The context
+check (`WorkloadConfig.check_fits`) counts `estimated_prompt_tokens(N)` = 1.15 N + 48, so a workload
+too long for the server is refused before anything is sent; the server's usage reports the exact
+counts. Output lengths are exact when the server honours `ignore_eos`.
 """
 from __future__ import annotations
 
@@ -48,6 +51,24 @@ TOOL_SCHEMA = """Tools you can call, one per reply, as JSON on a single line:
 {"name": "edit_file", "description": "replace one exact string in a file",
  "parameters": {"path": "string", "old": "string", "new": "string"}}
 """
+
+
+TOKENS_PER_WORD = 1.15  # measured ~1.1 (SmolLM2's tokenizer), with a margin
+CHAT_TEMPLATE_TOKENS = 48  # measured ~30 (SmolLM2's template, its default system prompt included)
+
+
+def estimated_prompt_tokens(words: int) -> int:
+    """A prompt of `words` words (TextMaker's, or any size counted as such) in tokens, chat template
+    included: an upper estimate, ceil(1.15 x words) + 48, never below what BPE tokenizers give."""
+    return math.ceil(TOKENS_PER_WORD * words) + CHAT_TEMPLATE_TOKENS
+
+
+def max_prompt_words(tokens: int) -> int:
+    """The most words whose estimated prompt (estimated_prompt_tokens) fits in `tokens`; 0 if none."""
+    words = max(0, math.floor((tokens - CHAT_TEMPLATE_TOKENS) / TOKENS_PER_WORD))
+    while words and estimated_prompt_tokens(words) > tokens:
+        words -= 1
+    return words
 
 
 @dataclass(frozen=True)
@@ -124,21 +145,35 @@ class WorkloadConfig:
         if self.long_every < 2:
             raise ValueError(f"long_every must be >= 2 (one long prompt per that many arrivals), got {self.long_every}")
 
+    def request_sizes(self, workload: str) -> list[tuple[str, int, int]]:
+        """(what, prompt words, output tokens) of `workload`'s largest requests. Prompt sizes given
+        in tokens (the agent's system prompt, code and records) count as words: an overestimate."""
+        turns = self.agent_turns
+        sizes = {"random": [("input_len + output_len", self.input_len, self.output_len)],
+                 "chat": [("8 input words (the least chat sends) + chat_output_max", 8, self.chat_output_max)],
+                 "interference": [("long_input_len + long_output_len", self.long_input_len, self.long_output_len),
+                                  ("short_input_len + short_output_len", self.short_input_len,
+                                   self.short_output_len)],
+                 # every turn: its tool result and ~16 words around it; the replies are history
+                 "agent": [("the agent's last turn (system + turns x (tool result + reply))",
+                            self.agent_system_tokens + turns * (self.agent_tool_result_tokens + 16),
+                            turns * self.agent_reply_tokens)],
+                 "code_edit": [("the function twice (prompt and answer)", self.edit_output_len,
+                                self.edit_output_len)],
+                 "json_echo": [("the record twice (prompt and answer)", self.json_output_len, self.json_output_len)]}
+        return sizes[workload]
+
     def check_fits(self, workload: str) -> None:
-        """ValueError when `workload`'s requests cannot fit the context (chat clips instead)."""
-        sizes = {"random": ("input_len + output_len", self.input_len + self.output_len),
-                 "chat": ("chat_output_max + 8 input tokens", self.chat_output_max + 8),
-                 "interference": ("long_input_len + long_output_len", max(
-                     self.long_input_len + self.long_output_len, self.short_input_len + self.short_output_len)),
-                 "agent": ("the agent's last turn (system + turns x (tool result + reply))",
-                           self.agent_system_tokens + self.agent_turns * (self.agent_tool_result_tokens
-                                                                          + self.agent_reply_tokens + 16)),
-                 "code_edit": ("the function twice (prompt and answer)", 2 * self.edit_output_len),
-                 "json_echo": ("the record twice (prompt and answer)", 2 * self.json_output_len)}
-        what, tokens = sizes[workload]
-        if tokens > self.max_model_len - 32:
-            raise ValueError(f"{what} is about {tokens} tokens, more than the context allows "
-                             f"(max_model_len {self.max_model_len} minus 32 for the chat template)")
+        """ValueError when one of `workload`'s requests may not fit the context: its estimated
+        prompt (estimated_prompt_tokens, an upper estimate) plus its output tokens above
+        max_model_len. Chat clips its inputs to fit instead."""
+        for what, words, output in self.request_sizes(workload):
+            tokens = estimated_prompt_tokens(words) + output
+            if tokens > self.max_model_len:
+                raise ValueError(f"{what} is up to about {tokens} tokens ({words} words of prompt at "
+                                 f"{TOKENS_PER_WORD:g} tokens each plus {CHAT_TEMPLATE_TOKENS} for the chat "
+                                 f"template, {output} out), more than the context allows (max_model_len "
+                                 f"{self.max_model_len})")
 
 
 class TextMaker:
@@ -192,7 +227,7 @@ def _chat(n: int, config: WorkloadConfig, rng: random.Random) -> Workload:
     conversations = []
     for i in range(n):
         output_len = _lognormal(rng, config.chat_output_median, config.chat_output_sigma, 4, config.chat_output_max)
-        input_cap = min(config.chat_input_max, config.max_model_len - 32 - output_len)
+        input_cap = min(config.chat_input_max, max_prompt_words(config.max_model_len - output_len))
         input_len = _lognormal(rng, config.chat_input_median, config.chat_input_sigma, 8, input_cap)
         conversations.append(_single(i, text.words(input_len), output_len, input_len, "chat"))
     return Workload("chat", conversations,

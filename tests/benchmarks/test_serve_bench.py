@@ -21,7 +21,8 @@ import pytest
 
 from benchmarks.serve import (SLO, BenchConfig, RequestResult, RunOutcome, arrival_offsets, build_report, distribution,
                               format_report, percentile, run_benchmark, send_request, summarize)
-from benchmarks.workloads import COMMON_WORDS, Conversation, Turn, Workload, WorkloadConfig, build_workload
+from benchmarks.workloads import (COMMON_WORDS, Conversation, Turn, Workload, WorkloadConfig, build_workload,
+                                  estimated_prompt_tokens, max_prompt_words)
 from tests.router.processes import Process, grpc_address, start_router
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def test_chat_lengths_are_clipped_to_the_context():
     inputs = [c.turns[0].approx_new_tokens for c in workload.conversations]
     outputs = [c.turns[0].max_tokens for c in workload.conversations]
     assert all(4 <= o <= 100 for o in outputs) and len(set(outputs)) > 10
-    assert all(8 <= i and i + o <= 256 - 32 for i, o in zip(inputs, outputs))
+    assert all(8 <= i and estimated_prompt_tokens(i) + o <= 256 for i, o in zip(inputs, outputs))
     assert all(len(c.turns[0].content.split()) == i for c, i in zip(workload.conversations, inputs))
 
 
@@ -116,12 +117,36 @@ def test_workload_config_errors(kwargs, message):
 
 def test_workload_that_does_not_fit_the_context():
     config = WorkloadConfig(max_model_len=512, long_input_len=1000)
-    with pytest.raises(ValueError, match=r"long_input_len \+ long_output_len is about 1004 tokens, more than the "
-                                         r"context allows \(max_model_len 512"):
+    with pytest.raises(ValueError, match=r"long_input_len \+ long_output_len is up to about 1202 tokens \(1000 words "
+                                         r"of prompt at 1.15 tokens each plus 48 for the chat template, 4 out\), "
+                                         r"more than the context allows \(max_model_len 512\)"):
         build_workload("interference", 4, config)
     assert build_workload("random", 1, config).num_requests == 1  # only the built workload must fit
     with pytest.raises(ValueError, match="the agent's last turn"):
         build_workload("agent", 6, WorkloadConfig(max_model_len=1024))
+
+
+def test_prompt_token_estimate_is_an_upper_bound():
+    """Measured with SmolLM2's tokenizer and chat template: 1536 words of TextMaker text are 1708-1710
+    tokens, 64 words 100-101, 8 words 39-40. The estimate is above all of them, and pure."""
+    for words, measured in ((1536, 1710), (64, 101), (8, 40), (0, 30)):
+        assert estimated_prompt_tokens(words) >= measured
+    assert estimated_prompt_tokens(1536) == estimated_prompt_tokens(1536) == 1815
+    for tokens in (0, 47, 48, 49, 100, 1000, 2048):
+        words = max_prompt_words(tokens)
+        assert estimated_prompt_tokens(words) <= tokens or words == 0
+        assert estimated_prompt_tokens(words + 1) > tokens
+
+
+def test_a_workload_a_little_too_long_is_refused_before_sending():
+    """The default interference workload's long prompt (1536 words, 1708 tokens with the template,
+    plus 4 out) does not fit a 1700-token context: refused when the workload is built. The old
+    check (1540 <= 1700 - 32) let it through, and the server refused every long request."""
+    with pytest.raises(ValueError, match="long_input_len"):
+        build_workload("interference", 8, WorkloadConfig(max_model_len=1700))
+    assert build_workload("interference", 8, WorkloadConfig(max_model_len=1819)).num_requests == 8
+    with pytest.raises(ValueError, match="input_len"):
+        build_workload("random", 1, WorkloadConfig(max_model_len=160, input_len=100, output_len=8))
 
 
 def test_unknown_workload_and_bad_count():
