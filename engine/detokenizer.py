@@ -121,9 +121,18 @@ class IncrementalDetokenizer:
         return None if best is None else (best[1], best[2])
 
     def _possible_stop_start(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        for length in range(min(self._max_stop_len - 1, len(self._decoded)), 0, -1):
-            tail = self._decoded[-length:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return length
-        return 0
+        """Length of the longest tail of the text that is a proper prefix of some stop string.
+        Only prefixes ending in the text's last character can be one: each stop's candidates are
+        found with `rfind` and compared in C, longest first (no per-length Python loop)."""
+        text = self._decoded
+        if not text:
+            return 0
+        last, best = text[-1], 0
+        for stop in self._stops:
+            end = stop.rfind(last, 0, min(len(stop) - 1, len(text)))
+            while end + 1 > best:
+                if text.endswith(stop[:end + 1]):
+                    best = end + 1
+                    break
+                end = stop.rfind(last, 0, end)
+        return best

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutput
 
+# Each stop string's length cap: the detokenizer checks the output's tail against every stop after
+# every token, and a request body may be megabytes.
+MAX_STOP_LENGTH = 4096
+
 
 @dataclass
 class SamplingParams:
@@ -61,6 +65,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
+            (all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
+             f"stop strings must be at most {MAX_STOP_LENGTH} characters"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
             (self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
              "structured_output must be an engine.StructuredOutput"),

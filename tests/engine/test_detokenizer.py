@@ -121,6 +121,45 @@ def test_text_that_could_start_a_stop_string_is_held_back(tokenizer):
     assert detok.text == "go STAR then S" and not detok.stopped
 
 
+class _Letters:
+    """A tokenizer stand-in: token i is the letter chr(97 + i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def test_the_held_back_tail_is_the_longest_proper_stop_prefix_ending_the_text():
+    """Against the definition, over random texts and stops on a 3-letter alphabet (many partial
+    matches, repeated letters)."""
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 4))]
+        detok = IncrementalDetokenizer(_Letters(), [], SamplingParams(stop=stops, max_tokens=64))
+        for _ in range(rng.randint(1, 20)):
+            detok._decoded += rng.choice("abc")
+            text = detok._decoded
+            expected = max((k for stop in stops for k in range(1, min(len(stop) - 1, len(text)) + 1)
+                            if text.endswith(stop[:k])), default=0)
+            assert detok._possible_stop_start() == expected, (stops, text)
+
+
+def test_long_stop_strings_are_refused_and_the_longest_allowed_costs_little():
+    from engine.sampling_params import MAX_STOP_LENGTH
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_LENGTH} characters"):
+        SamplingParams(stop=["x" * (MAX_STOP_LENGTH + 1)])
+    # 16 stops of the longest length, a 4000-letter output, one token at a time: the per-token
+    # check scans each stop once in C (it looped over every tail length in Python: seconds here)
+    detok = IncrementalDetokenizer(_Letters(), [], SamplingParams(stop=["b" * MAX_STOP_LENGTH] * 16,
+                                                                  max_tokens=8000))
+    import time
+    start = time.process_time()
+    for _ in range(4000):
+        detok.add_tokens([0])
+    assert time.process_time() - start < 60  # a hang guard, not a performance bound
+    assert detok.text == "a" * 4000
+
+
 def test_stop_string_at_the_very_start(tokenizer):
     output_ids = tokenizer.encode("Hello world, and more")
     _, deltas = stream(tokenizer, [], output_ids, SamplingParams(stop=["Hello"]))
