@@ -48,6 +48,14 @@ def token_logprobs(token_ids: Sequence[int], sampled: Sequence[SampledToken | No
             if lp is not None and lp.logprob is not None]
 
 
+def _prefill_tokens_left(request: Request) -> int:
+    """The tokens `request` must still compute before it decodes: its prompt's, a resumed
+    request's delivered outputs, and every output of one preempted by recompute (its KV is gone);
+    0 for a request that decodes (one token left after an output: that step samples)."""
+    left = request.num_tokens - request.num_computed_tokens
+    return left if left > 1 or not request.output_token_ids else 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None,
                  kv_transport: Callable[[Any, Callable[[str], None]], KVTransport] | None = None,
@@ -249,12 +257,10 @@ class LLMEngine:
         return self._to_delta(final) if final is not None else None
 
     def stats(self) -> tuple[SchedulerStats, int]:
-        """Scheduler counters (with the KV connector's failures by reason) and the prompt
-        tokens not yet computed (queued prefill work)."""
+        """Scheduler counters (with the KV connector's failures by reason) and the prefill work
+        queued: the tokens still to compute before each waiting or running request decodes."""
         scheduler = self.scheduler
-        # A resumed request's delivered outputs are prefill work too.
-        queued = sum(max(0, r.num_prompt_tokens + r.num_resumed_tokens - r.num_computed_tokens)
-                     for r in scheduler.waiting + scheduler.running)
+        queued = sum(_prefill_tokens_left(r) for r in scheduler.waiting + scheduler.running)
         stats = scheduler.stats()
         if self.kv_connector is not None:
             stats = dataclasses.replace(stats, kv_transfer_failures=dict(self.kv_connector.failures))
