@@ -91,7 +91,9 @@ class LLMEngine:
                                        num_swap_slots=runner.num_swap_slots,
                                        num_host_slots=runner.num_host_cache_slots,
                                        speculative=config.speculative)
-        except BaseException:
+        except BaseException:  # e.g. the Scheduler refused the config: nothing may outlive the refusal
+            if self.kv_connector is not None:
+                self._close_kv_transport()  # its I/O thread, listening socket and fds
             self.close()
             raise
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -189,6 +191,17 @@ class LLMEngine:
         """Release what outlives the object: the model runner's tensor-parallel followers
         (engine/tp_worker.py). Idempotent; nothing to do without tensor parallelism."""
         self.runner.close()
+
+    def _close_kv_transport(self) -> None:
+        """A failed construction: close the KV connector's sender or receiver (once built, the
+        worker server that injected it closes it)."""
+        close = getattr(self.kv_connector.transport, "close", None)  # (not part of the KVTransport protocol)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # the construction's own error is the one to raise
+            logger.exception("closing the KV transport of an engine that failed to start")
 
     @property
     def broken(self) -> str | None:

@@ -1,12 +1,15 @@
 """LLMEngine over the real scheduler and a fake model runner: what it reports (the prefill work
-queued)."""
+queued) and what a refused construction leaves behind."""
 from __future__ import annotations
 
+import socket
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import kvtransfer
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.request import RequestStatus
@@ -87,3 +90,38 @@ def test_prefill_tokens_queued_counts_resumed_outputs_and_chunks_left():
     assert resumed.status is RequestStatus.RUNNING and queued(engine) == 5
     engine.step()  # the rest, and a new output: it decodes
     assert resumed.num_output_tokens == 4 and queued(engine) == 0
+
+
+# ---- a refused construction ------------------------------------------------------------------
+
+def _kvtransfer_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("kvtransfer")}
+
+
+def _listening(address: str) -> bool:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with socket.socket() as probe:
+        probe.settimeout(2.0)
+        return probe.connect_ex((host, int(port))) == 0
+
+
+def test_a_refused_construction_closes_the_kv_transport():
+    """The connector's receiver is built before the Scheduler; a config the Scheduler refuses must
+    not leave its I/O thread and listening socket behind."""
+    built = []
+
+    def make_receiver(kv_cache, on_transfer_end):
+        receiver = kvtransfer.create_receiver("tcp", kv_cache.layers, kvtransfer.TransferConfig(host="127.0.0.1"),
+                                              on_transfer_end)
+        built.append(receiver)
+        return receiver
+
+    before = _kvtransfer_threads()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="without chunked prefill"):
+            make_engine(role="decode", kv_transport=make_receiver, max_num_batched_tokens=16,
+                        enable_chunked_prefill=False)
+    assert len(built) == 2
+    assert _kvtransfer_threads() - before == set()
+    for receiver in built:
+        assert not _listening(receiver.address), f"{receiver.address} still listens"
