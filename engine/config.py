@@ -287,6 +287,12 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         self.device = resolve_device(self.device)
+        if self.speculative.enabled and self.cache.kv_cache_dtype != "auto":
+            # A draft token's K/V can grow its block's scale, which re-rounds the tokens before it;
+            # rejecting the draft does not undo that, so outputs would differ from decoding without it.
+            raise ValueError(f"speculative decoding is not supported with an 8-bit KV cache "
+                             f"(kv_cache_dtype {self.cache.kv_cache_dtype!r}) yet: it would change outputs; "
+                             "use one or the other")
 
     @property
     def torch_dtype(self) -> torch.dtype:

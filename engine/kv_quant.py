@@ -28,8 +28,10 @@ Invariants (what `store` keeps):
   there with the new scale first, so every stored value reads back within half a quantization
   step of the new scale of what was written (plus the earlier rounding). What it holds is the
   positions before the write's first offset in the block: a sequence fills its blocks in order,
-  and a write at offset j replaces whatever sat at j and after (a rejected speculative draft, an
-  earlier owner's values), which nothing reads before it is written again;
+  and a write at offset j replaces whatever sat at j and after (an earlier owner's values), which
+  nothing reads before it is written again. The scale a write grew stays grown: that is why
+  speculative decoding is refused with an 8-bit cache (a rejected draft's values would still have
+  re-rounded the positions before it; engine/config.py);
 - positions past what was written are never read (attention masks by sequence length).
 
 Attention dequantizes: `dequantize(layer, block_ids)` gives the blocks' K/V in a float dtype

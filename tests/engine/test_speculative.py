@@ -56,6 +56,16 @@ def test_speculative_config_and_flags_are_checked():
         SamplingParams(speculative="no")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_speculation_with_an_8bit_kv_cache_is_refused(kv_cache_dtype):
+    """A rejected draft's K/V can grow its block's 8-bit scale (re-rounding the tokens before it),
+    which changed greedy outputs: the pair is refused rather than served inexact."""
+    from engine.llm import build_engine_config
+    with pytest.raises(ValueError, match="speculative decoding is not supported with an 8-bit KV cache"):
+        build_engine_config("default", speculative_method="ngram", kv_cache_dtype=kv_cache_dtype)
+    assert build_engine_config("default", kv_cache_dtype=kv_cache_dtype).cache.kv_cache_dtype == kv_cache_dtype
+
+
 # ---- the scheduler's drafts, with a fake runner -----------------------------------------------
 
 class OracleProposer:
