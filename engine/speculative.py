@@ -19,8 +19,8 @@ Contract:
   rounding of a larger batch's matmuls), the same distribution otherwise. A draft model (a
   distribution q per token) would need the general rule, min(1, p/q) and the residual max(0, p - q):
   it would return its q with its tokens.
-- Rejected tokens' KV slots are never counted as computed; the next step writes over them. The
-  request keeps the blocks allocated for its draft.
+- Rejected tokens' KV slots are never counted as computed; the next step writes over them. Blocks
+  that held only rejected draft positions go back to the pool (`BlockManager.free_tail`).
 - Who speculates: decodes on decode and colocated workers whose request allows it
   (`SamplingParams.speculative`) and has no structured output (its grammar would have to follow
   every draft token and roll back).
