@@ -5,8 +5,9 @@ target (`max_step_ms`), on the offline engine (one process, no serving overhead)
                                            [--max-step-ms 80] [--json out.json]
 
 `decodes` requests decode continuously; every `gap` steps a `prompt-tokens` prompt arrives. Each
-step that carries decodes is one inter-token interval for them: the table gives its p50 / p99 /
-max, the decode-only step time, and the time to the first token of the long prompts.
+step that carries decodes is one inter-token interval for them: the table gives its p50 / p99
+(interpolated, as benchmarks/serve.py's) / max over n such steps, the decode-only step time, and
+the time to the first token of the long prompts.
 """
 from __future__ import annotations
 
@@ -14,13 +15,26 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from engine import LLM, SamplingParams
-from engine import cpu_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import percentile  # noqa: E402
+from engine import cpu_kernels  # noqa: E402
+
+
+def itl_summary(itl_s: list[float]) -> dict:
+    """p50 / p99 / max (ms) of the inter-token intervals `itl_s` (seconds, at least one), with
+    percentiles interpolated between ranks (benchmarks.common.percentile), and their count n."""
+    ms = sorted(1000 * t for t in itl_s)
+    return {"itl_p50_ms": percentile(ms, 50), "itl_p99_ms": percentile(ms, 99), "itl_max_ms": ms[-1],
+            "itl_n": len(ms)}
 
 
 def run(max_step_ms: float | None, args: argparse.Namespace) -> dict:
+    from engine import LLM, SamplingParams
     llm = LLM("default", max_num_batched_tokens=args.budget, max_step_ms=max_step_ms, enable_prefix_caching=False)
     engine = llm.engine
     vocab = llm.tokenizer.vocab_size
@@ -52,10 +66,21 @@ def run(max_step_ms: float | None, args: argparse.Namespace) -> dict:
                 ttft.append(time.perf_counter() - pending.pop(delta.request_id))
         if arrivals == args.prompts and not pending:
             break
-    ms = sorted(1000 * t for t in itl)
-    return {"max_step_ms": max_step_ms, "itl_p50_ms": statistics.median(ms), "itl_p99_ms": ms[int(0.99 * (len(ms) - 1))],
-            "itl_max_ms": ms[-1], "decode_only_step_ms": 1000 * statistics.median(decode_only),
-            "long_prompt_ttft_s": statistics.mean(ttft) if ttft else None, "steps_with_prefill": len(ms)}
+    return {"max_step_ms": max_step_ms, **itl_summary(itl),
+            "decode_only_step_ms": 1000 * statistics.median(decode_only),
+            "long_prompt_ttft_s": statistics.mean(ttft) if ttft else None, "steps_with_prefill": len(itl)}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The printed table: one line per row of run(), n (the ITL samples) next to the percentiles."""
+    lines = [f"{'max_step_ms':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL max':>9} {'n':>5} {'decode-only':>12} "
+             f"{'TTFT long':>10}"]
+    for row in rows:
+        ttft = "-" if row["long_prompt_ttft_s"] is None else f"{row['long_prompt_ttft_s']:.2f}s"
+        lines.append(f"{str(row['max_step_ms']):>12} {row['itl_p50_ms']:>7.1f}ms {row['itl_p99_ms']:>7.1f}ms "
+                     f"{row['itl_max_ms']:>7.1f}ms {row['itl_n']:>5} {row['decode_only_step_ms']:>10.1f}ms "
+                     f"{ttft:>10}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -70,10 +95,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = [run(None, args), run(args.max_step_ms, args)]
-    print(f"{'max_step_ms':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL max':>9} {'decode-only':>12} {'TTFT long':>10}")
-    for row in rows:
-        print(f"{str(row['max_step_ms']):>12} {row['itl_p50_ms']:>7.1f}ms {row['itl_p99_ms']:>7.1f}ms "
-              f"{row['itl_max_ms']:>7.1f}ms {row['decode_only_step_ms']:>10.1f}ms {row['long_prompt_ttft_s']:>9.2f}s")
+    print(format_table(rows))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"cpu": platform.processor() or platform.machine(), "cpu_features": cpu_kernels.cpu_features(),

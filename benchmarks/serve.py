@@ -41,6 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import percentile  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Conversation, Workload, WorkloadConfig, build_workload  # noqa: E402
 
 ENDPOINTS = ("chat", "completions")
@@ -451,16 +452,6 @@ def distribution(values_s: list[float]) -> dict[str, float | None]:
 
 def _key(p: float) -> str:
     return "median" if p == 50 else f"p{p:g}"
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    rank = (len(sorted_values) - 1) * p / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: SLO) -> dict[str, Any]:
