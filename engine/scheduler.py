@@ -444,7 +444,8 @@ class Scheduler:
     def _add_drafts(self, scheduled: dict[str, ScheduledSeq], budget: int) -> int:
         """Speculative decoding: extend this step's decodes with draft tokens, within the budget;
         returns the budget left. A draft stops at max_tokens and at the context's end, and is
-        dropped when its KV slots are not free (it never preempts)."""
+        dropped when its KV slots are not free, leaving aside the blocks the running prompts'
+        chunks of this step need (which run after it): a draft never causes a preemption."""
         config = self.speculative
         decodes = [seq for seq in scheduled.values() if seq.is_plain_decode]
         if (budget <= 0 or not decodes or (config.speculative_disable_by_batch_size is not None
@@ -455,10 +456,19 @@ class Scheduler:
         limits = [max(0, min(config.num_speculative_tokens,
                              seq.request.sampling_params.max_tokens - seq.request.num_output_tokens - 1,
                              self.max_sequence_tokens - seq.request.num_tokens)) for seq in decodes]
+        blocks = self.block_manager
+        reserved = sum(max(0, blocks.blocks_needed(r.num_computed_tokens + min(r.num_tokens - r.num_computed_tokens,
+                                                                                budget))
+                                - len(r.block_ids))
+                       for r in self.running if r.status is RequestStatus.RUNNING and r.request_id not in scheduled
+                       and r.num_tokens - r.num_computed_tokens > 1)
         for seq, draft in zip(decodes, self.proposer.propose([seq.request for seq in decodes], limits)):
             draft = list(draft[:budget])
             request = seq.request
-            if not draft or not self.block_manager.allocate_slots(request, request.num_tokens + len(draft)):
+            needed = blocks.blocks_needed(request.num_tokens + len(draft)) - len(request.block_ids)
+            if not draft or needed > blocks.num_free_blocks - reserved:
+                continue
+            if not blocks.allocate_slots(request, request.num_tokens + len(draft)):
                 continue
             seq.draft_token_ids = draft
             seq.num_new_tokens += len(draft)

@@ -13,7 +13,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.speculative import NgramProposer, accepted_length
 from engine.structured_output import StructuredOutput
-from tests.engine.fake_runner import FakeModelRunner, reference_generate, run_until_done, step
+from tests.engine.fake_runner import VOCAB_SIZE, FakeModelRunner, next_token, reference_generate, run_until_done, step
 from tests.engine.tiny_models import save_tiny_model, tiny_config
 
 BS = 4
@@ -235,6 +235,33 @@ def test_a_rejected_drafts_blocks_go_back_at_once():
     assert scheduler.stats().spec_drafts > 0
     assert decoding.output_token_ids == reference_generate(list(range(10, 14)), 6)
     assert_all_free(scheduler)
+
+
+def test_drafts_never_take_the_blocks_a_running_prompts_chunk_needs():
+    """Drafts are added before this step's running prompt chunks: a draft that took the last
+    free block made the chunk after it preempt. With drafts that are always rejected (the
+    requests grow exactly as without speculation), the preemptions and recomputed tokens are
+    the same as without speculation."""
+    def run(**options):
+        scheduler, runner = scheduler_with(num_blocks=6, budget=8, max_model_len=64, **options)
+        scheduler.add_request(req("A", prompt_of(1, 7), max_tokens=12))
+        scheduler.add_request(req("B", prompt_of(2, 12), max_tokens=12))
+        outputs = {r.request_id: r for r in (scheduler.get_request("A"), scheduler.get_request("B"))}
+        while scheduler.has_unfinished():
+            step(scheduler, runner)
+        stats = scheduler.stats()
+        assert_all_free(scheduler)
+        return ({i: r.output_token_ids for i, r in outputs.items()}, stats.num_preemptions,
+                stats.prompt_tokens_computed, stats.spec_drafts)
+
+    class FirstTokenWrong:  # full-length drafts whose first token the fake model never samples
+        def propose(self, requests, limits):
+            return [[(next_token(r.all_token_ids) + 1) % VOCAB_SIZE] * k for r, k in zip(requests, limits)]
+
+    plain = run(speculative=None)
+    drafted = run(proposer=FirstTokenWrong())
+    assert drafted[3] > 0  # drafts ran
+    assert drafted[:3] == plain[:3]
 
 
 # ---- real models: outputs are unchanged ---------------------------------------------------------
