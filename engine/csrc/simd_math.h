@@ -170,17 +170,25 @@ inline float reduce_add(F x) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-// exp16's method on 8 lanes; 2^n is built in the exponent bits (AVX2 has no scalef).
+// exp16's method on 8 lanes; 2^n is built in the exponent bits (AVX2 has no scalef), as
+// 2^(n - n/2) * 2^(n/2) so that n = 128 (x in (88.38, 89]) is representable: results up to
+// FLT_MAX are right and larger ones overflow to +inf as scalef's do. Inputs are clamped to
+// [-87, 89] first (above 89, exp is +inf anyway; unclamped, n + 127 would reach the sign bit and
+// exp(100) would read -0). Where one factor 2^n fits (x <= 88.38), the product is exact until
+// the one rounding both ways share, so those results are bit for bit what a single 2^n gave.
 inline F exp(F x) {
   static constexpr float kTaylor[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
-  x = _mm256_max_ps(x, set1(-87.f));
+  x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.f)), set1(89.f));
   const F n = _mm256_round_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   F r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
   F p = set1(kTaylor[7]);
   for (int i = 6; i >= 0; --i) p = fmadd(p, r, set1(kTaylor[i]));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return mul(p, _mm256_castsi256_ps(two_n));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);  // n in [-126, 128]
+  const __m256i bias = _mm256_set1_epi32(127);
+  const F two_half = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const F two_rest = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return mul(mul(p, two_half), two_rest);
 }
 // Lane i = the sum of v[i]'s 8 lanes (two rounds of pairwise adds, then the 128-bit halves).
 inline F hsum(const F* v) {

@@ -77,6 +77,26 @@ def test_silu_and_mul_matches_torch(native, inter):
     _within_one_ulp(got, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_silu_and_mul_of_large_gates_matches_torch(native, dtype):
+    """Gates far from 0 (exp(-g) overflows float32 below about -88.7): silu -> -0 there, like torch,
+    not g or garbage (AVX2's exp once built 2^n past the exponent bits)."""
+    gate = torch.cat([torch.arange(-400, -80, 0.25), torch.arange(80, 400, 0.25),
+                      torch.tensor([-88.75, -88.5, -88.25, -87.0, 88.25, 88.5, 88.75, -1e30, 1e30]),
+                      torch.randn(301) * 4])
+    torch.manual_seed(5)
+    up = (torch.rand(gate.numel()) + 0.5) * torch.where(torch.rand(gate.numel()) < 0.5, -1.0, 1.0)
+    gate_up = torch.stack([gate, up]).to(dtype).view(2, 1, -1).expand(2, 3, -1).permute(1, 0, 2).reshape(3, -1)
+    g, u = gate_up.chunk(2, dim=-1)
+    got = native.silu_and_mul(gate_up)
+    want = F.silu(g) * u
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == BF16:
+        _within_one_ulp(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-30)
+
+
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 1), (32, 2, 2)])
 def test_rotary_embedding_is_bit_identical_to_torch(native, head_dim, heads, kv_heads):
     torch.manual_seed(head_dim)
