@@ -41,6 +41,7 @@ from typing import Any, Iterator
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import run_metadata  # noqa: E402
 from benchmarks.serve import SLO, BenchConfig, run_benchmark  # noqa: E402
 
 # every system: a 0.5 GiB KV cache per worker (~11k tokens of SmolLM2-135M, plenty here), so four
@@ -253,7 +254,9 @@ def run_side_by_side(systems: list[str], plan: Plan, workdir: Path, extra: list[
 
 
 def machine_info() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+    """The machine and what runs on it now: CPUs, platform, load, and run_metadata() (commit, CPU
+    model, command line, UTC time, Python)."""
+    return {**run_metadata(), "cpus": os.cpu_count(), "platform": platform.platform(),
             "load_average": list(os.getloadavg())}
 
 

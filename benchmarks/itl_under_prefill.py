@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.common import percentile, run_metadata  # noqa: E402
 from engine import cpu_kernels  # noqa: E402
 
 
@@ -83,6 +82,14 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def results_document(args: argparse.Namespace, rows: list[dict]) -> dict:
+    """The JSON file: the CPU (its model name, and the SIMD features the kernels use), what was run
+    (`run`: commit, command line, time, Python), the arguments and the rows."""
+    run_info = run_metadata()
+    return {"cpu": run_info["cpu_model"], "cpu_features": cpu_kernels.cpu_features(), "run": run_info,
+            "args": vars(args), "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decodes", type=int, default=8)
@@ -98,8 +105,7 @@ def main() -> None:
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"cpu": platform.processor() or platform.machine(), "cpu_features": cpu_kernels.cpu_features(),
-                       "args": vars(args), "rows": rows}, out, indent=2)
+            json.dump(results_document(args, rows), out, indent=2)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.common import percentile, run_metadata  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Conversation, Workload, WorkloadConfig, build_workload  # noqa: E402
 
 ENDPOINTS = ("chat", "completions")
@@ -498,11 +498,17 @@ def summarize_by_tag(results: list[RequestResult], duration_s: float, slo: SLO) 
 
 
 def build_report(config: BenchConfig, workload: Workload, outcome: RunOutcome) -> dict[str, Any]:
+    """The run's report: what was run (`run`: commit, CPU, command line, time, Python; the sampling
+    settings sent; the limits), its summary, the summary per tag, and every planned request."""
     return {
         "label": config.label, "base_url": config.base_url, "endpoint": config.endpoint, "model": outcome.model,
         "workload": workload.name, "workload_description": workload.description,
         "request_rate": None if math.isinf(config.request_rate) else config.request_rate,
         "max_concurrency": config.max_concurrency, "seed": config.seed, "num_requests": workload.num_requests,
+        "sampling": {"temperature": config.temperature, "ignore_eos": config.ignore_eos,
+                     "logprobs": config.use_logprobs},
+        "timeout_s": config.timeout_s, "request_timeout_s": config.request_timeout_s,
+        "run": run_metadata(),
         "summary": summarize(outcome.results, outcome.duration_s, config.slo),
         "by_tag": summarize_by_tag(outcome.results, outcome.duration_s, config.slo),
         "requests": [r.record() for r in outcome.results],
