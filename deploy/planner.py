@@ -12,7 +12,8 @@ decode are sized separately, each from what the pool is measured to do.
   rounded up, and at least one more than now while the queue alone (`q / (P mu)`) is longer than
   the TTFT SLO and not shrinking. Until a busy interval measured `mu`, the prefill pool keeps its size.
 - **Decode.** A decode worker's time per output token grows with its batch: TPOT = a + c * b.
-  Each interval gives (b = running sequences, TPOT = b / decode tokens per second) per worker;
+  Each interval gives (b = running sequences, TPOT = b / output tokens per second; with speculative
+  decoding, rejected draft tokens do not count) per worker;
   a least-squares line over the recent ones gives a and c, and the largest batch within the SLO,
   `B = (slo_tpot - a) / c`. While the batch sizes seen span less than half their mean (or the
   line's slope is not positive: noise), a line through them would extrapolate noise, so TPOT is
@@ -80,7 +81,7 @@ class _Sample:
     time: float
     role: str
     prompt_tokens: int
-    decode_tokens: int
+    decode_tokens: int  # output tokens decoded (cumulative): positions run less rejected draft tokens
     queued: int
     running: int
     waiting: int
@@ -108,7 +109,10 @@ class Planner:
         for address in [a for a in self._last if a not in seen]:
             del self._last[address]
         for address, role, stats in workers:
-            sample = _Sample(now, role, stats.prompt_tokens_computed, stats.decode_tokens,
+            # with speculative decoding a step runs 1 + k positions and keeps 1 + accepted tokens:
+            # TPOT is time per token kept
+            rejected = stats.spec_draft_tokens - stats.spec_accepted_tokens
+            sample = _Sample(now, role, stats.prompt_tokens_computed, stats.decode_tokens - rejected,
                              stats.prefill_tokens_queued, stats.running, stats.waiting)
             previous = self._last.get(address)
             self._last[address] = sample

@@ -224,6 +224,27 @@ def test_waiting_requests_count_as_demand_not_as_the_measured_batch():
     assert decision.wanted[1] == math.ceil((10 + 30) * 1.2 / planner._max_batch())
 
 
+def test_tpot_is_measured_per_token_kept_when_decoding_speculates():
+    """With drafts a step runs 1 + k positions but keeps 1 + accepted tokens: the decode-token
+    counter counts positions, so rejected draft tokens come off before TPOT is read."""
+    def measured(rejected_per_token):
+        planner = Planner(PlannerConfig(slo_tpot_ms=100, max_workers=8, interval_s=10, stable_decisions=1))
+        kept = drafts = accepted = 0
+        for second in range(1, 31):
+            batch = (10, 20, 30)[second % 3]
+            step_tokens = int(batch / tpot(batch))
+            kept += step_tokens
+            drafts += step_tokens * rejected_per_token + step_tokens
+            accepted += step_tokens
+            stats = WorkerStats(running=batch, waiting=0, decode_tokens=kept + drafts - accepted,
+                                spec_draft_tokens=drafts, spec_accepted_tokens=accepted)
+            planner.observe(float(second), [("d1", "decode", stats)])
+        return planner._max_batch()
+
+    assert measured(3) == measured(0)  # 3 rejected positions per kept token change nothing
+    assert 39 <= measured(3) <= 41
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_narrow_spread_of_batches_is_read_cautiously_not_extrapolated(seed):
     """Batches of 30-31 with noisy TPOTs: a line through them could slope either way. The planner
