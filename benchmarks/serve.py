@@ -178,7 +178,8 @@ class RequestResult:
             return None if value is None else round(value * 1000, 3)
         return {"conversation_id": self.conversation_id, "turn": self.turn, "tag": self.tag,
                 "sent": self.sent, "sent_at_s": round(self.sent_at_s, 4) if self.sent else None,
-                "success": self.success, "incomplete": self.incomplete, "error": self.error, "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s), "e2e_ms": ms(self.e2e_s),
+                "success": self.success, "incomplete": self.incomplete, "error": self.error,
+                "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s), "e2e_ms": ms(self.e2e_s),
                 "itl_ms": [ms(g) for g in self.itl_s], "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
                 "streamed_tokens": self.streamed_tokens, "finish_reason": self.finish_reason}
