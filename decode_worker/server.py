@@ -150,31 +150,35 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext):
         engine = self.engine
-        try:
-            engine_request = await serving.request_from_wire(engine, request,
-                                                             request.request_id or f"decode-{uuid.uuid4().hex}",
-                                                             priority=request.priority)
-            stream = engine.open_stream(engine_request.request_id)
-        except ValueError as exc:
-            code = grpc.StatusCode.ALREADY_EXISTS if "already in use" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(exc))
-        want_logprobs = engine_request.sampling_params.logprobs is not None
-        prefill = None
-        try:
+        async with serving.unavailable_when_engine_down(engine, context):  # the router tries another worker
             try:
-                prefill = await self._start(engine_request, request.prefill_address)
-            except ValueError as exc:  # refused on the engine thread (e.g. larger than the cache)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except RuntimeError as exc:  # a host-cache copy failed; the engine already ended the request
-                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-            async for delta in stream:
-                if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:
-                    prefill.cancel()  # the load failed and this worker prefills: stop the prefill worker's side
-                yield chunk_from_delta(delta, want_logprobs)  # (that news may come alone: how the KV came)
-        finally:
-            stream.close()  # aborts an unfinished request (stopping its transfer) in the engine
-            if prefill is not None and not prefill.done():
-                prefill.cancel()  # cancels the Prefill call: the prefill worker aborts its side
+                engine_request = await serving.request_from_wire(engine, request,
+                                                                 request.request_id or f"decode-{uuid.uuid4().hex}",
+                                                                 priority=request.priority)
+                stream = engine.open_stream(engine_request.request_id)
+            except ValueError as exc:
+                code = grpc.StatusCode.ALREADY_EXISTS if "already in use" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(exc))
+            want_logprobs = engine_request.sampling_params.logprobs is not None
+            prefill = None
+            try:
+                try:
+                    prefill = await self._start(engine_request, request.prefill_address)
+                except ValueError as exc:  # refused on the engine thread (e.g. larger than the cache)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except RuntimeError as exc:
+                    if serving.engine_down(engine, exc) is not None:
+                        raise  # UNAVAILABLE (above)
+                    # a host-cache copy failed; the engine already ended the request
+                    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+                async for delta in stream:
+                    if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:
+                        prefill.cancel()  # the load failed and this worker prefills: stop the prefill worker's side
+                    yield chunk_from_delta(delta, want_logprobs)  # (that news may come alone: how the KV came)
+            finally:
+                stream.close()  # aborts an unfinished request (stopping its transfer) in the engine
+                if prefill is not None and not prefill.done():
+                    prefill.cancel()  # cancels the Prefill call: the prefill worker aborts its side
 
     async def _start(self, engine_request, prefill_address: str) -> asyncio.Task | None:
         """Put the request in the engine: prefill locally, or wait for its KV while a task asks the

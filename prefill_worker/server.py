@@ -84,28 +84,29 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         engine = self.engine
-        try:
-            destination = self._destination(request.destination)
-            engine_request = await serving.request_from_wire(engine, request, request.request_id or None,
-                                                             kv_destination=destination)
-            stream = engine.open_stream(engine_request.request_id)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        first = None
-        answered = False
-        try:
-            engine.add(engine_request, False)
-            async for delta in stream:  # the first token (with the send's report), then the send's end
-                first = first or (delta if delta.new_token_ids else None)
-                if answers_prefill(delta):
-                    answered = True
-                    return prefill_response(delta, first)
-        except ValueError as exc:  # refused by the engine (e.g. larger than the whole cache)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            # Cancelled by the decode worker before the answer: abort, stopping the send. After
-            # it, the send goes on (the engine frees the blocks when it ends).
-            stream.close(abort=not answered)
+        async with serving.unavailable_when_engine_down(engine, context):  # the decode worker prefills itself
+            try:
+                destination = self._destination(request.destination)
+                engine_request = await serving.request_from_wire(engine, request, request.request_id or None,
+                                                                 kv_destination=destination)
+                stream = engine.open_stream(engine_request.request_id)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            first = None
+            answered = False
+            try:
+                engine.add(engine_request, False)
+                async for delta in stream:  # the first token (with the send's report), then the send's end
+                    first = first or (delta if delta.new_token_ids else None)
+                    if answers_prefill(delta):
+                        answered = True
+                        return prefill_response(delta, first)
+            except ValueError as exc:  # refused by the engine (e.g. larger than the whole cache)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            finally:
+                # Cancelled by the decode worker before the answer: abort, stopping the send. After
+                # it, the send goes on (the engine frees the blocks when it ends).
+                stream.close(abort=not answered)
 
     def _destination(self, message: Any):
         if not same_layout(message.layout, self.layout):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -98,24 +99,51 @@ def abort(engine, request_id: str) -> Any:
     return wire.messages().AbortResponse(found=found)
 
 
-def health(engine, role: str, model: str, transport_address: str = "") -> Any:
-    """ok unless the engine can no longer step (its loop died, it shut down, or its
-    tensor-parallel group broke): the router then stops routing here and the controller replaces it."""
+def engine_down(engine, error: BaseException | None = None) -> str | None:
+    """Why the engine cannot take requests (its loop died, it shut down, or its tensor-parallel
+    group broke), or None while it can. `error`: a RuntimeError the engine just raised to a call;
+    the engine thread fails the call it was running as it dies ("engine loop died during this
+    call") a moment before `stats()` says so."""
     try:
         engine.stats()
-        ok = True
-    except RuntimeError:
-        ok = False
+    except RuntimeError as exc:
+        return str(exc)
+    if isinstance(error, RuntimeError) and str(error).startswith("engine loop died"):
+        return str(error)
+    return None
+
+
+@contextlib.asynccontextmanager
+async def unavailable_when_engine_down(engine, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Around a Generate or Prefill call's use of the engine: a RuntimeError raised because the
+    engine cannot take requests (`engine_down`) ends the call UNAVAILABLE, which the router (and a
+    decode worker's remote prefill) treats as "try elsewhere"; any other error goes on as it is."""
+    try:
+        yield
+    except RuntimeError as exc:
+        reason = engine_down(engine, exc)
+        if reason is None:
+            raise
+        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+
+
+def health(engine, role: str, model: str, transport_address: str = "") -> Any:
+    """ok unless the engine cannot take requests (`engine_down`): the router then stops routing
+    here at once and the controller replaces it."""
+    ok = engine_down(engine) is None
     return wire.messages().HealthResponse(ok=ok, role=role, model=model, transport_address=transport_address)
 
 
 async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes) -> Any:
-    """The worker's Stats from the engine thread's latest snapshot; UNAVAILABLE once it died."""
+    """The worker's Stats from the engine thread's latest snapshot, also once the engine is down
+    (its last one): the router polls Health and Stats together and must see Health's ok=False."""
     from wire.stats import worker_stats_to_wire
     try:
         snapshot, queued = engine.stats()
-    except RuntimeError as exc:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except RuntimeError:
+        # AsyncEngine.stats() refuses once the engine is down; the snapshot it would have returned
+        # (published after the engine's last step or command) is still there.
+        snapshot, queued = engine._snapshot
     return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size,
                                 rss_bytes=resident_bytes(), weight_bytes=engine.engine.runner.weight_bytes,
                                 **kv_bytes)
