@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.structured_output import allocate_bitmask, apply_bitmask
+from engine.structured_output import allocate_bitmask, allowed_tokens, apply_bitmask
 
 GREEDY_TEMPERATURE = 1e-5
 # On CPU a full sort of the vocabulary is slow; top-p first looks for the nucleus among this many
@@ -155,12 +155,10 @@ def _unban_where_the_grammar_must_end(banned: list[list[int]], bitmask: torch.Te
     """`min_tokens` bans EOS and the stop ids; a grammar that has reached its end allows only
     those. Where the two together would leave no token, the grammar wins: the row may end."""
     banned = list(banned)
-    shifts = torch.arange(32, dtype=torch.int32)
     for row in grammar_rows:
         if not banned[row]:
             continue
-        allowed = ((bitmask[row][:, None] >> shifts) & 1).flatten()[:vocab_size].bool()
-        others = allowed.clone()
+        others = allowed_tokens(bitmask, row, vocab_size)
         others[[t for t in banned[row] if t < vocab_size]] = False
         if not bool(others.any()):
             banned[row] = []

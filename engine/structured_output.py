@@ -165,8 +165,9 @@ def _depth(value: Any) -> int:
 class GrammarState:
     """One request's position in its grammar (an xgrammar `GrammarMatcher`)."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
+        self._vocab_size = vocab_size
         self.rejected_token: int | None = None  # the first token the grammar refused, if any
 
     def accept(self, token_id: int) -> bool:
@@ -186,6 +187,22 @@ class GrammarState:
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 bitmask (`allocate_bitmask`)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def allows_nothing(self) -> bool:
+        """No next token is allowed (the constraint cannot be satisfied from here: an impossible
+        pattern inside a schema, say); the sampler then has nothing to draw."""
+        bitmask = allocate_bitmask(1, self._vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return not bool(allowed_tokens(bitmask, 0, self._vocab_size).any())
+
+
+def allowed_tokens(bitmask: Any, row: int, vocab_size: int) -> Any:
+    """Row `row` of an int32 bitmask unpacked: a bool tensor [vocab_size], True where allowed."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bitmask[row][:, None] >> shifts) & 1).flatten()[:vocab_size].bool()
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> Any:
@@ -237,4 +254,7 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_grammar(constraint.grammar_object())
             except RuntimeError as exc:
                 raise ValueError(f"cannot compile the {constraint.kind} constraint: {_native_message(exc)}") from None
-        return GrammarState(xgr.GrammarMatcher(compiled))
+        state = GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
+        if state.allows_nothing:  # e.g. a regex no string matches, or `root ::= root`
+            raise ValueError(f"the {constraint.kind} constraint matches no text: no output can satisfy it")
+        return state

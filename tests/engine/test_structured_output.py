@@ -334,3 +334,25 @@ def test_choice_options_with_quotes_backslashes_and_newlines_are_matched_exactly
     state = compiler.state(constraint)
     assert not all(state.accept(t) for t in llm.tokenizer.encode("say yes", add_special_tokens=False))
     assert state.rejected_token is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("constraint", [StructuredOutput.grammar("root ::= root"), StructuredOutput.regex("[^\\s\\S]")],
+                         ids=["grammar", "regex"])
+def test_a_constraint_no_text_matches_is_refused_when_the_request_is_made(llm, constraint):
+    """Nothing to sample from the first token on: a ValueError (a 400 from the servers), not a
+    request that samples token 0 and ends in an error."""
+    with pytest.raises(ValueError, match=f"the {constraint.kind} constraint matches no text"):
+        _generate(llm, ASK, constraint)
+    _assert_clean(llm.engine)
+
+
+@pytest.mark.slow
+def test_a_constraint_that_dead_ends_part_way_says_so(llm):
+    """A schema whose string pattern nothing matches: the output reaches `{"a": "` and no token is
+    allowed after it. The request ends with an error naming that, not an inconsistent state."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["a"]}
+    out = _generate(llm, ASK, StructuredOutput.json_schema(schema))
+    assert out.finish_reason == "error"
+    assert "json_schema constraint allows no token after" in out.error and "no text satisfies it" in out.error
+    _assert_clean(llm.engine)
