@@ -646,12 +646,12 @@ class Scheduler:
         if grammar is not None and grammar.rejected_token is not None:
             kind = request.sampling_params.structured_output.kind
             if grammar.allows_nothing:
-                return "error", (f"the request's {kind} constraint allows no token after {request.num_output_tokens - 1} "
-                                 "output tokens: no text satisfies it (an impossible pattern or an empty enum, say)")
+                return "error", (f"the request's {kind} constraint allows no token after "
+                                 f"{request.num_output_tokens - 1} output tokens: no text satisfies it "
+                                 "(an impossible pattern or an empty enum, say)")
             # Otherwise sampling was masked by the grammar, so this means an inconsistent state (e.g.
             # a first token from a prefill worker that did not apply the constraint).
-            return "error", (f"token {grammar.rejected_token} does not match the request's "
-                             f"{request.sampling_params.structured_output.kind} constraint")
+            return "error", f"token {grammar.rejected_token} does not match the request's {kind} constraint"
         if self.role == "prefill":
             return "prefill_done", None
         return self._stop_reason(request, token_id), None
