@@ -153,8 +153,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         async with serving.unavailable_when_engine_down(engine, context):  # the router tries another worker
             try:
                 engine_request = await serving.request_from_wire(engine, request,
-                                                                 request.request_id or f"decode-{uuid.uuid4().hex}",
-                                                                 priority=request.priority)
+                                                                 request.request_id or f"decode-{uuid.uuid4().hex}")
                 stream = engine.open_stream(engine_request.request_id)
             except ValueError as exc:
                 code = grpc.StatusCode.ALREADY_EXISTS if "already in use" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT

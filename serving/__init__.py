@@ -79,11 +79,12 @@ def build_async_engine(model: str, options: dict[str, Any], role: str, kv_transp
 
 
 async def request_from_wire(engine, message: Any, request_id: str, **extra):
-    """The engine request for a Generate or Prefill message (ValueError for a client's mistake).
-    A structured-output constraint is parsed and compiled off the event loop."""
+    """The engine request for a Generate or Prefill message (ValueError for a client's mistake),
+    with its priority (a prefill worker serves a batch prompt after an interactive one, as the
+    decode worker does). A structured-output constraint is parsed and compiled off the event loop."""
     def build():
         return engine.engine.make_request(list(message.prompt_token_ids), wire.sampling_from_wire(message.sampling),
-                                          request_id, cache_salt=message.cache_salt or None,
+                                          request_id, priority=message.priority, cache_salt=message.cache_salt or None,
                                           num_resumed_tokens=message.num_resumed_tokens, **extra)
     if message.sampling.HasField("structured_output"):
         return await asyncio.to_thread(build)

@@ -70,8 +70,9 @@ def same_layout(a: Any, b: Any) -> bool:
 
 def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout: Any) -> Any:
     """The decode worker's Prefill call for an engine request: its tokens (with a resumed
-    request's outputs), its sampling, and where to write the blocks `plan` fills (the receiver at
-    `address`, whose caches have the kvtransfer `layout`)."""
+    request's outputs), its sampling and priority, and where to write the blocks `plan` fills (the
+    receiver at `address`, whose caches have the kvtransfer `layout`). The prefill worker reads it
+    back with `serving.request_from_wire`."""
     pb = messages()
     destination = pb.KVDestination(transport=address.split("://", 1)[0], address=address,
                                    layout=layout_to_wire(layout),
@@ -79,7 +80,8 @@ def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout
                                    first_block_index=plan.blocks_to_fill[0][0])
     return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.all_token_ids,
                              sampling=sampling_to_wire(request.sampling_params), destination=destination,
-                             cache_salt=request.cache_salt or "", num_resumed_tokens=request.num_resumed_tokens)
+                             cache_salt=request.cache_salt or "", num_resumed_tokens=request.num_resumed_tokens,
+                             priority=request.priority)
 
 
 def destination_from_wire(message: Any) -> KVDestination:
