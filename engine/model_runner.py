@@ -364,8 +364,14 @@ class ModelRunner:
 
     @property
     def broken(self) -> str | None:
-        """Why this runner cannot run another step (its tensor-parallel group broke), or None."""
-        return self._tp_broken if self._tp_broken not in (None, "closed") else None
+        """Why this runner cannot run another step (its tensor-parallel group broke, or a follower
+        exited, even one that died idle: the next step would fail on it), or None. Any thread may
+        read it: a worker's Health does (`AsyncEngine.stats`), so the router stops routing here
+        before a request fails on the dead rank."""
+        if self._tp_broken not in (None, "closed"):
+            return self._tp_broken
+        followers = self._followers  # (None once stopped)
+        return followers.exited() if followers is not None else None
 
     def close(self) -> None:
         """Rank 0 with TP: end the followers (shutdown message, then terminate after a grace

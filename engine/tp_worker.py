@@ -46,13 +46,20 @@ class Followers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def check_alive(self) -> None:
-        """RuntimeError naming the first follower that exited."""
+    def exited(self) -> str | None:
+        """The first follower that exited (rank, pid, exit code), or None while they all run.
+        Any thread may ask (a worker's Health does, through `ModelRunner.broken`)."""
         for rank, process in enumerate(self.processes, start=1):
             code = process.poll()
             if code is not None:
-                raise RuntimeError(f"tensor-parallel follower rank {rank} (pid {process.pid}) exited with code "
-                                   f"{code} while starting; its error is on stderr")
+                return f"tensor-parallel follower rank {rank} (pid {process.pid}) exited with code {code}"
+        return None
+
+    def check_alive(self) -> None:
+        """While the group starts: RuntimeError naming the first follower that exited."""
+        exited = self.exited()
+        if exited is not None:
+            raise RuntimeError(f"{exited} while starting; its error is on stderr")
 
     def _at_exit(self) -> None:
         """The interpreter exits with the engine never closed: no shutdown message will come."""

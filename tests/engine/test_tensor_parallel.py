@@ -242,6 +242,29 @@ def test_a_follower_that_dies_fails_the_step_and_stops_the_group(tmp_path):
     llm.engine.scheduler.check_integrity()
 
 
+def test_a_follower_that_dies_idle_is_reported_before_any_request(tmp_path):
+    """A follower that exits while nothing runs makes `broken` (what a worker's Health reads)
+    say so at once, rather than when the next request fails on it."""
+    folder = save_tiny_model(tmp_path, tiny_config())
+    before = _children()
+    with LLM(folder, tensor_parallel_size=2, **SMALL) as llm:
+        served = AsyncEngine(llm.engine)
+        try:
+            served.stats()  # healthy
+            assert llm.engine.broken is None
+            (follower,) = _children() - before
+            os.kill(follower, signal.SIGKILL)
+            deadline = time.monotonic() + 15
+            while llm.engine.broken is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert llm.engine.broken == f"tensor-parallel follower rank 1 (pid {follower}) exited with code -9"
+            with pytest.raises(RuntimeError, match="engine cannot step: tensor-parallel follower rank 1"):
+                served.stats()  # Health: not ok
+        finally:
+            served.shutdown()
+    assert _children() == before
+
+
 def _one_seq_batch(llm):
     request = llm.engine.make_request([5, 6], GREEDY)
     llm.engine.scheduler.add_request(request)
