@@ -156,7 +156,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                                                                  request.request_id or f"decode-{uuid.uuid4().hex}")
                 stream = engine.open_stream(engine_request.request_id)
             except ValueError as exc:
-                code = grpc.StatusCode.ALREADY_EXISTS if "already in use" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
+                in_use = "already in use" in str(exc)
+                code = grpc.StatusCode.ALREADY_EXISTS if in_use else grpc.StatusCode.INVALID_ARGUMENT
                 await context.abort(code, str(exc))
             want_logprobs = engine_request.sampling_params.logprobs is not None
             prefill = None

@@ -3,7 +3,6 @@ carries it (wire/convert.py), the prefill worker's engine request has it (servin
 so a prefill worker serves an interactive prompt before a batch one queued ahead of it."""
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import grpc
