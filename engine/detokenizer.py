@@ -65,11 +65,15 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self._stop_reason is not None
 
-    def add_tokens(self, token_ids: Sequence[int], final: bool = False) -> DetokenizerDelta:
+    def add_tokens(self, token_ids: Sequence[int], final: bool = False, stop_token: bool = False) -> DetokenizerDelta:
         """Feed newly sampled tokens; `final=True` on the request's last call releases everything
-        still held back (a trailing partial character, a possible stop-string start)."""
+        still held back (a trailing partial character, a possible stop-string start).
+        `stop_token=True`: the last of `token_ids` is the EOS or stop token id that ended the
+        output; as in vLLM its text is left out unless `include_stop_str_in_output`."""
         if self.stopped:
             return DetokenizerDelta("", True, self._stop_reason)
+        if stop_token and token_ids and not self._include_stop:
+            token_ids = token_ids[:-1]
         previous_length = len(self._decoded)
         for token_id in token_ids:
             self._window.append(int(token_id))

@@ -435,13 +435,15 @@ class LLMEngine:
         step's) go in one at a time, and those after the one that completes a stop string are
         dropped from the delta, as if they had never been sampled."""
         token_ids = delta.new_token_ids
+        stop_token = delta.finished and delta.finish_reason == "stop"  # an EOS or stop token id ended it
         if len(token_ids) < 2 or request is None or not request.sampling_params.stop:
-            change = detok.add_tokens(token_ids, final=delta.finished)
+            change = detok.add_tokens(token_ids, final=delta.finished, stop_token=stop_token)
             delta.new_text = change.new_text
             return change
         text = ""
         for index, token_id in enumerate(token_ids):
-            change = detok.add_tokens([token_id], final=delta.finished and index == len(token_ids) - 1)
+            last = index == len(token_ids) - 1
+            change = detok.add_tokens([token_id], final=delta.finished and last, stop_token=stop_token and last)
             text += change.new_text
             if change.stopped:
                 del token_ids[index + 1:]

@@ -70,9 +70,12 @@ class OutputAssembler:
         token_ids = list(chunk.token_ids)
         final = bool(chunk.finish_reason)
         groups = [[t] for t in token_ids] if self._per_token and token_ids else [token_ids]
+        # "stop" from the worker is an EOS or a stop token id (stop strings are the router's)
+        stop_token = chunk.finish_reason == "stop"
         taken, text, stopped = 0, "", False
         for index, group in enumerate(groups):
-            delta = self._detokenizer.add_tokens(group, final=final and index == len(groups) - 1)
+            last = index == len(groups) - 1
+            delta = self._detokenizer.add_tokens(group, final=final and last, stop_token=stop_token and last)
             taken += len(group)
             text += delta.new_text
             if delta.stopped:

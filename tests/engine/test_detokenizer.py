@@ -236,3 +236,16 @@ def test_byte_fallback_tokens_and_leading_space():
     full = tokenizer.decode(prompt + output)
     assert "".join(pieces) == full[len(tokenizer.decode(prompt)):] == " World 😀 é 日本!"
     assert tokenizer.decode(output) == "World 😀 é 日本!"  # decoded alone, the space is stripped
+
+
+def test_the_token_that_ended_the_output_is_not_text_unless_asked(tokenizer):
+    """An EOS or stop token id ends the output: as in vLLM, its text is left out
+    (`stop_token=True` marks it), unless include_stop_str_in_output."""
+    ids = tokenizer.encode("one, two")
+    comma = tokenizer.encode(",")[0]
+    end = ids.index(comma) + 1
+    for include, expected in ((False, "one"), (True, "one,")):
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(include_stop_str_in_output=include,
+                                                                     skip_special_tokens=False))
+        assert detok.add_tokens(ids[:end], final=True, stop_token=True).new_text == expected
+        assert detok.text == expected

@@ -252,6 +252,21 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(llm,
     _assert_clean(llm.engine)
 
 
+def test_the_stop_token_that_ended_the_output_is_not_in_its_text(llm, prompts, reference):
+    """As in vLLM: the stop token id's text is left out unless include_stop_str_in_output (the
+    token itself is among the output's tokens either way)."""
+    tok = llm.tokenizer
+    stop_id = reference[3][5]
+    end = reference[3].index(stop_id) + 1
+    for include in (False, True):
+        params = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        out = llm.generate([prompts[3]], params, use_tqdm=False)[0]
+        assert out.finish_reason == "stop" and out.token_ids == reference[3][:end]
+        assert out.text == tok.decode(reference[3][:end if include else end - 1])
+    _assert_clean(llm.engine)
+
+
 def test_bad_requests_are_refused(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY, use_tqdm=False)

@@ -144,6 +144,27 @@ def test_stop_string_included_when_asked(router, decode, tokenizer):
     assert r.json()["choices"][0]["text"] == "alpha beta"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_token_that_ended_the_output_is_not_in_its_text(router, decode, tokenizer, stream):
+    """A stop token id (here ",") or an EOS kept by skip_special_tokens=false ends the output: as in
+    vLLM its text is left out, unless include_stop_str_in_output; it is still a completion token."""
+    comma = tokenizer.encode(",", add_special_tokens=False)
+    reply = tokenizer.encode("alpha beta", add_special_tokens=False) + comma
+    decode.script = lambda request: token_chunks(reply, "stop")
+    for include, expected in ((False, "alpha beta"), (True, "alpha beta,")):
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 50, "stop_token_ids": comma, "stream": stream,
+                "include_stop_str_in_output": include, "stream_options": {"include_usage": True} if stream else None}
+        r = httpx.post(router.url + "/v1/completions", json=body)
+        assert r.status_code == 200
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            usage = events[-1]["usage"]
+        else:
+            text, usage = r.json()["choices"][0]["text"], r.json()["usage"]
+        assert text == expected and usage["completion_tokens"] == len(reply)
+
+
 def test_sampling_parameters_reach_the_worker(client, decode, tokenizer):
     decode.script = reply_script(tokenizer, "ok")
     client.completions.create(model="tiny", prompt="Hi", max_tokens=7, temperature=0.7, top_p=0.9, seed=1234,
