@@ -35,6 +35,7 @@ import grpc
 import kvtransfer
 import serving
 import wire
+from engine.async_engine import EngineUnavailable
 from engine.config import DECODE_ROLES
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnectorConfig
@@ -150,7 +151,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext):
         engine = self.engine
-        async with serving.unavailable_when_engine_down(engine, context):  # the router tries another worker
+        async with serving.unavailable_when_engine_down(context):  # the router tries another worker
             try:
                 engine_request = await serving.request_from_wire(engine, request,
                                                                  request.request_id or f"decode-{uuid.uuid4().hex}")
@@ -166,10 +167,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                     prefill = await self._start(engine_request, request.prefill_address)
                 except ValueError as exc:  # refused on the engine thread (e.g. larger than the cache)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except RuntimeError as exc:
-                    if serving.engine_down(engine, exc) is not None:
-                        raise  # UNAVAILABLE (above)
-                    # a host-cache copy failed; the engine already ended the request
+                except EngineUnavailable:
+                    raise  # UNAVAILABLE (above)
+                except RuntimeError as exc:  # a host-cache copy failed; the engine already ended the request
                     await context.abort(grpc.StatusCode.INTERNAL, str(exc))
                 async for delta in stream:
                     if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:

@@ -174,18 +174,31 @@ class AsyncEngine:
 
     def stats(self):
         """`LLMEngine.stats()` as of the end of the last step (or inbox drain), without waiting
-        for the engine thread. Raises RuntimeError once the engine loop has died, so a health
-        check built on it fails instead of reporting stale numbers."""
+        for the engine thread. Raises EngineUnavailable once the engine cannot take requests, so a
+        health check built on it fails instead of reporting stale numbers (`last_stats` has them)."""
         self._check_alive()
         return self._snapshot
 
-    def _check_alive(self) -> None:
+    def last_stats(self):
+        """The last `stats()` snapshot, also once the engine is down (its numbers then stay put)."""
+        return self._snapshot
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the engine cannot take requests (its loop died, it shut down, its tensor-parallel
+        group broke), or None while it can."""
         if self._died is not None:
-            raise RuntimeError(f"engine loop died: {self._died}")
+            return f"engine loop died: {self._died}"
         if self._stopped.is_set():
-            raise RuntimeError("engine is shut down")
+            return "engine is shut down"
         if self.engine.broken is not None:
-            raise RuntimeError(f"engine cannot step: {self.engine.broken}")
+            return f"engine cannot step: {self.engine.broken}"
+        return None
+
+    def _check_alive(self) -> None:
+        reason = self.down_reason
+        if reason is not None:
+            raise EngineUnavailable(reason)
 
     def call(self, fn, *args):
         """Run `fn(engine, *args)` on the engine thread; returns a concurrent Future (for stats, admin)."""
@@ -217,7 +230,7 @@ class AsyncEngine:
     def _fail_inbox(self, message: str) -> None:
         """After the loop ended: fail every queued call and the stream of every queued request."""
         for command in self._queued_commands():
-            error = RuntimeError(message)
+            error = EngineUnavailable(message)
             if command[0] == "call" and command[3].set_running_or_notify_cancel():
                 command[3].set_exception(error)
             elif command[0] == "add":
@@ -283,7 +296,7 @@ class AsyncEngine:
                         wanted = False
                 finally:
                     if wanted:  # the loop failed around the call (it dies now): its caller must not wait for good
-                        future.set_exception(RuntimeError("engine loop died during this call"))
+                        future.set_exception(EngineUnavailable("engine loop died during this call"))
 
     def _abort_added(self) -> None:
         """Abort the requests whose abort arrived before they were added, once they are."""
@@ -345,12 +358,12 @@ class AsyncEngine:
         with self._streams_lock:
             ids = list(self._streams)
         for request_id in ids:
-            self._deliver(RuntimeError(message), request_id)
+            self._deliver(EngineUnavailable(message), request_id)
         with self._kv_lock:
             feeds, self._kv_feeds = list(self._kv_feeds), set()
         for feed in feeds:
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody reads it any more
-                feed._fail(RuntimeError(message))
+                feed._fail(EngineUnavailable(message))
         self._fail_inbox(message)
 
 
@@ -390,6 +403,12 @@ class RequestStream:
             return
         self._closed = True
         self._engine._close_stream(self.request_id, abort and not self.finished)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests: its loop died, it shut down, or its tensor-parallel group
+    broke (`AsyncEngine.down_reason`). Raised to new calls and streams, and to the open ones as
+    the loop ends; servers answer UNAVAILABLE, so callers try another worker."""
 
 
 class KVEventsOverflow(RuntimeError):

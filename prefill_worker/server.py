@@ -84,7 +84,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         engine = self.engine
-        async with serving.unavailable_when_engine_down(engine, context):  # the decode worker prefills itself
+        async with serving.unavailable_when_engine_down(context):  # the decode worker prefills itself
             try:
                 destination = self._destination(request.destination)
                 engine_request = await serving.request_from_wire(engine, request, request.request_id or None,

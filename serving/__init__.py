@@ -100,38 +100,22 @@ def abort(engine, request_id: str) -> Any:
     return wire.messages().AbortResponse(found=found)
 
 
-def engine_down(engine, error: BaseException | None = None) -> str | None:
-    """Why the engine cannot take requests (its loop died, it shut down, or its tensor-parallel
-    group broke), or None while it can. `error`: a RuntimeError the engine just raised to a call;
-    the engine thread fails the call it was running as it dies ("engine loop died during this
-    call") a moment before `stats()` says so."""
-    try:
-        engine.stats()
-    except RuntimeError as exc:
-        return str(exc)
-    if isinstance(error, RuntimeError) and str(error).startswith("engine loop died"):
-        return str(error)
-    return None
-
-
 @contextlib.asynccontextmanager
-async def unavailable_when_engine_down(engine, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """Around a Generate or Prefill call's use of the engine: a RuntimeError raised because the
-    engine cannot take requests (`engine_down`) ends the call UNAVAILABLE, which the router (and a
-    decode worker's remote prefill) treats as "try elsewhere"; any other error goes on as it is."""
+async def unavailable_when_engine_down(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Around a Generate or Prefill call's use of the engine: `EngineUnavailable` (the engine
+    cannot take requests, or stopped while this call ran) ends the call UNAVAILABLE, which the
+    router (and a decode worker's remote prefill) treats as "try elsewhere"."""
+    from engine.async_engine import EngineUnavailable
     try:
         yield
-    except RuntimeError as exc:
-        reason = engine_down(engine, exc)
-        if reason is None:
-            raise
-        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+    except EngineUnavailable as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 def health(engine, role: str, model: str, transport_address: str = "") -> Any:
-    """ok unless the engine cannot take requests (`engine_down`): the router then stops routing
+    """ok unless the engine cannot take requests (`AsyncEngine.down_reason`): the router then stops routing
     here at once and the controller replaces it."""
-    ok = engine_down(engine) is None
+    ok = engine.down_reason is None
     return wire.messages().HealthResponse(ok=ok, role=role, model=model, transport_address=transport_address)
 
 
@@ -139,12 +123,7 @@ async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes
     """The worker's Stats from the engine thread's latest snapshot, also once the engine is down
     (its last one): the router polls Health and Stats together and must see Health's ok=False."""
     from wire.stats import worker_stats_to_wire
-    try:
-        snapshot, queued = engine.stats()
-    except RuntimeError:
-        # AsyncEngine.stats() refuses once the engine is down; the snapshot it would have returned
-        # (published after the engine's last step or command) is still there.
-        snapshot, queued = engine._snapshot
+    snapshot, queued = engine.last_stats()
     return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size,
                                 rss_bytes=resident_bytes(), weight_bytes=engine.engine.runner.weight_bytes,
                                 **kv_bytes)

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineUnavailable
 from engine.model.loader import resolve_model
 from tests.engine.streams import collect_tokens
 
@@ -372,7 +372,7 @@ def test_async_engine_stats_answer_at_once_while_the_engine_thread_is_busy(llm, 
         assert stats.running == 1 and stats.kv_blocks_free < stats.kv_blocks_total
     finally:
         engine.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(EngineUnavailable, match="shut down"):
         engine.stats()
 
 
@@ -385,7 +385,7 @@ def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeyp
     request_id = "dies"
 
     async def run():
-        with pytest.raises(RuntimeError, match="engine loop died"):
+        with pytest.raises(EngineUnavailable, match="engine loop died"):
             async for _ in engine.generate(prompts[0], GREEDY, request_id=request_id):
                 pass
 
@@ -395,11 +395,11 @@ def test_async_engine_stats_fail_once_the_engine_loop_died(llm, prompts, monkeyp
 
     try:
         asyncio.run(run())
-        with pytest.raises(RuntimeError, match="engine loop died: injected failure"):
+        with pytest.raises(EngineUnavailable, match="engine loop died: injected failure"):
             engine.stats()
-        with pytest.raises(RuntimeError, match="engine loop died"):  # no new work is accepted
+        with pytest.raises(EngineUnavailable, match="engine loop died"):  # no new work is accepted
             asyncio.run(run_again())
-        with pytest.raises(RuntimeError, match="engine loop died"):  # nor left waiting
+        with pytest.raises(EngineUnavailable, match="engine loop died"):  # nor left waiting
             engine.call(lambda e: None).result(timeout=30)
     finally:
         engine.shutdown()
@@ -414,14 +414,14 @@ def test_shutdown_ends_open_streams_and_fails_later_calls(llm, prompts):
 
     async def run():
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        with pytest.raises(RuntimeError, match="engine is shut down"):
+        with pytest.raises(EngineUnavailable, match="engine is shut down"):
             async for delta in engine.generate(prompts[0], params, request_id=request_id):
                 if delta.new_token_ids:
                     await asyncio.to_thread(engine.shutdown)
 
     try:
         asyncio.run(asyncio.wait_for(run(), 120))
-        with pytest.raises(RuntimeError, match="engine is shut down"):
+        with pytest.raises(EngineUnavailable, match="engine is shut down"):
             engine.call(lambda e: 1).result(timeout=5)
     finally:
         engine.shutdown()
@@ -438,9 +438,9 @@ def test_a_call_whose_loop_fails_after_it_ran_is_answered_not_left_waiting(llm):
 
     engine._abort_added = broken  # runs after every call, on the engine thread
     try:
-        with pytest.raises(RuntimeError, match="engine loop died during this call"):
+        with pytest.raises(EngineUnavailable, match="engine loop died during this call"):
             engine.call(lambda e: 1).result(timeout=30)
-        with pytest.raises(RuntimeError, match="engine loop died: injected failure"):
+        with pytest.raises(EngineUnavailable, match="engine loop died: injected failure"):
             engine.stats()
     finally:
         engine.shutdown()
