@@ -172,6 +172,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                 except RuntimeError as exc:  # a host-cache copy failed; the engine already ended the request
                     await context.abort(grpc.StatusCode.INTERNAL, str(exc))
                 async for delta in stream:
+                    if delta.invalid_request:  # the request's own error (a constraint no text satisfies): a 400
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, delta.error)
                     if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:
                         prefill.cancel()  # the load failed and this worker prefills: stop the prefill worker's side
                     yield chunk_from_delta(delta, want_logprobs)  # (that news may come alone: how the KV came)

@@ -405,7 +405,8 @@ class LLMEngine:
         delta = StreamDelta(request_id=out.request_id, new_token_ids=list(out.new_token_ids),
                             new_logprobs=token_logprobs(out.new_token_ids, out.new_logprobs),
                             finished=out.finished, finish_reason=out.finish_reason,
-                            num_cached_tokens=out.num_cached_tokens, error=out.error)
+                            num_cached_tokens=out.num_cached_tokens, error=out.error,
+                            invalid_request=out.invalid_request)
         if request is not None:
             delta.num_prompt_tokens = request.num_prompt_tokens
             if request.status is RequestStatus.SENDING_KV and out.new_token_ids:

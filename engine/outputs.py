@@ -24,6 +24,7 @@ class StreamDelta:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     error: str | None = None
+    invalid_request: bool = False  # the error is the request's own (`StepOutput.invalid_request`)
     # Disaggregation (engine/kv_connector.py): a prefill-role request's first-token delta carries
     # its send's report once every layer is pushed (KVSendResult, error None; `answers_prefill`),
     # its final delta how the send ended; a decode-role request's first one how it got its KV

@@ -140,6 +140,9 @@ class StepOutput:
     finish_reason: str | None
     num_cached_tokens: int
     error: str | None = None
+    # the error is the request's own (its constraint allows no token from here): servers answer
+    # INVALID_ARGUMENT (an HTTP 400), not a failure of theirs
+    invalid_request: bool = False
 
 
 @dataclass
@@ -621,8 +624,7 @@ class Scheduler:
                 self.block_manager.free_tail(request, request.num_tokens)
             if reason is not None:
                 reason, error = self._finish(request, reason, error)
-            outputs.append(StepOutput(request.request_id, [t.token_id for t in new], new, reason is not None, reason,
-                                      request.num_cached_tokens, error))
+            outputs.append(self._output(request, new, reason, error))
         return outputs
 
     def _verified(self, seq: ScheduledSeq, tokens: list[SampledToken] | None) -> list[SampledToken]:
@@ -639,6 +641,15 @@ class Scheduler:
             self._spec_draft_tokens += len(draft)
             self._spec_accepted_tokens += accepted
         return tokens
+
+    @staticmethod
+    def _output(request: Request, new: list[SampledToken], reason: str | None, error: str | None) -> StepOutput:
+        """The output of a step's (or a transfer's) new tokens for `request`, finished when `reason`."""
+        grammar = request.grammar
+        invalid = reason == "error" and grammar is not None and grammar.rejected_token is not None \
+            and grammar.allows_nothing
+        return StepOutput(request.request_id, [t.token_id for t in new], new, reason is not None, reason,
+                          request.num_cached_tokens, error, invalid_request=invalid)
 
     def _after_token(self, request: Request, token_id: int) -> tuple[str | None, str | None]:
         """(finish reason, error) once `token_id` was appended; (None, None) to go on."""
@@ -795,8 +806,7 @@ class Scheduler:
             else:
                 request.status = RequestStatus.WAITING
                 self._enqueue_waiting(request)
-        return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,
-                          request.num_cached_tokens, error)
+        return self._output(request, [first_token], reason, error)
 
     def fail_import(self, request_id: str, fallback_to_local_prefill: bool, message: str = "KV transfer failed",
                     first_token: SampledToken | None = None) -> StepOutput | None:
@@ -822,8 +832,7 @@ class Scheduler:
             self._enqueue_waiting(request)
         if first_token is None:
             return None
-        return StepOutput(request_id, [first_token.token_id], [first_token], reason is not None, reason,
-                          request.num_cached_tokens, error)
+        return self._output(request, [first_token], reason, error)
 
     # ---- counters --------------------------------------------------------------------------
 

@@ -537,6 +537,21 @@ def test_an_invalid_schema_is_a_400_before_any_worker(client):
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
 
 
+def test_a_constraint_no_text_satisfies_is_a_400(client, cluster):
+    """Matching nothing from the start (refused as the worker builds the request) or dead-ending part
+    way (a string pattern nothing matches, inside an object): the request's own error, a 400 with
+    the reason, not a 502; the worker frees what it held."""
+    with pytest.raises(openai.BadRequestError, match="regex constraint matches no text"):
+        client.completions.create(model="default", prompt="x", max_tokens=8,
+                                  extra_body={"structured_outputs": {"regex": "[^\\s\\S]"}})
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "never", "schema": schema}}
+    with pytest.raises(openai.BadRequestError, match="json_schema constraint allows no token after"):
+        client.chat.completions.create(model="default", messages=CHAT, max_tokens=32, response_format=response_format)
+    wait_until(lambda: decode_status(cluster)["kv_blocks_free"] == NUM_BLOCKS, timeout=60,
+               message="the decode worker to free every block")
+
+
 # ---- tool calling (router/tools.py over structured output) --------------------------------------
 
 TOOLS = [{"type": "function", "function": {
