@@ -135,13 +135,34 @@ def _parameters(tool: ToolSpec) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
+_DEFINITIONS = ("$defs", "definitions")
+
+
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
     """`{"name": <this tool>, "arguments": <its parameters>}`, with the parameters' `$defs` /
-    `definitions` moved to this schema's root, where their `#/$defs/...` references point."""
-    parameters = dict(_parameters(tool))
-    hoisted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    `definitions` moved to this schema's root, where their `#/$defs/...` references point; any
+    other reference into the parameters (`#`, `#/properties/...`: a recursive schema) is rewritten
+    to point under `#/properties/arguments`, where they now are."""
+    parameters = _rebased(dict(_parameters(tool)))
+    hoisted = {key: parameters.pop(key) for key in _DEFINITIONS if key in parameters}
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
             "required": ["name", "arguments"], "additionalProperties": False, **hoisted}
+
+
+def _rebased(schema: Any) -> Any:
+    """`schema` with its root-relative `$ref`s moved under `#/properties/arguments` (the
+    definitions' stay: they are hoisted to the root)."""
+    if isinstance(schema, list):
+        return [_rebased(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: _rebased(value) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        head = ref[2:].split("/", 1)[0]
+        if head not in _DEFINITIONS:
+            rebased["$ref"] = "#/properties/arguments" + ref[1:]
+    return rebased
 
 
 def plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:

@@ -99,6 +99,22 @@ def test_tools_with_defs_compile_in_every_mode():
         assert json.loads(plan.parse(text)["function"]["arguments"]) == {"to": {"city": "Porto"}}
 
 
+def test_a_recursive_tool_schema_means_the_same_in_every_mode():
+    """`$ref: "#"` (and `#/properties/...`) point at the parameters' root; in a call schema the
+    parameters sit under `arguments`, so the references follow them there."""
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "additionalProperties": False,
+        "properties": {"value": {"type": "integer"}, "child": {"$ref": "#"}, "twin": {"$ref": "#/properties/value"}}}}}
+    body = '{"value": 1, "child": {"value": 2, "twin": 3}}'
+    wrong = '{"value": 1, "child": {"name": "tree", "arguments": {"value": 2}}}'  # the wrapper's shape
+    for choice in (None, "required", {"type": "function", "function": {"name": "tree"}}):
+        plan = tools.plan([tree, WEATHER], choice)
+        wrap = {"auto": '<tool_call>{{"name": "tree", "arguments": {}}}</tool_call>',
+                "required": '{{"name": "tree", "arguments": {}}}', "named": "{}"}[plan.mode]
+        assert accepts(plan, wrap.format(body)), plan.mode
+        assert not accepts(plan, wrap.format(wrong)), plan.mode
+
+
 @pytest.mark.parametrize("message, error", [
     ({"role": "assistant", "tool_calls": "x"}, "must be a list"),
     ({"role": "assistant", "tool_calls": [{"function": "x"}]}, "needs a 'function' with a 'name'"),
