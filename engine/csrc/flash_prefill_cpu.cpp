@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -118,10 +119,11 @@ void flash_rows(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t first
       for (int t = 0; t < kKeyVecs; t += 2)
         _mm512_storeu_si512(p16[i] + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
     }
-    // O = corr * O + P V over the tile's key pairs, four rows x four 16-dim chunks at a time.
+    // O = corr * O + P V over the tile's key pairs, four rows x kC 16-dim chunks [c0, c0 + kC) at a
+    // time: groups of four chunks, then the CH % 4 left (two for head_dim 32, 96, 160, 224).
     const uint16_t* vt = vp + (k0 / 2) * CH * 32;
-    for (int c0 = 0; c0 < CH; c0 += 4) {
-      constexpr int kC = CH < 4 ? CH : 4;
+    auto chunks_pv = [&](auto num_chunks, int c0) {
+      constexpr int kC = decltype(num_chunks)::value;
       __m512 acc[kRows][kC];
       for (int i = 0; i < kRows; ++i)
         for (int c = 0; c < kC; ++c) acc[i][c] = _mm512_mul_ps(corr[i], _mm512_load_ps(o[i] + 16 * (c0 + c)));
@@ -136,7 +138,10 @@ void flash_rows(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t first
       }
       for (int i = 0; i < kRows; ++i)
         for (int c = 0; c < kC; ++c) _mm512_store_ps(o[i] + 16 * (c0 + c), acc[i][c]);
-    }
+    };
+    constexpr int kWhole = CH / 4 * 4;
+    for (int c0 = 0; c0 < kWhole; c0 += 4) chunks_pv(std::integral_constant<int, 4>{}, c0);
+    if constexpr (CH % 4 != 0) chunks_pv(std::integral_constant<int, CH % 4>{}, kWhole);
   }
   for (int64_t i = 0; i < rows; ++i) {
     const float sum = _mm512_reduce_add_ps(l[i]);

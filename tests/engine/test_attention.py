@@ -233,13 +233,17 @@ def test_cpu_backend_without_its_kernels_equals_torch_backend_on_an_int8_cache(c
 
 # Prefill-bearing batches for the bf16 flash-prefill kernel: (num_heads, num_kv_heads, head_dim,
 # block_size, query_lens, seq_lens). Chunks shorter and longer than its 16-query blocks and
-# 32-key tiles, with and without a cached prefix, next to decodes.
+# 32-key tiles, with and without a cached prefix, next to decodes; head sizes that are not a
+# multiple of 64 (96, 160, 224: its P V loop's groups of four 16-dim chunks, then two more).
 CPU_PREFILL_CASES = [
     (9, 3, 64, 16, [5, 19, 1], [5, 19, 1]),
     (9, 3, 64, 16, [7, 16, 3], [30, 48, 35]),
     (9, 3, 64, 32, [1, 9, 1, 20, 1], [33, 9, 16, 52, 70]),
     (4, 4, 128, 16, [100, 33], [100, 90]),
     (8, 1, 32, 16, [64, 17], [64, 80]),
+    (6, 2, 96, 16, [37, 1, 20], [37, 9, 85]),
+    (4, 1, 160, 16, [21, 5], [70, 5]),
+    (2, 2, 224, 32, [18], [90]),
 ]
 
 
