@@ -195,11 +195,8 @@ class LLMEngine:
     def _close_kv_transport(self) -> None:
         """A failed construction: close the KV connector's sender or receiver (once built, the
         worker server that injected it closes it)."""
-        close = getattr(self.kv_connector.transport, "close", None)  # (not part of the KVTransport protocol)
-        if close is None:
-            return
         try:
-            close()
+            self.kv_connector.transport.close()
         except Exception:  # the construction's own error is the one to raise
             logger.exception("closing the KV transport of an engine that failed to start")
 

@@ -74,6 +74,8 @@ class KVSenderTransport(Protocol):
 
     def cancel(self, request_id: str) -> None: ...
 
+    def close(self) -> None: ...  # its I/O thread and connections (whoever made it closes it)
+
 
 class KVShards(Protocol):
     """A tensor-parallel worker's KV heads, spread over its ranks (engine/model_runner.py): the
@@ -93,6 +95,8 @@ class KVReceiverTransport(Protocol):
     def poll(self, request_id: str) -> Any: ...  # TransferStatus
 
     def cancel(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...  # its I/O thread, listening socket and connections
 
 
 # A connector's transport: a sender for the prefill role, a receiver for the decode role.
