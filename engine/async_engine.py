@@ -119,7 +119,11 @@ class AsyncEngine:
         the engine's own delta for it then carries no token. The answer goes to the engine thread
         either way, which checks the KV and admits the request, or falls back."""
         request_id = request.request_id
-        if report is not None and error is None:
+        # A first token that may end the request (an EOS or stop token id) goes out with the
+        # engine's finished delta instead: that delta decides its text (left out when it ends it).
+        may_end = report is not None and (report.first_token.token_id in request.eos_token_ids
+                                          or report.first_token.token_id in request.sampling_params.stop_token_ids)
+        if report is not None and error is None and not may_end:
             token = report.first_token
             delta = StreamDelta(request_id, [token.token_id], new_logprobs=token_logprobs([token.token_id], [token]),
                                 num_cached_tokens=request.num_cached_tokens,

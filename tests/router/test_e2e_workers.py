@@ -140,6 +140,25 @@ def test_stop_string_and_max_tokens(client, offline):
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_that_comes_first_from_the_prefill_worker_is_not_in_the_text(client, offline, stream):
+    """The prefill worker's first token is a stop token id (the decode worker would stream it as
+    the prefill worker answers): the output ends there, its text left out as for any stop token."""
+    _, output = offline_greedy(offline, PLAIN)
+    first = output.token_ids[0]
+    body = dict(model="default", prompt=PLAIN, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"stop_token_ids": [first]})
+    if stream:
+        chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+        usage = chunks[-1].usage
+    else:
+        out = client.completions.create(**body)
+        text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
+    assert (text, reason, usage.completion_tokens) == ("", "stop", 1)
+
+
 def test_seeded_sampling_is_reproducible(client):
     texts = [client.chat.completions.create(model="default", messages=CHAT, max_tokens=16, temperature=1.0,
                                             seed=1234).choices[0].message.content for _ in range(2)]
