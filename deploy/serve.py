@@ -32,6 +32,7 @@ from deploy.cluster import (RaySettings, ServeState, check_state_file_free, defa
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEVICE_CHOICES, ROLES, SYNC_INTERVAL_S, ControllerConfig,
                            PoolTargets, WorkerSpec, capacity_shortfall, tp_flag)
 from deploy.planner import PlannerConfig
+from engine.config import CacheConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
 
@@ -127,8 +128,11 @@ class ServeOptions:
         ranks = sum(count * self.tensor_parallel_size.get(role, 1) for role, count in self.targets.counts().items())
         threads = self.omp_num_threads or max(1, (os.cpu_count() or 1) // ranks)
         host = self.worker_host or (LOOPBACK_HOST if started_ray else "0.0.0.0")
-        return WorkerSpec(model=self.model, device=device, engine_options=dict(self.engine_options),
-                          transport=self.transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
+        engine_options, transport = dict(self.engine_options), self.transport
+        if device == "cuda" and (self.worker_gpus or 1.0) < 1.0:
+            engine_options, transport = _sharing_a_gpu(engine_options, transport, self.worker_gpus)
+        return WorkerSpec(model=self.model, device=device, engine_options=engine_options,
+                          transport=transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
                           num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0,
                           resources=self.pool_resources, omp_num_threads=threads,
@@ -362,6 +366,21 @@ def _create_controller(config: ControllerConfig) -> Any:
     actor_class = ray.remote(ControllerActor).options(name=config.name, namespace=config.namespace, num_cpus=0,
                                                       max_restarts=-1, max_concurrency=1000)
     return actor_class.remote(config)
+
+
+def _sharing_a_gpu(engine_options: dict[str, Any], transport: str, share: float) -> tuple[dict[str, Any], str]:
+    """Workers that share a GPU (`--worker-gpus` below 1): each sizes its KV cache from its share
+    of the GPU's free memory (they start at once, each would take 85% of it), and `auto` KV
+    transport leaves nccl out (it cannot join two ranks on one GPU): ucx where installed, else tcp."""
+    options = dict(engine_options)
+    if "num_blocks" not in options:
+        options.setdefault("gpu_memory_utilization", round(CacheConfig.gpu_memory_utilization * share, 4))
+    if transport == "auto":
+        from kvtransfer import available_transports
+        transport = "ucx" if "ucx" in available_transports() else "tcp"
+        logger.info("workers share a GPU (--worker-gpus %g): KV transport %s (nccl needs one GPU per rank)",
+                    share, transport)
+    return options, transport
 
 
 def _teardown(controller: Any, session: dict[str, Any], worker_pids: list[int], name: str, namespace: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 from deploy.cli import build_parser, format_status, main, serve_options
 from deploy.cluster import (RaySettings, ServeState, check_state_file_free, process_started, read_state, remove_state,
                             write_state)
+from kvtransfer import available_transports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,6 +119,15 @@ def test_auto_device_takes_one_gpu_per_worker_when_the_cluster_has_gpus():
     assert spec.host == "0.0.0.0" and spec.advertise_node_ip is True  # joined cluster: reachable from other nodes
     spec = options("--worker-gpus", "0.5").worker_spec({"CPU": 4.0, "GPU": 1.0}, started_ray=True)
     assert (spec.device, spec.num_gpus, spec.host) == ("cuda", 0.5, "127.0.0.1")
+    # sharing a GPU: each worker's KV cache from its share of the memory, and not over nccl (which
+    # cannot join two ranks on one GPU)
+    assert spec.engine_options["gpu_memory_utilization"] == pytest.approx(0.425)
+    assert spec.transport == ("ucx" if "ucx" in available_transports() else "tcp")
+    spec = options("--worker-gpus", "0.5", "--kv-cache-blocks", "900", "--transport", "nccl").worker_spec(
+        {"CPU": 4.0, "GPU": 1.0}, started_ray=True)
+    assert "gpu_memory_utilization" not in spec.engine_options and spec.transport == "nccl"  # asked for
+    whole = options().worker_spec({"CPU": 4.0, "GPU": 1.0}, started_ray=True)
+    assert "gpu_memory_utilization" not in whole.engine_options and whole.transport == "auto"
     with pytest.raises(ValueError, match="--device cuda, but the Ray cluster has no GPU"):
         options("--device", "cuda").worker_spec({"CPU": 2.0}, started_ray=True)
 
