@@ -69,6 +69,8 @@ class ModelRunner:
         self.config = config
         self.arch = loaded.arch
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton (the CUDA graphs' capture too) runs on the current device
         self.dtype = config.torch_dtype
         self.tp = tp
         self._followers = None  # rank 0 with TP: engine.tp_worker.Followers
@@ -395,9 +397,21 @@ class ModelRunner:
                 on_layer_stored: Callable[[int], None] | None = None) -> dict[str, list[SampledToken]]:
         """Run the batch's forward and sampling (its swaps, `swap()`, are the caller's, first).
         `on_layer_stored(i)` is called once layer i's K/V of every token is in the cache (the KV
-        connector's layer-wise push); such a step runs eagerly."""
+        connector's layer-wise push); such a step runs eagerly. On CUDA it returns once the GPU
+        has run the step (the engine times steps: a step that samples nothing would otherwise
+        return at launch, and the next one absorb its time)."""
         if not batch.seqs:
             return {}
+        if self.device.type == "cuda":
+            # Triton launches on the calling thread's current device, not the tensors': the engine
+            # thread (or a --device cuda:1 engine) must make this one current.
+            torch.cuda.set_device(self.device)
+        result = self._execute(batch, on_layer_stored)
+        if self.device.type == "cuda" and not result:
+            torch.cuda.current_stream(self.device).synchronize()
+        return result
+
+    def _execute(self, batch: Batch, on_layer_stored: Callable[[int], None] | None) -> dict[str, list[SampledToken]]:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
