@@ -19,7 +19,9 @@
 # GPU_CHECK_STEPS picks steps (default "tests kvtransfer offline kernels"; "cluster" alone:
 # GPU_CHECK_STEPS=cluster). ucx needs ucxx: where it is not installed, put the wheels' contents on
 # PYTHONPATH (the README says how); the cluster step skips ucx, saying so, without it.
-# Results go to $OUT when it is set, else to benchmarks/results/gpu_check/ (at most 8 files).
+# Results go to $OUT when it is set, else to benchmarks/results/gpu_check/. With $OUT (a device
+# session, which brings back at most 8 files) they end as two files: gpu_check.txt (the summary)
+# and gpu_check.tar.gz (every result file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-benchmarks/results/gpu_check}"
@@ -98,4 +100,8 @@ fi
 
 echo "gpu_check ($STEPS): tests rc=$tests_rc, offline rc=$offline_rc, kvtransfer rc=$kv_rc," \
   "kernel benchmark rc=$bench_rc, cluster rc=$cluster_rc; results in $RESULTS" | tee -a "$RESULTS/gpu_check.txt"
+if [ -n "${OUT:-}" ]; then  # one archive: the device session brings back at most 8 files
+  (cd "$RESULTS" && files=$(ls | grep -v -e '^gpu_check.tar.gz$') &&
+   tar -czf gpu_check.tar.gz $files && rm -f $(echo "$files" | grep -v '^gpu_check.txt$'))
+fi
 [ "$tests_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ] && [ "$kv_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$cluster_rc" -eq 0 ]
