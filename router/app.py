@@ -292,6 +292,8 @@ async def _read_json_body(request: Request, limit: int) -> Any:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise invalid_request("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(body):  # the only way a lone surrogate gets in: skip the walk otherwise
         protocol.check_text(data)
     return data
@@ -449,6 +451,12 @@ class _ResponseCounter:
 
         try:
             await self.app(scope, receive, counting_send)
+        except Exception:
+            # Starlette's outermost middleware answers it (500, errors.py's handler), outside this one
+            if not counted:
+                counted = True
+                self.metrics.responses.labels(endpoint, "500").inc()
+            raise
         finally:
             if not counted:
                 self.metrics.responses.labels(endpoint, str(CLIENT_CLOSED_REQUEST)).inc()

@@ -170,6 +170,19 @@ def test_bad_json_and_non_object_bodies(router):
     assert "JSON object" in error["message"]
 
 
+def test_json_nested_too_deeply_is_a_400_and_the_connection_goes_on(router, decode, tokenizer):
+    """json.loads raises RecursionError past ~1000 levels: that is the client's JSON, a 400, and
+    the same keep-alive connection serves the next request (a 500 there closed it)."""
+    decode.script = reply_script(tokenizer, "ok")
+    nested = b"[" * 5000 + b"]" * 5000
+    with httpx.Client(base_url=router.url) as client:
+        for path in (COMPLETIONS, "/tokenize"):
+            error = error_of(client.post(path, content=nested, headers={"content-type": "application/json"}), 400)
+            assert error["code"] == "invalid_json" and "too deeply" in error["message"]
+            ok = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            assert ok.status_code == 200
+
+
 def test_unknown_model_is_a_404(router):
     error = error_of(httpx.post(router.url + CHAT, json={"model": "gpt-4o", "messages": USER}), 404)
     assert error["code"] == "model_not_found" and error["param"] == "model"

@@ -87,3 +87,33 @@ def test_worker_gauges(router, decode, prefills):
     assert value(samples, "pdserve:worker_step_seconds_sum", **steps) == 6.07
     for prefill in prefills:
         assert value(samples, "pdserve:worker_healthy", worker=prefill.address, role="prefill") == 1
+
+
+def test_an_internal_error_is_counted_as_a_500_not_as_a_client_gone():
+    """Starlette's outermost middleware renders an unhandled exception's 500, outside the counter:
+    the counter books it as a 500 (it booked a 499, "the client left")."""
+    import asyncio
+
+    import pytest
+
+    from router.app import _ResponseCounter
+    from router.config import RouterConfig
+    from router.metrics import RouterMetrics
+    from router.pool import WorkerPool
+
+    async def failing_app(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    metrics = RouterMetrics(WorkerPool(RouterConfig(decode=["127.0.0.1:5001"], prefill=["127.0.0.1:5002"])))
+    counter = _ResponseCounter(failing_app, metrics)
+
+    async def send(message):
+        pass
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(counter({"type": "http", "path": "/v1/completions"}, None, send))
+    text = metrics.exposition().decode()
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert value(samples, "pdserve:http_responses_total", endpoint="/v1/completions", status="500") == 1
+    assert value(samples, "pdserve:http_responses_total", endpoint="/v1/completions", status="499") == 0
