@@ -109,14 +109,17 @@ class ToolPlan:
 
     def parse(self, text: str) -> dict[str, Any] | None:
         """The OpenAI `tool_calls` entry for a complete output, or None if it is not a whole call
-        to one of the tools (cut short, or plain text in auto mode)."""
+        to one of the tools (cut short, or plain text in auto mode). The grammar allows nothing
+        after the call but the end-of-sequence token, whose text may follow it (with
+        `include_stop_str_in_output` and `skip_special_tokens: false`): it is not part of the call."""
         body = text.strip()
         if self.mode == "auto":
-            if not (body.startswith(OPEN) and body.endswith(CLOSE)):
+            end = body.rfind(CLOSE)
+            if not body.startswith(OPEN) or end < 0:
                 return None
-            body = body[len(OPEN):-len(CLOSE)]
+            body = body[len(OPEN):end].strip()
         try:
-            value = json.loads(body)
+            value, _ = json.JSONDecoder().raw_decode(body)
         except (json.JSONDecodeError, RecursionError):
             return None
         if self.mode == "named":

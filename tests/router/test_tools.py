@@ -115,6 +115,20 @@ def test_a_recursive_tool_schema_means_the_same_in_every_mode():
         assert not accepts(plan, wrap.format(wrong)), plan.mode
 
 
+def test_a_call_followed_by_the_end_tokens_text_is_still_a_call():
+    """With include_stop_str_in_output and skip_special_tokens false the output ends with the EOS
+    token's text, after the call the grammar completed: the call is parsed without it."""
+    end = "<|im_end|>"
+    named = tools.plan([WEATHER, ADD], {"type": "function", "function": {"name": "add"}})
+    assert json.loads(named.parse('{"a": 3, "b": 4}' + end)["function"]["arguments"]) == {"a": 3, "b": 4}
+    required = tools.plan([WEATHER, ADD], "required")
+    assert required.parse('{"name": "add", "arguments": {"a": 1, "b": 2}}' + end)["function"]["name"] == "add"
+    auto = tools.plan([WEATHER, ADD], None)
+    assert auto.parse('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' + end) is not None
+    assert auto.parse('<tool_call>{"name": "add", "arguments": {"a": 1') is None  # cut short: text
+    assert named.parse('{"a": 3, "b"') is None
+
+
 @pytest.mark.parametrize("message, error", [
     ({"role": "assistant", "tool_calls": "x"}, "must be a list"),
     ({"role": "assistant", "tool_calls": [{"function": "x"}]}, "needs a 'function' with a 'name'"),
