@@ -7,6 +7,7 @@ replacement characters only.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from typing import TYPE_CHECKING, Any, Iterable
@@ -68,20 +69,36 @@ class TokenText:
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
-def completion_logprobs(token_text: TokenText, entries: Iterable[Any], text_offset: int) -> dict[str, Any]:
+class TextOffsets:
+    """Where each token of a text starts in it, in characters, token after token (across a
+    stream's chunks too): the characters its bytes complete. A character split across tokens
+    starts at its first token; the tokens after it in that character start there as well."""
+
+    def __init__(self, token_text: TokenText, start: int = 0) -> None:
+        self._token_text = token_text
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = start
+
+    def take(self, token_id: int) -> int:
+        """The offset of the next token, `token_id`; the offsets move past it."""
+        offset = self.offset
+        self.offset += len(self._decoder.decode(self._token_text.token_bytes(token_id)))
+        return offset
+
+
+def completion_logprobs(token_text: TokenText, entries: Iterable[Any], offsets: int | TextOffsets) -> dict[str, Any]:
     """The completions API's `logprobs` object for `entries` (wire TokenLogprob messages), whose
-    text starts at character `text_offset` of the completion."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = text_offset
+    text starts at character `offsets` of the completion (or where a stream's `TextOffsets` is)."""
+    if isinstance(offsets, int):
+        offsets = TextOffsets(token_text, offsets)
+    tokens, token_logprobs, top_logprobs, starts = [], [], [], []
     for entry in entries:
-        text = token_text.token_str(entry.token_id)
-        tokens.append(text)
+        tokens.append(token_text.token_str(entry.token_id))
         token_logprobs.append(entry.logprob)
         top_logprobs.append({token_text.token_str(top.token_id): top.logprob for top in entry.top} or None)
-        offsets.append(offset)
-        offset += len(text)
+        starts.append(offsets.take(entry.token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+            "text_offset": starts}
 
 
 def chat_logprobs(token_text: TokenText, entries: Iterable[Any]) -> dict[str, Any]:

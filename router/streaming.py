@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from router import protocol
 from router.dispatch import ClientGone, Generation
 from router.errors import APIError, upstream_failed
-from router.logprobs import TokenText, chat_logprobs, completion_logprobs
+from router.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from router.tools import ToolPlan
 
 FINISH_REASONS = ("stop", "length")
@@ -121,13 +121,13 @@ class ResponseContext:
         """Whether the output so far may be sent as content (not a tool call, or not yet known)."""
         return self.tool_plan is None or self.tool_plan.is_call(text) is False
 
-    def logprobs(self, entries: list[Any], text_offset: int) -> Any:
-        """`entries` rendered for the endpoint; completions' offsets start at `text_offset` in the
-        returned text (after an echoed prompt)."""
+    def logprobs(self, entries: list[Any], offsets: int | TextOffsets) -> Any:
+        """`entries` rendered for the endpoint; completions' offsets start at `offsets` in the
+        returned text (after an echoed prompt), or run on from a stream's `TextOffsets`."""
         if not self.want_logprobs:
             return None
         if self.endpoint == "completions":
-            return completion_logprobs(self.token_text, entries, text_offset)
+            return completion_logprobs(self.token_text, entries, offsets)
         return chat_logprobs(self.token_text, entries)
 
 
@@ -204,9 +204,9 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
         if ctx.want_prompt_logprobs:
             chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_field(ctx.token_text, prompt_entries)
         yield chunk
-    # `sent`: characters of text sent; `offset`: where the next logprob entry's token starts (its
-    # text may still be held: offsets run over the tokens' own strings, as in a whole body)
-    sent, held, offset = 0, [], len(choice.echoed)
+    # `sent`: characters of text sent; `offsets`: where the next logprob entry's token starts (its
+    # text may still be held: the offsets run on over the tokens, as in a whole body)
+    sent, held, offsets = 0, [], TextOffsets(ctx.token_text, len(choice.echoed))
     try:
         async for event in drive(choice.generation, assembler, choice.first_chunk):
             held.extend(event.logprob_entries)
@@ -218,12 +218,11 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
                 call, reason = ctx.tool_result(assembler)
                 rest = "" if call is not None else assembler.text[sent:]
                 text = rest if rest or ctx.endpoint == "completions" else None
-                logprobs = ctx.logprobs(held, offset) if held and call is None else None
+                logprobs = ctx.logprobs(held, offsets) if held and call is None else None
                 yield protocol.stream_chunk(*args, text, reason, logprobs, tool_call=call, index=index)
             elif ctx.streams_text(assembler.text) and (len(assembler.text) > sent or held):
-                yield protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, offset),
+                yield protocol.stream_chunk(*args, assembler.text[sent:], None, ctx.logprobs(held, offsets),
                                             index=index)
-                offset += sum(len(ctx.token_text.token_str(entry.token_id)) for entry in held)
                 sent, held = len(assembler.text), []
     except APIError:
         choice.finish_reason = "error"
@@ -351,8 +350,10 @@ def echo_logprobs(token_text: TokenText, echoed: str, prompt_token_ids: Sequence
     nothing predicts it; the others are `prompt_entries`), then the output's `entries`, text
     offsets running through both (the output's start after `echoed`, the prompt's text)."""
     first = token_text.token_str(prompt_token_ids[0])
-    # A BOS the tokenizer added is not in the text as sent: it takes no characters of it.
-    prompt = completion_logprobs(token_text, prompt_entries, len(first) if echoed.startswith(first) else 0)
+    offsets = TextOffsets(token_text)
+    if echoed.startswith(first):  # (a BOS the tokenizer added is not in the text as sent: no characters)
+        offsets.take(prompt_token_ids[0])
+    prompt = completion_logprobs(token_text, prompt_entries, offsets)
     output = completion_logprobs(token_text, entries, len(echoed))
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     return {key: head[key] + prompt[key] + output[key] for key in head}

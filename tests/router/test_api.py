@@ -434,7 +434,8 @@ def test_streamed_completion_offsets_equal_the_whole_bodys_when_text_is_held(tok
         choice = ChoiceStream(0, generation, OutputAssembler(tokenizer, prompt, params), chunks[0])
         ctx = ResponseContext("completions", "id", "m", 0, TokenText(tokenizer), want_logprobs=True)
         if not stream:
-            return (await collect(ctx, [choice]))["choices"][0]["logprobs"]["text_offset"]
+            body = (await collect(ctx, [choice]))["choices"][0]
+            return body["logprobs"]["text_offset"], body["logprobs"]["tokens"], body["text"]
         offsets = []
         async for line in sse_events(ctx, [choice]):
             if line.startswith("data: {"):
@@ -442,8 +443,12 @@ def test_streamed_completion_offsets_equal_the_whole_bodys_when_text_is_held(tok
                 offsets += logprobs["text_offset"] if logprobs else []
         return offsets
 
-    whole = asyncio.run(run(False))
-    assert len(whole) == len(ids) and whole == sorted(set(whole))  # one per token, increasing
+    whole, tokens, text = asyncio.run(run(False))
+    assert len(whole) == len(ids) and whole == sorted(whole)  # one per token, never backwards
+    # each offset indexes the returned text: a whole token's text is there; the tokens of a
+    # character split across them all start at that character
+    for offset, token in zip(whole, tokens):
+        assert text[offset:].startswith(token) or ("\ufffd" in token and text[offset] == "\U0001f389")
     assert asyncio.run(run(True)) == whole
 
 
