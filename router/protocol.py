@@ -390,6 +390,10 @@ class TokenizeRequest(BaseModel):
         if self.messages is not None and self.add_special_tokens:
             raise invalid_request("add_special_tokens applies to a prompt; the chat template adds them to messages",
                                   "add_special_tokens")
+        if self.messages is not None:
+            if not self.messages:
+                raise invalid_request("messages must not be empty", "messages")
+            _check_roles(self.messages)  # as a chat completion would: the same ids, or the same 400
 
 
 class DetokenizeRequest(BaseModel):

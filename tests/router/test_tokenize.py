@@ -36,6 +36,12 @@ def test_chat_messages_tokenize_as_a_chat_completion_prompt(router, tokenizer):
     ("/tokenize", {"model": MODEL, "messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens",
      "chat template"),
     ("/tokenize", {"prompt": "a"}, 400, "model", "missing required field 'model'"),
+    # messages a chat completion refuses are refused here too (the same ids, or the same 400)
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "bot", "content": "hi"}]}, 400, "messages",
+     "role must be one of"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "tool", "content": "4"}]}, 400, "messages",
+     "tool_call_id"),
+    ("/tokenize", {"model": MODEL, "messages": []}, 400, "messages", "must not be empty"),
     ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model", "other"),
     ("/detokenize", {"model": MODEL, "tokens": [1, 10**6]}, 400, "tokens", "outside the vocabulary"),
     ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400, "tokens", "tokens"),
