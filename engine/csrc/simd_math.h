@@ -29,10 +29,13 @@ inline __m512 horner16(__m512 x, const float (&c)[N]) {
 }
 
 // exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
-// (relative error ~2e-9 there), times 2^n. Inputs below -87 give ~0 rather than denormals.
+// (relative error ~2e-9 there), times 2^n. Inputs below -87 give ~0 rather than denormals; inputs
+// are clamped to [-87, 89] as on the AVX2 path (above 89 exp is +inf anyway): unclamped, a huge x
+// (1e30) cancels catastrophically in x - n ln2, the polynomial of that r overflows to -inf or NaN,
+// and silu(-1e30) came out +0 instead of torch's -0.
 inline __m512 exp16(__m512 x) {
   static constexpr float kTaylor[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(89.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

@@ -43,10 +43,19 @@ def _torch_rms_norm(x, weight, eps):
 
 
 def _within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 values equal, or one bf16 step apart (a sum or exp evaluated in another order)."""
+    """bf16 values equal, or one bf16 step apart (a sum or exp evaluated in another order).
+
+    The contract on special values is torch's, exactly: NaN where torch has NaN, and the same sign
+    everywhere, zeros included (silu of a large negative gate times a positive `up` is -0.0 in torch,
+    so +0.0 is a difference, named as such rather than as 32768 ulps)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN where torch has none, or a number where torch has NaN"
+    got, want = got[~nan], want[~nan]
+    sign = got.signbit() != want.signbit()
+    assert not bool(sign.any()), f"sign differs from torch's (signed zeros count): {got[sign][:4]} vs {want[sign][:4]}"
     got_bits = got.view(torch.int16).to(torch.int32)
     want_bits = want.view(torch.int16).to(torch.int32)
-    assert int((got_bits - want_bits).abs().max()) <= 1, "more than one bf16 ulp apart"
+    assert got_bits.numel() == 0 or int((got_bits - want_bits).abs().max()) <= 1, "more than one bf16 ulp apart"
 
 
 @pytest.mark.parametrize("hidden", [576, 72, 5])  # a multiple of 16, a 16-lane tail, shorter than a vector
@@ -67,6 +76,26 @@ def test_rms_norm_and_add_rms_norm_match_torch(native, hidden):
     _within_one_ulp(normed, _torch_rms_norm(expected_sum, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rms_norm_of_special_values_matches_torch(native, dtype):
+    """Signed zeros keep their sign (a -0 input times a positive weight is -0, times a negative one
+    +0), an infinity or NaN in a row makes that row NaN, as in torch's expression."""
+    rows = torch.zeros(4, 40)
+    rows[0, ::3] = -0.0
+    rows[0, 1::3] = torch.randn(13)
+    rows[1] = -0.0
+    rows[2, 5], rows[3, 7] = float("inf"), float("nan")
+    weight = (torch.rand(40) + 0.5) * torch.where(torch.rand(40) < 0.5, -1.0, 1.0)
+    x, w = rows.to(dtype), weight.to(dtype)
+    got, want = native.rms_norm(x, w, 1e-5), _torch_rms_norm(x, w, 1e-5)
+    if dtype == BF16:
+        _within_one_ulp(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=3e-7, atol=0, equal_nan=True)
+        finite = ~want.isnan()
+        assert torch.equal(got[finite].signbit(), want[finite].signbit()), "signed zeros must match torch's"
+
+
 @pytest.mark.parametrize("inter", [1536, 40, 7])
 def test_silu_and_mul_matches_torch(native, inter):
     torch.manual_seed(inter)
@@ -80,9 +109,11 @@ def test_silu_and_mul_matches_torch(native, inter):
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_silu_and_mul_of_large_gates_matches_torch(native, dtype):
     """Gates far from 0 (exp(-g) overflows float32 below about -88.7): silu -> -0 there, like torch,
-    not g or garbage (AVX2's exp once built 2^n past the exponent bits)."""
+    not g or garbage (AVX2's exp once built 2^n past the exponent bits; AVX-512's, unclamped above,
+    gave +0 for -1e30). Infinities and NaN as torch: silu(-inf) and silu(NaN) are NaN, silu(inf) inf."""
     gate = torch.cat([torch.arange(-400, -80, 0.25), torch.arange(80, 400, 0.25),
-                      torch.tensor([-88.75, -88.5, -88.25, -87.0, 88.25, 88.5, 88.75, -1e30, 1e30]),
+                      torch.tensor([-88.75, -88.5, -88.25, -87.0, 88.25, 88.5, 88.75, -1e30, 1e30, -3e38, 3e38,
+                                    float("-inf"), float("inf"), float("nan"), 0.0, -0.0]),
                       torch.randn(301) * 4])
     torch.manual_seed(5)
     up = (torch.rand(gate.numel()) + 0.5) * torch.where(torch.rand(gate.numel()) < 0.5, -1.0, 1.0)
@@ -94,7 +125,9 @@ def test_silu_and_mul_of_large_gates_matches_torch(native, dtype):
     if dtype == BF16:
         _within_one_ulp(got, want)
     else:
-        torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-30)
+        torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-30, equal_nan=True)
+        finite = ~want.isnan()
+        assert torch.equal(got[finite].signbit(), want[finite].signbit()), "signed zeros must match torch's"
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 1), (32, 2, 2)])
