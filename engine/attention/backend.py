@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.variant import AttentionVariant
 from engine.config import BACKEND_NAMES
 from engine.kv_quant import KVQuantFormat
 
@@ -30,12 +31,17 @@ class AttentionBackend(Protocol):
     `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (8-bit: its format's
     `[num_blocks, block_bytes]` bytes, engine/kv_quant.py); result like `query`. Rows of
     `query` past `meta.query_start_loc[-1]` (batch padding) come back as zeros.
+
+    `variant` (engine/attention/variant.py): the layer's sliding window, logit soft-cap and
+    attention sinks; None is plain causal attention. A backend that cannot run a variant raises
+    ValueError saying which backend can.
     """
 
     name: str
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                variant: AttentionVariant | None = None) -> torch.Tensor:
         ...
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -20,6 +20,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, causal_attention, sequence_kv, store_kv
+from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
 
 
@@ -59,18 +60,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._kernels.store_kv_cache_8bit_(key, value, kv_cache, slot_mapping, fmt.block_size, fmt.name == "fp8_e4m3")
 
     def _forward_8bit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      variant: AttentionVariant | None = None) -> torch.Tensor:
         """Store natively, then attend over the 8-bit blocks: decodes read them in place, prefill
         chunks over their sequence's blocks dequantized (the new tokens as stored)."""
         if self._kernels is None or query.device.type != "cpu":
-            return super()._forward_8bit(query, key, value, kv_cache, meta, scale)
+            return super()._forward_8bit(query, key, value, kv_cache, meta, scale, variant)
         self._store_8bit(key, value, kv_cache, meta.slot_mapping)
-        return self._attend(query, key, value, kv_cache, meta, scale)
+        return self._attend(query, key, value, kv_cache, meta, scale, variant)
 
     # `_attend`'s two halves; a 2-D cache is the 8-bit format's [num_blocks, block_bytes] (a dense
     # copy of it, in the torch path's fallback, is 5-D like any other cache).
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float) -> torch.Tensor:
+                seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float,
+                variant: AttentionVariant | None = None) -> torch.Tensor:
+        if not is_plain(variant):
+            if kv_cache.dim() == 2:
+                raise ValueError("an 8-bit KV cache with sliding-window, soft-capped or sink attention "
+                                 "is not supported by the cpu backend")
+            return super()._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale, variant)
         if kv_cache.dim() == 2:
             fmt = self.kv_format
             return self._kernels.paged_decode_attention_8bit(query, kv_cache, block_tables.to(torch.int32),
@@ -83,7 +91,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, variant: AttentionVariant | None = None) -> torch.Tensor:
         if kv_cache.dim() == 2:
             fmt = self.kv_format
             blocks = fmt.dequantize(kv_cache, block_table[: -(-seq_len // fmt.block_size)], query.dtype)
@@ -94,6 +102,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             keys, values = sequence_kv(kv_cache, block_table, seq_len)
         head_dim = query.shape[-1]
+        if not is_plain(variant):
+            return causal_attention(query, keys, values, scale, variant)
         if (self._flash_prefill and query.device.type == "cpu" and query.dtype == torch.bfloat16
                 and keys.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256):
             return self._kernels.flash_prefill_attention(query, keys, values, scale)

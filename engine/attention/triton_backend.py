@@ -14,6 +14,7 @@ import torch
 from engine.attention.backend import check_shapes, host_lengths
 from engine.attention.metadata import AttentionMetadata
 from engine.attention import triton_kernels
+from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
 
 
@@ -72,7 +73,11 @@ class TritonAttentionBackend:
         self._sorted_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                variant: AttentionVariant | None = None) -> torch.Tensor:
+        if not is_plain(variant):
+            raise ValueError("the triton backend does not run sliding-window, soft-capped or sink attention "
+                             "yet; use --attention-backend torch")
         fmt = self.kv_format
         check_shapes(query, key, value, kv_cache if fmt is None else fmt.split(kv_cache)[0], meta)
         self._check_runnable(query)
