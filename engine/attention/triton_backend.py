@@ -4,6 +4,8 @@ Per forward: one store-KV launch (8-bit KV: after a sort of the slots, shared by
 then one decode launch for the single-token sequences (split-KV, plus a merge launch when split)
 and one prefill launch for the multi-token chunks. A mixed batch gets both; each kernel skips
 the other's sequences on the device, so planning needs only host-side lengths and no device sync.
+Every `AttentionVariant` (sliding window, soft-cap, sinks; alone or together, over any cache
+dtype or 8-bit format) runs in those same kernels, as constexpr-switched features.
 """
 from __future__ import annotations
 
@@ -75,9 +77,8 @@ class TritonAttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 variant: AttentionVariant | None = None) -> torch.Tensor:
-        if not is_plain(variant):
-            raise ValueError("the triton backend does not run sliding-window, soft-capped or sink attention "
-                             "yet; use --attention-backend torch")
+        variant = None if is_plain(variant) else variant
+        triton_kernels.check_variant(variant, query.shape[1])  # before the store changes the cache
         fmt = self.kv_format
         check_shapes(query, key, value, kv_cache if fmt is None else fmt.split(kv_cache)[0], meta)
         self._check_runnable(query)
@@ -102,16 +103,19 @@ class TritonAttentionBackend:
         cfg = self.config
         if decode_seq_lens:
             max_decode_len = max(decode_seq_lens)
+            span = triton_kernels.decode_context_span(
+                max_decode_len, None if variant is None else variant.sliding_window, cfg.decode_tile_n)
             triton_kernels.paged_decode_attention(
                 out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_seq_len=max_decode_len,
-                num_splits=self._decode_splits(query, len(decode_seq_lens), key.shape[1], max_decode_len),
-                tile_n=cfg.decode_tile_n, num_warps=cfg.num_warps, kv_format=fmt)
+                num_splits=self._decode_splits(query, len(decode_seq_lens), key.shape[1], span),
+                tile_n=cfg.decode_tile_n, num_warps=cfg.num_warps, kv_format=fmt, variant=variant)
         if max_query_len > 1:
             triton_kernels.paged_prefill_attention(
                 out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=max_query_len, block_m=cfg.prefill_block_m, tile_n=cfg.prefill_tile_n,
-                skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps, kv_format=fmt)
+                skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps, kv_format=fmt,
+                variant=variant)
         return out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -124,6 +128,7 @@ class TritonAttentionBackend:
 
     def _decode_splits(self, query: torch.Tensor, num_decodes: int, num_kv_heads: int,
                        max_seq_len: int) -> int:
+        """`max_seq_len`: the most cached tokens a decode reads (a sliding window's, if shorter)."""
         cfg = self.config
         if cfg.decode_num_splits is not None:
             return cfg.decode_num_splits
