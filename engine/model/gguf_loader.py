@@ -308,7 +308,6 @@ def _gemma_config(path: str, arch_name: str, meta: Any, base: dict) -> dict:
         period = int(pattern) if pattern is not None else (2 if arch_name == "gemma2" else 6)
         layer_types = ["sliding_attention" if period == 0 or (i + 1) % period else "full_attention"
                        for i in range(num_layers)]
-        config["sliding_window_pattern"] = period
     config["sliding_window"] = int(window) if window is not None else None
     config["layer_types"] = layer_types
     # No key holds it: llama.cpp scales scores by 1/sqrt(head_dim), but for the 27B models
