@@ -5,7 +5,8 @@ The CPU tests run the kernels under Triton's interpreter, which executes them as
 the compiler's front end: code it accepts can still fail to compile for a GPU (a non-constexpr
 global, two return types across constexpr branches: both were caught here). This runs
 tests/engine/triton_compile_check.py, which records the launches of the store, decode (one and
-several splits), combine and prefill kernels over bf16/fp16/fp32, int8 and fp8 caches and the
+several splits), combine and prefill kernels over bf16/fp16/fp32, int8 and fp8 caches, their
+attention-variant specializations (sliding window, soft-cap, sinks: alone and together) and the
 elementwise ops, and compiles each to a cubin with the ptxas Triton ships.
 """
 from __future__ import annotations
@@ -38,3 +39,22 @@ def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
     for quant in ("QUANT=0", "QUANT=1", "QUANT=2"):
         assert any(name.startswith("_paged_decode_kernel") and quant in name for name in report["compiled"])
         assert any(name.startswith("_paged_prefill_kernel") and quant in name for name in report["compiled"])
+
+    def launched(kernel: str, *constexprs: str) -> bool:
+        return any(name.startswith(kernel + "(") and all(f"{c}," in name or f"{c})" in name for c in constexprs)
+                   for name in report["compiled"])
+
+    # each attention variant alone, and all of them over every cache kind, split and not
+    every = ("SLIDING=True", "SOFTCAP=True", "SINKS=True")
+    for feature in every:
+        others = [f.replace("True", "False") for f in every if f != feature]
+        assert launched("_paged_decode_kernel", feature, *others, "NUM_SPLITS=1")
+        assert launched("_paged_decode_kernel", feature, *others, "NUM_SPLITS=4")
+        assert launched("_paged_prefill_kernel", feature, *others)
+    for quant in ("QUANT=0", "QUANT=1", "QUANT=2"):
+        for splits in ("NUM_SPLITS=1", "NUM_SPLITS=4"):
+            assert launched("_paged_decode_kernel", quant, splits, *every)
+        assert launched("_paged_prefill_kernel", quant, *every)
+    for combine in (("SLIDING=True", "SINKS=False"), ("SLIDING=False", "SINKS=True"), ("SLIDING=True", "SINKS=True"),
+                    ("SLIDING=False", "SINKS=False")):
+        assert launched("_combine_splits_kernel", *combine)

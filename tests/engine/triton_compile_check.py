@@ -81,8 +81,11 @@ def describe(kernel: JITFunction, signature: dict, constexprs: dict) -> str:
 def engine_launches():
     """What a SmolLM2-135M-shaped model's forward launches (9 query heads, 3 KV heads, head dim
     64, block size 16): the store, decode (one split and several) and prefill kernels over caches
-    in each float dtype and both 8-bit formats, and the elementwise ops."""
+    in each float dtype and both 8-bit formats, and the elementwise ops; and the attention
+    variants' specializations of the decode, combine and prefill kernels: each feature alone
+    (bf16), all together over each float dtype and both 8-bit formats."""
     from engine.attention import triton_kernels as tk
+    from engine.attention.variant import AttentionVariant
     from engine.kv_quant import KVQuantFormat
     from engine.model import triton_ops
 
@@ -90,6 +93,19 @@ def engine_launches():
     seq_lens = torch.tensor([5, 40], dtype=torch.int32)
     tables = torch.arange(2 * 4, dtype=torch.int32).view(2, 4)
     slots = torch.arange(4, dtype=torch.int64)
+
+    sinks = torch.zeros(heads, dtype=torch.bfloat16)  # a checkpoint's dtype: the wrappers pass float32
+    every = AttentionVariant(sliding_window=24, softcap=50.0, sinks=sinks)
+    alone = [AttentionVariant(sliding_window=24), AttentionVariant(softcap=50.0), AttentionVariant(sinks=sinks)]
+
+    def attend(query, cache, fmt, variant):
+        for splits in (1, 4):
+            tk.paged_decode_attention(torch.zeros_like(query), query, cache, tables, seq_lens,
+                                      torch.tensor([0, 1, 2], dtype=torch.int32), 0.125, max_seq_len=40,
+                                      num_splits=splits, tile_n=16, kv_format=fmt, variant=variant)
+        tk.paged_prefill_attention(torch.zeros_like(query), query, cache, tables, seq_lens,
+                                   torch.tensor([0, 2, 4], dtype=torch.int32), 0.125, max_query_len=2,
+                                   block_m=64, tile_n=64, skip_single_token=True, kv_format=fmt, variant=variant)
 
     def run():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -103,13 +119,13 @@ def engine_launches():
                 tk.store_kv_8bit_triton(key, key, layer, slots, fmt, tk.sort_slots(slots))
                 caches.append((layer, fmt))
             for cache, fmt in caches:
-                for splits in (1, 4):
-                    tk.paged_decode_attention(torch.zeros_like(query), query, cache, tables, seq_lens,
-                                              torch.tensor([0, 1, 2], dtype=torch.int32), 0.125, max_seq_len=40,
-                                              num_splits=splits, tile_n=16, kv_format=fmt)
-                tk.paged_prefill_attention(torch.zeros_like(query), query, cache, tables, seq_lens,
-                                           torch.tensor([0, 2, 4], dtype=torch.int32), 0.125, max_query_len=2,
-                                           block_m=64, tile_n=64, skip_single_token=True, kv_format=fmt)
+                attend(query, cache, fmt, None)
+            attend(query, caches[0][0], None, every)
+            if dtype == torch.bfloat16:
+                for cache, fmt in caches[1:]:
+                    attend(query, cache, fmt, every)
+                for variant in alone:
+                    attend(query, caches[0][0], None, variant)
             if dtype != torch.float16:
                 x = torch.zeros(4, 576, dtype=dtype)
                 triton_ops.rms_norm(x, torch.ones(576, dtype=dtype), 1e-5)
