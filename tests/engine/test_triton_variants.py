@@ -190,8 +190,8 @@ def test_variants_over_an_8bit_cache(fmt_name, splits):
               torch.randn(sum(seq_lens), 2, HEAD_DIM, generator=generator), layer, prefix.slot_mapping)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
     tokens = sum(query_lens)
-    batch = (torch.randn(tokens, 4, HEAD_DIM, generator=generator), torch.randn(tokens, 2, HEAD_DIM, generator=generator),
-             torch.randn(tokens, 2, HEAD_DIM, generator=generator), layer, meta)
+    query, key, value = (torch.randn(tokens, heads, HEAD_DIM, generator=generator) for heads in (4, 2, 2))
+    batch = (query, key, value, layer, meta)
     compare(batch, AttentionVariant(sliding_window=20, softcap=2.0, sinks=sinks_for(4, 5)), splits, atol=2e-5,
             kv_format=fmt)
 
