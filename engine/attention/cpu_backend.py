@@ -12,6 +12,12 @@ built, this backend behaves exactly like `TorchAttentionBackend` (`native` says 
 An 8-bit cache (engine/kv_quant.py): a native store quantizes into it (`kv_store_cpu.cpp`), decodes
 read it in place (the same decode kernel, one byte per cached value), and a prefill chunk attends
 over its sequence's blocks dequantized (the copy the model dtype's path gathers anyway).
+
+Variants (`AttentionVariant`: sliding window, logit soft-cap, sinks, alone or together) run in the
+same native kernels: decodes of either cache kind read only the blocks inside the window, and the
+bf16 flash prefill masks and skips by window; a prefill chunk after a cached prefix gathers only
+the blocks its queries' windows reach. Where the native kernels do not apply (no kernels, other
+devices, a prefill that is not bf16 on AVX512-BF16), the torch reference computes the variant.
 """
 from __future__ import annotations
 
@@ -22,6 +28,20 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, causal_attention, sequence_kv, store_kv
 from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
+
+
+def _variant_args(variant: AttentionVariant | None) -> tuple[int, float, torch.Tensor | None]:
+    """The native kernels' (window, softcap, sinks): 0, 0.0 and None for "none"."""
+    if variant is None:
+        return 0, 0.0, None
+    return variant.sliding_window or 0, variant.softcap or 0.0, variant.sinks
+
+
+def _first_block(variant: AttentionVariant | None, context_len: int, block_size: int) -> int:
+    """The first block a chunk whose first query sits at `context_len` reads: its window's first
+    key's (0 without a window). Windows are relative, so its keys may start there."""
+    window = None if variant is None else variant.sliding_window
+    return 0 if window is None else max(0, context_len - window + 1) // block_size
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -74,37 +94,35 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, seq_lens_host: list[int], scale: float,
                 variant: AttentionVariant | None = None) -> torch.Tensor:
-        if not is_plain(variant):
-            if kv_cache.dim() == 2:
-                raise ValueError("an 8-bit KV cache with sliding-window, soft-capped or sink attention "
-                                 "is not supported by the cpu backend")
-            return super()._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale, variant)
         if kv_cache.dim() == 2:
             fmt = self.kv_format
             return self._kernels.paged_decode_attention_8bit(query, kv_cache, block_tables.to(torch.int32),
                                                              seq_lens.to(torch.int32), scale, fmt.block_size,
-                                                             fmt.num_kv_heads, fmt.name == "fp8_e4m3")
+                                                             fmt.num_kv_heads, fmt.name == "fp8_e4m3",
+                                                             *_variant_args(variant))
         if self._kernels is None or query.device.type != "cpu" or kv_cache.dtype != query.dtype:
-            return super()._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale)
+            return super()._decode(query, kv_cache, block_tables, seq_lens, seq_lens_host, scale, variant)
         return self._kernels.paged_decode_attention(query, kv_cache, block_tables.to(torch.int32),
-                                                    seq_lens.to(torch.int32), scale)
+                                                    seq_lens.to(torch.int32), scale, *_variant_args(variant))
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                  scale: float, variant: AttentionVariant | None = None) -> torch.Tensor:
+        query_len = query.shape[0]
         if kv_cache.dim() == 2:
             fmt = self.kv_format
-            blocks = fmt.dequantize(kv_cache, block_table[: -(-seq_len // fmt.block_size)], query.dtype)
-            keys = blocks[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len]
-            values = blocks[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len]
-        elif seq_len == query.shape[0]:  # no cached prefix: this chunk's own K/V
+            first = _first_block(variant, seq_len - query_len, fmt.block_size)
+            blocks = fmt.dequantize(kv_cache, block_table[first: -(-seq_len // fmt.block_size)], query.dtype)
+            keys = blocks[:, 0].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len - first * fmt.block_size]
+            values = blocks[:, 1].reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:seq_len - first * fmt.block_size]
+        elif seq_len == query_len:  # no cached prefix: this chunk's own K/V
             keys, values = key, value
         else:
-            keys, values = sequence_kv(kv_cache, block_table, seq_len)
+            block_size = kv_cache.shape[2]
+            first = _first_block(variant, seq_len - query_len, block_size)
+            keys, values = sequence_kv(kv_cache, block_table[first:], seq_len - first * block_size)
         head_dim = query.shape[-1]
-        if not is_plain(variant):
-            return causal_attention(query, keys, values, scale, variant)
         if (self._flash_prefill and query.device.type == "cpu" and query.dtype == torch.bfloat16
                 and keys.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256):
-            return self._kernels.flash_prefill_attention(query, keys, values, scale)
-        return causal_attention(query, keys, values, scale)
+            return self._kernels.flash_prefill_attention(query, keys, values, scale, *_variant_args(variant))
+        return causal_attention(query, keys, values, scale, None if is_plain(variant) else variant)

@@ -2,12 +2,16 @@
 #include <torch/python.h>  // pybind11 and the tensor casters only; the kernels include ATen
 
 // paged_decode_cpu.cpp
+// Variants (engine/attention/variant.py): window 0 = no sliding window, softcap 0 = no soft-cap,
+// sinks None or fp32-convertible [num_heads].
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
 // paged_decode_cpu.cpp (8-bit caches, engine/kv_quant.py)
 at::Tensor paged_decode_attention_8bit(const at::Tensor& query, const at::Tensor& kv_cache,
                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                       int64_t block_size, int64_t num_kv_heads, bool fp8);
+                                       int64_t block_size, int64_t num_kv_heads, bool fp8, int64_t window,
+                                       double softcap, const c10::optional<at::Tensor>& sinks);
 // kv_store_cpu.cpp
 void store_kv_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping);
@@ -15,7 +19,7 @@ void store_kv_cache_8bit_(const at::Tensor& key, const at::Tensor& value, at::Te
                           const at::Tensor& slot_mapping, int64_t block_size, bool fp8);
 // flash_prefill_cpu.cpp
 at::Tensor flash_prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                   double scale);
+                                   double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks);
 bool has_flash_prefill();
 // fused_ops_cpu.cpp
 bool has_fused_ops();
@@ -34,13 +38,22 @@ bool has_small_linear_f32();
 at::Tensor small_batch_linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache (CPU), with an optional sliding window, soft-cap and sinks",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("paged_decode_attention_8bit", &paged_decode_attention_8bit,
-        "Decode attention over an 8-bit paged KV cache with per-block scales (CPU)");
+        "Decode attention over an 8-bit paged KV cache with per-block scales (CPU), variants as above",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("block_size"), py::arg("num_kv_heads"), py::arg("fp8"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("store_kv_cache_", &store_kv_cache_, "Write new K/V rows into the paged cache at their slots (CPU)");
   m.def("store_kv_cache_8bit_", &store_kv_cache_8bit_,
         "Quantize new K/V rows into an 8-bit paged cache at their slots, growing block scales (CPU)");
-  m.def("flash_prefill_attention", &flash_prefill_attention, "Causal prefill attention, bf16, AVX512-BF16 (CPU)");
+  m.def("flash_prefill_attention", &flash_prefill_attention,
+        "Causal prefill attention, bf16, AVX512-BF16 (CPU), with an optional sliding window, soft-cap and sinks",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("has_flash_prefill", &has_flash_prefill, "Whether flash_prefill_attention was compiled in");
   m.def("has_fused_ops", &has_fused_ops, "Whether the fused bf16 elementwise ops were compiled in (AVX2 or AVX-512)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, rounded as transformers rounds");

@@ -35,9 +35,11 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
 }
 
 
-// x <- exp(x - max(x)) over n floats; returns the sum of the results.
-inline float exp_shifted(float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
+// x <- exp(x - m) over n floats, m = max(max(x), extra); returns the sum of the results plus
+// exp(extra - m). `extra` is an attention sink's logit (one more term of the softmax's
+// denominator, none of its outputs); -inf (the default) adds nothing.
+inline float exp_shifted(float* x, int64_t n, float extra = -std::numeric_limits<float>::infinity()) {
+  float m = extra;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   int64_t i = 0;
   float sum = 0.f;
@@ -55,7 +57,22 @@ inline float exp_shifted(float* x, int64_t n) {
     x[i] = std::exp(x[i] - m);
     sum += x[i];
   }
+  if (extra != -std::numeric_limits<float>::infinity()) sum += std::exp(extra - m);
   return sum;
+}
+
+// x <- cap * tanh(x / cap) over n floats (attention logit soft-capping; cap > 0).
+inline void softcap(float* x, int64_t n, float cap) {
+  int64_t i = 0;
+#if defined(PDSERVE_SIMD)
+  const simd::F c = simd::set1(cap);
+  for (; i + simd::W <= n; i += simd::W) simd::store(x + i, simd::mul(c, simd::tanh(simd::div(simd::load(x + i), c))));
+  if (i < n) {
+    simd::store_n(x + i, simd::mul(c, simd::tanh(simd::div(simd::load_n(x + i, n - i), c))), n - i);
+    i = n;
+  }
+#endif
+  for (; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
 // o[r * n + d] = acc[r * n + d] / sums[r] (0 for an empty softmax) for `rows` rows of n, in T.

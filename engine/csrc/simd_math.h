@@ -120,6 +120,18 @@ inline float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
 inline F exp(F x) { return exp16(x); }
 inline F hsum(const F* v) { return hsum16(v); }  // lane i = the sum of v[i]'s lanes
 inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+// tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1] (never overflows); absolute error
+// ~1e-7 (relative error grows near 0, where 1 - e cancels: fine for soft-capped logits, whose
+// error is absolute). NaN in, NaN out.
+inline F tanh(F x) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  const __m512i bits = _mm512_castps_si512(x);
+  const F ax = _mm512_castsi512_ps(_mm512_andnot_si512(sign, bits));
+  const F e = exp16(_mm512_mul_ps(ax, _mm512_set1_ps(-2.f)));
+  const F t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  const F r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(sign, bits)));
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
 // bf16 rows: tails of n < W lanes read as zeros past n and write only n; rounding is c10's.
 inline F load_n(const c10::BFloat16* p, int64_t n) { return load_bf16_masked(p, tail_mask(n)); }
 inline void store(c10::BFloat16* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
@@ -200,6 +212,13 @@ inline F hsum(const F* v) {
   return add(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+// tanh as on AVX-512 above.
+inline F tanh(F x) {
+  const F sign = set1(-0.f);
+  const F e = exp(mul(_mm256_andnot_ps(sign, x), set1(-2.f)));
+  const F r = _mm256_or_ps(div(sub(set1(1.f), e), add(set1(1.f), e)), _mm256_and_ps(sign, x));
+  return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
 // x's bf16 bits (c10's conversion: round to nearest even, NaN -> 0x7FC0) in each 32-bit lane's low half.
 inline __m256i bf16_bits(F x) {
   const __m256i bits = _mm256_castps_si256(x);
