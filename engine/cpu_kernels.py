@@ -1,9 +1,10 @@
 """Native CPU kernels (C++ in `engine/csrc/`), compiled once per machine and cached.
 
-One library: paged decode attention, bf16 flash prefill and the KV store (used by the "cpu"
-attention backend), the Llama block's fused bf16 elementwise ops and small-batch linear (RMSNorm,
-residual add + RMSNorm, SiLU-and-mul, RoPE; used by `engine.model.fused_ops`), and the
-structured-output logits mask (`engine.structured_output.apply_bitmask`).
+One library: paged decode attention, bf16 flash prefill (both with the attention variants:
+sliding window, logit soft-cap, sinks) and the KV store (used by the "cpu" attention backend),
+the Llama block's fused bf16 elementwise ops and small-batch linear (RMSNorm, residual add +
+RMSNorm, SiLU-and-mul, RoPE; used by `engine.model.fused_ops`), and the structured-output logits
+mask (`engine.structured_output.apply_bitmask`).
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
