@@ -335,7 +335,7 @@ def _check_model_splits(model: str, spec: WorkerSpec) -> None:
     sizes = {role: spec.tp(role) for role in ROLES if spec.tp(role) > 1}
     if not sizes:
         return
-    from engine.model.llama import check_tensor_parallel
+    from engine.model.decoder import check_tensor_parallel
     from engine.model.loader import resolve_model
     arch = resolve_model(model).arch
     for role, size in sizes.items():

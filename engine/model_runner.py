@@ -44,9 +44,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
 from engine.kv_quant import kv_quant_format
-from engine.model.llama import LlamaForCausalLM, TensorParallelShard, check_tensor_parallel
+from engine.model.decoder import DecoderForCausalLM, TensorParallelShard, check_tensor_parallel
 from engine.model.loader import LoadedModel
-from engine.model.rope import RotaryEmbedding
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import Batch, SampledToken
@@ -101,9 +100,6 @@ class ModelRunner:
                             " ".join(cpu_kernels.cpu_features()) or "none")
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
-        if self.arch.sliding_window is not None:
-            # Full attention equals sliding-window attention while no context exceeds the window.
-            self.max_model_len = min(self.max_model_len, self.arch.sliding_window)
         self.block_size = config.cache.block_size
         self.model = self._build_model(loaded)
         self.kv_format = kv_quant_format(config.cache.kv_cache_dtype, self.block_size,
@@ -138,15 +134,14 @@ class ModelRunner:
         if self.tp is not None:  # every rank has its KV cache and host slots: the engine may start
             self.tp.all_reduce(torch.zeros(1, device=self.device))
 
-    def _build_model(self, loaded: LoadedModel) -> LlamaForCausalLM:
+    def _build_model(self, loaded: LoadedModel) -> DecoderForCausalLM:
         # Built on the meta device so no memory is spent on a random init that the weights overwrite.
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, self.max_model_len, tp=self.tp)
+            model = DecoderForCausalLM(self.arch, self.max_model_len, tp=self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         if self.device.type == "cpu":
             place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
-        model.rotary = RotaryEmbedding(self.arch.head_dim, self.max_model_len, self.arch.rope_theta,
-                                       self.arch.rope_scaling).to(self.device)
+        model.init_rotary(self.max_model_len, self.device)  # its tables, computed (not left empty)
         model.load_weights(loaded.iter_weights())
         model.prepack_linear_weights()
         return model.eval()

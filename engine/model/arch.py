@@ -10,31 +10,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-# HF rope_type -> the parameters that rope type needs besides rope_theta.
-SUPPORTED_ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
 _ROPE_KEYS_NOT_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
+# The roles a decoder layer's norms play (engine/model/decoder.py): before attention, on the
+# attention's output, before the MLP, on the MLP's output. Llama has the first and third.
+NORM_ROLES = ("input", "attn_out", "mlp_in", "mlp_out")
+QK_NORMS = ("head", "projection")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LLAMA_NORMS = (("input", "input_layernorm"), ("mlp_in", "post_attention_layernorm"))
 
 TokenIds = int | list[int] | None
 
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """What the Llama-family model code needs.
+    """What the decoder (engine/model/decoder.py) needs: one description for every family.
+
+    A family (engine/model/families/) turns its `config.json` into these fields; the model code,
+    the weight loader and the KV cache sizing read only them.
 
     `attention_bias` is the bias on the q/k/v projections (always on for Qwen2);
     `o_proj_bias` the bias on the output projection (Llama's `attention_bias` sets both).
     `rope_scaling` is None for plain RoPE, else a HF-format dict such as
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192}. `sliding_window` is None for full attention.
+    {"rope_type": "llama3", "factor": 8.0, ...}; `rotary_dim` (None: head_dim) the leading dims of
+    each head that rotate (`partial_rotary_factor`). `sliding_window` is None for full attention;
+    with it, `layer_types` says which layers slide ("sliding_attention") and which attend to the
+    whole context ("full_attention"; None: every layer slides). `rope_local_theta`: the RoPE base
+    of sliding layers, unscaled (Gemma 3; None: the same RoPE as full layers).
+
+    Per family: `qk_norm` ("head": an RMSNorm over each head's dims, Qwen3 and Gemma 3;
+    "projection": over the whole q / k projection, OLMo 2) before RoPE; `layer_norms`, the
+    (role, Hugging Face name) of each norm in a layer (roles in NORM_ROLES); `norm_weight_offset`
+    (Gemma: a norm multiplies by 1 + w); `embed_scale` (Gemma: sqrt(hidden), in the model dtype);
+    `attention_scale` (None: head_dim ** -0.5); `attn_logit_softcap` / `final_logit_softcap`
+    (Gemma 2: tanh soft-capping of attention scores / logits); `fused_checkpoint` (Phi-3: the
+    checkpoint holds qkv_proj and gate_up_proj already fused).
     """
 
     architecture: str
@@ -56,8 +65,20 @@ class ModelArchConfig:
     eos_token_id: TokenIds
     o_proj_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    rotary_dim: int | None = None
+    qk_norm: str | None = None
+    layer_norms: tuple[tuple[str, str], ...] = LLAMA_NORMS
+    norm_weight_offset: float = 0.0
+    embed_scale: float | None = None
+    attention_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    fused_checkpoint: bool = False
 
     def __post_init__(self) -> None:
+        from engine.model.families import SUPPORTED_ARCHITECTURES
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported model architecture {self.architecture!r}; pdserve runs "
@@ -78,12 +99,32 @@ class ModelArchConfig:
             raise ValueError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.rope_theta > 0:
             raise ValueError(f"model config: rope_theta must be > 0, got {self.rope_theta!r}")
-        if self.hidden_act != "silu":
+        if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(
-                f"model config: hidden_act {self.hidden_act!r} is not supported; "
-                "Llama-family models use 'silu'")
+                f"model config: hidden_act {self.hidden_act!r} is not supported; pdserve runs "
+                f"{', '.join(HIDDEN_ACTS)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"model config: sliding_window must be >= 1 or None, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if unknown or len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"model config: layer_types must name full_attention or sliding_attention for each of the "
+                    f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"model config: the rotary dims ({self.rotary_dim}) must be even and at most "
+                             f"head_dim ({self.head_dim})")
+        if self.qk_norm not in (None, *QK_NORMS):
+            raise ValueError(f"model config: qk_norm must be one of {', '.join(QK_NORMS)} or None, got {self.qk_norm!r}")
+        roles = [role for role, _ in self.layer_norms]
+        if any(role not in NORM_ROLES for role in roles) or len(set(roles)) != len(roles):
+            raise ValueError(f"model config: layer norm roles must be distinct ones of {', '.join(NORM_ROLES)}, "
+                             f"got {roles}")
+        for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "embed_scale",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"model config: {name} must be > 0 or None, got {value!r}")
         _check_token_ids("bos_token_id", self.bos_token_id)
         _check_token_ids("eos_token_id", self.eos_token_id)
         _check_rope_scaling(self.rope_scaling)
@@ -105,6 +146,12 @@ class ModelArchConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends within `sliding_window` rather than to the whole context."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
     def expected_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint must hold, by Hugging Face name, with its shape.
 
@@ -115,11 +162,14 @@ class ModelArchConfig:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, hidden)}
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (hidden,)
-            shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-            shapes[p + "self_attn.q_proj.weight"] = (self.q_size, hidden)
-            shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, hidden)
-            shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, hidden)
+            for _, name in self.layer_norms:
+                shapes[p + name + ".weight"] = (hidden,)
+            if self.fused_checkpoint:
+                shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, hidden)
+            else:
+                shapes[p + "self_attn.q_proj.weight"] = (self.q_size, hidden)
+                shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, hidden)
+                shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, hidden)
             shapes[p + "self_attn.o_proj.weight"] = (hidden, self.q_size)
             if self.attention_bias:
                 shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
@@ -127,8 +177,15 @@ class ModelArchConfig:
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
             if self.o_proj_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-            shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-            shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+            if self.qk_norm is not None:
+                per_head = self.qk_norm == "head"
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim if per_head else self.q_size,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim if per_head else self.kv_size,)
+            if self.fused_checkpoint:
+                shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+            else:
+                shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+                shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
             shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
         shapes["model.norm.weight"] = (hidden,)
         if not self.tie_word_embeddings:
@@ -140,58 +197,84 @@ class ModelArchConfig:
         """Build from a `config.json` dict or a `transformers.PretrainedConfig`.
 
         Values the config leaves out get transformers' defaults for that model type, so
-        the engine and transformers read the same folder the same way.
+        the engine and transformers read the same folder the same way; the family
+        (engine/model/families/) reads what is its own.
         """
+        from engine.model.families import family_of
+
         raw = _config_to_dict(cfg)
-        architecture = _architecture_of(raw)
-        model_type = next(t for t, a in ARCHITECTURE_BY_MODEL_TYPE.items() if a == architecture)
+        family, architecture, model_type = family_of(raw)
         full = _with_transformers_defaults(model_type, raw)
-
-        def get(key: str, default: Any = None) -> Any:
-            value = full.get(key)
-            return default if value is None else value
-
+        config = HFConfig(full)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if full.get(key) is None:
                 raise ValueError(f"model config has no {key!r}; config.json must define it")
-        if get("mlp_bias", False):
-            raise ValueError("model config: mlp_bias=True is not supported (Llama-family MLPs have no bias)")
+        if config.get("mlp_bias", False):
+            raise ValueError(f"model config: mlp_bias=True is not supported ({architecture} MLPs have no bias)")
         num_heads = full["num_attention_heads"]
-        rope_theta, rope_scaling = _rope_of(full)
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-            sliding = get("sliding_window") if get("use_sliding_window", False) else None
-        elif model_type == "llama":
-            qkv_bias = o_bias = bool(get("attention_bias", False))
-            sliding = None
-        else:
-            qkv_bias = o_bias = False
-            sliding = get("sliding_window")
-        max_pos = get("max_position_embeddings", 2048)
-        if sliding is not None and sliding >= max_pos:
-            sliding = None
-        return cls(
+        head_dim = config.get("head_dim", full["hidden_size"] // num_heads)
+        rope_theta, rope_scaling, partial = _rope_of(full)
+        fields = dict(
             architecture=architecture,
             vocab_size=full["vocab_size"],
             hidden_size=full["hidden_size"],
             intermediate_size=full["intermediate_size"],
             num_hidden_layers=full["num_hidden_layers"],
             num_attention_heads=num_heads,
-            num_key_value_heads=get("num_key_value_heads", num_heads),
-            head_dim=get("head_dim", full["hidden_size"] // num_heads),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=config.get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            hidden_act=get("hidden_act", "silu"),
+            rotary_dim=None if partial in (None, 1.0) else int(head_dim * partial),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            o_proj_bias=bool(config.get("attention_bias", False)),
+            hidden_act=config.get("hidden_act") or config.get("hidden_activation") or "silu",
             bos_token_id=full.get("bos_token_id"),
             eos_token_id=full.get("eos_token_id"),
-            sliding_window=sliding,
         )
+        fields.update(family.arch_fields(model_type, config))
+        return cls(**fields)
+
+
+class HFConfig:
+    """A model's config.json with transformers' defaults filled in, as the families read it."""
+
+    def __init__(self, full: dict) -> None:
+        self.full = full
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.full.get(key)
+        return default if value is None else value
+
+    def sliding(self) -> tuple[int | None, tuple[str, ...] | None]:
+        """(sliding_window, layer_types) as transformers applies them: no window when it covers
+        every position or no layer slides; layer types only when some layers attend fully."""
+        window = self.get("sliding_window")
+        layer_types = self.get("layer_types")
+        if window is None or window >= self.get("max_position_embeddings", 2048):
+            return None, None
+        if layer_types is None:
+            return window, None
+        layer_types = tuple(layer_types)
+        if "sliding_attention" not in layer_types:
+            return None, None
+        return window, None if set(layer_types) == {"sliding_attention"} else layer_types
+
+    def rope_local_theta(self) -> float | None:
+        """The RoPE base of sliding layers when it differs from full layers' (Gemma 3)."""
+        params = self.full.get("rope_parameters")
+        if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+            local = params["sliding_attention"]
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"model config: rope scaling of sliding layers ({local.get('rope_type')!r}) "
+                                 "is not supported")
+            return float(local.get("rope_theta", 10000.0))
+        local = self.full.get("rope_local_base_freq")
+        return None if local is None else float(local)
 
 
 def _config_to_dict(cfg: Any) -> dict:
@@ -201,22 +284,6 @@ def _config_to_dict(cfg: Any) -> dict:
     if to_dict is None:
         raise ValueError(f"expected a config.json dict or a transformers PretrainedConfig, got {type(cfg).__name__}")
     return to_dict()
-
-
-def _architecture_of(raw: dict) -> str:
-    architectures = raw.get("architectures")
-    model_type = raw.get("model_type")
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    if architectures:
-        name = architectures[0] if isinstance(architectures, (list, tuple)) else architectures
-        if name not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported model architecture {name!r}; pdserve runs {supported}")
-        return name
-    if model_type in ARCHITECTURE_BY_MODEL_TYPE:
-        return ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    raise ValueError(
-        f"unsupported model architecture: config has model_type {model_type!r} and no known "
-        f"'architectures' entry; pdserve runs {supported}")
 
 
 def _with_transformers_defaults(model_type: str, raw: dict) -> dict:
@@ -236,9 +303,10 @@ def _explicit_rope(raw: dict) -> dict:
     return {k: raw[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in raw}
 
 
-def _rope_of(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config style: transformers 5's
-    `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+def _rope_of(cfg: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from either config style: transformers
+    5's `rope_parameters` (per layer type for Gemma 3: the full-attention layers' here) or the
+    older `rope_theta` + `rope_scaling`."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params and all(
             isinstance(v, dict) for v in params.values()):
@@ -252,25 +320,36 @@ def _rope_of(cfg: dict) -> tuple[float, dict | None]:
     theta = cfg.get("rope_theta")
     if theta is None:
         theta = merged.get("rope_theta", 10000.0)
+    partial = cfg.get("partial_rotary_factor", merged.get("partial_rotary_factor"))
+    partial = None if partial is None else float(partial)
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
-        return float(theta), None
-    out = {"rope_type": rope_type}
+        return float(theta), None, partial
+    out = {"rope_type": "longrope" if rope_type == "su" else rope_type}  # Phi-3's older name
     out.update({k: v for k, v in merged.items() if k not in _ROPE_KEYS_NOT_SCALING})
-    return float(theta), out
+    # dynamic NTK and longrope scale against the model's context length; a top-level original
+    # length (Phi-3's) wins over the rope parameters', as in transformers
+    if cfg.get("max_position_embeddings") is not None:
+        out.setdefault("max_position_embeddings", cfg["max_position_embeddings"])
+    if cfg.get("original_max_position_embeddings") is not None:
+        out["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return float(theta), out, partial
 
 
 def _check_rope_scaling(scaling: dict | None) -> None:
     if scaling is None:
         return
+    # The one table of the rope types pdserve computes and what each needs besides rope_theta.
+    from engine.model.rope import ROPE_SCALING_PARAMS
+
     if not isinstance(scaling, dict):
         raise ValueError(f"model config: rope_scaling must be a dict or None, got {scaling!r}")
     rope_type = scaling.get("rope_type")
-    if rope_type not in SUPPORTED_ROPE_SCALING:
+    if rope_type not in ROPE_SCALING_PARAMS:
         raise ValueError(
             f"model config: rope scaling type {rope_type!r} is not supported; pdserve supports "
-            f"plain RoPE and {', '.join(SUPPORTED_ROPE_SCALING)}")
-    missing = [k for k in SUPPORTED_ROPE_SCALING[rope_type] if scaling.get(k) is None]
+            f"plain RoPE and {', '.join(ROPE_SCALING_PARAMS)}")
+    missing = [k for k in ROPE_SCALING_PARAMS[rope_type] if scaling.get(k) is None]
     if missing:
         raise ValueError(f"model config: {rope_type} rope scaling needs {', '.join(missing)}")
 

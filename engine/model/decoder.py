@@ -1,10 +1,20 @@
-"""Llama-family decoder over a flattened token batch.
+"""The decoder every model family runs, over a flattened token batch.
 
-Covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Mistral and Qwen2-style qkv bias, GQA and tied
-embeddings. Inputs are all scheduled tokens of all sequences concatenated (`[num_tokens]`); each
-layer stores its new keys/values in the paged KV cache and attends through the attention backend
-(see `engine.attention.metadata` for the batch contract). Weights arrive in Hugging Face naming
-and layout; Q/K/V and gate/up are fused into one matmul each.
+One configurable decoder for every family (engine/model/families/ reads each config.json into
+an `engine.model.arch.ModelArchConfig`): Llama 2/3 (llama3 RoPE scaling), SmolLM2, Mistral and
+Qwen2-style qkv bias, GQA and tied embeddings are the plain case; the fields of the config add
+per-head or whole-projection q/k norms (Qwen3, Gemma 3, OLMo 2), norms on the attention and MLP
+outputs (Gemma, OLMo 2), norms that multiply by 1 + w and scaled embeddings (Gemma), GeGLU MLPs,
+attention scales, soft-caps of attention scores and logits, sliding-window layers (each layer's
+`AttentionVariant`) with their own RoPE base, and partial rotary dims. Inputs are all scheduled
+tokens of all sequences concatenated (`[num_tokens]`); each layer stores its new keys/values in
+the paged KV cache and attends through the attention backend (see `engine.attention.metadata`
+for the batch contract). Weights arrive in Hugging Face naming and layout; Q/K/V and gate/up are
+fused into one matmul each (a checkpoint that holds them fused, Phi-3's, is split at load).
+
+A layer's norms have roles (`arch.layer_norms`): `input` (before attention), `attn_out` (on the
+attention's output, before the residual add), `mlp_in`, `mlp_out`; each is a module under its
+Hugging Face name. Llama has input and mlp_in; Gemma all four; OLMo 2 the two output norms.
 
 Tensor parallelism (`tp`, an `engine.parallel.TensorParallelGroup`; None: one process, today's
 code exactly), Megatron-style: the fused QKV and gate/up projections are column-parallel (each
@@ -13,8 +23,9 @@ o_proj and down_proj are row-parallel (each rank multiplies its slice of the inp
 sums are all-reduced, then the bias, if any, is added once). With fewer KV heads than ranks each
 KV head is replicated: a rank holds the one KV head its query heads read. The embedding, the
 norms and the LM head are replicated, so every rank computes the same residual stream and rank 0
-has the full logits (followers skip the LM head: `compute_logits=False`). `TensorParallelShard`
-says what a rank holds; `load_weights` cuts it out of the Hugging Face tensors.
+has the full logits (followers skip the LM head: `compute_logits=False`). A norm over the whole
+q / k projection (OLMo 2) all-reduces each row's sum of squares. `TensorParallelShard` says what
+a rank holds; `load_weights` cuts it out of the Hugging Face tensors.
 """
 from __future__ import annotations
 
@@ -25,8 +36,9 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.variant import AttentionVariant
 from engine.model import fused_ops
-from engine.model.arch import ModelArchConfig
+from engine.model.arch import NORM_ROLES, ModelArchConfig
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -87,6 +99,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # per-head q / k norms: [tokens, heads, head_dim]
+            return fused_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return fused_ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -96,7 +110,7 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear that may carry a pre-blocked copy of its weight for CPU bf16 / float32 matmuls
-    (`fused_ops.prepack_linear_weight`; set by `LlamaForCausalLM.prepack_linear_weights`)."""
+    (`fused_ops.prepack_linear_weight`; set by `DecoderForCausalLM.prepack_linear_weights`)."""
 
     packed: torch.Tensor | None = None
 
@@ -120,7 +134,7 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
 
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_index: int, shard: TensorParallelShard,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
@@ -130,9 +144,22 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = arch.attention_scale or self.head_dim ** -0.5
+        self.tp = tp
+        sliding = arch.is_sliding(layer_index)
+        self.local_rope = sliding and arch.rope_local_theta is not None  # the model's `rotary_local`
+        self.variant = AttentionVariant(sliding_window=arch.sliding_window if sliding else None,
+                                        softcap=arch.attn_logit_softcap)
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_proj_bias, tp)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm is not None:
+            per_head = arch.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, arch.rms_norm_eps)
+            # a whole-projection norm's width, and how many ranks hold each KV head (under TP)
+            self._norm_widths = (arch.q_size, arch.kv_size)
+            self._kv_replicas = max(1, shard.size // arch.num_key_value_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend, rows: torch.Tensor | None = None,
@@ -142,59 +169,103 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "projection":
+            q = self._projection_norm(q, self.q_norm, self._norm_widths[0], 1)
+            k = self._projection_norm(k, self.k_norm, self._norm_widths[1], self._kv_replicas)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         if rows is None:
-            out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+            out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.variant)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         backend.store_kv(k, v, kv_cache, meta.slot_mapping)
         # The backend stores the rows' K/V again (the same values) and attends one query each.
         q, k, v = (x.index_select(0, rows) for x in (q, k, v))
-        out = backend.forward(q, k, v, kv_cache, rows_meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache, rows_meta, self.scale, self.variant)
         return self.o_proj(out.reshape(rows.shape[0], self.q_size))
 
+    def _projection_norm(self, x: torch.Tensor, norm: RMSNorm, width: int, replicas: int) -> torch.Tensor:
+        """RMSNorm over a whole projection of `width` values of which this rank holds its heads'
+        (each held by `replicas` ranks): the sum of squares is all-reduced under TP."""
+        if self.tp is None:
+            return norm(x.contiguous())
+        x32 = x.float()
+        squares = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / replicas
+        return norm.weight * (x32 * torch.rsqrt(squares / width + norm.eps)).to(x.dtype)
 
-class LlamaMLP(nn.Module):
+
+_GATED_ACTS = {"silu": fused_ops.silu_and_mul, "gelu_pytorch_tanh": fused_ops.gelu_tanh_and_mul}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
+
     def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(shard.intermediate_size, arch.hidden_size, False, tp)
+        self.act_and_mul = _GATED_ACTS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
+    """Attention and MLP with the norms `arch.layer_norms` names, each a module under its Hugging
+    Face name; `norms` holds them by role (None where the family has none)."""
+
     def __init__(self, arch: ModelArchConfig, layer_index: int, shard: TensorParallelShard,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_index, shard, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, shard, tp)
+        self.self_attn = Attention(arch, layer_index, shard, tp)
+        self.mlp = GatedMLP(arch, shard, tp)
+        by_role = {}
+        for role, name in arch.layer_norms:
+            setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps))
+            by_role[role] = getattr(self, name)
+        # a plain tuple, not registered a second time as submodules
+        self.norms: tuple[RMSNorm | None, ...] = tuple(by_role.get(role) for role in NORM_ROLES)
 
 
-class LlamaForCausalLM(nn.Module):
+def _add_then_norm(norm: RMSNorm | None, pending: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """`residual += pending` in place (none before the first layer), then the norm of the sum, or
+    the sum itself for a family without that norm."""
+    if pending is None:
+        return residual if norm is None else norm(residual)
+    if norm is None:
+        return residual.add_(pending)
+    return norm.add_forward(pending, residual)
+
+
+class DecoderForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, max_model_len: int | None = None,
                  tp: TensorParallelGroup | None = None) -> None:
         """`tp`: this rank's tensor-parallel group (None: the whole model in this process);
         ValueError if its size cannot split the model (`check_tensor_parallel`)."""
         super().__init__()
-        if arch.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}: pdserve's Llama-family model uses silu")
         self.arch = arch
         rank, size = (tp.rank, tp.world_size) if tp is not None else (0, 1)
         self.shard = TensorParallelShard.of(arch, rank, size)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, self.shard, tp) for i in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.shard, tp) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None  # tied: the embedding's pre-blocked copy
-        self.rotary = RotaryEmbedding(arch.head_dim, max_model_len or arch.max_position_embeddings,
-                                      arch.rope_theta, arch.rope_scaling)
+        self.init_rotary(max_model_len or arch.max_position_embeddings)
+
+    def init_rotary(self, max_position: int, device: torch.device | str | None = None) -> None:
+        """The RoPE tables for `max_position` positions: `rotary` (full layers, and every layer
+        unless sliding ones have their own base) and `rotary_local` (Gemma 3's sliding layers)."""
+        arch = self.arch
+        partial = {} if arch.rotary_dim is None else {"rotary_dim": arch.rotary_dim}
+        self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
+                                      **partial).to(device)
+        self.rotary_local = None if arch.rope_local_theta is None else RotaryEmbedding(
+            arch.head_dim, max_position, arch.rope_local_theta, None, **partial).to(device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -212,35 +283,45 @@ class LlamaForCausalLM(nn.Module):
         `on_layer_stored(i)`: called right after layer i stored its K/V, before its MLP (the KV
         connector pushes finished layers while the next ones compute).
         """
-        # `residual` is the block's residual stream, updated in place by each add + norm; `hidden`
-        # is the output of the last attention or MLP, not yet added to it.
+        # `residual` is the block's residual stream, updated in place by each add (+ norm);
+        # `pending` the output of the last attention or MLP (after its output norm, if any), not
+        # yet added to it.
         residual = self.embed_tokens(input_ids)
-        hidden = None
+        if self.arch.embed_scale is not None:
+            residual = residual * torch.tensor(self.arch.embed_scale, dtype=residual.dtype)
+        pending = None
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if hidden is None:
-                normed = layer.input_layernorm(residual)
-            else:
-                normed = layer.input_layernorm.add_forward(hidden, residual)
+            input_norm, attn_out_norm, mlp_in_norm, mlp_out_norm = layer.norms
+            attn = layer.self_attn
+            rotary = self.rotary_local if attn.local_rope else self.rotary
+            normed = _add_then_norm(input_norm, pending, residual)
             if index == last and logits_meta is not None and logits_indices is not None:
-                hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend,
-                                         rows=logits_indices, rows_meta=logits_meta)
+                hidden = attn(positions, normed, rotary, kv_cache, meta, backend,
+                              rows=logits_indices, rows_meta=logits_meta)
                 residual = residual.index_select(0, logits_indices)
                 logits_indices = None  # the rows are selected already
             else:
-                hidden = layer.self_attn(positions, normed, self.rotary, kv_cache, meta, backend)
+                hidden = attn(positions, normed, rotary, kv_cache, meta, backend)
             if on_layer_stored is not None:
                 on_layer_stored(index)
-            hidden = layer.mlp(layer.post_attention_layernorm.add_forward(hidden, residual))
+            pending = hidden if attn_out_norm is None else attn_out_norm(hidden)
+            hidden = layer.mlp(_add_then_norm(mlp_in_norm, pending, residual))
+            pending = hidden if mlp_out_norm is None else mlp_out_norm(hidden)
         if not compute_logits:
             return None
-        hidden = residual + hidden if hidden is not None else residual
+        hidden = residual + pending if pending is not None else residual
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.norm(hidden)
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return fused_ops.linear(hidden, self.embed_tokens.weight, packed=self.lm_head_packed).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = fused_ops.linear(hidden, self.embed_tokens.weight, packed=self.lm_head_packed)
+        cap = self.arch.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def prepack_linear_weights(self) -> bool:
         """Give every linear layer (and a tied LM head) a pre-blocked copy of its weight where
@@ -271,6 +352,11 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending = {name: _expected_sources(name, self.arch) for name in params}
         full_shapes = self.arch.expected_weight_shapes() if self.shard.size > 1 else None
+        # Gemma's norms multiply by 1 + w: the parameter holds 1 + w, added in float32
+        norm_params = {f"{name}.weight" for name, module in self.named_modules() if isinstance(module, RMSNorm)}
+        offset = self.arch.norm_weight_offset
+        if self.arch.fused_checkpoint:
+            weights = _split_fused(weights, self.arch)
         seen: set[str] = set()
         for hf_name, tensor in weights:
             target = _hf_to_param(hf_name)
@@ -287,6 +373,8 @@ class LlamaForCausalLM(nn.Module):
             param = params[param_name]
             dest = param.data if part is None else param.data.narrow(0, *self._fused_rows(part))
             _check_shape(hf_name, tensor, tuple(dest.shape), self.arch)
+            if offset and param_name in norm_params:
+                tensor = tensor.float() + offset
             dest.copy_(tensor.to(dest.dtype))
             seen.add(hf_name)
         missing = sorted(src for sources in pending.values() for src in sources if src not in seen)
@@ -311,6 +399,10 @@ class LlamaForCausalLM(nn.Module):
             return tensor.narrow(0, shard.kv_head_start * head_dim, shard.num_kv_heads * head_dim)
         if part in ("gate", "up"):
             return tensor.narrow(0, shard.inter_start, shard.intermediate_size)
+        if self.arch.qk_norm == "projection" and hf_name.endswith((".q_norm.weight", ".k_norm.weight")):
+            heads, start = ((shard.num_heads, shard.head_start) if hf_name.endswith(".q_norm.weight")
+                            else (shard.num_kv_heads, shard.kv_head_start))
+            return tensor.narrow(0, start * head_dim, heads * head_dim)
         if hf_name.endswith(".o_proj.weight"):
             return tensor.narrow(1, shard.head_start * head_dim, shard.num_heads * head_dim)
         if hf_name.endswith(".down_proj.weight"):
@@ -326,6 +418,24 @@ def _check_shape(hf_name: str, tensor: torch.Tensor, expected: tuple[int, ...], 
 
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def _split_fused(weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArchConfig):
+    """A checkpoint's fused `qkv_proj` / `gate_up_proj` (Phi-3) as the q/k/v and gate/up tensors
+    a Llama checkpoint holds, so sharding and fusing read one layout."""
+    for name, tensor in weights:
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            _check_shape(name, tensor, (arch.q_size + 2 * arch.kv_size, arch.hidden_size), arch)
+            prefix = name.removesuffix("qkv_proj.weight")
+            q, k, v = tensor.split([arch.q_size, arch.kv_size, arch.kv_size])
+            yield from ((prefix + "q_proj.weight", q), (prefix + "k_proj.weight", k), (prefix + "v_proj.weight", v))
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            _check_shape(name, tensor, (2 * arch.intermediate_size, arch.hidden_size), arch)
+            prefix = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2)
+            yield from ((prefix + "gate_proj.weight", gate), (prefix + "up_proj.weight", up))
+        else:
+            yield name, tensor
 
 
 def _hf_to_param(hf_name: str) -> tuple[str, str | None] | None:

@@ -134,7 +134,7 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     (both are oneDNN's bf16 GEMM). In float32 oneDNN on the blocked copy is 1.13-1.15x MKL's sgemm
     (F.linear) at 64-2048 rows and ~1.15x the native kernel at 64 (see PACKED_F32_MIN_ROWS); its
     sums run in another order, a few ulps from F.linear. The cost is a second copy of the weights
-    in memory (`LlamaForCausalLM.weight_bytes` counts it); the plain one stays for the small-batch
+    in memory (`DecoderForCausalLM.weight_bytes` counts it); the plain one stays for the small-batch
     kernel.
     """
     if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2
@@ -220,6 +220,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return native.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for the fused gate|up output (Gemma's GeGLU MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine.attention.backend import get_attention_backend
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import DecoderForCausalLM
 from engine.model.loader import resolve_model
 from engine.tokenizer import Tokenizer
 from tests.engine.paged_harness import greedy_generate_paged
@@ -35,7 +35,7 @@ def load_default_model():
     """(pdserve's model of the default weights, in eval mode; its tokenizer; the loaded model)."""
     loaded = resolve_model("default")
     tokenizer = Tokenizer.from_pretrained(loaded.model_dir)
-    ours = LlamaForCausalLM(loaded.arch)
+    ours = DecoderForCausalLM(loaded.arch)
     ours.load_weights(loaded.iter_weights())
     return ours.eval(), tokenizer, loaded
 

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from engine import cpu_kernels
 from engine.attention.backend import get_attention_backend
 from engine.model import fused_ops
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import DecoderForCausalLM
 from engine.model.loader import resolve_model
 from engine.model.rope import RotaryEmbedding
 from tests.engine.paged_harness import greedy_generate_paged
@@ -338,7 +338,7 @@ def test_a_bf16_model_gives_the_same_tokens_with_and_without_the_fused_ops(nativ
                                       max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     loaded = resolve_model(str(tmp_path))
-    model = LlamaForCausalLM(loaded.arch)
+    model = DecoderForCausalLM(loaded.arch)
     model.load_weights(loaded.iter_weights())
     model = model.to(BF16).eval()
     model.rotary = RotaryEmbedding(32, 256, loaded.arch.rope_theta, loaded.arch.rope_scaling)  # fp32 tables

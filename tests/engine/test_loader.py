@@ -333,8 +333,8 @@ def test_unknown_architecture_lists_the_supported(tmp_path):
 @pytest.mark.parametrize("change, expected", [
     ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-     "rope scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 2, 4]}},
+     "rope scaling type 'mrope' is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
 ])
 def test_unsupported_config_values(change, expected):
@@ -431,13 +431,6 @@ def test_unsupported_gguf_architecture(tmp_path):
     message = _error(path, cache_dir=str(tmp_path / "cache"))
     assert f"GGUF file {path} has architecture 'gpt2'" in message
     assert "supported GGUF architectures: llama, qwen2" in message
-
-
-def test_gguf_with_llama3_rope_factors_is_refused(tmp_path):
-    path = str(tmp_path / "llama31.gguf")
-    _write_gguf(_tiny_hf_model("llama"), path, extra_tensors=[("rope_freqs.weight", np.ones(4, dtype=np.float32))])
-    message = _error(path, cache_dir=str(tmp_path / "cache"))
-    assert "rope_freqs.weight" in message and "Hugging Face folder" in message
 
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine.attention.backend import get_attention_backend
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import DecoderForCausalLM
 from engine.model.loader import resolve_model
 from tests.engine.paged_harness import greedy_generate_paged
 
@@ -43,7 +43,7 @@ def tiny_pair(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     loaded = resolve_model(str(folder))
-    ours = LlamaForCausalLM(loaded.arch)
+    ours = DecoderForCausalLM(loaded.arch)
     ours.load_weights(loaded.iter_weights())
     return hf, ours.eval()
 
@@ -68,7 +68,7 @@ def test_greedy_tokens_and_logits_match_transformers(tiny_pair):
 def test_missing_and_misshapen_tensors_are_named(tiny_pair):
     _, ours = tiny_pair
     weights = dict(ours.state_dict())
-    fresh = LlamaForCausalLM(ours.arch)
+    fresh = DecoderForCausalLM(ours.arch)
     hf_names = {k: v for k, v in _hf_named(ours).items()}
     broken = dict(hf_names)
     broken.pop("model.layers.1.self_attn.k_proj.weight")
@@ -81,7 +81,7 @@ def test_missing_and_misshapen_tensors_are_named(tiny_pair):
     assert weights  # the original model is untouched
 
 
-def _hf_named(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def _hf_named(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Split our fused parameters back into Hugging Face tensors."""
     arch = model.arch
     q = arch.num_attention_heads * arch.head_dim

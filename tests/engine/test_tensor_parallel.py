@@ -22,7 +22,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.model.arch import ModelArchConfig
-from engine.model.llama import TensorParallelShard
+from engine.model.decoder import TensorParallelShard
 from engine.parallel import TensorParallelGroup, host_store
 from tests.engine.tiny_models import save_tiny_model, tiny_config
 
@@ -177,13 +177,13 @@ class _Rank:
 
 
 def test_each_rank_loads_its_slices_of_the_hugging_face_tensors(tmp_path):
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.decoder import DecoderForCausalLM
     from engine.model.loader import resolve_model
     loaded = resolve_model(save_tiny_model(tmp_path, tiny_config(attention_bias=True)))
     hf = dict(loaded.iter_weights())
     layer = "model.layers.1."
     for r in range(2):
-        model = LlamaForCausalLM(loaded.arch, tp=_Rank(r, 2))
+        model = DecoderForCausalLM(loaded.arch, tp=_Rank(r, 2))
         model.load_weights(hf.items())
         params = dict(model.named_parameters())
         q, kv, inter = slice(32 * r, 32 * r + 32), slice(16 * r, 16 * r + 16), slice(56 * r, 56 * r + 56)
@@ -200,7 +200,7 @@ def test_each_rank_loads_its_slices_of_the_hugging_face_tensors(tmp_path):
     # A misshapen tensor is named with the whole model's shape, not the rank's slice.
     wrong = dict(hf, **{f"{layer}self_attn.k_proj.weight": torch.zeros(48, 64)})
     with pytest.raises(ValueError, match=r"k_proj.weight.*\(48, 64\), expected \(32, 64\)"):
-        LlamaForCausalLM(loaded.arch, tp=_Rank(1, 2)).load_weights(wrong.items())
+        DecoderForCausalLM(loaded.arch, tp=_Rank(1, 2)).load_weights(wrong.items())
 
 
 def test_followers_are_gone_once_the_llm_is_closed(tmp_path):

@@ -1,0 +1,131 @@
+"""Every model family (engine/model/families/) against transformers, on tiny random models.
+
+Each family's tiny model randomizes what initialization leaves constant (norm weights, which
+Gemma initializes to 0 and the others to 1; soft-caps set low enough to bite), so a skipped or
+misplaced detail changes the tokens. Greedy token ids must equal transformers' (fp32, eager
+attention) offline through the whole engine: with chunked prefill whose chunks cross the sliding
+window, after a prefix-cache hit, on the torch reference backend and the cpu default, and at
+tensor-parallel size 2, where the heads split. The P/D hand-off is in
+tests/workers/test_model_families_disagg.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.model.families import SUPPORTED_ARCHITECTURES
+from engine.model.loader import resolve_model
+from tests.engine.tiny_models import VOCAB, save_tiny_model
+
+WINDOW = 8  # sliding layers see the last 8 positions: every prompt below crosses it
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+              initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+
+
+def family_config(name: str) -> transformers.PretrainedConfig:
+    """A tiny transformers config of each family pdserve runs (the ones the README lists)."""
+    if name == "qwen3":
+        return transformers.Qwen3Config(tie_word_embeddings=False, **COMMON)
+    if name == "gemma2":
+        return transformers.Gemma2Config(
+            query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+            layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)
+    if name == "gemma3":
+        return transformers.Gemma3TextConfig(
+            query_pre_attn_scalar=12, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+            **COMMON)
+    if name == "mistral-sliding":
+        return transformers.MistralConfig(sliding_window=WINDOW, tie_word_embeddings=False, **COMMON)
+    if name == "phi3":
+        common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+        return transformers.Phi3Config(
+            tie_word_embeddings=False, original_max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **common)
+    if name == "olmo2":
+        common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+        return transformers.Olmo2Config(tie_word_embeddings=False, **common)
+    raise KeyError(name)
+
+
+FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2"]
+PROMPTS = [[5, 17, 99, 3, 64, 22, 9, 31, 40, 2, 77, 13, 6], list(range(2, 40)), [42, 7] * 9, [100, 3, 56]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CHUNKED = dict(block_size=4, num_blocks=256, max_num_batched_tokens=12)  # chunks of <= 12 tokens cross the window
+
+
+def _randomize_norms(model) -> None:
+    """Norm weights (and q/k norms) away from their constant initialization: N(1, 0.3) as a
+    multiplier, so a Gemma norm that forgets its 1 + w, or a norm in the wrong place, shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            if "gemma" in type(model).__name__.lower():
+                param.normal_(0.0, 0.3)  # Gemma multiplies by 1 + w
+            else:
+                param.normal_(1.0, 0.3)
+
+
+def save_family_model(folder, name: str, seed: int = 0) -> str:
+    return save_tiny_model(folder, family_config(name), seed=seed, edit=_randomize_norms)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    folder = save_family_model(tmp_path_factory.mktemp(request.param), request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    expected = []
+    for prompt in PROMPTS:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+        expected.append(out[0, len(prompt):].tolist())
+    assert len({tuple(e) for e in expected}) == len(PROMPTS), "the tiny model must not just repeat itself"
+    return request.param, folder, expected
+
+
+def _generate(folder: str, prompts=PROMPTS, **options) -> list[list[int]]:
+    with LLM(folder, **options) as llm:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_tokens_match_transformers_with_chunks_crossing_the_window(family, backend):
+    name, folder, expected = family
+    assert _generate(folder, attention_backend=backend, **CHUNKED) == expected, name
+
+
+def test_a_prefix_cache_hit_gives_transformers_tokens(family):
+    """The second request's prompt extends the first's: its first blocks come from the prefix
+    cache (counted), and what it generates is still transformers' continuation."""
+    name, folder, expected = family
+    with LLM(folder, block_size=4, num_blocks=256) as llm:
+        first = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
+        assert first.token_ids == expected[1]
+        again = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= len(PROMPTS[1]) - 4, name
+        assert again.token_ids == expected[1], name
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_tensor_parallel_2_gives_transformers_tokens(family):
+    name, folder, expected = family
+    assert _generate(folder, tensor_parallel_size=2, **CHUNKED) == expected, name
+
+
+def test_every_family_is_a_supported_architecture(tmp_path):
+    for name in FAMILIES:
+        architecture = family_config(name).architectures
+        arch = resolve_model(save_family_model(tmp_path / name, name)).arch
+        assert arch.architecture in SUPPORTED_ARCHITECTURES and (architecture is None or arch.architecture in architecture)
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)
+    folder = save_tiny_model(tmp_path, config)
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; pdserve runs .*Gemma3ForCausalLM"):
+        resolve_model(folder)
