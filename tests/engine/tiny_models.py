@@ -42,3 +42,58 @@ def save_tiny_model(folder, config: transformers.PretrainedConfig, seed: int = 0
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1")
     fast.save_pretrained(folder)
     return str(folder)
+
+
+# ---- one tiny model of each family beside Llama (engine/model/families/) ----
+
+WINDOW = 8  # sliding layers see the last 8 positions: every prompt below crosses it
+FAMILY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                     rms_norm_eps=1e-5, initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+
+
+def family_config(name: str) -> transformers.PretrainedConfig:
+    """A tiny transformers config of each family pdserve runs (the ones the README lists)."""
+    if name == "qwen3":
+        return transformers.Qwen3Config(tie_word_embeddings=False, **FAMILY_COMMON)
+    if name == "gemma2":
+        return transformers.Gemma2Config(
+            query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+            layer_types=["sliding_attention", "full_attention"] * 2, **FAMILY_COMMON)
+    if name == "gemma3":
+        return transformers.Gemma3TextConfig(
+            query_pre_attn_scalar=12, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+            **FAMILY_COMMON)
+    if name == "mistral-sliding":
+        return transformers.MistralConfig(sliding_window=WINDOW, tie_word_embeddings=False, **FAMILY_COMMON)
+    if name == "phi3":
+        common = {k: v for k, v in FAMILY_COMMON.items() if k != "head_dim"}
+        return transformers.Phi3Config(
+            tie_word_embeddings=False, original_max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **common)
+    if name == "olmo2":
+        common = {k: v for k, v in FAMILY_COMMON.items() if k != "head_dim"}
+        return transformers.Olmo2Config(tie_word_embeddings=False, **common)
+    raise KeyError(name)
+
+
+FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2"]
+
+
+def _randomize_norms(model) -> None:
+    """Norm weights (and q/k norms) away from their constant initialization: N(1, 0.3) as a
+    multiplier, so a Gemma norm that forgets its 1 + w, or a norm in the wrong place, shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            if "gemma" in type(model).__name__.lower():
+                param.normal_(0.0, 0.3)  # Gemma multiplies by 1 + w
+            else:
+                param.normal_(1.0, 0.3)
+
+
+def save_family_model(folder, name: str, seed: int = 0) -> str:
+    """A tiny random model of family `name` (one of FAMILIES) with its norms randomized."""
+    return save_tiny_model(folder, family_config(name), seed=seed, edit=_randomize_norms)

@@ -1,0 +1,67 @@
+"""Every model family across the P -> D hand-off: a prefill worker computes the prompt's KV (every
+layer, sliding ones included), pushes it to a decode worker, which decodes on it. Greedy tokens
+must equal transformers' (fp32, eager) on the same tiny random model, with every prompt block's
+KV received (`kv_bytes_received`), the prefill done remotely and no transfer failure counted (a
+fallback to local prefill would hide a broken hand-off behind correct tokens).
+
+One prefill and one decode worker per family, all started at once; prompts cross the sliding
+window (tests/engine/tiny_models.py WINDOW) and end mid-block.
+"""
+import pytest
+import torch
+import transformers
+
+from tests.engine.tiny_models import FAMILIES, save_family_model
+from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 4
+NEW = 10
+PROMPTS = [list(range(3, 41)), [5, 17, 99, 3, 64, 22, 9, 31, 40, 2, 77, 13, 6]]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    folders = {name: save_family_model(tmp_path_factory.mktemp(name), name) for name in FAMILIES}
+    engine = ["--block-size", str(BLOCK), "--num-blocks", "64", "--max-model-len", "128"]
+    specs = []
+    for folder in folders.values():
+        specs += [("prefill", ["--model", folder, *engine]),
+                  ("decode", ["--model", folder, *engine, "--local-prefill-threshold", "0"])]
+    workers = start_workers(specs)
+    pairs = {name: (workers[2 * i], workers[2 * i + 1]) for i, name in enumerate(folders)}
+    yield {name: (folders[name], *pairs[name]) for name in folders}
+    stop_workers(workers)
+
+
+def _transformers_greedy(folder: str) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    outputs = []
+    for prompt in PROMPTS:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_disaggregated_greedy_is_transformers_with_the_kv_from_the_prefill_worker(families, name):
+    folder, prefill, decode = families[name]
+    expected = _transformers_greedy(folder)
+    bytes_per_block = None
+    for index, prompt in enumerate(PROMPTS):
+        result = generate(decode, f"{name}-{index}", prompt, prefill, params=sampling(max_tokens=NEW))
+        assert result.token_ids == expected[index], f"{name}, prompt {index}"
+        outcome = result.kv_outcome
+        assert outcome.prefilled_remotely and outcome.num_prompt_tokens == len(prompt)
+        blocks = -(-len(prompt) // BLOCK)
+        assert outcome.kv_bytes_received % blocks == 0
+        per_block = outcome.kv_bytes_received // blocks
+        assert bytes_per_block in (None, per_block) and per_block > 0  # every block of every prompt arrived
+        bytes_per_block = per_block
+    stats = decode.stats()
+    assert sum(stats.kv_transfer_failures.values()) == 0, dict(stats.kv_transfer_failures)
+    for worker in (prefill, decode):
+        wait_until(lambda: all_blocks_free(worker), what=f"{name}'s {worker.kind} worker to free every block")
