@@ -1,6 +1,6 @@
 """The `pdserve` command line.
 
-    pdserve serve   [--model default|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
+    pdserve serve   [--model default|gemma-3-270m|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
                     [--api-key KEY] [--routers N] [--tensor-parallel-size N] [--prefill-tp N] [--decode-tp N]
                     [engine options]
@@ -30,7 +30,7 @@ from deploy.planner import PlannerConfig
 from deploy.serve import ServeOptions
 from engine.config import add_engine_arguments
 from engine.config import engine_options as engine_options_from_flags
-from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.model.packaged_models import PACKAGED_MODELS
 from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="start (or join) a Ray cluster and serve the OpenAI API")
     serve.add_argument("--model", default=ServeOptions.model,
-                       help=f"model folder, .gguf file or {DEFAULT_MODEL_NAME!r} (SmolLM2-135M)")
+                       help="model folder, .gguf file or a packaged model: "
+                            + ", ".join(f"{m.name!r} ({m.description})" for m in PACKAGED_MODELS.values())
+                            + " (default: %(default)s)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
     serve.add_argument("--prefill", type=int, default=ServeOptions.prefill,
                        help="prefill workers (default %(default)s)")

@@ -13,6 +13,7 @@ from typing import Any
 from deploy.planner import PlannerConfig
 from engine.config import KV_ROLES, ROLES  # noqa: F401  (re-exported: deploy's modules take them from here)
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.model.packaged_models import PACKAGED_MODELS
 from kvtransfer.addresses import TRANSPORT_CHOICES, check_transport_choice
 from router.config import LOOPBACK_HOST, POOL_NAMES
 DEVICES = ("cpu", "cuda")
@@ -96,8 +97,8 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a non-empty string: a model folder, a .gguf file or "
-                             f"{DEFAULT_MODEL_NAME!r}")
+            raise ValueError("model must be a non-empty string: a model folder, a .gguf file or a packaged "
+                             f"model ({', '.join(PACKAGED_MODELS)})")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} once resolved, got {self.device!r}")
         check_transport_choice(self.transport)

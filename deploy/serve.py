@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from deploy.config import (DEFAULT_CONTROLLER_NAME, DEVICE_CHOICES, ROLES, SYNC_
 from deploy.planner import PlannerConfig
 from engine.config import CacheConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.model.packaged_models import PACKAGED_MODELS, is_packaged_model, packaged_gguf_path
 from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
 
 logger = logging.getLogger("pdserve")
@@ -106,9 +108,11 @@ class ServeOptions:
             raise ValueError(f"--prefill {self.targets.prefill} + --decode {self.targets.decode} is more than "
                              f"--max-workers {self.planner.max_workers}, the planner's limit")
         self.router_config(port=self.port)  # bad router options fail here
-        if self.model != DEFAULT_MODEL_NAME and not Path(self.model).exists():
+        if is_packaged_model(self.model):
+            _check_package_installed(self.model)
+        elif not Path(self.model).exists():
             raise ValueError(f"--model {self.model!r}: no such file or folder (give a Hugging Face model folder, "
-                             f"a .gguf file, or {DEFAULT_MODEL_NAME!r})")
+                             f"a .gguf file, or a packaged model: {', '.join(map(repr, PACKAGED_MODELS))})")
         from engine.llm import build_engine_config
         build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
         cuda = self.device == "cuda"  # (auto: checked again once the device is known)
@@ -314,13 +318,23 @@ async def _wait_healthy(url: str, timeout_s: float = ROUTERS_READY_TIMEOUT_S) ->
                      "addresses in `pdserve status`")
 
 
+def _check_package_installed(model: str) -> None:
+    """ValueError (the registry's message: which pip command installs it) when the package of the
+    packaged model `model` is not installed; nothing is assembled yet (`_prepare_model` does it)."""
+    try:
+        installed = importlib.util.find_spec(PACKAGED_MODELS[model].package) is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        packaged_gguf_path(model)  # raises, saying how to install it
+
+
 def _prepare_model(model: str) -> None:
-    """Convert a GGUF model (the default one included) here, once, with a progress bar, before
-    the workers start: otherwise each worker on this machine would convert it at the same time.
-    A cached conversion costs only a stat."""
-    from engine.model.default_model import default_gguf_path
+    """Convert a GGUF model (a packaged one included: its GGUF assembled first if it comes in
+    pieces) here, once, with a progress bar, before the workers start: otherwise each worker on
+    this machine would convert it at the same time. A cached conversion costs only a stat."""
     from engine.model.gguf_loader import convert_gguf, converted_dir, is_complete_conversion
-    path = default_gguf_path() if model == DEFAULT_MODEL_NAME else os.path.expanduser(model)
+    path = packaged_gguf_path(model) if is_packaged_model(model) else os.path.expanduser(model)
     if not (path.endswith(".gguf") and os.path.isfile(path)) or is_complete_conversion(converted_dir(path)):
         return
     logger.info("converting %s to a cached float32 model (once; later runs reuse it)", path)

@@ -2,8 +2,9 @@
 
 `Tokenizer.from_pretrained(path)` reads a Hugging Face folder (tokenizer.json /
 tokenizer_config.json) or a `.gguf` file (tokenizer built by transformers from its metadata),
-or the name `default` (the default model's GGUF). Nothing is ever downloaded. The object
-pickles cheaply (the router builds it once and may ship it to other processes).
+or a packaged model's name (`default`, `gemma-3-270m`: engine.model.packaged_models; its GGUF,
+as `resolve_model` finds it: the name wins over a folder of that name). Nothing is ever
+downloaded. The object pickles cheaply (the router builds it once and may ship it to other processes).
 
 Decoding never applies `clean_up_tokenization_spaces`, so decoding a sequence in pieces and
 concatenating the pieces gives the same text as decoding it whole (what incremental
@@ -17,7 +18,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from engine.model.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from engine.model.packaged_models import is_packaged_model, packaged_gguf_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Special tokens that end an assistant turn in common chat templates. They count as EOS when the
@@ -55,12 +56,14 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Build from a Hugging Face folder, a `.gguf` file or `default`; ValueError otherwise."""
+        """Build from a Hugging Face folder, a `.gguf` file or a packaged model's name (`default`,
+        `gemma-3-270m`: its GGUF, assembled once if needed); ValueError otherwise (for a packaged
+        model whose package is missing: which pip command installs it)."""
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"tokenizer path must be a string, got {type(path).__name__}; expected {_EXPECTED}")
         path = os.fspath(path)
-        if path == DEFAULT_MODEL_NAME and not os.path.exists(path):
-            path = default_gguf_path()
+        if is_packaged_model(path):  # as resolve_model: the name wins over a folder of that name
+            path = packaged_gguf_path(path)
         if not os.path.exists(path):
             raise ValueError(f"tokenizer path {path!r} does not exist; expected {_EXPECTED}")
         if os.path.isdir(path):

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
 from router.config import DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
 
@@ -24,8 +24,8 @@ def _addresses(values: list[str] | None) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: the OpenAI-compatible HTTP API")
     p.add_argument("--model", default=RouterConfig.model,
-                   help=f"tokenizer source: a Hugging Face folder, a .gguf file or {DEFAULT_MODEL_NAME!r} "
-                        "(default: %(default)s)")
+                   help="tokenizer source: a Hugging Face folder, a .gguf file or a packaged model "
+                        f"({', '.join(PACKAGED_MODELS)}) (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
     p.add_argument("--prefill", action="append", metavar="HOST:PORT", help="a prefill worker (repeatable)")
     p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeatable)")

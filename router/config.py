@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.config import ROLES, CacheConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.model.packaged_models import PACKAGED_MODELS
 
 PREFILL_POLICIES = ("prefix_affinity", "round_robin")
 DECODE_POLICIES = ("power_of_two", "round_robin")
@@ -38,7 +39,8 @@ LOCAL_PREFILL_WEIGHT_HELP = (
 class RouterConfig:
     """Everything `create_app` needs.
 
-    `model` is the tokenizer source (a Hugging Face folder, a .gguf file or `DEFAULT_MODEL_NAME`);
+    `model` is the tokenizer source (a Hugging Face folder, a .gguf file or a packaged model's name:
+    `PACKAGED_MODELS`, `DEFAULT_MODEL_NAME` among them);
     `served_model_name` is the name clients send in `model` (defaults to `model`).
     Worker lists are the static pool, one per role, each named by its pool (`POOL_NAMES`); the Ray
     controller may add and remove workers later.
@@ -108,8 +110,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a non-empty string (a model folder, a .gguf file or "
-                             f"{DEFAULT_MODEL_NAME!r})")
+            raise ValueError("model must be a non-empty string (a model folder, a .gguf file or a packaged "
+                             f"model: {', '.join(PACKAGED_MODELS)})")
         if self.served_model_name is None:
             self.served_model_name = self.model
         if not self.served_model_name:

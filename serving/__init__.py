@@ -24,6 +24,7 @@ import wire
 
 from engine import config as engine_config
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ logger = logging.getLogger(__name__)
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=DEFAULT_MODEL_NAME,
-                       help=f"model folder, GGUF file or {DEFAULT_MODEL_NAME!r} (SmolLM2-135M)")
+                       help="model folder, GGUF file or a packaged model: "
+                            + ", ".join(f"{m.name!r} ({m.description})" for m in PACKAGED_MODELS.values())
+                            + " (default: %(default)s)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     group.add_argument("--tensor-parallel-size", type=int, default=None,

@@ -37,6 +37,23 @@ def test_serve_defaults_are_the_embedded_default():
         options("--batch-share", "0").router_config(port=8000)
 
 
+def test_every_packaged_model_name_is_a_serve_model(monkeypatch):
+    """`--model gemma-3-270m` (any name in the registry) is accepted like `default`; a packaged model
+    whose package is missing fails before Ray starts, with the registry's message (the pip command)."""
+    import importlib.util
+
+    from engine.model.packaged_models import GEMMA3_270M_INSTALL, GEMMA3_270M_PACKAGE, PACKAGED_MODELS
+    real_find_spec = importlib.util.find_spec
+    for name, model in PACKAGED_MODELS.items():
+        if real_find_spec(model.package) is not None:
+            assert options("--model", name).router_config(port=8000).model == name
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda package, *a: None if package == GEMMA3_270M_PACKAGE else real_find_spec(package, *a))
+    with pytest.raises(ValueError, match="which is not installed") as failure:
+        options("--model", "gemma-3-270m")
+    assert GEMMA3_270M_INSTALL in str(failure.value)
+
+
 def test_serve_flags_default_to_serve_options():
     from deploy.serve import ServeOptions
     opts, defaults = options(), ServeOptions()

@@ -190,3 +190,28 @@ def test_default_name_resolves_to_the_packaged_gguf(monkeypatch):
     monkeypatch.setattr(Tokenizer, "_from_gguf", classmethod(lambda cls, path: built_from.append(path)))
     Tokenizer.from_pretrained("default")
     assert [os.path.realpath(p) for p in built_from] == [os.path.realpath(expected)]
+
+
+def test_every_packaged_model_name_resolves_through_the_registry(monkeypatch, tmp_path):
+    """`gemma-3-270m` (any name in engine.model.packaged_models) works where `default` does: its
+    GGUF from `packaged_gguf_path`, whose ValueError (the package's pip command) comes through;
+    the name wins over a folder of that name, as in `resolve_model`."""
+    import engine.tokenizer
+    from engine.model.packaged_models import PACKAGED_MODELS
+
+    asked, built_from = [], []
+    monkeypatch.setattr(engine.tokenizer, "packaged_gguf_path",
+                        lambda name: asked.append(name) or f"/packaged/{name}.gguf")
+    monkeypatch.setattr(os.path, "exists", lambda path: True)
+    monkeypatch.setattr(Tokenizer, "_from_gguf", classmethod(lambda cls, path: built_from.append(path)))
+    monkeypatch.chdir(tmp_path)
+    for name in PACKAGED_MODELS:
+        Tokenizer.from_pretrained(name)
+    assert asked == list(PACKAGED_MODELS) and "gemma-3-270m" in asked
+    assert built_from == [f"/packaged/{name}.gguf" for name in PACKAGED_MODELS]
+
+    def missing(name):
+        raise ValueError(f"the model {name!r} comes from the Python package 'x', which is not installed")
+    monkeypatch.setattr(engine.tokenizer, "packaged_gguf_path", missing)
+    with pytest.raises(ValueError, match="which is not installed"):
+        Tokenizer.from_pretrained("gemma-3-270m")
