@@ -327,12 +327,13 @@ def _rope_of(cfg: dict) -> tuple[float, dict | None, float | None]:
         return float(theta), None, partial
     out = {"rope_type": "longrope" if rope_type == "su" else rope_type}  # Phi-3's older name
     out.update({k: v for k, v in merged.items() if k not in _ROPE_KEYS_NOT_SCALING})
-    # dynamic NTK and longrope scale against the model's context length; a top-level original
-    # length (Phi-3's) wins over the rope parameters', as in transformers
-    if cfg.get("max_position_embeddings") is not None:
-        out.setdefault("max_position_embeddings", cfg["max_position_embeddings"])
-    if cfg.get("original_max_position_embeddings") is not None:
-        out["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    # dynamic NTK, longrope and yarn (without a factor) scale against the model's context length;
+    # a top-level original length (Phi-3's) wins over the rope parameters', as in transformers
+    if out["rope_type"] in ("dynamic", "longrope", "yarn"):
+        if cfg.get("max_position_embeddings") is not None:
+            out.setdefault("max_position_embeddings", cfg["max_position_embeddings"])
+        if cfg.get("original_max_position_embeddings") is not None:
+            out["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return float(theta), out, partial
 
 
