@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib.util
 import logging
 import os
 import signal
@@ -35,7 +34,7 @@ from deploy.config import (DEFAULT_CONTROLLER_NAME, DEVICE_CHOICES, ROLES, SYNC_
 from deploy.planner import PlannerConfig
 from engine.config import CacheConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
-from engine.model.packaged_models import PACKAGED_MODELS, is_packaged_model, packaged_gguf_path
+from engine.model.packaged_models import PACKAGED_MODELS, is_packaged_model, package_installed, packaged_gguf_path
 from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
 
 logger = logging.getLogger("pdserve")
@@ -321,11 +320,7 @@ async def _wait_healthy(url: str, timeout_s: float = ROUTERS_READY_TIMEOUT_S) ->
 def _check_package_installed(model: str) -> None:
     """ValueError (the registry's message: which pip command installs it) when the package of the
     packaged model `model` is not installed; nothing is assembled yet (`_prepare_model` does it)."""
-    try:
-        installed = importlib.util.find_spec(PACKAGED_MODELS[model].package) is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:
+    if not package_installed(PACKAGED_MODELS[model].package):
         packaged_gguf_path(model)  # raises, saying how to install it
 
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from engine.model import arch as arch_module
 from engine.model.arch import ModelArchConfig, check_weights
 
 logger = logging.getLogger(__name__)
@@ -171,9 +170,7 @@ class _GGUFModel:
     gguf_architecture: str
     # keyword arguments of transformers' config class for `model_type` (what config.json holds)
     hf_config: dict
-    # None while engine.model.arch does not run this architecture: the folder is still
-    # converted faithfully, and loading it is refused there with arch's own message.
-    arch: ModelArchConfig | None
+    arch: ModelArchConfig  # validated before any tensor is dequantized
     pad_token_id: int | None
 
 
@@ -329,25 +326,12 @@ def _gemma_config(path: str, arch_name: str, meta: Any, base: dict) -> dict:
     return config
 
 
-def _engine_arch(path: str, hf_config: dict) -> ModelArchConfig | None:
-    """Validate against what the engine runs, before any tensor is dequantized; skipped for
-    an architecture engine.model.arch does not know (read at call time, it grows)."""
-    if hf_config["architectures"][0] not in _engine_architectures():
-        logger.info("%s: %s is not (yet) run by the engine; converting it anyway", path,
-                    hf_config["architectures"][0])
-        return None
+def _engine_arch(path: str, hf_config: dict) -> ModelArchConfig:
+    """Validate against what the engine runs, before any tensor is dequantized."""
     try:
         return ModelArchConfig.from_hf_config(hf_config)
     except ValueError as exc:
         raise ValueError(f"GGUF file {path}: {exc}") from exc
-
-
-def _engine_architectures() -> tuple[str, ...]:
-    try:  # the model families' registry; older trees listed them in engine.model.arch
-        from engine.model.families import SUPPORTED_ARCHITECTURES
-    except ImportError:
-        SUPPORTED_ARCHITECTURES = getattr(arch_module, "SUPPORTED_ARCHITECTURES", ())
-    return tuple(SUPPORTED_ARCHITECTURES)
 
 
 def _llama_cpp_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
@@ -473,8 +457,7 @@ def _write_weights(model: _GGUFModel, reader: Any, folder: str, progress: bool) 
     tensors = [t for t in reader.tensors if t.name not in _CONFIG_TENSORS]
     shapes = [(_hf_name(model.gguf_architecture, t.name), tuple(int(d) for d in reversed(t.shape)))
               for t in tensors]  # raises on a tensor this architecture does not have
-    if model.arch is not None:
-        check_weights(model.arch, shapes, source=model.path)
+    check_weights(model.arch, shapes, source=model.path)
     shards = _plan_shards(tensors)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

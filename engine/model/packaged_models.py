@@ -52,6 +52,14 @@ def is_packaged_model(name: str) -> bool:
     return name in PACKAGED_MODELS
 
 
+def package_installed(package: str) -> bool:
+    """Whether the package (an import name) is installed; found without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def packaged_gguf_path(name: str, cache_dir: str | None = None) -> str:
     """The GGUF file of the packaged model `name` (assembled into the cache if needed)."""
     if name not in PACKAGED_MODELS:
@@ -66,11 +74,7 @@ def assembled_gguf(name: str, package: str, install: str, cache_dir: str | None 
     exists only complete and checked."""
     from engine.model.gguf_loader import cache_root
 
-    try:
-        found = importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not package_installed(package):
         raise ValueError(
             f"the model {name!r} comes from the Python package '{package}', which is not "
             f"installed; install it with `{install}` (or `pip install 'pdserve[gemma]'`)")

@@ -5,7 +5,7 @@ A family module declares `ARCHITECTURES` (config.json's `architectures` entry ->
 which it differs from a Llama (norm placement, q/k norms, soft-caps, sliding layers, ...), read
 from an `engine.model.arch.HFConfig`. It imports no torch: the decoder implements every field, so
 a family that needs no new kind of layer is config reading only. To add one: a module here, an
-entry in `FAMILIES`, a tiny random model in tests/engine/test_model_families.py, a row in the
+entry in `FAMILIES`, a tiny random model in tests/engine/tiny_models.py (FAMILIES), a row in the
 README's table.
 """
 from __future__ import annotations
