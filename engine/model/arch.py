@@ -7,8 +7,9 @@ that the engine cannot run is refused with a clear message before any weight is 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 _ROPE_KEYS_NOT_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
 # The roles a decoder layer's norms play (engine/model/decoder.py): before attention, on the
@@ -44,6 +45,12 @@ class ModelArchConfig:
     `attention_scale` (None: head_dim ** -0.5); `attn_logit_softcap` / `final_logit_softcap`
     (Gemma 2: tanh soft-capping of attention scores / logits); `fused_checkpoint` (Phi-3: the
     checkpoint holds qkv_proj and gate_up_proj already fused).
+
+    Mixture of experts (`num_experts` > 0; Mixtral, Qwen3-MoE): the MLP of each layer that
+    `moe_layers` marks (None: every layer) is `num_experts` gated experts of
+    `moe_intermediate_size`, of which a softmax router picks `num_experts_per_tok` per token,
+    their weights renormalized to sum to 1 when `norm_topk_prob`; the other layers keep a dense
+    MLP of `intermediate_size`.
     """
 
     architecture: str
@@ -76,6 +83,11 @@ class ModelArchConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     fused_checkpoint: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         from engine.model.families import SUPPORTED_ARCHITECTURES
@@ -125,6 +137,15 @@ class ModelArchConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model config: {name} must be > 0 or None, got {value!r}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or not (self.moe_intermediate_size or 0) > 0:
+                raise ValueError(
+                    f"model config: a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) "
+                    f"<= num_experts ({self.num_experts}) and a positive expert intermediate size "
+                    f"({self.moe_intermediate_size!r})")
+            if self.moe_layers is not None and len(self.moe_layers) != self.num_hidden_layers:
+                raise ValueError(f"model config: moe_layers must say for each of the {self.num_hidden_layers} "
+                                 f"layers whether it is a mixture of experts, got {len(self.moe_layers)}")
         _check_token_ids("bos_token_id", self.bos_token_id)
         _check_token_ids("eos_token_id", self.eos_token_id)
         _check_rope_scaling(self.rope_scaling)
@@ -151,6 +172,10 @@ class ModelArchConfig:
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     def expected_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint must hold, by Hugging Face name, with its shape.
@@ -181,6 +206,14 @@ class ModelArchConfig:
                 per_head = self.qk_norm == "head"
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim if per_head else self.q_size,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim if per_head else self.kv_size,)
+            if self.is_moe(i):  # in `canonical_weights`' naming
+                experts = self.moe_intermediate_size
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, hidden)
+                for e in range(self.num_experts):
+                    shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (experts, hidden)
+                    shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (experts, hidden)
+                    shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, experts)
+                continue
             if self.fused_checkpoint:
                 shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
             else:
@@ -375,10 +408,8 @@ def check_weights(arch: ModelArchConfig, names_and_shapes: Any, source: str = ""
     misshapen tensor raises ValueError naming it with the expected and actual shapes.
     """
     pairs = names_and_shapes.items() if hasattr(names_and_shapes, "items") else names_and_shapes
-    actual: dict[str, tuple[int, ...]] = {}
-    for name, shape in pairs:
-        shape = getattr(shape, "shape", shape)
-        actual[name] = tuple(int(d) for d in shape)
+    shapes = ((name, tuple(int(d) for d in getattr(shape, "shape", shape))) for name, shape in pairs)
+    actual: dict[str, tuple[int, ...]] = dict(canonical_weights(shapes))
     expected = arch.expected_weight_shapes()
     problems = []
     for name, want in expected.items():
@@ -404,3 +435,38 @@ def check_weights(arch: ModelArchConfig, names_and_shapes: Any, source: str = ""
             f"({arch.num_hidden_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} "
             f"heads, {arch.num_key_value_heads} KV heads): {shown}. Check that config.json "
             "belongs to these weights")
+
+
+_MIXTRAL_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(w1|w2|w3)\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
+
+
+def canonical_weights(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Checkpoint tensors (or their shapes, as tuples) with experts in the one naming the decoder
+    and `expected_weight_shapes` use: the router `mlp.gate.weight` and per expert
+    `mlp.experts.{e}.{gate,up,down}_proj.weight`. Mixtral's `block_sparse_moe` / `w1 w3 w2` names
+    are renamed, and transformers 5's fused 3-D expert tensors (`mlp.experts.gate_up_proj`
+    [experts, 2 x intermediate, hidden], gate rows first; `mlp.experts.down_proj`) are split per
+    expert. Every other tensor passes through unchanged."""
+    for name, value in pairs:
+        if ".block_sparse_moe." in name:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            match = _MIXTRAL_EXPERT.match(name)
+            if match:
+                name = f"{match.group(1)}.{_MIXTRAL_PROJ[match.group(2)]}.weight"
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            yield name, value
+            continue
+        prefix, kind = match.group(1), match.group(2)
+        is_shape = isinstance(value, tuple)
+        shape = value if is_shape else tuple(value.shape)
+        for e in range(shape[0]):
+            if kind == "down_proj":
+                yield f"{prefix}.{e}.down_proj.weight", shape[1:] if is_shape else value[e]
+                continue
+            half = shape[1] // 2
+            for index, proj in enumerate(("gate_proj", "up_proj")):
+                yield (f"{prefix}.{e}.{proj}.weight",
+                       (half, shape[2]) if is_shape else value[e].narrow(0, index * half, half))

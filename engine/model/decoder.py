@@ -32,13 +32,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
+import re
+
 import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.variant import AttentionVariant
 from engine.model import fused_ops
-from engine.model.arch import NORM_ROLES, ModelArchConfig
+from engine.model.arch import NORM_ROLES, ModelArchConfig, canonical_weights
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -57,9 +59,12 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
         problems.append(f"num_key_value_heads ({kv_heads}) neither divides it nor is divisible by it")
     if inter % size:
         problems.append(f"intermediate_size ({inter}) is not divisible by it")
+    if arch.num_experts and arch.moe_intermediate_size % size:
+        problems.append(f"the experts' intermediate size ({arch.moe_intermediate_size}) is not divisible by it")
     if problems:
         valid = [n for n in range(1, heads + 1)
-                 if heads % n == 0 and inter % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+                 if heads % n == 0 and inter % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
+                 and not (arch.num_experts and arch.moe_intermediate_size % n)]
         raise ValueError(f"tensor_parallel_size {size} cannot split {arch.architecture}: "
                          f"{'; '.join(problems)} (sizes that can: {', '.join(map(str, valid))})")
 
@@ -214,6 +219,47 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
+class SparseMoE(nn.Module):
+    """A mixture of gated experts (Mixtral, Qwen3-MoE): a softmax router (`gate`, replicated)
+    picks `top_k` experts per token; each expert is a GatedMLP of `moe_intermediate_size`, its
+    gate|up rows in `experts_gate_up[e]` and its down projection in `experts_down[e]`. Tokens run
+    grouped: the (token, expert) pairs sorted by expert, one matmul pair per expert that any token
+    chose, the outputs scaled by the routing weight and added per token in expert order (as
+    transformers sums them). Under tensor parallelism every expert is split along its
+    intermediate dimension like a dense MLP, and the output is all-reduced once."""
+
+    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob
+        self.intermediate_size = arch.moe_intermediate_size // shard.size  # this rank's
+        self.inter_start = shard.rank * self.intermediate_size
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * self.intermediate_size, arch.hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, self.intermediate_size))
+        self.act_and_mul = _GATED_ACTS[arch.hidden_act]
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k  # the token of each (token, expert) pair, sorted by expert
+        pair_weights = weights.to(x.dtype).flatten().index_select(0, order)[:, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if count:
+                rows = tokens[start:start + count]
+                hidden = self.act_and_mul(fused_ops.linear(x.index_select(0, rows), self.experts_gate_up[expert]))
+                out.index_add_(0, rows, fused_ops.linear(hidden, self.experts_down[expert]) * pair_weights[start:start + count])
+                start += count
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
 class DecoderLayer(nn.Module):
     """Attention and MLP with the norms `arch.layer_norms` names, each a module under its Hugging
     Face name; `norms` holds them by role (None where the family has none)."""
@@ -222,7 +268,7 @@ class DecoderLayer(nn.Module):
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(arch, layer_index, shard, tp)
-        self.mlp = GatedMLP(arch, shard, tp)
+        self.mlp = SparseMoE(arch, shard, tp) if arch.is_moe(layer_index) else GatedMLP(arch, shard, tp)
         by_role = {}
         for role, name in arch.layer_norms:
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps))
@@ -358,7 +404,12 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.fused_checkpoint:
             weights = _split_fused(weights, self.arch)
         seen: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, tensor in canonical_weights(weights):
+            expert = _EXPERT.match(hf_name)
+            if expert is not None:
+                self._load_expert(expert, tensor, params, full_shapes)
+                seen.add(hf_name)
+                continue
             target = _hf_to_param(hf_name)
             if target is None:
                 continue
@@ -381,6 +432,26 @@ class DecoderForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+    def _load_expert(self, match: re.Match, tensor: torch.Tensor, params: dict, full_shapes: dict | None) -> None:
+        """One expert's gate, up or down projection into its rows of the layer's expert tensors
+        (this rank's intermediate slice under TP)."""
+        hf_name, (layer, expert, proj) = match.group(0), match.groups()
+        moe = self.layers[int(layer)].mlp
+        if not isinstance(moe, SparseMoE):
+            raise ValueError(f"unexpected tensor {hf_name!r}: layer {layer} of {self.arch.architecture} is not a "
+                             "mixture of experts")
+        inter = moe.intermediate_size
+        if full_shapes is not None:
+            _check_shape(hf_name, tensor, full_shapes[hf_name], self.arch)
+            tensor = tensor.narrow(1 if proj == "down" else 0, moe.inter_start, inter)
+        if proj == "down":
+            dest = params[f"layers.{layer}.mlp.experts_down"].data[int(expert)]
+        else:
+            dest = params[f"layers.{layer}.mlp.experts_gate_up"].data[int(expert)].narrow(
+                0, 0 if proj == "gate" else inter, inter)
+        _check_shape(hf_name, tensor, tuple(dest.shape), self.arch)
+        dest.copy_(tensor.to(dest.dtype))
 
     def _fused_rows(self, part: str) -> tuple[int, int]:
         """(first row, rows) of a Hugging Face projection in its fused parameter, on this rank."""
@@ -451,8 +522,15 @@ def _hf_to_param(hf_name: str) -> tuple[str, str | None] | None:
     return name, None
 
 
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
 def _expected_sources(param_name: str, arch: ModelArchConfig) -> list[str]:
-    """The HF tensor names that together fill one of our parameters."""
+    """The HF tensor names (in `canonical_weights`' naming) that together fill one of our parameters."""
+    if param_name.endswith((".mlp.experts_gate_up", ".mlp.experts_down")):
+        prefix = "model." + param_name.rsplit(".", 1)[0]
+        projs = ("down",) if param_name.endswith("_down") else ("gate", "up")
+        return [f"{prefix}.experts.{e}.{proj}_proj.weight" for e in range(arch.num_experts) for proj in projs]
     if param_name == "lm_head.weight":
         return ["lm_head.weight"]
     for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):

@@ -74,20 +74,30 @@ def family_config(name: str) -> transformers.PretrainedConfig:
         return transformers.Phi3Config(
             tie_word_embeddings=False, original_max_position_embeddings=256,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **common)
+    if name == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                                          **FAMILY_COMMON)
+    if name == "qwen3-moe":  # layer 1 dense; top-2 weights not renormalized
+        return transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False,
+                                           **FAMILY_COMMON)
     if name == "olmo2":
         common = {k: v for k, v in FAMILY_COMMON.items() if k != "head_dim"}
         return transformers.Olmo2Config(tie_word_embeddings=False, **common)
     raise KeyError(name)
 
 
-FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2", "mixtral", "qwen3-moe"]
 
 
 def _randomize_norms(model) -> None:
     """Norm weights (and q/k norms) away from their constant initialization: N(1, 0.3) as a
-    multiplier, so a Gemma norm that forgets its 1 + w, or a norm in the wrong place, shows."""
+    multiplier, so a Gemma norm that forgets its 1 + w, or a norm in the wrong place, shows; MoE
+    routers (Qwen3-MoE starts them at 0) N(0, 1), so tokens spread over the experts."""
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if name.endswith(".gate.weight"):
+            param.normal_(0.0, 1.0)
+        elif "norm" in name:
             if "gemma" in type(model).__name__.lower():
                 param.normal_(0.0, 0.3)  # Gemma multiplies by 1 + w
             else:

@@ -1,0 +1,88 @@
+"""The grouped mixture-of-experts layer (engine/model/decoder.py `SparseMoE`) against a per-token
+reference: tokens routed to every expert, experts that no token chose, all tokens to one expert,
+a single token (a decode step), with and without renormalized top-k weights; and the checkpoint
+layouts it loads (Mixtral's names, per-expert tensors, transformers 5's fused 3-D tensors)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from engine.model.arch import ModelArchConfig, canonical_weights
+from engine.model.decoder import SparseMoE, TensorParallelShard
+
+HIDDEN, EXPERTS, INTER = 32, 4, 24
+
+
+def _moe(top_k: int, renormalize: bool) -> SparseMoE:
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS,
+                                         num_experts_per_tok=top_k, moe_intermediate_size=INTER,
+                                         norm_topk_prob=renormalize)
+    arch = ModelArchConfig.from_hf_config(config)
+    torch.manual_seed(top_k)
+    moe = SparseMoE(arch, TensorParallelShard.of(arch))
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.5)
+    return moe
+
+
+def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax router, top-k, optional renormalization, the chosen experts' SwiGLU."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t] @ moe.gate.weight.T, dim=-1)
+        weights, chosen = torch.topk(probs, moe.top_k)
+        if moe.renormalize:
+            weights = weights / weights.sum()
+        for weight, e in zip(weights, chosen.tolist()):
+            gate, up = (moe.experts_gate_up[e] @ x[t]).chunk(2)
+            out[t] += weight * (moe.experts_down[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("top_k,renormalize", [(2, True), (2, False), (1, False), (4, True)])
+@pytest.mark.parametrize("routing", ["spread", "none-to-two-experts", "all-to-one", "one-token"])
+def test_grouped_experts_match_the_per_token_reference(top_k, renormalize, routing):
+    moe = _moe(top_k, renormalize)
+    x = torch.randn(1 if routing == "one-token" else 37, HIDDEN)
+    with torch.no_grad():
+        if routing == "none-to-two-experts":  # positive inputs: experts 2 and 3 never win (with top_k <= 2)
+            x = x.abs()
+            moe.gate.weight[2:] = -10.0
+        if routing == "all-to-one":  # expert 3 first for every token
+            x = x.abs()
+            moe.gate.weight[3] = 10.0
+        probs = torch.softmax(x @ moe.gate.weight.T, dim=-1)
+        chosen = set(torch.topk(probs, top_k).indices.flatten().tolist())
+        if routing == "spread":
+            assert chosen == set(range(EXPERTS))
+        if routing == "none-to-two-experts" and top_k <= 2:
+            assert chosen <= {0, 1}
+        if routing == "all-to-one":
+            assert (torch.topk(probs, 1).indices == 3).all()
+        torch.testing.assert_close(moe(x), _reference(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_checkpoint_layouts_read_as_one_naming():
+    """Mixtral's block_sparse_moe names, per-expert tensors and fused 3-D tensors all come out as
+    the router `mlp.gate.weight` and `mlp.experts.{e}.{gate,up,down}_proj.weight`, values split
+    with the gate rows first."""
+    gate_up = torch.randn(2, 2 * INTER, HIDDEN)
+    down = torch.randn(2, HIDDEN, INTER)
+    fused = dict(canonical_weights([("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+                                    ("model.layers.0.mlp.experts.down_proj", down)]))
+    assert torch.equal(fused["model.layers.0.mlp.experts.1.gate_proj.weight"], gate_up[1, :INTER])
+    assert torch.equal(fused["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, INTER:])
+    assert torch.equal(fused["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])
+    mixtral = dict(canonical_weights([("model.layers.3.block_sparse_moe.gate.weight", (4, 8)),
+                                      ("model.layers.3.block_sparse_moe.experts.2.w1.weight", (6, 8)),
+                                      ("model.layers.3.block_sparse_moe.experts.2.w3.weight", (6, 8)),
+                                      ("model.layers.3.block_sparse_moe.experts.2.w2.weight", (8, 6)),
+                                      ("model.layers.3.self_attn.q_proj.weight", (8, 8))]))
+    assert mixtral == {"model.layers.3.mlp.gate.weight": (4, 8), "model.layers.3.mlp.experts.2.gate_proj.weight": (6, 8),
+                       "model.layers.3.mlp.experts.2.up_proj.weight": (6, 8),
+                       "model.layers.3.mlp.experts.2.down_proj.weight": (8, 6),
+                       "model.layers.3.self_attn.q_proj.weight": (8, 8)}
