@@ -18,6 +18,8 @@ NORM_ROLES = ("input", "attn_out", "mlp_in", "mlp_out")
 QK_NORMS = ("head", "projection")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LLAMA_NORMS = (("input", "input_layernorm"), ("mlp_in", "post_attention_layernorm"))
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_LAYOUTS = ("rows", "gpt_oss")
 
 TokenIds = int | list[int] | None
 
@@ -50,7 +52,13 @@ class ModelArchConfig:
     `moe_layers` marks (None: every layer) is `num_experts` gated experts of
     `moe_intermediate_size`, of which a softmax router picks `num_experts_per_tok` per token,
     their weights renormalized to sum to 1 when `norm_topk_prob`; the other layers keep a dense
-    MLP of `intermediate_size`.
+    MLP of `intermediate_size`. gpt-oss differs in four ways: `moe_router` "topk_softmax" (the
+    top-k logits, then a softmax over those k), `moe_bias` (the router and every expert projection
+    have a bias), `swiglu_limit` / `swiglu_alpha` (its clamped SwiGLU: `(up + 1) * gate *
+    sigmoid(alpha * gate)` with gate clamped above and up both ways at the limit), and its
+    checkpoint's `expert_layout` "gpt_oss" (fused [experts, hidden, 2 x intermediate] with gate and
+    up columns interleaved). `attention_sinks`: a learned per-head logit in every softmax's
+    denominator (gpt-oss).
     """
 
     architecture: str
@@ -88,6 +96,12 @@ class ModelArchConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] | None = None
+    moe_router: str = "softmax_topk"
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    expert_layout: str = "rows"
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         from engine.model.families import SUPPORTED_ARCHITECTURES
@@ -143,6 +157,11 @@ class ModelArchConfig:
                     f"model config: a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) "
                     f"<= num_experts ({self.num_experts}) and a positive expert intermediate size "
                     f"({self.moe_intermediate_size!r})")
+            if self.moe_router not in MOE_ROUTERS or self.expert_layout not in EXPERT_LAYOUTS:
+                raise ValueError(f"model config: moe_router must be one of {', '.join(MOE_ROUTERS)} and "
+                                 f"expert_layout one of {', '.join(EXPERT_LAYOUTS)}")
+            if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+                raise ValueError("model config: the clamped SwiGLU needs both swiglu_limit and swiglu_alpha")
             if self.moe_layers is not None and len(self.moe_layers) != self.num_hidden_layers:
                 raise ValueError(f"model config: moe_layers must say for each of the {self.num_hidden_layers} "
                                  f"layers whether it is a mixture of experts, got {len(self.moe_layers)}")
@@ -202,6 +221,8 @@ class ModelArchConfig:
                 shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
             if self.o_proj_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+            if self.attention_sinks:
+                shapes[p + "self_attn.sinks"] = (self.num_attention_heads,)
             if self.qk_norm is not None:
                 per_head = self.qk_norm == "head"
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim if per_head else self.q_size,)
@@ -209,10 +230,16 @@ class ModelArchConfig:
             if self.is_moe(i):  # in `canonical_weights`' naming
                 experts = self.moe_intermediate_size
                 shapes[p + "mlp.gate.weight"] = (self.num_experts, hidden)
+                if self.moe_bias:
+                    shapes[p + "mlp.gate.bias"] = (self.num_experts,)
                 for e in range(self.num_experts):
                     shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (experts, hidden)
                     shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (experts, hidden)
                     shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, experts)
+                    if self.moe_bias:
+                        shapes[p + f"mlp.experts.{e}.gate_proj.bias"] = (experts,)
+                        shapes[p + f"mlp.experts.{e}.up_proj.bias"] = (experts,)
+                        shapes[p + f"mlp.experts.{e}.down_proj.bias"] = (hidden,)
                 continue
             if self.fused_checkpoint:
                 shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
@@ -409,7 +436,7 @@ def check_weights(arch: ModelArchConfig, names_and_shapes: Any, source: str = ""
     """
     pairs = names_and_shapes.items() if hasattr(names_and_shapes, "items") else names_and_shapes
     shapes = ((name, tuple(int(d) for d in getattr(shape, "shape", shape))) for name, shape in pairs)
-    actual: dict[str, tuple[int, ...]] = dict(canonical_weights(shapes))
+    actual: dict[str, tuple[int, ...]] = dict(canonical_weights(shapes, arch.expert_layout))
     expected = arch.expected_weight_shapes()
     problems = []
     for name, want in expected.items():
@@ -439,34 +466,55 @@ def check_weights(arch: ModelArchConfig, names_and_shapes: Any, source: str = ""
 
 _MIXTRAL_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?(\.weight)?$")
 
 
-def canonical_weights(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+def canonical_weights(pairs: Iterable[tuple[str, Any]], expert_layout: str = "rows") -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors (or their shapes, as tuples) with experts in the one naming the decoder
-    and `expected_weight_shapes` use: the router `mlp.gate.weight` and per expert
-    `mlp.experts.{e}.{gate,up,down}_proj.weight`. Mixtral's `block_sparse_moe` / `w1 w3 w2` names
-    are renamed, and transformers 5's fused 3-D expert tensors (`mlp.experts.gate_up_proj`
-    [experts, 2 x intermediate, hidden], gate rows first; `mlp.experts.down_proj`) are split per
-    expert. Every other tensor passes through unchanged."""
+    and `expected_weight_shapes` use: the router `mlp.gate.{weight,bias}` and per expert
+    `mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}`, weights [out, in] as nn.Linear holds them.
+    Mixtral's `block_sparse_moe` / `w1 w3 w2` names and gpt-oss's `mlp.router` are renamed;
+    fused 3-D expert tensors are split per expert: transformers 5's (`expert_layout` "rows":
+    `gate_up_proj` [experts, 2 x intermediate, hidden], gate rows first) or gpt-oss's ("gpt_oss":
+    [experts, hidden, 2 x intermediate], gate and up columns interleaved; `down_proj` [experts,
+    intermediate, hidden]; biases beside them). Every other tensor passes through unchanged."""
     for name, value in pairs:
         if ".block_sparse_moe." in name:
             name = name.replace(".block_sparse_moe.", ".mlp.")
             match = _MIXTRAL_EXPERT.match(name)
             if match:
                 name = f"{match.group(1)}.{_MIXTRAL_PROJ[match.group(2)]}.weight"
+        name = name.replace(".mlp.router.", ".mlp.gate.")
         match = _FUSED_EXPERTS.match(name)
         if match is None:
             yield name, value
             continue
-        prefix, kind = match.group(1), match.group(2)
-        is_shape = isinstance(value, tuple)
-        shape = value if is_shape else tuple(value.shape)
-        for e in range(shape[0]):
-            if kind == "down_proj":
-                yield f"{prefix}.{e}.down_proj.weight", shape[1:] if is_shape else value[e]
-                continue
-            half = shape[1] // 2
-            for index, proj in enumerate(("gate_proj", "up_proj")):
-                yield (f"{prefix}.{e}.{proj}.weight",
-                       (half, shape[2]) if is_shape else value[e].narrow(0, index * half, half))
+        prefix, kind, bias = match.group(1), match.group(2), match.group(3) is not None
+        yield from _split_experts(prefix, kind, bias, value, expert_layout == "gpt_oss")
+
+
+def _split_experts(prefix: str, kind: str, bias: bool, value: Any, gpt_oss: bool) -> Iterator[tuple[str, Any]]:
+    """One fused expert tensor (or shape) as per-expert (name, value) pairs; see canonical_weights."""
+    is_shape = isinstance(value, tuple)
+    shape = value if is_shape else tuple(value.shape)
+    suffix = "bias" if bias else "weight"
+    for e in range(shape[0]):
+        if kind == "down_proj":
+            if bias:
+                piece = shape[1:] if is_shape else value[e]
+            elif gpt_oss:  # [intermediate, hidden] -> [hidden, intermediate]
+                piece = (shape[2], shape[1]) if is_shape else value[e].t()
+            else:
+                piece = shape[1:] if is_shape else value[e]
+            yield f"{prefix}.{e}.down_proj.{suffix}", piece
+            continue
+        for index, proj in enumerate(("gate_proj", "up_proj")):
+            if bias:
+                half = shape[1] // 2
+                piece = (half,) if is_shape else (value[e][index::2] if gpt_oss else value[e].narrow(0, index * half, half))
+            elif gpt_oss:  # [hidden, 2 x intermediate], columns gate, up, gate, up, ...
+                piece = (shape[2] // 2, shape[1]) if is_shape else value[e][:, index::2].t()
+            else:
+                half = shape[1] // 2
+                piece = (half, shape[2]) if is_shape else value[e].narrow(0, index * half, half)
+            yield f"{prefix}.{e}.{proj}.{suffix}", piece

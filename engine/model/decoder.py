@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
+import dataclasses
 import re
 
 import torch
@@ -155,6 +156,8 @@ class Attention(nn.Module):
         self.local_rope = sliding and arch.rope_local_theta is not None  # the model's `rotary_local`
         self.variant = AttentionVariant(sliding_window=arch.sliding_window if sliding else None,
                                         softcap=arch.attn_logit_softcap)
+        # gpt-oss: this rank's heads' learned sink logits, joined into the variant at each call
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attention_sinks else None
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size, arch.hidden_size, arch.o_proj_bias, tp)
         self.qk_norm = arch.qk_norm
@@ -183,13 +186,14 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
+        variant = self.variant if self.sinks is None else dataclasses.replace(self.variant, sinks=self.sinks)
         if rows is None:
-            out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.variant)
+            out = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, variant)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         backend.store_kv(k, v, kv_cache, meta.slot_mapping)
         # The backend stores the rows' K/V again (the same values) and attends one query each.
         q, k, v = (x.index_select(0, rows) for x in (q, k, v))
-        out = backend.forward(q, k, v, kv_cache, rows_meta, self.scale, self.variant)
+        out = backend.forward(q, k, v, kv_cache, rows_meta, self.scale, variant)
         return self.o_proj(out.reshape(rows.shape[0], self.q_size))
 
     def _projection_norm(self, x: torch.Tensor, norm: RMSNorm, width: int, replicas: int) -> torch.Tensor:
@@ -203,6 +207,16 @@ class Attention(nn.Module):
 
 
 _GATED_ACTS = {"silu": fused_ops.silu_and_mul, "gelu_pytorch_tanh": fused_ops.gelu_tanh_and_mul}
+
+
+def _clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's expert activation over a [gate | up] row: (up + 1) * gate * sigmoid(alpha * gate),
+    gate clamped above at `limit`, up to [-limit, limit]."""
+    def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return act_and_mul
 
 
 class GatedMLP(nn.Module):
@@ -220,8 +234,9 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of gated experts (Mixtral, Qwen3-MoE): a softmax router (`gate`, replicated)
-    picks `top_k` experts per token; each expert is a GatedMLP of `moe_intermediate_size`, its
+    """A mixture of gated experts (Mixtral, Qwen3-MoE, gpt-oss): a router (`gate`, replicated;
+    softmax then top-k, or gpt-oss's top-k logits then their softmax) picks `top_k` experts per
+    token; each expert is a GatedMLP of `moe_intermediate_size`, its
     gate|up rows in `experts_gate_up[e]` and its down projection in `experts_down[e]`. Tokens run
     grouped: the (token, expert) pairs sorted by expert, one matmul pair per expert that any token
     chose, the outputs scaled by the routing weight and added per token in expert order (as
@@ -234,17 +249,28 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob
         self.intermediate_size = arch.moe_intermediate_size // shard.size  # this rank's
         self.inter_start = shard.rank * self.intermediate_size
-        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.softmax_first = arch.moe_router == "softmax_topk"
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=arch.moe_bias)
         self.experts_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * self.intermediate_size, arch.hidden_size))
         self.experts_down = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, self.intermediate_size))
-        self.act_and_mul = _GATED_ACTS[arch.hidden_act]
+        # biases (gpt-oss): gate|up's split like their rows; down's added once, by rank 0
+        bias = arch.moe_bias
+        self.experts_gate_up_bias = nn.Parameter(torch.empty(arch.num_experts, 2 * self.intermediate_size)) if bias else None
+        self.experts_down_bias = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size)) if bias else None
+        self._add_down_bias = bias and shard.rank == 0
+        self.act_and_mul = (_GATED_ACTS[arch.hidden_act] if arch.swiglu_limit is None
+                            else _clamped_swiglu(arch.swiglu_alpha, arch.swiglu_limit))
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x)
+        if self.softmax_first:
+            weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k  # the token of each (token, expert) pair, sorted by expert
@@ -254,8 +280,12 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if count:
                 rows = tokens[start:start + count]
-                hidden = self.act_and_mul(fused_ops.linear(x.index_select(0, rows), self.experts_gate_up[expert]))
-                out.index_add_(0, rows, fused_ops.linear(hidden, self.experts_down[expert]) * pair_weights[start:start + count])
+                gate_up_bias = None if self.experts_gate_up_bias is None else self.experts_gate_up_bias[expert]
+                down_bias = self.experts_down_bias[expert] if self._add_down_bias else None
+                hidden = self.act_and_mul(fused_ops.linear(x.index_select(0, rows), self.experts_gate_up[expert],
+                                                           gate_up_bias))
+                out.index_add_(0, rows, fused_ops.linear(hidden, self.experts_down[expert], down_bias)
+                               * pair_weights[start:start + count])
                 start += count
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -404,7 +434,7 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.fused_checkpoint:
             weights = _split_fused(weights, self.arch)
         seen: set[str] = set()
-        for hf_name, tensor in canonical_weights(weights):
+        for hf_name, tensor in canonical_weights(weights, self.arch.expert_layout):
             expert = _EXPERT.match(hf_name)
             if expert is not None:
                 self._load_expert(expert, tensor, params, full_shapes)
@@ -436,19 +466,21 @@ class DecoderForCausalLM(nn.Module):
     def _load_expert(self, match: re.Match, tensor: torch.Tensor, params: dict, full_shapes: dict | None) -> None:
         """One expert's gate, up or down projection into its rows of the layer's expert tensors
         (this rank's intermediate slice under TP)."""
-        hf_name, (layer, expert, proj) = match.group(0), match.groups()
+        hf_name, (layer, expert, proj, kind) = match.group(0), match.groups()
         moe = self.layers[int(layer)].mlp
-        if not isinstance(moe, SparseMoE):
-            raise ValueError(f"unexpected tensor {hf_name!r}: layer {layer} of {self.arch.architecture} is not a "
-                             "mixture of experts")
-        inter = moe.intermediate_size
+        if not isinstance(moe, SparseMoE) or f"layers.{layer}.mlp.experts_gate_up{'_bias' * (kind == 'bias')}" not in params:
+            raise ValueError(f"unexpected tensor {hf_name!r} for {self.arch.architecture}")
+        inter, suffix = moe.intermediate_size, "_bias" if kind == "bias" else ""
         if full_shapes is not None:
             _check_shape(hf_name, tensor, full_shapes[hf_name], self.arch)
-            tensor = tensor.narrow(1 if proj == "down" else 0, moe.inter_start, inter)
+            if proj != "down":
+                tensor = tensor.narrow(0, moe.inter_start, inter)
+            elif kind == "weight":
+                tensor = tensor.narrow(1, moe.inter_start, inter)
         if proj == "down":
-            dest = params[f"layers.{layer}.mlp.experts_down"].data[int(expert)]
+            dest = params[f"layers.{layer}.mlp.experts_down{suffix}"].data[int(expert)]
         else:
-            dest = params[f"layers.{layer}.mlp.experts_gate_up"].data[int(expert)].narrow(
+            dest = params[f"layers.{layer}.mlp.experts_gate_up{suffix}"].data[int(expert)].narrow(
                 0, 0 if proj == "gate" else inter, inter)
         _check_shape(hf_name, tensor, tuple(dest.shape), self.arch)
         dest.copy_(tensor.to(dest.dtype))
@@ -474,6 +506,8 @@ class DecoderForCausalLM(nn.Module):
             heads, start = ((shard.num_heads, shard.head_start) if hf_name.endswith(".q_norm.weight")
                             else (shard.num_kv_heads, shard.kv_head_start))
             return tensor.narrow(0, start * head_dim, heads * head_dim)
+        if hf_name.endswith(".self_attn.sinks"):
+            return tensor.narrow(0, shard.head_start, shard.num_heads)
         if hf_name.endswith(".o_proj.weight"):
             return tensor.narrow(1, shard.head_start * head_dim, shard.num_heads * head_dim)
         if hf_name.endswith(".down_proj.weight"):
@@ -522,15 +556,16 @@ def _hf_to_param(hf_name: str) -> tuple[str, str | None] | None:
     return name, None
 
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
 
 
 def _expected_sources(param_name: str, arch: ModelArchConfig) -> list[str]:
     """The HF tensor names (in `canonical_weights`' naming) that together fill one of our parameters."""
-    if param_name.endswith((".mlp.experts_gate_up", ".mlp.experts_down")):
-        prefix = "model." + param_name.rsplit(".", 1)[0]
-        projs = ("down",) if param_name.endswith("_down") else ("gate", "up")
-        return [f"{prefix}.experts.{e}.{proj}_proj.weight" for e in range(arch.num_experts) for proj in projs]
+    experts = re.match(r"^(layers\.\d+\.mlp)\.experts_(gate_up|down)(_bias)?$", param_name)
+    if experts is not None:
+        prefix, kind = "model." + experts.group(1), "bias" if experts.group(3) else "weight"
+        projs = ("down",) if experts.group(2) == "down" else ("gate", "up")
+        return [f"{prefix}.experts.{e}.{proj}_proj.{kind}" for e in range(arch.num_experts) for proj in projs]
     if param_name == "lm_head.weight":
         return ["lm_head.weight"]
     for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):

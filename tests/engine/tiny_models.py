@@ -81,21 +81,29 @@ def family_config(name: str) -> transformers.PretrainedConfig:
         return transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                            mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False,
                                            **FAMILY_COMMON)
+    if name == "gpt-oss":  # sinks, biased experts, a clamped SwiGLU that bites (limit 1), yarn
+        return transformers.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, swiglu_limit=1.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+            **FAMILY_COMMON)
     if name == "olmo2":
         common = {k: v for k, v in FAMILY_COMMON.items() if k != "head_dim"}
         return transformers.Olmo2Config(tie_word_embeddings=False, **common)
     raise KeyError(name)
 
 
-FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2", "mixtral", "qwen3-moe"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2", "mixtral", "qwen3-moe", "gpt-oss"]
 
 
 def _randomize_norms(model) -> None:
     """Norm weights (and q/k norms) away from their constant initialization: N(1, 0.3) as a
     multiplier, so a Gemma norm that forgets its 1 + w, or a norm in the wrong place, shows; MoE
-    routers (Qwen3-MoE starts them at 0) N(0, 1), so tokens spread over the experts."""
+    routers (Qwen3-MoE starts them at 0), attention sinks and expert biases N(0, 1), so tokens
+    spread over the experts and a sink or bias left out changes the tokens."""
     for name, param in model.named_parameters():
-        if name.endswith(".gate.weight"):
+        if name.endswith((".gate.weight", ".router.weight", ".router.bias", "_bias", ".sinks")):
             param.normal_(0.0, 1.0)
         elif "norm" in name:
             if "gemma" in type(model).__name__.lower():
