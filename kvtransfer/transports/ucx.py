@@ -55,6 +55,9 @@ _PIPELINE_DEPTH = 2  # staging buffers per direction: copy one while the other i
 # UCX's TCP transport moves 64 KiB segments by default: with 1 MiB it gets near plain-socket
 # speed on loopback and LAN. Environment variables (UCX_TCP_TX_SEG_SIZE...) take precedence.
 _DEFAULT_UCX_OPTIONS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m"}
+# How long a closing channel waits for UCX to end its aborted requests before it leaves them
+# (and their buffers) to the runtime, which keeps them until they end.
+_CLOSE_WAIT_S = 5.0
 _log = logging.getLogger(__name__)
 
 
@@ -74,6 +77,15 @@ class _UcxRuntime:
     _lock = threading.Lock()
     _loop: LoopThread | None = None
     _users = 0
+    # requests of closed channels that UCX had not ended: kept, with the buffers their
+    # coroutines hold, until they end (or the process does), so UCX never writes freed memory
+    _unfinished: set[asyncio.Future] = set()
+
+    @classmethod
+    def keep_until_done(cls, requests) -> None:
+        for request in requests:
+            cls._unfinished.add(request)
+            request.add_done_callback(cls._unfinished.discard)
 
     @classmethod
     def acquire(cls) -> LoopThread:
@@ -154,7 +166,13 @@ class UcxChannel(Channel):
     """Control messages: `send_obj`/`recv_obj` on the endpoint's default tag. Payloads: one
     tagged message each, from/into staging buffers of `max_payload_bytes`; the sender gathers
     the next payload while the previous one is on the wire, the receiver posts the next receive
-    before scattering the one that arrived."""
+    before scattering the one that arrived.
+
+    Memory contract: UCX reads or writes a request's buffer until the request completes, from
+    its progress thread. So every request runs as a future of its own (`_request`) whose
+    coroutine holds the buffer, callers await it shielded (a cancelled caller never frees a
+    buffer under UCX), and `close` aborts the endpoints, which makes UCX end their requests,
+    then waits for them to end rather than cancelling them."""
 
     def __init__(self, endpoint, ctx: TransportContext, peer: str) -> None:
         super().__init__(peer)
@@ -166,6 +184,7 @@ class UcxChannel(Channel):
         self.max_payload_bytes = ctx.config.max_message_bytes
         self._free_buffers: asyncio.Queue[torch.Tensor] | None = None
         self._payload_sends: set[asyncio.Task] = set()
+        self._requests: set[asyncio.Future] = set()  # every UCX request not yet ended
         self._posted: collections.deque[tuple[asyncio.Future, torch.Tensor]] = collections.deque()
         self._spare_buffers: list[torch.Tensor] = []
         # the same-host payload endpoint (see the module docstring) and its tag, once agreed
@@ -199,6 +218,14 @@ class UcxChannel(Channel):
         # our frames and, through them, the endpoint and the whole UCX worker.
         exc.__traceback__ = None
         return ChannelClosed(f"ucx connection to {self.peer} failed: {exc or type(exc).__name__}")
+
+    def _request(self, operation) -> asyncio.Future:
+        """Run one ucxx send/recv coroutine as a tracked future (see the class docstring)."""
+        future = asyncio.ensure_future(operation)
+        self._requests.add(future)
+        future.add_done_callback(self._requests.discard)
+        future.add_done_callback(_drop_failure)
+        return future
 
     def _check_open(self) -> None:
         if self._error is not None:
@@ -254,9 +281,9 @@ class UcxChannel(Channel):
         body = json.dumps(message, separators=(",", ":")).encode()
         frame = _CONTROL_HEADER.pack(len(body)) + body
         try:
-            await self._ep.send(frame[:_CONTROL_BYTES])
+            await asyncio.shield(self._request(self._ep.send(frame[:_CONTROL_BYTES])))
             if len(frame) > _CONTROL_BYTES:
-                await self._ep.send(frame[_CONTROL_BYTES:])
+                await asyncio.shield(self._request(self._ep.send(frame[_CONTROL_BYTES:])))
         except Exception as exc:
             raise self._failure(exc) from None
         self.mark_tx()
@@ -269,14 +296,14 @@ class UcxChannel(Channel):
         self._check_open()
         first = bytearray(_CONTROL_BYTES)  # a shorter message fills only its head
         try:
-            await self._ep.recv(first)
+            await asyncio.shield(self._request(self._ep.recv(first)))
             (length,) = _CONTROL_HEADER.unpack_from(first)
             end = _CONTROL_HEADER.size + length
             if end <= _CONTROL_BYTES:
                 body = first[_CONTROL_HEADER.size:end]
             else:
                 rest = bytearray(end - _CONTROL_BYTES)
-                await self._ep.recv(rest)
+                await asyncio.shield(self._request(self._ep.recv(rest)))
                 body = first[_CONTROL_HEADER.size:] + rest
         except Exception as exc:
             raise self._failure(exc) from None
@@ -311,9 +338,10 @@ class UcxChannel(Channel):
         try:
             if self._payload_tag is not None:
                 endpoint = self._payload_ep or self._ep
-                await endpoint.send(_as_ucx_buffer(staged), tag=self._payload_tag, force_tag=True)
+                send = endpoint.send(_as_ucx_buffer(staged), tag=self._payload_tag, force_tag=True)
             else:
-                await self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
+                send = self._ep.send(_as_ucx_buffer(staged), tag=_PAYLOAD_TAG)
+            await asyncio.shield(self._request(send))
             self.mark_tx()
         except Exception as exc:
             self._error = self._failure(exc)
@@ -333,9 +361,7 @@ class UcxChannel(Channel):
                 receive = self._payload_ep.recv(_as_ucx_buffer(buffer), tag=self._payload_tag, force_tag=True)
             else:
                 receive = self._ep.recv(_as_ucx_buffer(buffer), tag=_PAYLOAD_TAG)
-            future = asyncio.ensure_future(receive)
-            future.add_done_callback(_drop_failure)
-            self._posted.append((future, buffer))
+            self._posted.append((self._request(receive), buffer))
 
     async def recv_data(self, header: dict, sink: BlockSink | DiscardSink) -> bool:
         self._check_open()
@@ -374,10 +400,16 @@ class UcxChannel(Channel):
         if self._closed:
             return
         self._closed = True
-        self._abort_endpoint()
-        pending = list(self._payload_sends) + [future for future, _ in self._posted]
+        self._abort_endpoint()  # UCX cancels or fails every request on these endpoints
+        await cancel_and_wait(list(self._payload_sends))  # their requests run on, shielded
+        if self._requests:
+            _, unfinished = await asyncio.wait(set(self._requests), timeout=_CLOSE_WAIT_S)
+            if unfinished:
+                _log.warning("ucx: %d request(s) to %s still running %.0f s after the abort; "
+                             "their buffers stay allocated until they end",
+                             len(unfinished), self.peer, _CLOSE_WAIT_S)
+                _UcxRuntime.keep_until_done(unfinished)
         self._posted.clear()
-        await cancel_and_wait(pending)
         self._free_buffers = None
         self._spare_buffers = []
 

@@ -455,6 +455,29 @@ def test_ucx_runtime_is_released_with_its_last_user():
 
 
 @pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx not installed")
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_ucx_close_lets_ucx_end_its_requests_before_their_buffers_go(fast_path):
+    """UCX writes a posted receive's buffer from its own thread until the request ends: closing
+    a channel with receives posted (the control receive, the next payloads') must abort the
+    endpoints and wait for UCX to end each request, never cancel it and free its buffer."""
+    source, caches = source_caches(SMALL, 4), sentinel_caches(SMALL)
+    config = TransferConfig(ucx_same_host_fast_path=fast_path)
+    with create_sender("ucx", source, config) as sender:
+        receiver = create_receiver("ucx", caches, config)
+        try:
+            receiver.expect("c", [1])
+            assert sender.send("c", receiver.address, [2], [1]).wait(GUARD_S).ok
+            assert receiver.wait("c", GUARD_S).ok
+            (channel,) = [connection.channel for connection in receiver._connections]
+            requests = set(channel._requests)
+            assert len(requests) >= 3  # the control receive and _PIPELINE_DEPTH payload receives
+        finally:
+            receiver.close()
+        assert all(request.done() and not request.cancelled() for request in requests)
+        assert not channel._requests
+
+
+@pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx not installed")
 @pytest.mark.parametrize("sender_on, receiver_on", [(True, True), (True, False), (False, True)])
 def test_ucx_same_host_payload_endpoint_only_when_both_sides_allow_it(sender_on, receiver_on):
     """On one host, CPU caches: payloads go over a second endpoint without UCX-level failure
