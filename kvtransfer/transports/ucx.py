@@ -158,6 +158,19 @@ def _drop_failure(future: asyncio.Future) -> None:
         future.exception().__traceback__ = None
 
 
+def _abort_made_endpoint(creating: asyncio.Future) -> None:
+    """The endpoint of a connect whose caller was cancelled: aborted as soon as it exists."""
+    if creating.cancelled():
+        return
+    if creating.exception() is not None:
+        creating.exception().__traceback__ = None
+        return
+    try:
+        creating.result().abort()
+    except Exception as exc:  # already broken: nothing left to release
+        _log.debug("ucx endpoint abort: %s", exc)
+
+
 def _as_ucx_buffer(tensor: torch.Tensor):
     return tensor if tensor.is_cuda else tensor.numpy()
 
@@ -455,9 +468,17 @@ class UcxTransport(Transport):
 
     async def connect(self, ctx: TransportContext, endpoint: Endpoint) -> Channel:
         ucxx = _import_ucxx()
+        # ucxx's connection handshake receives into a buffer that its coroutine owns: cancelled
+        # mid-way, it would free that buffer under UCX. So it always runs to its end; a cancelled
+        # caller leaves it to the runtime, which aborts the endpoint it makes.
+        creating = asyncio.ensure_future(ucxx.create_endpoint(endpoint.host, endpoint.port,
+                                                              connect_timeout=ctx.config.timeout_s))
         try:
-            ep = await ucxx.create_endpoint(endpoint.host, endpoint.port,
-                                            connect_timeout=ctx.config.timeout_s)
+            ep = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            creating.add_done_callback(_abort_made_endpoint)
+            _UcxRuntime.keep_until_done([creating])
+            raise
         except Exception as exc:
             exc.__traceback__ = None  # see UcxChannel._failure
             raise TransferError(f"ucx connect to {endpoint} failed: {exc or type(exc).__name__}") from None
