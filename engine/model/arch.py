@@ -18,7 +18,7 @@ NORM_ROLES = ("input", "attn_out", "mlp_in", "mlp_out")
 QK_NORMS = ("head", "projection")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LLAMA_NORMS = (("input", "input_layernorm"), ("mlp_in", "post_attention_layernorm"))
-MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 EXPERT_LAYOUTS = ("rows", "gpt_oss")
 
 TokenIds = int | list[int] | None
@@ -57,7 +57,14 @@ class ModelArchConfig:
     have a bias), `swiglu_limit` / `swiglu_alpha` (its clamped SwiGLU: `(up + 1) * gate *
     sigmoid(alpha * gate)` with gate clamped above and up both ways at the limit), and its
     checkpoint's `expert_layout` "gpt_oss" (fused [experts, hidden, 2 x intermediate] with gate and
-    up columns interleaved). `attention_sinks`: a learned per-head logit in every softmax's
+    up columns interleaved). DeepSeek-V3's router (`moe_router` "sigmoid_group_topk"; GLM-4.5):
+    sigmoid scores, to which the router's `e_score_correction_bias` is added for the choice only;
+    the experts fall in `moe_num_groups` groups, of which the `moe_topk_groups` with the highest
+    sum of their two best scores are eligible; the chosen scores (renormalized when
+    `norm_topk_prob`) times `moe_routed_scaling` weigh the experts. `moe_shared_intermediate_size`
+    (0: none): a dense gated MLP every token runs beside the routed experts (`shared_experts`).
+    `num_mtp_layers`: multi-token-prediction layers stored after the last layer (their tensors
+    are skipped: pdserve does not run them). `attention_sinks`: a learned per-head logit in every softmax's
     denominator (gpt-oss).
     """
 
@@ -101,6 +108,11 @@ class ModelArchConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
     expert_layout: str = "rows"
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scaling: float = 1.0
+    moe_shared_intermediate_size: int = 0
+    num_mtp_layers: int = 0
     attention_sinks: bool = False
 
     def __post_init__(self) -> None:
@@ -162,6 +174,17 @@ class ModelArchConfig:
                                  f"expert_layout one of {', '.join(EXPERT_LAYOUTS)}")
             if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
                 raise ValueError("model config: the clamped SwiGLU needs both swiglu_limit and swiglu_alpha")
+            if self.moe_router == "sigmoid_group_topk":
+                groups, chosen = self.moe_num_groups, self.moe_topk_groups
+                per_group = self.num_experts // groups if groups > 0 and self.num_experts % groups == 0 else 0
+                if per_group < 2 or not 1 <= chosen <= groups or self.num_experts_per_tok > chosen * per_group:
+                    raise ValueError(
+                        f"model config: grouped routing needs n_group ({groups}) to split the {self.num_experts} "
+                        f"experts into groups of at least 2, 1 <= topk_group ({chosen}) <= n_group, and "
+                        f"num_experts_per_tok ({self.num_experts_per_tok}) experts within the chosen groups")
+            if self.moe_shared_intermediate_size < 0:
+                raise ValueError(f"model config: the shared experts' intermediate size must be >= 0, "
+                                 f"got {self.moe_shared_intermediate_size}")
             if self.moe_layers is not None and len(self.moe_layers) != self.num_hidden_layers:
                 raise ValueError(f"model config: moe_layers must say for each of the {self.num_hidden_layers} "
                                  f"layers whether it is a mixture of experts, got {len(self.moe_layers)}")
@@ -195,6 +218,14 @@ class ModelArchConfig:
     def is_moe(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
+
+    def is_skipped_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor is one pdserve does not run: RoPE's stored inverse
+        frequencies, and the multi-token-prediction layers after the last layer."""
+        if name.endswith(_IGNORED_WEIGHT_SUFFIXES):
+            return True
+        layer = _LAYER_INDEX.match(name)
+        return self.num_mtp_layers > 0 and layer is not None and int(layer.group(1)) >= self.num_hidden_layers
 
     def expected_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint must hold, by Hugging Face name, with its shape.
@@ -232,6 +263,13 @@ class ModelArchConfig:
                 shapes[p + "mlp.gate.weight"] = (self.num_experts, hidden)
                 if self.moe_bias:
                     shapes[p + "mlp.gate.bias"] = (self.num_experts,)
+                if self.moe_router == "sigmoid_group_topk":
+                    shapes[p + "mlp.gate.e_score_correction_bias"] = (self.num_experts,)
+                if self.moe_shared_intermediate_size:
+                    shared = self.moe_shared_intermediate_size
+                    shapes[p + "mlp.shared_experts.gate_proj.weight"] = (shared, hidden)
+                    shapes[p + "mlp.shared_experts.up_proj.weight"] = (shared, hidden)
+                    shapes[p + "mlp.shared_experts.down_proj.weight"] = (hidden, shared)
                 for e in range(self.num_experts):
                     shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (experts, hidden)
                     shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (experts, hidden)
@@ -425,6 +463,7 @@ def _check_token_ids(name: str, value: TokenIds) -> None:
 
 
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def check_weights(arch: ModelArchConfig, names_and_shapes: Any, source: str = "") -> None:
@@ -446,7 +485,7 @@ def check_weights(arch: ModelArchConfig, names_and_shapes: Any, source: str = ""
         elif got != want:
             problems.append(f"tensor {name} has shape {list(got)}, expected {list(want)}")
     for name, got in actual.items():
-        if name in expected or name.endswith(_IGNORED_WEIGHT_SUFFIXES):
+        if name in expected or arch.is_skipped_weight(name):
             continue
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             want = (arch.vocab_size, arch.hidden_size)

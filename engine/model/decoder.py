@@ -62,10 +62,13 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
         problems.append(f"intermediate_size ({inter}) is not divisible by it")
     if arch.num_experts and arch.moe_intermediate_size % size:
         problems.append(f"the experts' intermediate size ({arch.moe_intermediate_size}) is not divisible by it")
+    if arch.num_experts and arch.moe_shared_intermediate_size % size:
+        problems.append(f"the shared experts' intermediate size ({arch.moe_shared_intermediate_size}) is not "
+                        "divisible by it")
     if problems:
         valid = [n for n in range(1, heads + 1)
                  if heads % n == 0 and inter % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
-                 and not (arch.num_experts and arch.moe_intermediate_size % n)]
+                 and not (arch.num_experts and (arch.moe_intermediate_size % n or arch.moe_shared_intermediate_size % n))]
         raise ValueError(f"tensor_parallel_size {size} cannot split {arch.architecture}: "
                          f"{'; '.join(problems)} (sizes that can: {', '.join(map(str, valid))})")
 
@@ -220,37 +223,85 @@ def _clamped_swiglu(alpha: float, limit: float):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu, tanh approximation), of this
+    rank's `intermediate_size` columns (None: the dense MLP's, `shard.intermediate_size`)."""
 
     def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * shard.intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(shard.intermediate_size, arch.hidden_size, False, tp)
+        inter = shard.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=False)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
         self.act_and_mul = _GATED_ACTS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
+class Router(nn.Module):
+    """A mixture of experts' router (replicated under TP): each token's `top_k` experts and
+    their weights, by `arch.moe_router`:
+    - "softmax_topk" (Mixtral, Qwen3-MoE): softmax over every expert, the top k, renormalized to
+      sum to 1 with `norm_topk_prob`;
+    - "topk_softmax" (gpt-oss, biased): the top k logits, then their softmax;
+    - "sigmoid_group_topk" (DeepSeek-V3, GLM-4.5), in float32: sigmoid scores; the choice adds
+      `e_score_correction_bias` and keeps to the `moe_topk_groups` groups whose two best scores
+      sum highest; the weights are the chosen plain scores (renormalized with `norm_topk_prob`)
+      times `moe_routed_scaling`."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.kind, self.top_k, self.renormalize = arch.moe_router, arch.num_experts_per_tok, arch.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size))
+        self.bias = nn.Parameter(torch.empty(arch.num_experts)) if arch.moe_bias else None
+        grouped = self.kind == "sigmoid_group_topk"
+        self.e_score_correction_bias = nn.Parameter(torch.empty(arch.num_experts)) if grouped else None
+        self.groups, self.topk_groups, self.scaling = arch.moe_num_groups, arch.moe_topk_groups, arch.moe_routed_scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, top_k] float32, experts [tokens, top_k])."""
+        if self.kind == "sigmoid_group_topk":
+            return self._grouped(torch.nn.functional.linear(x.float(), self.weight.float()))
+        logits = fused_ops.linear(x, self.weight, self.bias)
+        if self.kind == "topk_softmax":
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def _grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        by_group = choice.view(choice.shape[0], self.groups, -1)
+        best_groups = torch.topk(by_group.topk(2, dim=-1)[0].sum(dim=-1), self.topk_groups, dim=-1)[1]
+        allowed = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = by_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
+        experts = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+
 class SparseMoE(nn.Module):
-    """A mixture of gated experts (Mixtral, Qwen3-MoE, gpt-oss): a router (`gate`, replicated;
-    softmax then top-k, or gpt-oss's top-k logits then their softmax) picks `top_k` experts per
-    token; each expert is a GatedMLP of `moe_intermediate_size`, its
+    """A mixture of gated experts (Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5): the `Router` (`gate`)
+    picks `top_k` experts per token; each expert is a GatedMLP of `moe_intermediate_size`, its
     gate|up rows in `experts_gate_up[e]` and its down projection in `experts_down[e]`. Tokens run
     grouped: the (token, expert) pairs sorted by expert, one matmul pair per expert that any token
     chose, the outputs scaled by the routing weight and added per token in expert order (as
-    transformers sums them). Under tensor parallelism every expert is split along its
-    intermediate dimension like a dense MLP, and the output is all-reduced once."""
+    transformers sums them), plus the shared experts' MLP where the family has one. Under tensor
+    parallelism every expert (and the shared MLP) is split along its intermediate dimension like
+    a dense MLP, and the output is all-reduced once."""
 
     def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.num_experts, self.top_k, self.renormalize = arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob
+        self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
         self.intermediate_size = arch.moe_intermediate_size // shard.size  # this rank's
         self.inter_start = shard.rank * self.intermediate_size
-        self.softmax_first = arch.moe_router == "softmax_topk"
-        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=arch.moe_bias)
+        self.gate = Router(arch)
         self.experts_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * self.intermediate_size, arch.hidden_size))
         self.experts_down = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, self.intermediate_size))
         # biases (gpt-oss): gate|up's split like their rows; down's added once, by rank 0
@@ -260,17 +311,13 @@ class SparseMoE(nn.Module):
         self._add_down_bias = bias and shard.rank == 0
         self.act_and_mul = (_GATED_ACTS[arch.hidden_act] if arch.swiglu_limit is None
                             else _clamped_swiglu(arch.swiglu_alpha, arch.swiglu_limit))
+        # partial sums under TP, like the experts': one all-reduce for both
+        shared = arch.moe_shared_intermediate_size // shard.size
+        self.shared_experts = GatedMLP(arch, shard, None, shared) if shared else None
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        if self.softmax_first:
-            weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-            if self.renormalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-        else:
-            top, experts = torch.topk(logits, self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+        weights, experts = self.gate(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         tokens = order // self.top_k  # the token of each (token, expert) pair, sorted by expert
@@ -287,6 +334,8 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, fused_ops.linear(hidden, self.experts_down[expert], down_bias)
                                * pair_weights[start:start + count])
                 start += count
+        if self.shared_experts is not None:
+            out += self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -435,24 +484,23 @@ class DecoderForCausalLM(nn.Module):
             weights = _split_fused(weights, self.arch)
         seen: set[str] = set()
         for hf_name, tensor in canonical_weights(weights, self.arch.expert_layout):
+            if self.arch.is_skipped_weight(hf_name):
+                continue
             expert = _EXPERT.match(hf_name)
             if expert is not None:
                 self._load_expert(expert, tensor, params, full_shapes)
                 seen.add(hf_name)
                 continue
-            target = _hf_to_param(hf_name)
-            if target is None:
-                continue
-            param_name, part = target
+            param_name, part = _hf_to_param(hf_name)
             if param_name not in params:
                 if param_name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied: the checkpoint may still carry a copy
                 raise ValueError(f"unexpected tensor {hf_name!r} for {self.arch.architecture}")
             if full_shapes is not None:
                 _check_shape(hf_name, tensor, full_shapes.get(hf_name, tuple(tensor.shape)), self.arch)
-                tensor = self._shard_of(hf_name, part, tensor)
+                tensor = self._shard_of(hf_name, part, tensor, params[param_name])
             param = params[param_name]
-            dest = param.data if part is None else param.data.narrow(0, *self._fused_rows(part))
+            dest = param.data if part is None else param.data.narrow(0, *self._fused_rows(part, param))
             _check_shape(hf_name, tensor, tuple(dest.shape), self.arch)
             if offset and param_name in norm_params:
                 tensor = tensor.float() + offset
@@ -485,23 +533,26 @@ class DecoderForCausalLM(nn.Module):
         _check_shape(hf_name, tensor, tuple(dest.shape), self.arch)
         dest.copy_(tensor.to(dest.dtype))
 
-    def _fused_rows(self, part: str) -> tuple[int, int]:
-        """(first row, rows) of a Hugging Face projection in its fused parameter, on this rank."""
+    def _fused_rows(self, part: str, param: torch.Tensor) -> tuple[int, int]:
+        """(first row, rows) of a Hugging Face projection in its fused parameter, on this rank
+        (an MLP's gate|up halves from the parameter: dense and shared MLPs differ in width)."""
         head_dim, shard = self.arch.head_dim, self.shard
-        q, kv, inter = shard.num_heads * head_dim, shard.num_kv_heads * head_dim, shard.intermediate_size
+        q, kv, inter = shard.num_heads * head_dim, shard.num_kv_heads * head_dim, param.shape[0] // 2
         return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter), "up": (inter, inter)}[part]
 
-    def _shard_of(self, hf_name: str, part: str | None, tensor: torch.Tensor) -> torch.Tensor:
+    def _shard_of(self, hf_name: str, part: str | None, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a whole Hugging Face tensor: rows of the column-parallel
         projections (q/k/v by heads, gate/up by intermediate columns), input columns of the
-        row-parallel ones (o_proj, down_proj); the rest (and o_proj's bias) whole."""
+        row-parallel ones (o_proj, down_proj); the rest (and o_proj's bias) whole. An MLP's
+        slice is as wide as this rank's `param` (the dense and the shared MLPs differ)."""
         head_dim, shard = self.arch.head_dim, self.shard
         if part == "q":
             return tensor.narrow(0, shard.head_start * head_dim, shard.num_heads * head_dim)
         if part in ("k", "v"):
             return tensor.narrow(0, shard.kv_head_start * head_dim, shard.num_kv_heads * head_dim)
         if part in ("gate", "up"):
-            return tensor.narrow(0, shard.inter_start, shard.intermediate_size)
+            inter = param.shape[0] // 2
+            return tensor.narrow(0, shard.rank * inter, inter)
         if self.arch.qk_norm == "projection" and hf_name.endswith((".q_norm.weight", ".k_norm.weight")):
             heads, start = ((shard.num_heads, shard.head_start) if hf_name.endswith(".q_norm.weight")
                             else (shard.num_kv_heads, shard.kv_head_start))
@@ -511,7 +562,7 @@ class DecoderForCausalLM(nn.Module):
         if hf_name.endswith(".o_proj.weight"):
             return tensor.narrow(1, shard.head_start * head_dim, shard.num_heads * head_dim)
         if hf_name.endswith(".down_proj.weight"):
-            return tensor.narrow(1, shard.inter_start, shard.intermediate_size)
+            return tensor.narrow(1, shard.rank * param.shape[1], param.shape[1])
         return tensor
 
 
@@ -543,11 +594,9 @@ def _split_fused(weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArchCon
             yield name, tensor
 
 
-def _hf_to_param(hf_name: str) -> tuple[str, str | None] | None:
+def _hf_to_param(hf_name: str) -> tuple[str, str | None]:
     """HF tensor name -> (our parameter name, its part of a fused parameter or None for a whole
-    one); None for a tensor that is not a weight."""
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return None
+    one)."""
     name = hf_name.removeprefix("model.")
     for hf_part, (fused, part) in _FUSED.items():
         marker = f".{hf_part}."

@@ -88,20 +88,27 @@ def family_config(name: str) -> transformers.PretrainedConfig:
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                              "original_max_position_embeddings": 64, "rope_theta": 150000.0},
             **FAMILY_COMMON)
+    if name == "glm4-moe":  # layer 0 dense; 8 experts in 4 groups, 2 eligible; a shared expert; q/k norms
+        return transformers.Glm4MoeConfig(
+            n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True,
+            attention_bias=True, tie_word_embeddings=False, **FAMILY_COMMON)
     if name == "olmo2":
         common = {k: v for k, v in FAMILY_COMMON.items() if k != "head_dim"}
         return transformers.Olmo2Config(tie_word_embeddings=False, **common)
     raise KeyError(name)
 
 
-FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2", "mixtral", "qwen3-moe", "gpt-oss"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "phi3", "olmo2", "mixtral", "qwen3-moe", "gpt-oss",
+            "glm4-moe"]
 
 
 def _randomize_norms(model) -> None:
     """Norm weights (and q/k norms) away from their constant initialization: N(1, 0.3) as a
     multiplier, so a Gemma norm that forgets its 1 + w, or a norm in the wrong place, shows; MoE
     routers (Qwen3-MoE starts them at 0), attention sinks and expert biases N(0, 1), so tokens
-    spread over the experts and a sink or bias left out changes the tokens."""
+    spread over the experts and a sink or bias left out changes the tokens; DeepSeek-style routers'
+    score correction biases (buffers) N(0, 0.5), so that the choice differs from the weights'."""
     for name, param in model.named_parameters():
         if name.endswith((".gate.weight", ".router.weight", ".router.bias", "_bias", ".sinks")):
             param.normal_(0.0, 1.0)
@@ -110,6 +117,9 @@ def _randomize_norms(model) -> None:
                 param.normal_(0.0, 0.3)  # Gemma multiplies by 1 + w
             else:
                 param.normal_(1.0, 0.3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 0.5)
 
 
 def save_family_model(folder, name: str, seed: int = 0) -> str:
