@@ -89,6 +89,10 @@ class ModelRunner:
             raise
 
     def _setup(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        if self.arch.is_mla and config.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported for "
+                             f"{self.arch.architecture}: its latent-attention cache is kept in the model's dtype "
+                             "(use kv_cache_dtype auto)")
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
             from engine import cpu_kernels
             from engine.model import fused_ops
@@ -123,10 +127,11 @@ class ModelRunner:
         self.host_cache = self._allocate_host_cache()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py); the Triton backend is the
-        # one whose plan can be shared by every batch of a bucket. A prefill worker never decodes.
+        # one whose plan can be shared by every batch of a bucket. A prefill worker never decodes;
+        # latent attention (torch, planned on the host per batch) is not captured.
         self.decode_graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and config.cuda_graphs and self.backend.name == "triton"
-                and config.role != "prefill" and self.tp is None):
+                and config.role != "prefill" and self.tp is None and not self.arch.is_mla):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_layers, self.backend, self.block_size,
                                               self.max_model_len, config.scheduler.max_num_seqs,
                                               self.arch.vocab_size, self.device)

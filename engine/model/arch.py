@@ -64,7 +64,17 @@ class ModelArchConfig:
     `norm_topk_prob`) times `moe_routed_scaling` weigh the experts. `moe_shared_intermediate_size`
     (0: none): a dense gated MLP every token runs beside the routed experts (`shared_experts`).
     `num_mtp_layers`: multi-token-prediction layers stored after the last layer (their tensors
-    are skipped: pdserve does not run them). `attention_sinks`: a learned per-head logit in every softmax's
+    are skipped: pdserve does not run them).
+
+    Multi-head latent attention (`kv_lora_rank` set; DeepSeek-V2/V3, Kimi K2): queries through
+    `q_lora_rank` (None: one `q_proj`) of `qk_nope_head_dim + qk_rope_head_dim` per head; keys and
+    values from one latent per token, `kv_lora_rank` normalized values plus `qk_rope_head_dim`
+    rotated ones (`rope_interleave`: their dims in interleaved pairs, as DeepSeek stores them);
+    values of `v_head_dim`. The cache holds that latent only, as one KV head whose K and V halves
+    are its two halves: `num_key_value_heads` 1 and `head_dim` (kv_lora_rank + qk_rope_head_dim) / 2,
+    so every part of pdserve that sizes, moves or hashes KV blocks sees exactly the latent's bytes.
+    `attention_scale` then carries the softmax scale (with yarn's `mscale_all_dim` correction).
+    `attention_sinks`: a learned per-head logit in every softmax's
     denominator (gpt-oss).
     """
 
@@ -113,6 +123,12 @@ class ModelArchConfig:
     moe_routed_scaling: float = 1.0
     moe_shared_intermediate_size: int = 0
     num_mtp_layers: int = 0
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     attention_sinks: bool = False
 
     def __post_init__(self) -> None:
@@ -131,7 +147,9 @@ class ModelArchConfig:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
+        if self.kv_lora_rank is not None:
+            self._check_latent_attention()
+        elif self.head_dim % 2:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
@@ -192,6 +210,31 @@ class ModelArchConfig:
         _check_token_ids("eos_token_id", self.eos_token_id)
         _check_rope_scaling(self.rope_scaling)
 
+    def _check_latent_attention(self) -> None:
+        sizes = dict(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                     qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+        if self.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.q_lora_rank
+        bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad or self.qk_rope_head_dim % 2:
+            raise ValueError(f"model config: latent attention needs positive sizes and an even "
+                             f"qk_rope_head_dim, got {sizes}")
+        if (self.kv_lora_rank + self.qk_rope_head_dim) % 2:
+            raise ValueError(f"model config: kv_lora_rank + qk_rope_head_dim ({self.kv_lora_rank} + "
+                             f"{self.qk_rope_head_dim}) must be even: the cache stores the latent in two halves")
+        if self.num_key_value_heads != 1 or 2 * self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim:
+            raise ValueError("model config: a latent-attention model's cache is one KV head of half the latent")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (the cache holds latents)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The per-head dims RoPE tables are built for: the rotated part of an MLA head, else a head."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
@@ -239,17 +282,20 @@ class ModelArchConfig:
             p = f"model.layers.{i}."
             for _, name in self.layer_norms:
                 shapes[p + name + ".weight"] = (hidden,)
-            if self.fused_checkpoint:
-                shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, hidden)
+            if self.is_mla:
+                shapes.update(self._latent_attention_shapes(p + "self_attn."))
             else:
-                shapes[p + "self_attn.q_proj.weight"] = (self.q_size, hidden)
-                shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, hidden)
-                shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, hidden)
-            shapes[p + "self_attn.o_proj.weight"] = (hidden, self.q_size)
-            if self.attention_bias:
-                shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
-                shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
-                shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
+                if self.fused_checkpoint:
+                    shapes[p + "self_attn.qkv_proj.weight"] = (self.q_size + 2 * self.kv_size, hidden)
+                else:
+                    shapes[p + "self_attn.q_proj.weight"] = (self.q_size, hidden)
+                    shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, hidden)
+                    shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, hidden)
+                shapes[p + "self_attn.o_proj.weight"] = (hidden, self.q_size)
+                if self.attention_bias:
+                    shapes[p + "self_attn.q_proj.bias"] = (self.q_size,)
+                    shapes[p + "self_attn.k_proj.bias"] = (self.kv_size,)
+                    shapes[p + "self_attn.v_proj.bias"] = (self.kv_size,)
             if self.o_proj_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (hidden,)
             if self.attention_sinks:
@@ -288,6 +334,25 @@ class ModelArchConfig:
         shapes["model.norm.weight"] = (hidden,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, hidden)
+        return shapes
+
+    def _latent_attention_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
+        hidden, heads, latent = self.hidden_size, self.num_attention_heads, self.kv_lora_rank
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = self.attention_bias
+        shapes = {p + "kv_a_proj_with_mqa.weight": (latent + self.qk_rope_head_dim, hidden),
+                  p + "kv_a_layernorm.weight": (latent,),
+                  p + "kv_b_proj.weight": (heads * (self.qk_nope_head_dim + self.v_head_dim), latent),
+                  p + "o_proj.weight": (hidden, heads * self.v_head_dim)}
+        if self.q_lora_rank is None:
+            shapes[p + "q_proj.weight"] = (heads * qk_head, hidden)
+        else:
+            shapes.update({p + "q_a_proj.weight": (self.q_lora_rank, hidden), p + "q_a_layernorm.weight": (self.q_lora_rank,),
+                           p + "q_b_proj.weight": (heads * qk_head, self.q_lora_rank)})
+            if bias:
+                shapes[p + "q_a_proj.bias"] = (self.q_lora_rank,)
+        if bias:
+            shapes[p + "kv_a_proj_with_mqa.bias"] = (latent + self.qk_rope_head_dim,)
         return shapes
 
     @classmethod

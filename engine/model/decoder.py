@@ -42,6 +42,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.variant import AttentionVariant
 from engine.model import fused_ops
 from engine.model.arch import NORM_ROLES, ModelArchConfig, canonical_weights
+from engine.model.layers import Linear, RMSNorm, RowParallelLinear
+from engine.model.mla import LatentAttention
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -99,48 +101,6 @@ class TensorParallelShard:
             kv_heads, kv_start = 1, rank // (size // arch.num_key_value_heads)
         inter = arch.intermediate_size // size
         return cls(rank, size, heads, rank * heads, kv_heads, kv_start, inter, rank * inter)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:  # per-head q / k norms: [tokens, heads, head_dim]
-            return fused_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        return fused_ops.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual += x` in place, then the norm of the sum (one pass in the fused kernel)."""
-        return fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that may carry a pre-blocked copy of its weight for CPU bf16 / float32 matmuls
-    (`fused_ops.prepack_linear_weight`; set by `DecoderForCausalLM.prepack_linear_weights`)."""
-
-    packed: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.linear(x, self.weight, self.bias, self.packed)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose input features are split across the tensor-parallel ranks: each computes a
-    partial sum, all-reduced, then the bias (whole on every rank) is added once. With `tp` None it
-    is a plain `Linear`."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp is None:
-            return super().forward(x)
-        out = self.tp.all_reduce(fused_ops.linear(x, self.weight, None, self.packed))
-        return out if self.bias is None else out.add_(self.bias)
 
 
 class Attention(nn.Module):
@@ -346,7 +306,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_index: int, shard: TensorParallelShard,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer_index, shard, tp)
+        self.self_attn = (LatentAttention if arch.is_mla else Attention)(arch, layer_index, shard, tp)
         self.mlp = SparseMoE(arch, shard, tp) if arch.is_moe(layer_index) else GatedMLP(arch, shard, tp)
         by_role = {}
         for role, name in arch.layer_norms:
@@ -387,10 +347,10 @@ class DecoderForCausalLM(nn.Module):
         unless sliding ones have their own base) and `rotary_local` (Gemma 3's sliding layers)."""
         arch = self.arch
         partial = {} if arch.rotary_dim is None else {"rotary_dim": arch.rotary_dim}
-        self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
+        self.rotary = RotaryEmbedding(arch.rope_dim, max_position, arch.rope_theta, arch.rope_scaling,
                                       **partial).to(device)
         self.rotary_local = None if arch.rope_local_theta is None else RotaryEmbedding(
-            arch.head_dim, max_position, arch.rope_local_theta, None, **partial).to(device)
+            arch.rope_dim, max_position, arch.rope_local_theta, None, **partial).to(device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -492,6 +452,8 @@ class DecoderForCausalLM(nn.Module):
                 seen.add(hf_name)
                 continue
             param_name, part = _hf_to_param(hf_name)
+            if part is not None and hf_name.removeprefix("model.") in params:  # MLA's own q_proj
+                param_name, part = hf_name.removeprefix("model."), None
             if param_name not in params:
                 if param_name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied: the checkpoint may still carry a copy
@@ -559,11 +521,12 @@ class DecoderForCausalLM(nn.Module):
             return tensor.narrow(0, start * head_dim, heads * head_dim)
         if hf_name.endswith(".self_attn.sinks"):
             return tensor.narrow(0, shard.head_start, shard.num_heads)
-        if hf_name.endswith(".o_proj.weight"):
-            return tensor.narrow(1, shard.head_start * head_dim, shard.num_heads * head_dim)
-        if hf_name.endswith(".down_proj.weight"):
-            return tensor.narrow(1, shard.rank * param.shape[1], param.shape[1])
-        return tensor
+        # the rest is whole, or this rank's equal slice along the one dimension that is split
+        # (rows by heads or intermediate columns; o_proj's and down_proj's input columns)
+        split = [d for d in range(tensor.dim()) if tensor.shape[d] != param.shape[d]]
+        if not split:
+            return tensor
+        return tensor.narrow(split[0], shard.rank * param.shape[split[0]], param.shape[split[0]])
 
 
 def _check_shape(hf_name: str, tensor: torch.Tensor, expected: tuple[int, ...], arch: ModelArchConfig) -> None:

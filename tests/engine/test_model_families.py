@@ -79,3 +79,23 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
     folder = save_tiny_model(tmp_path, config)
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; pdserve runs .*Gemma3ForCausalLM"):
         resolve_model(folder)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v2-lite"])
+def test_a_latent_attention_cache_holds_one_latent_per_token_and_layer(tmp_path, name):
+    """The cache of an MLA model is sized, allocated and sent per block as (kv_lora_rank +
+    qk_rope_head_dim) values per token and layer (576 at DeepSeek-V3's sizes), not as keys and
+    values per head; an 8-bit cache is refused at load, naming what works."""
+    from engine.kv_cache import allocate_kv_cache, bytes_per_block
+    from engine.model.arch import ModelArchConfig
+    arch = ModelArchConfig.from_hf_config(family_config(name))
+    latent = arch.kv_lora_rank + arch.qk_rope_head_dim
+    assert arch.is_mla and latent == 40
+    assert bytes_per_block(arch, 16, torch.bfloat16) == arch.num_hidden_layers * 16 * latent * 2
+    cache = allocate_kv_cache(arch, 3, 16, torch.float32, "cpu")
+    assert cache.layers[0][0].numel() == 16 * latent
+    full = ModelArchConfig.from_hf_config(transformers.DeepseekV3Config())  # DeepSeek-V3's own sizes
+    assert full.kv_lora_rank + full.qk_rope_head_dim == 576 and full.head_dim == 288 and full.num_key_value_heads == 1
+    folder = save_family_model(tmp_path, name)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not supported for DeepseekV3ForCausalLM"):
+        LLM(folder, kv_cache_dtype="int8")

@@ -13,7 +13,7 @@ import pytest
 
 import kvtransfer
 from tests.engine.kv_pair import PARAMS, Pair, make_engine, prompt
-from tests.engine.tiny_models import save_tiny_model, tiny_config
+from tests.engine.tiny_models import save_family_model, save_tiny_model, tiny_config
 
 PROMPTS = [prompt(1, 13), prompt(2, 30), prompt(3, 7)]
 # name: (prefill TP, decode TP, model overrides, transport). The tiny model: 4 query heads, 2 KV heads.
@@ -27,6 +27,10 @@ CASES = {
     "int8-p2-to-d1": (2, 1, {}, "tcp", "int8"),
     "int8-p1-to-d2": (1, 2, {}, "tcp", "int8"),
     "fp8-p4-kv-replicated-to-d2-shm": (4, 2, {}, "shm", "fp8_e4m3"),
+    # latent attention (tests/engine/tiny_models.py): every rank holds every token's latent, and
+    # one copy of it crosses, not one per rank
+    "mla-p2-to-d1": (2, 1, {"family": "deepseek-v3"}, "tcp"),
+    "mla-p1-to-d2": (1, 2, {"family": "deepseek-v2-lite"}, "tcp"),
 }
 
 
@@ -40,7 +44,8 @@ def folders(tmp_path_factory):
     def folder(overrides: dict) -> str:
         key = tuple(sorted(overrides.items()))
         if key not in made:
-            made[key] = save_tiny_model(tmp_path_factory.mktemp("tiny"), tiny_config(**overrides))
+            made[key] = (save_family_model(tmp_path_factory.mktemp("family"), overrides["family"]) if "family" in overrides
+                         else save_tiny_model(tmp_path_factory.mktemp("tiny"), tiny_config(**overrides)))
         return made[key]
     return folder
 
@@ -87,6 +92,11 @@ def test_prefill_at_one_degree_fills_decode_at_another_token_exact(name, folders
         for i in range(len(PROMPTS)):
             outcome = finals[f"r{i}:import"]
             assert outcome.prefilled_remotely and outcome.bytes_received > 0, outcome
+            arch = pair.decode.runner.arch
+            if arch.is_mla:  # every block of the prompt, each token's latent once per layer
+                latent_bytes = (arch.kv_lora_rank + arch.qk_rope_head_dim) * pair.decode.runner.kv_cache.data.element_size()
+                blocks = -(-len(PROMPTS[i]) // pair.decode.runner.block_size)
+                assert outcome.bytes_received == blocks * pair.decode.runner.block_size * arch.num_hidden_layers * latent_bytes
         assert not pair.decode.kv_connector.failures and not pair.prefill.kv_connector.failures
         pair.assert_nothing_held()
     finally:

@@ -1,0 +1,56 @@
+"""The layers every model family shares: RMSNorm, Linear (with its optional pre-blocked weight)
+and the row-parallel Linear of tensor parallelism (engine/model/decoder.py says how TP splits a
+model)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.model import fused_ops
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallelGroup
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # per-head q / k norms: [tokens, heads, head_dim]
+            return fused_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual += x` in place, then the norm of the sum (one pass in the fused kernel)."""
+        return fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that may carry a pre-blocked copy of its weight for CPU bf16 / float32 matmuls
+    (`fused_ops.prepack_linear_weight`; set by `DecoderForCausalLM.prepack_linear_weights`)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ops.linear(x, self.weight, self.bias, self.packed)
+
+
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across the tensor-parallel ranks: each computes a
+    partial sum, all-reduced, then the bias (whole on every rank) is added once. With `tp` None it
+    is a plain `Linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup | None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(x)
+        out = self.tp.all_reduce(fused_ops.linear(x, self.weight, None, self.packed))
+        return out if self.bias is None else out.add_(self.bias)
