@@ -18,7 +18,7 @@ NORM_ROLES = ("input", "attn_out", "mlp_in", "mlp_out")
 QK_NORMS = ("head", "projection")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LLAMA_NORMS = (("input", "input_layernorm"), ("mlp_in", "post_attention_layernorm"))
-MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "softmax_group_topk", "sigmoid_group_topk")
 EXPERT_LAYOUTS = ("rows", "gpt_oss")
 
 TokenIds = int | list[int] | None
@@ -61,7 +61,8 @@ class ModelArchConfig:
     sigmoid scores, to which the router's `e_score_correction_bias` is added for the choice only;
     the experts fall in `moe_num_groups` groups, of which the `moe_topk_groups` with the highest
     sum of their two best scores are eligible; the chosen scores (renormalized when
-    `norm_topk_prob`) times `moe_routed_scaling` weigh the experts. `moe_shared_intermediate_size`
+    `norm_topk_prob`) times `moe_routed_scaling` weigh the experts. DeepSeek-V2's
+    ("softmax_group_topk"): softmax scores, the eligible groups those with the best single score. `moe_shared_intermediate_size`
     (0: none): a dense gated MLP every token runs beside the routed experts (`shared_experts`).
     `num_mtp_layers`: multi-token-prediction layers stored after the last layer (their tensors
     are skipped: pdserve does not run them).
@@ -192,7 +193,7 @@ class ModelArchConfig:
                                  f"expert_layout one of {', '.join(EXPERT_LAYOUTS)}")
             if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
                 raise ValueError("model config: the clamped SwiGLU needs both swiglu_limit and swiglu_alpha")
-            if self.moe_router == "sigmoid_group_topk":
+            if self.moe_router.endswith("group_topk"):
                 groups, chosen = self.moe_num_groups, self.moe_topk_groups
                 per_group = self.num_experts // groups if groups > 0 and self.num_experts % groups == 0 else 0
                 if per_group < 2 or not 1 <= chosen <= groups or self.num_experts_per_tok > chosen * per_group:

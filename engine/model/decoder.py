@@ -42,8 +42,9 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.variant import AttentionVariant
 from engine.model import fused_ops
 from engine.model.arch import NORM_ROLES, ModelArchConfig, canonical_weights
-from engine.model.layers import Linear, RMSNorm, RowParallelLinear
+from engine.model.layers import GatedMLP, Linear, RMSNorm, RowParallelLinear
 from engine.model.mla import LatentAttention
+from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -167,136 +168,6 @@ class Attention(nn.Module):
         x32 = x.float()
         squares = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / replicas
         return norm.weight * (x32 * torch.rsqrt(squares / width + norm.eps)).to(x.dtype)
-
-
-_GATED_ACTS = {"silu": fused_ops.silu_and_mul, "gelu_pytorch_tanh": fused_ops.gelu_tanh_and_mul}
-
-
-def _clamped_swiglu(alpha: float, limit: float):
-    """gpt-oss's expert activation over a [gate | up] row: (up + 1) * gate * sigmoid(alpha * gate),
-    gate clamped above at `limit`, up to [-limit, limit]."""
-    def act_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    return act_and_mul
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu, tanh approximation), of this
-    rank's `intermediate_size` columns (None: the dense MLP's, `shard.intermediate_size`)."""
-
-    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
-                 tp: TensorParallelGroup | None = None, intermediate_size: int | None = None) -> None:
-        super().__init__()
-        inter = shard.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=False)
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
-        self.act_and_mul = _GATED_ACTS[arch.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
-
-
-class Router(nn.Module):
-    """A mixture of experts' router (replicated under TP): each token's `top_k` experts and
-    their weights, by `arch.moe_router`:
-    - "softmax_topk" (Mixtral, Qwen3-MoE): softmax over every expert, the top k, renormalized to
-      sum to 1 with `norm_topk_prob`;
-    - "topk_softmax" (gpt-oss, biased): the top k logits, then their softmax;
-    - "sigmoid_group_topk" (DeepSeek-V3, GLM-4.5), in float32: sigmoid scores; the choice adds
-      `e_score_correction_bias` and keeps to the `moe_topk_groups` groups whose two best scores
-      sum highest; the weights are the chosen plain scores (renormalized with `norm_topk_prob`)
-      times `moe_routed_scaling`."""
-
-    def __init__(self, arch: ModelArchConfig) -> None:
-        super().__init__()
-        self.kind, self.top_k, self.renormalize = arch.moe_router, arch.num_experts_per_tok, arch.norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size))
-        self.bias = nn.Parameter(torch.empty(arch.num_experts)) if arch.moe_bias else None
-        grouped = self.kind == "sigmoid_group_topk"
-        self.e_score_correction_bias = nn.Parameter(torch.empty(arch.num_experts)) if grouped else None
-        self.groups, self.topk_groups, self.scaling = arch.moe_num_groups, arch.moe_topk_groups, arch.moe_routed_scaling
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, top_k] float32, experts [tokens, top_k])."""
-        if self.kind == "sigmoid_group_topk":
-            return self._grouped(torch.nn.functional.linear(x.float(), self.weight.float()))
-        logits = fused_ops.linear(x, self.weight, self.bias)
-        if self.kind == "topk_softmax":
-            top, experts = torch.topk(logits, self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1), experts
-        weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
-
-    def _grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        by_group = choice.view(choice.shape[0], self.groups, -1)
-        best_groups = torch.topk(by_group.topk(2, dim=-1)[0].sum(dim=-1), self.topk_groups, dim=-1)[1]
-        allowed = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = by_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
-        experts = torch.topk(choice, self.top_k, dim=-1)[1]
-        weights = scores.gather(1, experts)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, experts
-
-
-class SparseMoE(nn.Module):
-    """A mixture of gated experts (Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5): the `Router` (`gate`)
-    picks `top_k` experts per token; each expert is a GatedMLP of `moe_intermediate_size`, its
-    gate|up rows in `experts_gate_up[e]` and its down projection in `experts_down[e]`. Tokens run
-    grouped: the (token, expert) pairs sorted by expert, one matmul pair per expert that any token
-    chose, the outputs scaled by the routing weight and added per token in expert order (as
-    transformers sums them), plus the shared experts' MLP where the family has one. Under tensor
-    parallelism every expert (and the shared MLP) is split along its intermediate dimension like
-    a dense MLP, and the output is all-reduced once."""
-
-    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
-                 tp: TensorParallelGroup | None = None) -> None:
-        super().__init__()
-        self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
-        self.intermediate_size = arch.moe_intermediate_size // shard.size  # this rank's
-        self.inter_start = shard.rank * self.intermediate_size
-        self.gate = Router(arch)
-        self.experts_gate_up = nn.Parameter(torch.empty(arch.num_experts, 2 * self.intermediate_size, arch.hidden_size))
-        self.experts_down = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, self.intermediate_size))
-        # biases (gpt-oss): gate|up's split like their rows; down's added once, by rank 0
-        bias = arch.moe_bias
-        self.experts_gate_up_bias = nn.Parameter(torch.empty(arch.num_experts, 2 * self.intermediate_size)) if bias else None
-        self.experts_down_bias = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size)) if bias else None
-        self._add_down_bias = bias and shard.rank == 0
-        self.act_and_mul = (_GATED_ACTS[arch.hidden_act] if arch.swiglu_limit is None
-                            else _clamped_swiglu(arch.swiglu_alpha, arch.swiglu_limit))
-        # partial sums under TP, like the experts': one all-reduce for both
-        shared = arch.moe_shared_intermediate_size // shard.size
-        self.shared_experts = GatedMLP(arch, shard, None, shared) if shared else None
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        tokens = order // self.top_k  # the token of each (token, expert) pair, sorted by expert
-        pair_weights = weights.to(x.dtype).flatten().index_select(0, order)[:, None]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if count:
-                rows = tokens[start:start + count]
-                gate_up_bias = None if self.experts_gate_up_bias is None else self.experts_gate_up_bias[expert]
-                down_bias = self.experts_down_bias[expert] if self._add_down_bias else None
-                hidden = self.act_and_mul(fused_ops.linear(x.index_select(0, rows), self.experts_gate_up[expert],
-                                                           gate_up_bias))
-                out.index_add_(0, rows, fused_ops.linear(hidden, self.experts_down[expert], down_bias)
-                               * pair_weights[start:start + count])
-                start += count
-        if self.shared_experts is not None:
-            out += self.shared_experts(x)
-        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

@@ -1,6 +1,6 @@
-"""The layers every model family shares: RMSNorm, Linear (with its optional pre-blocked weight)
-and the row-parallel Linear of tensor parallelism (engine/model/decoder.py says how TP splits a
-model)."""
+"""The layers every model family shares: RMSNorm, Linear (with its optional pre-blocked weight),
+the row-parallel Linear of tensor parallelism (engine/model/decoder.py says how TP splits a
+model) and the gated MLP."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,6 +11,8 @@ from torch import nn
 from engine.model import fused_ops
 
 if TYPE_CHECKING:
+    from engine.model.arch import ModelArchConfig
+    from engine.model.decoder import TensorParallelShard
     from engine.parallel import TensorParallelGroup
 
 
@@ -54,3 +56,22 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         out = self.tp.all_reduce(fused_ops.linear(x, self.weight, None, self.packed))
         return out if self.bias is None else out.add_(self.bias)
+
+
+GATED_ACTS = {"silu": fused_ops.silu_and_mul, "gelu_pytorch_tanh": fused_ops.gelu_tanh_and_mul}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu, tanh approximation), of this
+    rank's `intermediate_size` columns (None: the dense MLP's, `shard.intermediate_size`)."""
+
+    def __init__(self, arch: ModelArchConfig, shard: TensorParallelShard,
+                 tp: TensorParallelGroup | None = None, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        inter = shard.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=False)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, tp)
+        self.act_and_mul = GATED_ACTS[arch.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

@@ -97,5 +97,5 @@ def test_a_latent_attention_cache_holds_one_latent_per_token_and_layer(tmp_path,
     full = ModelArchConfig.from_hf_config(transformers.DeepseekV3Config())  # DeepSeek-V3's own sizes
     assert full.kv_lora_rank + full.qk_rope_head_dim == 576 and full.head_dim == 288 and full.num_key_value_heads == 1
     folder = save_family_model(tmp_path, name)
-    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not supported for DeepseekV3ForCausalLM"):
+    with pytest.raises(ValueError, match="kv_cache_dtype .int8. is not supported for Deepseek(V2|V3)ForCausalLM"):
         LLM(folder, kv_cache_dtype="int8")

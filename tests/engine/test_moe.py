@@ -1,4 +1,4 @@
-"""The grouped mixture-of-experts layer (engine/model/decoder.py `SparseMoE`) against a per-token
+"""The grouped mixture-of-experts layer (engine/model/moe.py `SparseMoE`) against a per-token
 reference: tokens routed to every expert, experts that no token chose, all tokens to one expert,
 a single token (a decode step), with and without renormalized top-k weights; and the checkpoint
 layouts it loads (Mixtral's names, per-expert tensors, transformers 5's fused 3-D tensors)."""
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import transformers
 
 from engine.model.arch import ModelArchConfig, canonical_weights
-from engine.model.decoder import SparseMoE, TensorParallelShard
+from engine.model.decoder import TensorParallelShard
+from engine.model.moe import SparseMoE
 
 HIDDEN, EXPERTS, INTER = 32, 4, 24
 
@@ -95,7 +96,7 @@ def test_deepseek_v3_grouped_routing_matches_transformers(renormalize):
     and weights per token as transformers' DeepseekV3TopkRouter, with a bias large enough to
     change the choice and groups that exclude some tokens' best experts."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-    from engine.model.decoder import Router
+    from engine.model.moe import Router
     moe = dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                norm_topk_prob=renormalize, moe_intermediate_size=INTER, hidden_size=HIDDEN)
     reference = DeepseekV3TopkRouter(transformers.DeepseekV3Config(**moe)).eval()
@@ -118,6 +119,51 @@ def test_deepseek_v3_grouped_routing_matches_transformers(renormalize):
     # the bias changed some choices, and the groups kept some tokens from their best experts
     unbiased = torch.topk(torch.sigmoid(x @ reference.weight.T), 4, dim=-1).indices.sort(-1).values
     assert not torch.equal(unbiased, experts.sort(-1).values)
+
+
+_V2_MLA = dict(vocab_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=16,
+               qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_shared_experts=1)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routing_matches_transformers(method):
+    """DeepSeek-V2's router: softmax scores, the top k of all experts (V2-Lite's greedy) or of
+    the best groups by their best score (V2's group-limited greedy), times the scaling factor.
+    Same experts and weights per token as transformers' DeepseekV2TopkRouter; the groups keep
+    some tokens from their best experts."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from engine.model.moe import Router
+    groups = dict(n_group=4, topk_group=2) if method == "group_limited_greedy" else {}
+    config = transformers.DeepseekV2Config(n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5,
+                                           topk_method=method, moe_intermediate_size=INTER, hidden_size=HIDDEN,
+                                           **groups, **_V2_MLA)
+    reference = DeepseekV2TopkRouter(config).eval()
+    arch = ModelArchConfig.from_hf_config(config)
+    assert arch.moe_router == ("softmax_group_topk" if groups else "softmax_topk")
+    router = Router(arch)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        reference.weight.normal_(0.0, 0.5)
+        router.weight.copy_(reference.weight)
+    x = torch.randn(64, HIDDEN)
+    _, want_weights, want_experts = reference(x)
+    weights, experts = router(x)
+    order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
+    assert torch.equal(experts.gather(1, order), want_experts.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+    unlimited = torch.topk(x @ reference.weight.T, 4, dim=-1).indices.sort(-1).values
+    assert torch.equal(unlimited, experts.sort(-1).values) == (not groups)
+
+
+@pytest.mark.parametrize("field, value, named", [("topk_method", "noaux_tc", "topk_method 'noaux_tc'"),
+                                                  ("norm_topk_prob", True, "norm_topk_prob=true"),
+                                                  ("scoring_func", "sigmoid", "scoring_func")])
+def test_deepseek_v2_options_it_cannot_run_are_refused(field, value, named):
+    config = transformers.DeepseekV2Config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=INTER,
+                                           hidden_size=HIDDEN, **_V2_MLA).to_dict()
+    config.update({field: value, "architectures": ["DeepseekV2ForCausalLM"]})
+    with pytest.raises(ValueError, match=named):
+        ModelArchConfig.from_hf_config(config)
 
 
 def test_multi_token_prediction_layers_are_skipped_only_where_the_config_has_them():

@@ -94,18 +94,21 @@ def family_config(name: str) -> transformers.PretrainedConfig:
             moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True,
             attention_bias=True, tie_word_embeddings=False, **FAMILY_COMMON)
     if name in ("deepseek-v3", "deepseek-v2-lite"):
-        # latent attention (a 40-value latent: 32 + 8 rotated dims), DeepSeek-V3's experts; V3: q
-        # compression, interleaved RoPE dims, yarn with both mscales; V2-Lite's shape: one q_proj
+        # latent attention (a 40-value latent: 32 + 8 rotated dims) and shared experts. V3: q
+        # compression, interleaved RoPE dims, yarn with both mscales, sigmoid grouped routing.
+        # DeepseekV2ForCausalLM in V2-Lite's shape (one q_proj), with V2's group-limited greedy
+        # softmax routing (V2-Lite's own is plain greedy: tests/engine/test_moe.py)
         common = {k: v for k, v in FAMILY_COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
-        v3 = name == "deepseek-v3"
-        rope = ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
-                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0} if v3
-                else {"rope_type": "default", "rope_theta": 10000.0})
-        return transformers.DeepseekV3Config(
-            num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24 if v3 else None, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=12, rope_interleave=v3, rope_parameters=rope, n_routed_experts=8,
-            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
-            first_k_dense_replace=1, routed_scaling_factor=2.5, tie_word_embeddings=False, **common)
+        mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                   moe_intermediate_size=32, first_k_dense_replace=1, tie_word_embeddings=False, **common)
+        if name == "deepseek-v2-lite":
+            return transformers.DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
+                                                 routed_scaling_factor=1.5, **mla)
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}
+        return transformers.DeepseekV3Config(q_lora_rank=24, rope_interleave=True, rope_parameters=rope,
+                                             routed_scaling_factor=2.5, **mla)
     if name == "olmo2":
         common = {k: v for k, v in FAMILY_COMMON.items() if k != "head_dim"}
         return transformers.Olmo2Config(tie_word_embeddings=False, **common)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from engine.model.families import deepseek_v3, gemma, glm4_moe, gpt_oss, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
+from engine.model.families import deepseek_v2, deepseek_v3, gemma, glm4_moe, gpt_oss, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma, phi3, olmo2, mixtral, qwen3_moe, gpt_oss, glm4_moe, deepseek_v3)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma, phi3, olmo2, mixtral, qwen3_moe, gpt_oss, glm4_moe, deepseek_v2, deepseek_v3)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for family in FAMILIES for a in family.ARCHITECTURES)
 _BY_ARCHITECTURE = {a: (family, t) for family in FAMILIES for a, t in family.ARCHITECTURES.items()}
 _BY_MODEL_TYPE = {t: (family, a) for family in FAMILIES for a, t in reversed(family.ARCHITECTURES.items())}

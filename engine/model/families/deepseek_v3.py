@@ -11,11 +11,11 @@ import math
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
 
 
-def moe_fields(config) -> dict:
+def moe_fields(config, first_dense_default: int = 1) -> dict:
     """DeepSeek-V3's experts: sigmoid scores with `e_score_correction_bias`, `n_group` groups of
     which `topk_group` are eligible, `routed_scaling_factor`, `n_shared_experts` shared experts,
     the first `first_k_dense_replace` layers dense."""
-    layers, dense = config.get("num_hidden_layers"), config.get("first_k_dense_replace", 1)
+    layers, dense = config.get("num_hidden_layers"), config.get("first_k_dense_replace", first_dense_default)
     inter = config.get("moe_intermediate_size")
     return dict(num_experts=config.get("n_routed_experts", config.get("num_local_experts", 0)),
                 num_experts_per_tok=config.get("num_experts_per_tok"), moe_intermediate_size=inter,
@@ -39,11 +39,15 @@ def softmax_scale(qk_head_dim: int, rope: dict | None) -> float:
 
 
 def arch_fields(model_type: str, config) -> dict:
+    return dict(**latent_attention_fields(config), rope_interleave=bool(config.get("rope_interleave", True)),
+                **moe_fields(config))
+
+
+def latent_attention_fields(config) -> dict:
+    """Multi-head latent attention's fields, which DeepSeek-V2 shares."""
     latent, rope = config.get("kv_lora_rank"), config.get("qk_rope_head_dim")
     nope = config.get("qk_nope_head_dim")
     return dict(kv_lora_rank=latent, q_lora_rank=config.get("q_lora_rank"), qk_nope_head_dim=nope,
                 qk_rope_head_dim=rope, v_head_dim=config.get("v_head_dim"),
-                rope_interleave=bool(config.get("rope_interleave", True)),
                 num_key_value_heads=1, head_dim=(latent + rope) // 2,
-                attention_scale=softmax_scale(nope + rope, config.get("rope_parameters") or config.get("rope_scaling")),
-                **moe_fields(config))
+                attention_scale=softmax_scale(nope + rope, config.get("rope_parameters") or config.get("rope_scaling")))
