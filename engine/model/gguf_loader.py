@@ -20,6 +20,9 @@ a value at its config default (Gemma 3's layer pattern, local RoPE base and
 query_pre_attn_scalar; Qwen3's head_dim); for real checkpoints both agree.
 Llama 3.1-style `rope_freqs.weight` (not a Hugging Face tensor) is turned back into the
 `llama3` rope_scaling it was computed from, or refused when no such config reproduces it.
+Qwen3-MoE's experts, which llama.cpp stacks per layer and projection (`ffn_{gate,up,down}_exps`,
+[experts, rows, cols]), become transformers 5's fused `mlp.experts.gate_up_proj` (gate rows then
+up rows) and `mlp.experts.down_proj`, as transformers loads them.
 """
 from __future__ import annotations
 
@@ -48,12 +51,13 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # transformers' model_type where it differs from the GGUF architecture name (a gemma3 GGUF
 # holds only the text model).
-_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # llama.cpp's converter computes rope_freqs with original_max_position_embeddings read from the
@@ -89,9 +93,15 @@ _BLOCK_TENSORS_BY_ARCH = {
     "llama": _BLOCK_TENSORS,
     "qwen2": _BLOCK_TENSORS,
     "qwen3": {**_BLOCK_TENSORS, **_QK_NORM_TENSORS},
+    "qwen3moe": {**_BLOCK_TENSORS, **_QK_NORM_TENSORS, "ffn_gate_inp": "mlp.gate"},
     "gemma2": {**_BLOCK_TENSORS, **_GEMMA_NORM_TENSORS},
     "gemma3": {**_BLOCK_TENSORS, **_GEMMA_NORM_TENSORS, **_QK_NORM_TENSORS},
 }
+# llama.cpp stacks each layer's experts, [experts, rows, cols] per projection; they become
+# transformers 5's fused tensors (gate rows, then up rows, in one): (name, part of it).
+_STACKED_EXPERTS = {"ffn_gate_exps": ("mlp.experts.gate_up_proj", 0), "ffn_up_exps": ("mlp.experts.gate_up_proj", 1),
+                    "ffn_down_exps": ("mlp.experts.down_proj", 0)}
+_MOE_ARCHITECTURES = ("qwen3moe",)
 # Tensors llama.cpp adds that are config, not weights (read into config.json instead).
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -263,7 +273,8 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
         "model_type": _HF_MODEL_TYPE.get(arch_name, arch_name),
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_size": hidden,
-        "intermediate_size": uniform("feed_forward_length", meta("feed_forward_length")),
+        "intermediate_size": uniform("feed_forward_length", meta("feed_forward_length", 0,
+                                                                 required=arch_name not in _MOE_ARCHITECTURES)),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -280,10 +291,21 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
         hf_config.update(_gemma_config(path, arch_name, meta, hf_config))
     else:
         hf_config["hidden_act"] = "silu"
-    if arch_name in ("llama", "qwen3"):
+    if arch_name in ("llama", "qwen3", "qwen3moe"):
         hf_config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch_name in _MOE_ARCHITECTURES:
+        hf_config.update(_moe_config(meta, tensors, num_layers))
     return _GGUFModel(path, arch_name, hf_config, _engine_arch(path, hf_config),
                       _field(reader, "tokenizer.ggml.padding_token_id"))
+
+
+def _moe_config(meta: Any, tensors: dict, num_layers: int) -> dict:
+    """Qwen3-MoE's experts as llama.cpp reads them: it always renormalizes the chosen experts'
+    weights (norm_topk_prob), and a layer without a router is dense."""
+    return {"num_experts": int(meta("expert_count")), "num_experts_per_tok": int(meta("expert_used_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")), "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
 
 
 def _gemma_config(path: str, arch_name: str, meta: Any, base: dict) -> dict:
@@ -394,15 +416,20 @@ def _llama3_rope_scaling(path: str, tensor: Any, rope_theta: float, head_dim: in
         "exactly; use the model's Hugging Face folder instead")
 
 
-def _hf_name(gguf_architecture: str, gguf_name: str) -> str:
+def _hf_name(gguf_architecture: str, gguf_name: str) -> tuple[str, int]:
+    """(Hugging Face name, part): stacked gate and up experts are parts 0 and 1 of one tensor."""
     if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+        return _GLOBAL_TENSORS[gguf_name], 0
     table = _BLOCK_TENSORS_BY_ARCH[gguf_architecture]
     match = _BLOCK_NAME.match(gguf_name)
+    if match is not None and gguf_architecture in _MOE_ARCHITECTURES and match.group(2) in _STACKED_EXPERTS \
+            and match.group(3) == "weight":
+        name, part = _STACKED_EXPERTS[match.group(2)]
+        return f"model.layers.{match.group(1)}.{name}", part
     if match is None or match.group(2) not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a {gguf_architecture} model")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{table[part]}.{kind}"
+    return f"model.layers.{layer}.{table[part]}.{kind}", 0
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -436,17 +463,37 @@ def _dequantized(model: _GGUFModel, tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(weight)
 
 
-def _plan_shards(tensors: list) -> list[list]:
+def _plan_shards(outputs: list[tuple[str, list]]) -> list[list[tuple[str, list]]]:
     shards: list[list] = [[]]
     size = 0
-    for tensor in tensors:
-        nbytes = int(tensor.n_elements) * 4
+    for output in outputs:
+        nbytes = sum(int(t.n_elements) for t in output[1]) * 4
         if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append(tensor)
+        shards[-1].append(output)
         size += nbytes
     return shards
+
+
+def _outputs(model: _GGUFModel, tensors: list) -> list[tuple[str, list]]:
+    """The Hugging Face tensors to write, in file order: (name, the GGUF tensors that make it, in
+    order along their second axis). Raises on a tensor this architecture does not have."""
+    parts: dict[str, dict[int, Any]] = {}
+    for tensor in tensors:
+        name, part = _hf_name(model.gguf_architecture, tensor.name)
+        parts.setdefault(name, {})[part] = tensor
+    outputs = []
+    for name, by_part in parts.items():
+        if sorted(by_part) != list(range(len(by_part))) or (name.endswith("gate_up_proj") and len(by_part) != 2):
+            raise ValueError(f"GGUF file {model.path}: {name} needs both ffn_gate_exps and ffn_up_exps")
+        outputs.append((name, [by_part[p] for p in sorted(by_part)]))
+    return outputs
+
+
+def _shape(tensors: list) -> tuple[int, ...]:
+    shapes = [tuple(int(d) for d in reversed(t.shape)) for t in tensors]
+    return shapes[0] if len(shapes) == 1 else (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
 
 def _write_weights(model: _GGUFModel, reader: Any, folder: str, progress: bool) -> None:
@@ -454,23 +501,21 @@ def _write_weights(model: _GGUFModel, reader: Any, folder: str, progress: bool) 
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    tensors = [t for t in reader.tensors if t.name not in _CONFIG_TENSORS]
-    shapes = [(_hf_name(model.gguf_architecture, t.name), tuple(int(d) for d in reversed(t.shape)))
-              for t in tensors]  # raises on a tensor this architecture does not have
-    check_weights(model.arch, shapes, source=model.path)
-    shards = _plan_shards(tensors)
+    outputs = _outputs(model, [t for t in reader.tensors if t.name not in _CONFIG_TENSORS])
+    check_weights(model.arch, [(name, _shape(parts)) for name, parts in outputs], source=model.path)
+    shards = _plan_shards(outputs)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, str] = {}
     total_size = 0
-    bar = tqdm(total=len(tensors), desc=f"pdserve: converting {os.path.basename(model.path)}",
+    bar = tqdm(total=len(outputs), desc=f"pdserve: converting {os.path.basename(model.path)}",
                unit="tensor", disable=not progress)
     with bar:
         for shard, file_name in zip(shards, names):
             state = {}
-            for tensor in shard:
-                name = _hf_name(model.gguf_architecture, tensor.name)
-                state[name] = torch.from_numpy(_dequantized(model, tensor))
+            for name, parts in shard:
+                arrays = [_dequantized(model, tensor) for tensor in parts]
+                state[name] = torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1))
                 weight_map[name] = file_name
                 total_size += state[name].numel() * 4
                 bar.update(1)

@@ -36,6 +36,12 @@ def _tiny_model(kind: str) -> torch.nn.Module:
                                           tie_word_embeddings=True, **{**common, "bos_token_id": 1,
                                                                        "eos_token_id": 2, "pad_token_id": None})
         model = transformers.Qwen3ForCausalLM(config)
+    elif kind == "qwen3moe":  # 4 experts of 24, top 2 (llama.cpp's qwen3moe has no dense layers)
+        config = transformers.Qwen3MoeConfig(vocab_size=31, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=24, norm_topk_prob=True,
+                                             tie_word_embeddings=False, **{**common, "bos_token_id": 1,
+                                                                           "eos_token_id": 2, "pad_token_id": None})
+        model = transformers.Qwen3MoeForCausalLM(config)
     elif kind == "gemma2":
         config = transformers.Gemma2Config(vocab_size=34, num_hidden_layers=3, sliding_window=8,
                                            query_pre_attn_scalar=16, attn_logit_softcapping=40.0,
@@ -53,6 +59,8 @@ def _tiny_model(kind: str) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "norm" in name:  # norms start at 0 (Gemma) or 1: make their values matter
                 param.copy_(torch.randn_like(param) * 0.3 + (0.0 if "gemma" in kind else 1.0))
+            elif name.endswith("mlp.gate.weight"):  # routers start at 0: every token to expert 0
+                param.normal_(0.0, 1.0)
     return model.eval()
 
 
@@ -106,6 +114,10 @@ def _write_gguf(model, path: str, arch: str, extra_tensors=(), metadata=None) ->
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma3" and rope["full_attention"]["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
@@ -118,6 +130,14 @@ def _write_gguf(model, path: str, arch: str, extra_tensors=(), metadata=None) ->
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = tensor.numpy().astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):  # llama.cpp stacks gate and up apart
+            layer = name.split(".")[2]
+            gate, up = np.split(array, 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            name += ".weight"
         base, suffix = name.rsplit(".", 1)
         gguf_name = names.get_name(base) + "." + suffix
         if arch.startswith("gemma") and name.endswith("norm.weight"):
@@ -210,6 +230,33 @@ def test_tiny_family_converts_as_transformers_loads_it(kind, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     assert tokenizer.encode("ab cab") == transformers.AutoTokenizer.from_pretrained(
         str(tmp_path), gguf_file=os.path.basename(path)).encode("ab cab")
+
+
+def test_qwen3_moe_stacked_experts_convert_as_transformers_loads_them(tmp_path):
+    """A Qwen3-MoE GGUF, experts stacked per layer as llama.cpp writes them: the converted tensors
+    equal transformers' own GGUF load (its fused gate_up / down expert tensors), the config is the
+    original's (experts, their size, norm_topk_prob as llama.cpp runs it), and
+    pdserve's greedy tokens equal transformers' on the original model."""
+    from engine import LLM, SamplingParams
+    model = _tiny_model("qwen3moe")
+    path = str(tmp_path / "tiny-qwen3moe.gguf")
+    _write_gguf(model, path, "qwen3moe")
+    folder, config, ours = _converted(path, str(tmp_path / "cache"))
+    _, reference = _transformers_gguf_load(path)
+    _assert_same_tensors(ours, reference)
+    original = model.state_dict()
+    assert set(ours) == set(original) and all(torch.equal(ours[name], original[name]) for name in ours)
+    assert (config["architectures"], config["model_type"]) == (["Qwen3MoeForCausalLM"], "qwen3_moe")
+    converted = transformers.AutoConfig.from_pretrained(folder)
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                  "intermediate_size", "head_dim"):
+        assert getattr(converted, field) == getattr(model.config, field), field
+    prompt = [3, 5, 7, 11, 13, 17, 19, 23, 4, 6]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    with LLM(folder, num_blocks=16, block_size=4) as llm:
+        got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert got[0].token_ids == want
 
 
 def test_gemma3_metadata_variants(tmp_path):
