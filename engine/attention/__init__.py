@@ -6,7 +6,8 @@ from engine.attention.backend import (
     get_attention_backend,
 )
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, gather_kv, store_kv
+from engine.attention.paged import gather_kv, store_kv
+from engine.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [
     "BACKEND_NAMES",

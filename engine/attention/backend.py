@@ -49,6 +49,14 @@ class AttentionBackend(Protocol):
         """Only the store half of `forward`: `key[t]`/`value[t]` into slot `slot_mapping[t]`."""
         ...
 
+    def latent_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, value_dim: int) -> torch.Tensor:
+        """Multi-head latent attention (DeepSeek's MLA) of `query` `[tokens, heads, latent_dim]`
+        over each sequence's cached latents, which the caller has stored; `[tokens, heads,
+        value_dim]`. engine/attention/latent.py holds the cache's encoding and the torch
+        reference (`latent_attention`) every backend's kernels are tested against."""
+        ...
+
 
 def get_attention_backend(name: str, kv_format: KVQuantFormat | None = None) -> AttentionBackend:
     """Return a fresh backend: "cpu" (CPU default: torch plus a native decode kernel), "torch"

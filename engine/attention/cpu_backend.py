@@ -25,7 +25,8 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, causal_attention, sequence_kv, store_kv
+from engine.attention.paged import sequence_kv, store_kv
+from engine.attention.torch_backend import TorchAttentionBackend, causal_attention
 from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
 

@@ -7,8 +7,9 @@ The cache is the ordinary `[num_blocks, 2, block_size, 1, head_dim]` layer of a 
 is its K half then its V half, so `store_latent` and `gather_latents` split and join it. Keys
 are whole latents; values are their first `value_dim` (c_kv) dims. The query, `[tokens, heads,
 latent]`, is `[q_nope @ W_UK | q_rope]` per head, and the result `[tokens, heads, value_dim]` is
-still to be multiplied by W_UV (engine/model/mla.py). It runs on every device; the backends'
-native and Triton kernels do not cover latent attention yet.
+still to be multiplied by W_UV (engine/model/mla.py). `latent_attention` is the torch reference
+behind every backend's `AttentionBackend.latent_attention` (engine/attention/backend.py); it runs
+on every device.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from engine.attention.backend import host_lengths
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import gather_kv, store_kv
+from engine.attention.paged import gather_kv, store_kv
 
 
 def store_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

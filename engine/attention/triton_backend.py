@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import check_shapes, host_lengths
+from engine.attention.latent import latent_attention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention import triton_kernels
 from engine.attention.variant import AttentionVariant, is_plain
@@ -117,6 +118,10 @@ class TritonAttentionBackend:
                 skip_single_token=bool(decode_seq_lens), num_warps=cfg.num_warps, kv_format=fmt,
                 variant=variant)
         return out
+
+    def latent_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, value_dim: int) -> torch.Tensor:
+        return latent_attention(query, kv_cache, meta, scale, value_dim)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.attention.latent import latent_attention, store_latent
+from engine.attention.latent import store_latent
 from engine.attention.metadata import AttentionMetadata
 from engine.model.arch import ModelArchConfig
 from engine.model.layers import Linear, RMSNorm, RowParallelLinear
@@ -67,8 +67,7 @@ class LatentAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend, rows: torch.Tensor | None = None,
                 rows_meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """As `engine.model.decoder.Attention.forward` (`backend` is not used: latent attention
-        has one implementation, engine/attention/latent.py)."""
+        """As `engine.model.decoder.Attention.forward`; the backend's `latent_attention` attends."""
         num_tokens = hidden.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.has_q_lora else self.q_proj(hidden)
         q = q.view(num_tokens, self.num_heads, self.nope + self.rope)
@@ -85,6 +84,6 @@ class LatentAttention(nn.Module):
             q_nope, q_rope, meta = q_nope.index_select(0, rows), q_rope.index_select(0, rows), rows_meta
         up = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent_rank)
         query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, up[:, :self.nope]), q_rope], dim=-1)
-        attended = latent_attention(query, kv_cache, meta, self.scale, self.latent_rank)
+        attended = backend.latent_attention(query, kv_cache, meta, self.scale, self.latent_rank)
         out = torch.einsum("thl,hvl->thv", attended, up[:, self.nope:])
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
