@@ -86,6 +86,9 @@ def grouped_experts_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """Each token's `sum_k weights[t, k] * expert[experts[t, k]](x[t])`, `[tokens, hidden]`."""
+    if x.is_cuda:  # the Triton fused-MoE kernels, imported on first use (CPU-only installs need no Triton)
+        from engine.model.triton_moe import fused_moe
+        return fused_moe(x, weights, experts, w)
     return grouped_experts_torch(x, weights, experts, w)
 
 

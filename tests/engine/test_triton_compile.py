@@ -6,8 +6,9 @@ the compiler's front end: code it accepts can still fail to compile for a GPU (a
 global, two return types across constexpr branches: both were caught here). This runs
 tests/engine/triton_compile_check.py, which records the launches of the store, decode (one and
 several splits), combine and prefill kernels over bf16/fp16/fp32, int8 and fp8 caches, their
-attention-variant specializations (sliding window, soft-cap, sinks: alone and together) and the
-elementwise ops, and compiles each to a cubin with the ptxas Triton ships.
+attention-variant specializations (sliding window, soft-cap, sinks: alone and together), the
+elementwise ops and the fused-MoE grouped GEMM (both projections, each activation, decode- and
+prefill-sized blocks), and compiles each to a cubin with the ptxas Triton ships.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
     assert run.returncode == 0 and not report.get("failed"), (run.stderr[-3000:], report.get("failed"))
     kernels = {name.split("(")[0] for name in report["compiled"]}
     assert kernels == {"_store_kv_kernel", "_store_kv_8bit_kernel", "_paged_decode_kernel", "_combine_splits_kernel",
-                       "_paged_prefill_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"}
+                       "_paged_prefill_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
+                       "_moe_gemm_kernel"}
     # every cache kind reaches both attention kernels
     for quant in ("QUANT=0", "QUANT=1", "QUANT=2"):
         assert any(name.startswith("_paged_decode_kernel") and quant in name for name in report["compiled"])
@@ -58,3 +60,13 @@ def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
     for combine in (("SLIDING=True", "SINKS=False"), ("SLIDING=False", "SINKS=True"), ("SLIDING=True", "SINKS=True"),
                     ("SLIDING=False", "SINKS=False")):
         assert launched("_combine_splits_kernel", *combine)
+    # the fused MoE's two GEMMs (gate_up with each activation fused; down with the routing weight),
+    # in decode- and prefill-sized blocks, each float dtype, with and without biases
+    for block_m in ("BLOCK_M=16", "BLOCK_M=64"):
+        for activation in ("ACTIVATION=1", "ACTIVATION=2", "ACTIVATION=3"):
+            assert launched("_moe_gemm_kernel", activation, "MUL_WEIGHT=False", block_m)
+        assert launched("_moe_gemm_kernel", "ACTIVATION=0", "MUL_WEIGHT=True", "TOP_K=1", block_m)
+        for bias in ("HAS_BIAS=False", "HAS_BIAS=True"):
+            assert launched("_moe_gemm_kernel", "ACTIVATION=0", bias, block_m)
+    for dtype in ("bf16", "fp16", "fp32"):
+        assert any(name.startswith("_moe_gemm_kernel(") and f"a_ptr:*{dtype}" in name for name in report["compiled"])

@@ -83,7 +83,8 @@ def engine_launches():
     64, block size 16): the store, decode (one split and several) and prefill kernels over caches
     in each float dtype and both 8-bit formats, and the elementwise ops; and the attention
     variants' specializations of the decode, combine and prefill kernels: each feature alone
-    (bf16), all together over each float dtype and both 8-bit formats."""
+    (bf16), all together over each float dtype and both 8-bit formats; and the fused-MoE grouped
+    GEMM's launches (`moe_launches`)."""
     from engine.attention import triton_kernels as tk
     from engine.attention.variant import AttentionVariant
     from engine.kv_quant import KVQuantFormat
@@ -133,7 +134,33 @@ def engine_launches():
                 triton_ops.silu_and_mul(torch.zeros(4, 2 * 1536, dtype=dtype))
                 cos = torch.zeros(128, dim, dtype=torch.float32)
                 triton_ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), query, key, cos, cos)
+        moe_launches()
     return run
+
+
+def moe_launches():
+    """`triton_moe.fused_moe`'s two grouped GEMMs (gate_up with the activation fused, down with
+    the routing weight), over bf16, fp16 and fp32, for a decode step (16-row blocks) and a prefill
+    chunk (64-row blocks): SwiGLU without biases in each dtype; in bf16 also GeGLU, and gpt-oss's
+    clamped SwiGLU with biases and bf16 routing weights."""
+    from engine.model.moe import ExpertActivation, ExpertWeights
+    from engine.model.triton_moe import fused_moe
+
+    num_experts, hidden, inter, top_k = 8, 64, 32, 2
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        kinds = [("silu", False)]
+        if dtype == torch.bfloat16:
+            kinds += [("gelu_pytorch_tanh", False), ("clamped_swiglu", True)]
+        for kind, bias in kinds:
+            activation = ExpertActivation(kind, 1.702, 7.0) if kind == "clamped_swiglu" else ExpertActivation(kind)
+            w = ExpertWeights(torch.zeros(num_experts, 2 * inter, hidden, dtype=dtype),
+                              torch.zeros(num_experts, hidden, inter, dtype=dtype),
+                              torch.zeros(num_experts, 2 * inter, dtype=dtype) if bias else None,
+                              torch.zeros(num_experts, hidden, dtype=dtype) if bias else None, activation)
+            for tokens in (1, 100):  # moe_config: 16-row blocks, then 64-row
+                experts = torch.arange(tokens * top_k).view(tokens, top_k) % num_experts
+                weights = torch.full((tokens, top_k), 0.5, dtype=dtype if bias else torch.float32)
+                fused_moe(torch.zeros(tokens, hidden, dtype=dtype), weights, experts, w)
 
 
 def main(argv: list[str] | None = None) -> int:
