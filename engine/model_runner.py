@@ -89,10 +89,6 @@ class ModelRunner:
             raise
 
     def _setup(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        if self.arch.is_mla and config.cache.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported for "
-                             f"{self.arch.architecture}: its latent-attention cache is kept in the model's dtype "
-                             "(use kv_cache_dtype auto)")
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
             from engine import cpu_kernels
             from engine.model import fused_ops

@@ -20,10 +20,17 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged import gather_kv, store_kv
 
 
+def latent_halves(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`latent` (`[tokens, latent_dim]`) as the (K, V) pair a backend's `store_kv` writes:
+    `[tokens, 1, latent_dim / 2]` each."""
+    half = latent.shape[-1] // 2
+    return latent[:, None, :half], latent[:, None, half:]
+
+
 def store_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """`latent[t]` (`[tokens, latent_dim]`) into slot `slot_mapping[t]` (-1: skipped)."""
-    half = kv_cache.shape[-1]
-    store_kv(latent[:, None, :half], latent[:, None, half:], kv_cache, slot_mapping)
+    """`latent[t]` (`[tokens, latent_dim]`) into slot `slot_mapping[t]` (-1: skipped) of a cache
+    in a float dtype."""
+    store_kv(*latent_halves(latent), kv_cache, slot_mapping)
 
 
 def gather_latents(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

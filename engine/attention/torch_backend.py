@@ -45,6 +45,9 @@ class TorchAttentionBackend:
 
     def latent_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, value_dim: int) -> torch.Tensor:
+        if self.kv_format is not None:  # over a float copy of the blocks the batch reads
+            used, meta, _, _ = self._dense_plan(meta)
+            kv_cache = self.kv_format.dequantize(kv_cache, used, query.dtype)
         return latent_attention(query, kv_cache, meta, scale, value_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -6,6 +6,9 @@ and one prefill launch for the multi-token chunks. A mixed batch gets both; each
 the other's sequences on the device, so planning needs only host-side lengths and no device sync.
 Every `AttentionVariant` (sliding window, soft-cap, sinks; alone or together, over any cache
 dtype or 8-bit format) runs in those same kernels, as constexpr-switched features.
+Latent attention (DeepSeek's MLA, `latent_attention`): its decodes in one launch of
+`triton_latent.py`'s kernel (split-KV, merged by the decode's combine kernel), its multi-token
+chunks in latent.py's torch reference.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 from engine.attention.backend import check_shapes, host_lengths
 from engine.attention.latent import latent_attention
 from engine.attention.metadata import AttentionMetadata
-from engine.attention import triton_kernels
+from engine.attention import triton_kernels, triton_latent
 from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
 
@@ -121,7 +124,38 @@ class TritonAttentionBackend:
 
     def latent_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, value_dim: int) -> torch.Tensor:
-        return latent_attention(query, kv_cache, meta, scale, value_dim)
+        """Decodes (single-token sequences) in one launch of `triton_latent`'s kernel (plus its
+        merge when split), which skips the other sequences on the device and reads an 8-bit
+        cache in place; multi-token chunks in latent.py's torch reference, over the sub-batch of
+        just them (slices of the batch's tensors when they are consecutive, as the scheduler
+        places them; 8-bit: over their blocks dequantized). Planning reads only host-side
+        lengths; nothing syncs the device."""
+        fmt = self.kv_format
+        triton_latent.check_latent_inputs(query, kv_cache, value_dim, fmt)
+        self._check_runnable(query)
+        query_lens, seq_lens = host_lengths(meta)
+        num_tokens, num_heads, _ = query.shape
+        batch_tokens = sum(query_lens)
+        if batch_tokens > num_tokens:
+            raise ValueError(f"metadata covers {batch_tokens} query tokens but query has {num_tokens}")
+        shape = (num_tokens, num_heads, value_dim)
+        out = query.new_zeros(shape) if batch_tokens < num_tokens else query.new_empty(shape)
+        decodes = [n for q, n in zip(query_lens, seq_lens) if q == 1]
+        if decodes:
+            max_len = max(decodes)
+            splits = self._decode_splits(query, len(decodes), triton_latent.head_blocks(num_heads), max_len)
+            triton_latent.latent_decode_attention(out, query, kv_cache, meta.block_tables, meta.seq_lens,
+                                                  meta.query_start_loc, scale, value_dim, max_seq_len=max_len,
+                                                  num_splits=splits, kv_format=fmt)
+        chunks = [s for s, q in enumerate(query_lens) if q > 1]
+        if chunks:
+            rows, chunk_meta = triton_latent.sub_batch(meta, query_lens, seq_lens, chunks)
+            cache = kv_cache
+            if fmt is not None:  # the torch reference over the chunks' blocks, dequantized
+                cache, chunk_meta = triton_latent.dequantized_batch(kv_cache, fmt, chunk_meta, query.dtype)
+            attended = latent_attention(triton_latent.take_rows(query, rows), cache, chunk_meta, scale, value_dim)
+            triton_latent.put_rows(out, rows, attended)
+        return out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

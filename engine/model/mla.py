@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.attention.latent import store_latent
+from engine.attention.latent import latent_halves
 from engine.attention.metadata import AttentionMetadata
 from engine.model.arch import ModelArchConfig
 from engine.model.layers import Linear, RMSNorm, RowParallelLinear
@@ -79,7 +79,7 @@ class LatentAttention(nn.Module):
         if self.interleaved:
             q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
         q_rope, k_rope = rotary(positions, q_rope, k_rope)
-        store_latent(torch.cat([c_kv, k_rope[:, 0]], dim=-1), kv_cache, meta.slot_mapping)
+        backend.store_kv(*latent_halves(torch.cat([c_kv, k_rope[:, 0]], dim=-1)), kv_cache, meta.slot_mapping)
         if rows is not None:
             q_nope, q_rope, meta = q_nope.index_select(0, rows), q_rope.index_select(0, rows), rows_meta
         up = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent_rank)

@@ -85,7 +85,9 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
 def test_a_latent_attention_cache_holds_one_latent_per_token_and_layer(tmp_path, name):
     """The cache of an MLA model is sized, allocated and sent per block as (kv_lora_rank +
     qk_rope_head_dim) values per token and layer (576 at DeepSeek-V3's sizes), not as keys and
-    values per head; an 8-bit cache is refused at load, naming what works."""
+    values per head; in 8-bit blocks one byte per latent value plus the block's scales and K
+    reference, read back through the backend: the first token, whose prefill attends over the
+    stored (quantized) latents, is the float cache's."""
     from engine.kv_cache import allocate_kv_cache, bytes_per_block
     from engine.model.arch import ModelArchConfig
     arch = ModelArchConfig.from_hf_config(family_config(name))
@@ -96,6 +98,16 @@ def test_a_latent_attention_cache_holds_one_latent_per_token_and_layer(tmp_path,
     assert cache.layers[0][0].numel() == 16 * latent
     full = ModelArchConfig.from_hf_config(transformers.DeepseekV3Config())  # DeepSeek-V3's own sizes
     assert full.kv_lora_rank + full.qk_rope_head_dim == 576 and full.head_dim == 288 and full.num_key_value_heads == 1
+    from engine.kv_quant import kv_quant_format
+    fmt = kv_quant_format("int8", 16, 1, arch.head_dim)
+    assert bytes_per_block(arch, 16, torch.float32, kv_format=fmt) == arch.num_hidden_layers * fmt.block_bytes
+    assert fmt.values_bytes == 16 * latent
     folder = save_family_model(tmp_path, name)
-    with pytest.raises(ValueError, match="kv_cache_dtype .int8. is not supported for Deepseek(V2|V3)ForCausalLM"):
-        LLM(folder, kv_cache_dtype="int8")
+    prompts = [[3 + (7 * i + j) % 60 for j in range(21)] for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = {}
+    for kv_cache_dtype in ("auto", "int8", "fp8_e4m3"):
+        with LLM(folder, kv_cache_dtype=kv_cache_dtype, num_blocks=64, block_size=4) as llm:
+            assert (llm.engine.runner.kv_cache.kv_format is None) == (kv_cache_dtype == "auto")
+            first[kv_cache_dtype] = [out.token_ids[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert first["int8"] == first["auto"] and first["fp8_e4m3"] == first["auto"]

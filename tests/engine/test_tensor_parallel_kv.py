@@ -28,9 +28,9 @@ CASES = {
     "int8-p1-to-d2": (1, 2, {}, "tcp", "int8"),
     "fp8-p4-kv-replicated-to-d2-shm": (4, 2, {}, "shm", "fp8_e4m3"),
     # latent attention (tests/engine/tiny_models.py): every rank holds every token's latent, and
-    # one copy of it crosses, not one per rank
+    # one copy of it crosses, not one per rank; in the model's dtype and in 8-bit blocks
     "mla-p2-to-d1": (2, 1, {"family": "deepseek-v3"}, "tcp"),
-    "mla-p1-to-d2": (1, 2, {"family": "deepseek-v2-lite"}, "tcp"),
+    "int8-mla-p1-to-d2": (1, 2, {"family": "deepseek-v2-lite"}, "tcp", "int8"),
 }
 
 
@@ -94,9 +94,16 @@ def test_prefill_at_one_degree_fills_decode_at_another_token_exact(name, folders
             assert outcome.prefilled_remotely and outcome.bytes_received > 0, outcome
             arch = pair.decode.runner.arch
             if arch.is_mla:  # every block of the prompt, each token's latent once per layer
-                latent_bytes = (arch.kv_lora_rank + arch.qk_rope_head_dim) * pair.decode.runner.kv_cache.data.element_size()
+                cache = pair.decode.runner.kv_cache
                 blocks = -(-len(PROMPTS[i]) // pair.decode.runner.block_size)
-                assert outcome.bytes_received == blocks * pair.decode.runner.block_size * arch.num_hidden_layers * latent_bytes
+                if cache.kv_format is None:
+                    latent_bytes = (arch.kv_lora_rank + arch.qk_rope_head_dim) * cache.data.element_size()
+                    block_bytes = pair.decode.runner.block_size * latent_bytes
+                else:  # one byte per latent value, plus the block's scales and K reference
+                    assert cache.kv_format.num_kv_heads == 1
+                    assert cache.kv_format.values_bytes == 2 * cache.block_size * cache.kv_format.head_dim
+                    block_bytes = cache.kv_format.block_bytes
+                assert outcome.bytes_received == blocks * arch.num_hidden_layers * block_bytes
         assert not pair.decode.kv_connector.failures and not pair.prefill.kv_connector.failures
         pair.assert_nothing_held()
     finally:

@@ -7,8 +7,11 @@ global, two return types across constexpr branches: both were caught here). This
 tests/engine/triton_compile_check.py, which records the launches of the store, decode (one and
 several splits), combine and prefill kernels over bf16/fp16/fp32, int8 and fp8 caches, their
 attention-variant specializations (sliding window, soft-cap, sinks: alone and together), the
-elementwise ops and the fused-MoE grouped GEMM (both projections, each activation, decode- and
-prefill-sized blocks), and compiles each to a cubin with the ptxas Triton ships.
+elementwise ops, the fused-MoE grouped GEMM (both projections, each activation, decode- and
+prefill-sized blocks) and the latent-attention (MLA) decode kernel (DeepSeek-V3's sizes and the
+tiny models', split and not, float and 8-bit caches), and compiles each to a cubin with the
+ptxas Triton ships, specialized as a GPU launch is (divisibility hints, which set vectorization
+and pipelining), each within the architecture's shared memory per block.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
     kernels = {name.split("(")[0] for name in report["compiled"]}
     assert kernels == {"_store_kv_kernel", "_store_kv_8bit_kernel", "_paged_decode_kernel", "_combine_splits_kernel",
                        "_paged_prefill_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
-                       "_moe_gemm_kernel"}
+                       "_moe_gemm_kernel", "_latent_decode_kernel"}
     # every cache kind reaches both attention kernels
     for quant in ("QUANT=0", "QUANT=1", "QUANT=2"):
         assert any(name.startswith("_paged_decode_kernel") and quant in name for name in report["compiled"])
@@ -70,3 +73,18 @@ def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
             assert launched("_moe_gemm_kernel", "ACTIVATION=0", bias, block_m)
     for dtype in ("bf16", "fp16", "fp32"):
         assert any(name.startswith("_moe_gemm_kernel(") and f"a_ptr:*{dtype}" in name for name in report["compiled"])
+    # MLA decode: DeepSeek-V3's sizes (latent 576 = 512 + 64) and the tiny models' (40 = 32 + 8), one
+    # split and four (merged by the combine kernel at value width 512), each float dtype; 8-bit caches
+    # at DeepSeek's sizes; within shared memory (the script fails a launch past it)
+    def has(name: str, *constexprs: str) -> bool:
+        return all(f"{c}," in name or f"{c})" in name for c in constexprs)
+
+    latent = [name for name in report["compiled"] if name.startswith("_latent_decode_kernel(")]
+    for splits in ("NUM_SPLITS=1", "NUM_SPLITS=4"):
+        for value in ("VALUE_DIM=512", "VALUE_DIM=32"):
+            for dtype in ("bf16", "fp16", "fp32"):
+                assert any(f"query_ptr:*{dtype}" in name and has(name, value, splits, "QUANT=0") for name in latent)
+        for quant in ("QUANT=1", "QUANT=2"):
+            assert any(has(name, "VALUE_DIM=512", splits, quant) for name in latent)
+    assert launched("_combine_splits_kernel", "DIM_POW2=512", "NUM_SPLITS=4")
+    assert max(report["shared"][name] for name in latent) <= {80: 166912, 90: 232448}[arch]

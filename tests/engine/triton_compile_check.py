@@ -4,8 +4,12 @@ Run as a script in a process where TRITON_INTERPRET is unset (the kernels must b
 JIT functions): `python tests/engine/triton_compile_check.py [--arch 90]`. The wrappers run on CPU
 tensors with `JITFunction.run` replaced by a recorder, so each launch's arguments, constexprs and
 options are the ones a GPU run would pass; each distinct launch is then compiled to a cubin for
-`cuda:<arch>` with the ptxas Triton ships. Prints one JSON object: {"compiled": [...], "failed":
-{launch: error}}. tests/engine/test_triton_compile.py runs it.
+`cuda:<arch>` with the ptxas Triton ships, specialized as Triton's launcher specializes a GPU launch
+(`launch_specialization`: integer arguments equal to 1 become constexprs, integers divisible by 16
+and 16-byte-aligned pointers get divisibility hints, which decide vectorization and software
+pipelining, hence shared memory); a launch that needs more shared memory per block than the
+architecture has fails. Prints one JSON object: {"compiled": [...], "failed": {launch: error},
+"shared": {launch: bytes}}. tests/engine/test_triton_compile.py runs it.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ _TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # constexprs the wrappers set from the tensors' device: what a launch on CUDA passes
 ON_CUDA = {"NEED_BY_RECIPROCAL": True, "LIBDEVICE": True}
+# shared memory a block may use (opt-in maximum): A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB
+SHARED_MEMORY_PER_BLOCK = {80: 166912, 90: 232448}
 
 
 def record_launches(run_wrappers) -> list[tuple[JITFunction, dict, dict]]:
@@ -60,16 +66,33 @@ def signature_of(value) -> str:
     raise TypeError(f"no Triton signature for {type(value).__name__} {value!r}")
 
 
-def specialization(kernel: JITFunction, values: dict) -> tuple[dict, dict]:
-    """(signature, constexprs) of a launch, as `ASTSource` takes them."""
-    signature, constexprs = {}, {}
+def launch_specialization(param, value) -> tuple[str | None, object]:
+    """What Triton's launcher makes of a runtime argument (`native_specialize_impl`, as
+    `JITFunction.run` calls it): ("constexpr", value) for an integer 1, (None, "D") for a multiple of
+    16 or a 16-byte-aligned pointer (the CPU tensors here are at least that aligned, as CUDA's)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    kind, hint = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                        not param.do_not_specialize_on_alignment)
+    return ("constexpr", hint) if kind == "constexpr" else (None, hint)
+
+
+def specialization(kernel: JITFunction, values: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of a launch, as `ASTSource` takes them."""
+    signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         value = values[param.name]
         if param.is_constexpr:
             signature[param.name], constexprs[(index,)] = "constexpr", value
-        else:
-            signature[param.name] = signature_of(value)
-    return signature, constexprs
+            continue
+        kind, hint = launch_specialization(param, value)
+        if kind == "constexpr":
+            signature[param.name], constexprs[(index,)] = "constexpr", hint
+            continue
+        signature[param.name] = signature_of(value)
+        if hint == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
 
 
 def describe(kernel: JITFunction, signature: dict, constexprs: dict) -> str:
@@ -83,8 +106,8 @@ def engine_launches():
     64, block size 16): the store, decode (one split and several) and prefill kernels over caches
     in each float dtype and both 8-bit formats, and the elementwise ops; and the attention
     variants' specializations of the decode, combine and prefill kernels: each feature alone
-    (bf16), all together over each float dtype and both 8-bit formats; and the fused-MoE grouped
-    GEMM's launches (`moe_launches`)."""
+    (bf16), all together over each float dtype and both 8-bit formats; the fused-MoE grouped
+    GEMM's launches (`moe_launches`) and the latent-attention decode's (`latent_launches`)."""
     from engine.attention import triton_kernels as tk
     from engine.attention.variant import AttentionVariant
     from engine.kv_quant import KVQuantFormat
@@ -135,6 +158,7 @@ def engine_launches():
                 cos = torch.zeros(128, dim, dtype=torch.float32)
                 triton_ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), query, key, cos, cos)
         moe_launches()
+        latent_launches()
     return run
 
 
@@ -163,27 +187,62 @@ def moe_launches():
                 fused_moe(torch.zeros(tokens, hidden, dtype=dtype), weights, experts, w)
 
 
+def latent_launches():
+    """`triton_latent.latent_decode_attention` (MLA decode) at DeepSeek-V3's sizes on one GPU of
+    TP 8 (16 heads, latent 576 = 512 + 64, value 512, block size 16) and the tiny test models'
+    (4 heads, latent 40 = 32 + 8, value 32, block size 4): one split and four (with the combine
+    kernel), over bf16, fp16 and fp32 caches, and the 8-bit caches under bf16 queries at
+    DeepSeek's sizes."""
+    from engine.attention import triton_latent
+    from engine.kv_quant import KVQuantFormat
+
+    seq_lens = torch.tensor([5, 200], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for heads, value, rope, block in ((16, 512, 64, 16), (4, 32, 8, 4)):
+        half = (value + rope) // 2
+        blocks = -(-200 // block)
+        tables = torch.arange(2 * blocks, dtype=torch.int32).view(2, blocks)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            query = torch.zeros(2, heads, 2 * half, dtype=dtype)
+            out = torch.zeros(2, heads, value, dtype=dtype)
+            caches = [(torch.zeros(2 * blocks, 2, block, 1, half, dtype=dtype), None)]
+            if dtype == torch.bfloat16 and value == 512:
+                for name in ("int8", "fp8_e4m3"):
+                    fmt = KVQuantFormat(name, block, 1, half)
+                    caches.append((torch.zeros(2 * blocks, fmt.block_bytes, dtype=torch.uint8), fmt))
+            for cache, fmt in caches:
+                for splits in (1, 4):
+                    triton_latent.latent_decode_attention(out, query, cache, tables, seq_lens, starts, 0.07, value,
+                                                          max_seq_len=200, num_splits=splits, kv_format=fmt)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined as JIT functions to compile")
-    compiled, failed = [], {}
+    compiled, failed, shared = [], {}, {}
     for kernel, values, options in record_launches(engine_launches()):
-        signature, constexprs = specialization(kernel, values)
+        signature, constexprs, attrs = specialization(kernel, values)
         name = describe(kernel, signature, constexprs) + (f" {options}" if options else "")
         if name in compiled or name in failed:
             continue
         try:
-            source = ASTSource(kernel, signature, constexprs=constexprs)
+            source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
             binary = triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options=options)
             if not binary.asm.get("cubin"):
                 raise RuntimeError("no cubin")
+            limit = SHARED_MEMORY_PER_BLOCK.get(args.arch)
+            if limit is not None and binary.metadata.shared > limit:
+                raise RuntimeError(f"needs {binary.metadata.shared} bytes of shared memory per block; "
+                                   f"sm_{args.arch} has {limit}")
             compiled.append(name)
+            shared[name] = binary.metadata.shared
         except Exception:  # noqa: BLE001 (report every launch's failure, not just the first)
             failed[name] = traceback.format_exc(limit=-3)[-3000:]
-    print(json.dumps({"arch": args.arch, "triton": triton.__version__, "compiled": compiled, "failed": failed}))
+    print(json.dumps({"arch": args.arch, "triton": triton.__version__, "compiled": compiled, "failed": failed,
+                      "shared": shared}))
     return 0 if not failed else 1
 
 
