@@ -57,3 +57,47 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )
+
+
+# ---- sub-batches: some sequences of a batch, for a kernel that takes only them
+
+def _positions(indices: list[int], device: torch.device) -> slice | torch.Tensor:
+    """`indices` (ascending) as a slice when consecutive, else an index tensor on `device`."""
+    if indices[-1] - indices[0] + 1 == len(indices):
+        return slice(indices[0], indices[-1] + 1)
+    return torch.tensor(indices, dtype=torch.int64, device=device)
+
+
+def take_rows(t: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def put_rows(out: torch.Tensor, rows: slice | torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = values
+    else:
+        out.index_copy_(0, rows, values)
+
+
+def sub_batch(meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int],
+              seqs: list[int]) -> tuple[slice | torch.Tensor, AttentionMetadata]:
+    """The query rows of sequences `seqs` (ascending, host-side) and the metadata of a batch of just
+    them. Consecutive sequences (the scheduler places multi-token chunks after the decodes) give
+    slices and views of `meta`'s tensors; others index tensors copied to the device (no sync)."""
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
+    device = meta.seq_lens.device
+    rows = _positions([t for s in seqs for t in range(starts[s], starts[s + 1])], device)
+    chosen = _positions(seqs, device)
+    lens = [query_lens[s] for s in seqs]
+    if isinstance(chosen, slice):
+        query_start_loc = meta.query_start_loc[chosen.start:chosen.stop + 1]
+        query_start_loc = query_start_loc - query_start_loc[:1]
+    else:
+        query_start_loc = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(meta.query_start_loc)
+    return rows, AttentionMetadata(
+        slot_mapping=take_rows(meta.slot_mapping, rows), query_start_loc=query_start_loc,
+        seq_lens=take_rows(meta.seq_lens, chosen), block_tables=take_rows(meta.block_tables, chosen),
+        max_query_len=max(lens), max_seq_len=max(seq_lens[s] for s in seqs),
+        query_lens_cpu=lens, seq_lens_cpu=[seq_lens[s] for s in seqs])

@@ -18,7 +18,7 @@ import torch
 
 from engine.attention.backend import check_shapes, host_lengths
 from engine.attention.latent import latent_attention
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, put_rows, sub_batch, take_rows
 from engine.attention import triton_kernels, triton_latent
 from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
@@ -149,12 +149,12 @@ class TritonAttentionBackend:
                                                   num_splits=splits, kv_format=fmt)
         chunks = [s for s, q in enumerate(query_lens) if q > 1]
         if chunks:
-            rows, chunk_meta = triton_latent.sub_batch(meta, query_lens, seq_lens, chunks)
+            rows, chunk_meta = sub_batch(meta, query_lens, seq_lens, chunks)
             cache = kv_cache
             if fmt is not None:  # the torch reference over the chunks' blocks, dequantized
                 cache, chunk_meta = triton_latent.dequantized_batch(kv_cache, fmt, chunk_meta, query.dtype)
-            attended = latent_attention(triton_latent.take_rows(query, rows), cache, chunk_meta, scale, value_dim)
-            triton_latent.put_rows(out, rows, attended)
+            attended = latent_attention(take_rows(query, rows), cache, chunk_meta, scale, value_dim)
+            put_rows(out, rows, attended)
         return out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

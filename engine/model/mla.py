@@ -7,7 +7,9 @@ would be `[W_UK_i c_kv | k_rope]` and its value `W_UV_i c_kv` (W_UK / W_UV: `kv_
 that head); the up-projections are absorbed instead (as vLLM and SGLang decode): the query
 becomes `[W_UK_iᵀ q_nope | q_rope]` and attends over the latents themselves
 (engine/attention/latent.py), and W_UV turns the attended latent into the head's output, so a
-step reads each cached token once. Prefill absorbs too (it could expand; not needed on CPU).
+step reads each cached token once. Multi-token chunks (prefill) expand instead: their keys and
+values come from the latents through W_UK / W_UV, and they attend with the ordinary causal
+attention over `qk_nope + qk_rope` dims, which for a chunk's many queries costs ~3x less.
 
 Tensor parallelism: query heads (q_b_proj / q_proj and kv_b_proj rows) split like any heads and
 o_proj is row-parallel; the latent projection and its norm are replicated, so every rank holds
@@ -20,8 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.attention.latent import latent_halves
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.backend import host_lengths
+from engine.attention.latent import gather_latents, latent_halves
+from engine.attention.metadata import AttentionMetadata, put_rows, sub_batch, take_rows
+from engine.attention.torch_backend import causal_attention
 from engine.model.arch import ModelArchConfig
 from engine.model.layers import Linear, RMSNorm, RowParallelLinear
 from engine.model.rope import RotaryEmbedding
@@ -82,8 +86,43 @@ class LatentAttention(nn.Module):
         backend.store_kv(*latent_halves(torch.cat([c_kv, k_rope[:, 0]], dim=-1)), kv_cache, meta.slot_mapping)
         if rows is not None:
             q_nope, q_rope, meta = q_nope.index_select(0, rows), q_rope.index_select(0, rows), rows_meta
+        out = self._attend(q_nope, q_rope, kv_cache, meta, backend)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """`[rows, heads, v_head_dim]`: decodes absorbed (the backend's latent attention reads each
+        cached latent once); multi-token chunks expanded, as transformers computes them: their
+        context's keys and values made from the latents (kv_b_proj), then causal attention of
+        `qk_nope + qk_rope` dims per head and position instead of the absorbed `2 x kv_lora_rank +
+        qk_rope` (DeepSeek-V3: 192 against 1088). An 8-bit cache attends absorbed throughout."""
+        query_lens, seq_lens = host_lengths(meta)
+        chunks = [s for s, length in enumerate(query_lens) if length > 1]
+        if not chunks or kv_cache.dim() != 5:  # no chunk, or 8-bit blocks ([num_blocks, block_bytes])
+            return self._absorbed(q_nope, q_rope, kv_cache, meta, backend)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)  # zeros: batch padding rows
+        decodes = [s for s, length in enumerate(query_lens) if length == 1]
+        if decodes:
+            rows, sub = sub_batch(meta, query_lens, seq_lens, decodes)
+            put_rows(out, rows, self._absorbed(take_rows(q_nope, rows), take_rows(q_rope, rows), kv_cache, sub, backend))
+        block_size = kv_cache.shape[2]
+        starts = [0]
+        for length in query_lens:
+            starts.append(starts[-1] + length)
+        for s in chunks:
+            start, end, seq_len = starts[s], starts[s + 1], seq_lens[s]
+            c_kv, k_rope = gather_latents(kv_cache, meta.block_tables[s, :-(-seq_len // block_size)])[:seq_len].split(
+                [self.latent_rank, self.rope], dim=-1)
+            k_nope, values = torch.nn.functional.linear(c_kv, self.kv_b_proj.weight).view(
+                seq_len, self.num_heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+            keys = torch.cat([k_nope, k_rope[:, None, :].expand(seq_len, self.num_heads, self.rope)], dim=-1)
+            query = torch.cat([q_nope[start:end], q_rope[start:end]], dim=-1)
+            out[start:end] = causal_attention(query, keys, values, self.scale)
+        return out
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  backend) -> torch.Tensor:
         up = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent_rank)
         query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, up[:, :self.nope]), q_rope], dim=-1)
         attended = backend.latent_attention(query, kv_cache, meta, self.scale, self.latent_rank)
-        out = torch.einsum("thl,hvl->thv", attended, up[:, self.nope:])
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+        return torch.einsum("thl,hvl->thv", attended, up[:, self.nope:])
