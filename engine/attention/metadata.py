@@ -12,6 +12,7 @@ Slot of a token = `block_id * block_size + offset_in_block`; a slot of -1 means 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        """The same metadata with its tensors on `device` (the host copies kept)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

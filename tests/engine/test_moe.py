@@ -89,6 +89,13 @@ def test_expert_checkpoint_layouts_read_as_one_naming():
                        "model.layers.3.self_attn.q_proj.weight": (8, 8)}
 
 
+def _assert_same_routing(weights, experts, want_weights, want_experts) -> None:
+    """The same experts per token, with the same weights, in any order."""
+    order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
+    assert torch.equal(experts.gather(1, order), want_experts.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_deepseek_v3_grouped_routing_matches_transformers(renormalize):
     """DeepSeek-V3's router (GLM-4.5 shares it): sigmoid scores, a correction bias that steers
@@ -113,9 +120,7 @@ def test_deepseek_v3_grouped_routing_matches_transformers(renormalize):
     x = torch.randn(64, HIDDEN)
     _, want_weights, want_experts = reference(x)
     weights, experts = router(x)
-    order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
-    assert torch.equal(experts.gather(1, order), want_experts.gather(1, want_order))
-    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+    _assert_same_routing(weights, experts, want_weights, want_experts)
     # the bias changed some choices, and the groups kept some tokens from their best experts
     unbiased = torch.topk(torch.sigmoid(x @ reference.weight.T), 4, dim=-1).indices.sort(-1).values
     assert not torch.equal(unbiased, experts.sort(-1).values)
@@ -148,9 +153,7 @@ def test_deepseek_v2_routing_matches_transformers(method):
     x = torch.randn(64, HIDDEN)
     _, want_weights, want_experts = reference(x)
     weights, experts = router(x)
-    order, want_order = experts.argsort(dim=-1), want_experts.argsort(dim=-1)
-    assert torch.equal(experts.gather(1, order), want_experts.gather(1, want_order))
-    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+    _assert_same_routing(weights, experts, want_weights, want_experts)
     unlimited = torch.topk(x @ reference.weight.T, 4, dim=-1).indices.sort(-1).values
     assert torch.equal(unlimited, experts.sort(-1).values) == (not groups)
 

@@ -57,12 +57,7 @@ def make_batch(query_lens: list[int], seq_lens: list[int], num_heads: int, num_k
 
 
 def on_device(meta: AttentionMetadata) -> AttentionMetadata:
-    if DEVICE == "cpu":
-        return meta
-    return AttentionMetadata(
-        slot_mapping=meta.slot_mapping.cuda(), query_start_loc=meta.query_start_loc.cuda(),
-        seq_lens=meta.seq_lens.cuda(), block_tables=meta.block_tables.cuda(), max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len, query_lens_cpu=meta.query_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+    return meta.to(DEVICE)
 
 
 def compare(batch, variant: AttentionVariant, splits: int | None = None, atol: float = 1e-5,
