@@ -3,8 +3,11 @@
 One library: paged decode attention, bf16 flash prefill (both with the attention variants:
 sliding window, logit soft-cap, sinks) and the KV store (used by the "cpu" attention backend),
 the Llama block's fused bf16 elementwise ops and small-batch linear (RMSNorm, residual add +
-RMSNorm, SiLU-and-mul, RoPE; used by `engine.model.fused_ops`), and the structured-output logits
-mask (`engine.structured_output.apply_bitmask`).
+RMSNorm, SiLU-and-mul, RoPE; used by `engine.model.fused_ops`), the structured-output logits
+mask (`engine.structured_output.apply_bitmask`), and a mixture of experts' routed experts for a
+decode-sized batch in one call (`moe_experts`, used by `engine.model.moe.run_experts`).
+DeepSeek's latent attention (MLA) for decodes over the paged latent cache, float or 8-bit, read in
+place (`latent_decode_attention`, used by the "cpu" backend's `latent_attention`).
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
@@ -31,7 +34,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode_cpu.cpp", "kv_store_cpu.cpp",
-                         "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp", "small_linear_cpu.cpp", "token_mask_cpu.cpp")]
+                         "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp", "small_linear_cpu.cpp", "token_mask_cpu.cpp",
+                         "moe_cpu.cpp", "latent_decode_cpu.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd_math.h", "parallel.h", "row_ops.h")]
 
 

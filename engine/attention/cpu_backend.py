@@ -18,13 +18,19 @@ same native kernels: decodes of either cache kind read only the blocks inside th
 bf16 flash prefill masks and skips by window; a prefill chunk after a cached prefix gathers only
 the blocks its queries' windows reach. Where the native kernels do not apply (no kernels, other
 devices, a prefill that is not bf16 on AVX512-BF16), the torch reference computes the variant.
+
+Latent attention (DeepSeek's MLA, `latent_attention`): decodes in `latent_decode_cpu.cpp`, which
+reads each sequence's latents in place (float or 8-bit) once for a group of heads; multi-token
+chunks in latent.py's torch reference (engine/model/mla.py sends float-cache chunks expanded
+instead, so those reach it only with an 8-bit cache).
 """
 from __future__ import annotations
 
 import torch
 
 from engine import cpu_kernels
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.backend import host_lengths
+from engine.attention.metadata import AttentionMetadata, put_rows, sub_batch, take_rows
 from engine.attention.paged import sequence_kv, store_kv
 from engine.attention.torch_backend import TorchAttentionBackend, causal_attention
 from engine.attention.variant import AttentionVariant, is_plain
@@ -52,6 +58,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(kv_format)
         self._kernels = cpu_kernels.load()
         self._flash_prefill = self._kernels is not None and self._kernels.has_flash_prefill()
+        # latent attention's plan for the metadata it last saw (every layer of a pass shares it)
+        self._latent_plan: tuple | None = None
 
     @property
     def native(self) -> bool:
@@ -79,6 +87,67 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if key.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
         self._kernels.store_kv_cache_8bit_(key, value, kv_cache, slot_mapping, fmt.block_size, fmt.name == "fp8_e4m3")
+
+    def latent_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, value_dim: int) -> torch.Tensor:
+        """Latent attention (DeepSeek's MLA): the decodes (single-token sequences) in the native
+        kernel (`csrc/latent_decode_cpu.cpp`), which reads the latents in place from a float or
+        8-bit cache; multi-token chunks in the torch backend's path (latent.py's reference; 8-bit:
+        over their blocks dequantized), as one sub-batch of just them. Where the kernel does not
+        apply (no kernels, another device, a dtype or cache layout it does not take), all of it
+        goes to the torch backend's path. Planned from host-side lengths once per metadata (every
+        layer of a forward pass shares it); rows past the batch come back as zeros."""
+        kernels, fmt = self._kernels, self.kv_format
+        fits = (kernels is not None and query.device.type == "cpu" and query.dim() == 3
+                and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and 0 < value_dim <= query.shape[-1]
+                and kernels.has_latent_decode())
+        if fits and fmt is None:
+            fits = (kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[3] == 1
+                    and kv_cache.dtype == query.dtype and 2 * kv_cache.shape[4] == query.shape[-1])
+        elif fits:
+            fits = (kv_cache.dim() == 2 and kv_cache.dtype == torch.uint8 and fmt.num_kv_heads == 1
+                    and 2 * fmt.head_dim == query.shape[-1])
+        if not fits:
+            return super().latent_attention(query, kv_cache, meta, scale, value_dim)
+
+        plan = self._latent_plan
+        if plan is None or plan[0] is not meta or plan[1] != query.shape[0]:
+            # (meta, tokens, the decodes' rows (None: every row) and their block tables and lengths
+            # (None: no decodes), the chunks' rows and metadata (None: no chunks))
+            query_lens, seq_lens = host_lengths(meta)
+            if sum(query_lens) > query.shape[0]:
+                raise ValueError(f"metadata covers {sum(query_lens)} query tokens but query has {query.shape[0]}")
+            decodes = [s for s, length in enumerate(query_lens) if length == 1]
+            chunks = [s for s, length in enumerate(query_lens) if length > 1]
+            decode_rows = tables = lens = chunk_rows = chunk_meta = None
+            if decodes:
+                decode_meta = meta
+                if not len(decodes) == len(query_lens) == query.shape[0]:  # chunks or padding rows besides
+                    decode_rows, decode_meta = sub_batch(meta, query_lens, seq_lens, decodes)
+                tables = decode_meta.block_tables.to(torch.int32).contiguous()
+                lens = decode_meta.seq_lens.to(torch.int32).contiguous()
+            if chunks:
+                chunk_rows, chunk_meta = sub_batch(meta, query_lens, seq_lens, chunks)
+            plan = self._latent_plan = (meta, query.shape[0], decode_rows, tables, lens, chunk_rows, chunk_meta)
+        _, _, decode_rows, tables, lens, chunk_rows, chunk_meta = plan
+        if tables is None:  # no decodes
+            return super().latent_attention(query, kv_cache, meta, scale, value_dim)
+
+        def decode(rows: torch.Tensor) -> torch.Tensor:
+            if fmt is None:
+                return kernels.latent_decode_attention(rows, kv_cache, tables, lens, scale, value_dim)
+            return kernels.latent_decode_attention_8bit(rows, kv_cache, tables, lens, scale, value_dim,
+                                                        fmt.block_size, fmt.name == "fp8_e4m3")
+
+        if decode_rows is None:  # decodes only, no padding rows
+            return decode(query)
+        out = query.new_zeros(query.shape[0], query.shape[1], value_dim)
+        put_rows(out, decode_rows, decode(take_rows(query, decode_rows)))
+        if chunk_rows is not None:
+            put_rows(out, chunk_rows, super().latent_attention(take_rows(query, chunk_rows), kv_cache, chunk_meta,
+                                                               scale, value_dim))
+        return out
 
     def _forward_8bit(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

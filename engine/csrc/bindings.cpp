@@ -36,7 +36,23 @@ bool small_linear_bf16_dot();
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 bool has_small_linear_f32();
 at::Tensor small_batch_linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// moe_cpu.cpp
+bool has_moe_experts();
+int64_t moe_experts_max_tokens();
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
+                       const at::Tensor& gate_up, const at::Tensor& down, const c10::optional<at::Tensor>& gate_up_bias,
+                       const c10::optional<at::Tensor>& down_bias, const std::string& activation, double alpha,
+                       double limit);
 
+// latent_decode_cpu.cpp (DeepSeek's multi-head latent attention, decodes; engine/attention/latent.py's cache)
+bool has_latent_decode();
+at::Tensor latent_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, double scale, int64_t value_dim, int64_t num_splits,
+                                   int64_t heads_per_item);
+at::Tensor latent_decode_attention_8bit(const at::Tensor& query, const at::Tensor& kv_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                        int64_t value_dim, int64_t block_size, bool fp8, int64_t num_splits,
+                                        int64_t heads_per_item);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU), with an optional sliding window, soft-cap and sinks",
@@ -67,6 +83,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_small_linear_f32", &has_small_linear_f32, "Whether small_batch_linear_f32 was compiled in (AVX2/AVX-512)");
   m.def("small_batch_linear_f32", &small_batch_linear_f32, "x W^T (+ bias) for 1-256 float32 rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("has_moe_experts", &has_moe_experts, "Whether moe_experts was compiled in (AVX2 or AVX-512)");
+  m.def("moe_experts_max_tokens", &moe_experts_max_tokens, "The most tokens moe_experts accepts");
+  m.def("moe_experts", &moe_experts,
+        "A mixture of experts' routed experts for a decode-sized batch of float32 or bf16 rows, in one call: "
+        "sum_k weights[t, k] * down(act(gate_up(x[t]))) of expert experts[t, k]",
+        py::arg("x"), py::arg("weights"), py::arg("experts"), py::arg("gate_up"), py::arg("down"),
+        py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none(), py::arg("activation") = "silu",
+        py::arg("alpha") = 0.0, py::arg("limit") = 0.0);
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "Set logits refused by a grammar's bitmask to -inf (in place)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key (new contiguous tensors)");
+  m.def("has_latent_decode", &has_latent_decode,
+        "Whether latent_decode_attention(_8bit) were compiled in (AVX2 or AVX-512)");
+  m.def("latent_decode_attention", &latent_decode_attention,
+        "Multi-head latent attention (MLA) decode over a paged latent cache [blocks, 2, block_size, 1, half] read "
+        "in place (CPU): [seqs, heads, 2 * half] queries -> [seqs, heads, value_dim]",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("value_dim"), py::arg("num_splits") = 0, py::arg("heads_per_item") = 0);
+  m.def("latent_decode_attention_8bit", &latent_decode_attention_8bit,
+        "latent_decode_attention over an 8-bit latent cache (engine/kv_quant.py, one KV head of head_dim half)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("value_dim"), py::arg("block_size"), py::arg("fp8"), py::arg("num_splits") = 0,
+        py::arg("heads_per_item") = 0);
 }

@@ -89,6 +89,20 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if x.is_cuda:  # the Triton fused-MoE kernels, imported on first use (CPU-only installs need no Triton)
         from engine.model.triton_moe import fused_moe
         return fused_moe(x, weights, experts, w)
+    # On CPU, a decode-sized batch (float32 or bf16, 1 to the kernel's `moe_experts_max_tokens()`,
+    # 64, tokens) runs as one native call (engine/csrc/moe_cpu.cpp): each chosen expert's weights
+    # read once for all its tokens, no per-expert Python. It sums as the reference does: float32
+    # SwiGLU bit-identical (GeGLU's tanh and gpt-oss's sigmoid a few ulps apart), bf16 rounded where
+    # the reference rounds. Larger batches (prefill chunks) and `PDSERVE_FUSED_OPS=0` take the
+    # reference, whose per-expert GEMMs are faster there.
+    native = fused_ops.native_for(x)
+    if (native is not None and x.dim() == 2 and x.stride(1) == 1 and native.has_moe_experts()
+            and 1 <= x.shape[0] <= native.moe_experts_max_tokens()
+            and w.activation.kind in ("silu", "gelu_pytorch_tanh", "clamped_swiglu") and experts.dtype is torch.int64
+            and all(t.dtype is x.dtype and t.is_contiguous()
+                    for t in (w.gate_up, w.down, w.gate_up_bias, w.down_bias) if t is not None)):
+        return native.moe_experts(x, weights.float(), experts, w.gate_up, w.down, w.gate_up_bias, w.down_bias,
+                                  w.activation.kind, w.activation.alpha, w.activation.limit)
     return grouped_experts_torch(x, weights, experts, w)
 
 
