@@ -8,6 +8,8 @@ mask (`engine.structured_output.apply_bitmask`), and a mixture of experts' route
 decode-sized batch in one call (`moe_experts`, used by `engine.model.moe.run_experts`).
 DeepSeek's latent attention (MLA) for decodes over the paged latent cache, float or 8-bit, read in
 place (`latent_decode_attention`, used by the "cpu" backend's `latent_attention`).
+Those two are on in AVX2 builds; AVX-512 builds report them absent (`has_moe_experts`,
+`has_latent_decode`) until their 16-lane paths have run on an AVX-512 machine.
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same

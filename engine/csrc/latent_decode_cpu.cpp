@@ -452,7 +452,16 @@ at::Tensor dispatch(const char* name, const at::Tensor& query, const at::Tensor&
 
 }  // namespace
 
-bool has_latent_decode() { return true; }
+// Its 16-lane (AVX-512) build has not yet run on an AVX-512 machine (none was at hand when it was
+// written): there it reports itself absent, so callers keep the torch reference, until checked on
+// one. PDSERVE_CPU_ISA=avx2 builds the 8-lane path, tested on AVX2 machines, for any x86-64-v3 CPU.
+bool has_latent_decode() {
+#if defined(__AVX512F__)
+  return false;
+#else
+  return true;
+#endif
+}
 
 at::Tensor latent_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, double scale, int64_t value_dim, int64_t num_splits,

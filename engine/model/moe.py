@@ -94,7 +94,8 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     # read once for all its tokens, no per-expert Python. It sums as the reference does: float32
     # SwiGLU bit-identical (GeGLU's tanh and gpt-oss's sigmoid a few ulps apart), bf16 rounded where
     # the reference rounds. Larger batches (prefill chunks) and `PDSERVE_FUSED_OPS=0` take the
-    # reference, whose per-expert GEMMs are faster there.
+    # reference, whose per-expert GEMMs are faster there. (AVX-512 builds report the kernel absent
+    # until its 16-lane path has run on such a machine: engine/csrc/moe_cpu.cpp.)
     native = fused_ops.native_for(x)
     if (native is not None and x.dim() == 2 and x.stride(1) == 1 and native.has_moe_experts()
             and 1 <= x.shape[0] <= native.moe_experts_max_tokens()
