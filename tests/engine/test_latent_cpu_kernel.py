@@ -25,13 +25,12 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, TorchAttentionBackend
+from tests.engine.latent_batches import PADDING, TINY, make_batch
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.latent import latent_attention
 from engine.kv_quant import KVQuantFormat
 
-TINY = (32, 8)  # (value_dim = kv_lora_rank, rotated dims): the tiny DeepSeek models' latent of 40
 DEEPSEEK = (512, 64)  # DeepSeek-V3's latent of 576
-PADDING = 2  # query rows past the batch
 
 
 @pytest.fixture(scope="module")
@@ -71,22 +70,6 @@ def cpu_backend(kernels, kv_format: KVQuantFormat | None = None) -> CpuAttention
     backend = CpuAttentionBackend(kv_format)
     backend._kernels = Recording(kernels)
     return backend
-
-
-def make_batch(query_lens: list[int], seq_lens: list[int], heads: int, dims: tuple[int, int] = TINY,
-               block_size: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32, padding: int = PADDING):
-    """(query, cache, metadata, value_dim): shuffled block ids, spare blocks, a random cache (the
-    new tokens' latents already in it, as the model stores them before attending)."""
-    value_dim, rope = dims
-    half = (value_dim + rope) // 2
-    generator = torch.Generator().manual_seed(seed)
-    needed = [-(-n // block_size) for n in seq_lens]
-    order = torch.randperm(sum(needed) + 3, generator=generator).tolist()
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
-    cache = torch.randn(sum(needed) + 3, 2, block_size, 1, half, generator=generator).to(dtype)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
-    query = torch.randn(sum(query_lens) + padding, heads, 2 * half, generator=generator).to(dtype)
-    return query, cache, meta, value_dim
 
 
 def compare(kernels, batch, atol: float = 1e-5, rtol: float = 1e-5, kv_format: KVQuantFormat | None = None,

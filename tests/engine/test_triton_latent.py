@@ -24,14 +24,14 @@ if not torch.cuda.is_available():  # before triton is imported, or its kernels' 
 pytest.importorskip("triton")
 
 from engine.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from tests.engine.latent_batches import PADDING, TINY  # noqa: E402
+from tests.engine.latent_batches import make_batch as latent_batch  # noqa: E402
 from engine.attention import triton_backend, triton_latent  # noqa: E402
 from engine.attention.latent import latent_attention  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
 from engine.kv_quant import KVQuantFormat  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = (32, 8)  # (value_dim = kv_lora_rank, rotated dims): the tiny DeepSeek models' latent of 40
-PADDING = 2  # query rows past the batch
 
 
 def backend(splits: int | None = None, kv_format: KVQuantFormat | None = None) -> TritonAttentionBackend:
@@ -39,20 +39,8 @@ def backend(splits: int | None = None, kv_format: KVQuantFormat | None = None) -
     return TritonAttentionBackend(TritonAttentionConfig(decode_num_splits=splits), kv_format=kv_format)
 
 
-def make_batch(query_lens: list[int], seq_lens: list[int], heads: int, dims: tuple[int, int] = TINY,
-               block_size: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """(query, cache, metadata, value_dim): shuffled block ids, spare blocks, a random cache (the
-    new tokens' latents already in it, as the model stores them before attending)."""
-    value_dim, rope = dims
-    half = (value_dim + rope) // 2
-    generator = torch.Generator().manual_seed(seed)
-    needed = [-(-n // block_size) for n in seq_lens]
-    order = torch.randperm(sum(needed) + 3, generator=generator).tolist()
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
-    cache = torch.randn(sum(needed) + 3, 2, block_size, 1, half, generator=generator).to(dtype)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
-    query = torch.randn(sum(query_lens) + PADDING, heads, 2 * half, generator=generator).to(dtype)
-    return query, cache, meta, value_dim
+def make_batch(*args, block_size: int = 8, **kwargs):
+    return latent_batch(*args, block_size=block_size, **kwargs)
 
 
 def on_device(meta: AttentionMetadata) -> AttentionMetadata:
