@@ -36,10 +36,14 @@ DEEPSEEK = (512, 64)  # DeepSeek-V3's latent of 576
 @pytest.fixture(scope="module")
 def kernels():
     """The kernels module with `latent_decode_attention`; it must have built wherever a C++
-    compiler and AVX2 + FMA exist."""
+    compiler and AVX2 + FMA exist (AVX-512 builds report it absent until their 16-lane path has
+    run on an AVX-512 machine: there `make test`'s second run, PDSERVE_CPU_ISA=avx2, tests the
+    8-lane path)."""
     module = cpu_kernels.load()
     if module is None or not module.has_latent_decode():
         features = set(cpu_kernels.cpu_features())
+        if module is not None and cpu_kernels.isa() == "native" and "avx512f" in features:
+            pytest.skip("AVX-512 build: latent_decode_attention reports itself absent (PDSERVE_CPU_ISA=avx2 tests it)")
         simd = "avx512f" in features or {"avx2", "fma", "f16c"} <= features
         if shutil.which("c++") and importlib.util.find_spec("ninja") and simd:
             pytest.fail("the native latent decode kernel did not build although a compiler and AVX2 + FMA are present")

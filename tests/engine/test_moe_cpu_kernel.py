@@ -22,10 +22,14 @@ ACTIVATIONS = {"silu": ExpertActivation("silu"), "gelu_pytorch_tanh": ExpertActi
 
 @pytest.fixture(scope="module")
 def native():
-    """The kernels module with `moe_experts`; it must have built wherever a C++ compiler exists."""
+    """The kernels module with `moe_experts`; it must have built wherever a C++ compiler exists
+    (AVX-512 builds report it absent until their 16-lane path has run on an AVX-512 machine: there
+    `make test`'s second run, PDSERVE_CPU_ISA=avx2, tests the 8-lane path)."""
     module = fused_ops._kernels()
     if module is None or not module.has_moe_experts():
         features = set(cpu_kernels.cpu_features())
+        if module is not None and cpu_kernels.isa() == "native" and "avx512f" in features:
+            pytest.skip("AVX-512 build: moe_experts reports itself absent (PDSERVE_CPU_ISA=avx2 tests it here)")
         simd = "avx512f" in features or {"avx2", "fma", "f16c"} <= features
         if shutil.which("c++") and importlib.util.find_spec("ninja") and simd:
             pytest.fail("the native MoE kernel did not build although a compiler and AVX2 + FMA are present")
