@@ -25,7 +25,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, TorchAttentionBackend
-from tests.engine.latent_batches import PADDING, TINY, make_batch
+from tests.engine.latent_batches import TINY, make_8bit_batch, make_batch
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.latent import latent_attention
 from engine.kv_quant import KVQuantFormat
@@ -186,17 +186,7 @@ def test_8bit_caches(kernels, fmt_name, dims):
     value_dim, rope = dims
     half, block_size = (value_dim + rope) // 2, 8
     query_lens, seq_lens = [1, 6, 1, 1], [30, 20, 1, 45] if dims == TINY else [9, 6, 1, 20]
-    fmt = KVQuantFormat(fmt_name, block_size, 1, half)
-    generator = torch.Generator().manual_seed(5)
-    needed = [-(-n // block_size) for n in seq_lens]
-    order = torch.randperm(sum(needed) + 2, generator=generator).tolist()
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
-    layer = torch.zeros(sum(needed) + 2, fmt.block_bytes, dtype=torch.uint8)
-    every = AttentionMetadata.build(seq_lens, seq_lens, tables, block_size, "cpu")
-    latents = torch.randn(sum(seq_lens), 1, 2 * half, generator=generator)
-    fmt.store(latents[..., :half], latents[..., half:], layer, every.slot_mapping)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
-    query = torch.randn(sum(query_lens) + PADDING, 5, 2 * half, generator=generator)
+    query, layer, meta, fmt = make_8bit_batch(fmt_name, query_lens, seq_lens, half, block_size=block_size)
     scale = query.shape[-1] ** -0.5
     expected = TorchAttentionBackend(fmt).latent_attention(query, layer, meta, scale, value_dim)
     compare(kernels, (query, layer, meta, value_dim), atol=2e-5, kv_format=fmt, reference=expected)

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():  # before triton is imported, or its kernels' 
 pytest.importorskip("triton")
 
 from engine.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from tests.engine.latent_batches import PADDING, TINY  # noqa: E402
+from tests.engine.latent_batches import PADDING, TINY, make_8bit_batch  # noqa: E402
 from tests.engine.latent_batches import make_batch as latent_batch  # noqa: E402
 from engine.attention import triton_backend, triton_latent  # noqa: E402
 from engine.attention.latent import latent_attention  # noqa: E402
@@ -112,17 +112,7 @@ def test_8bit_caches(fmt_name, splits):
     """An 8-bit cache (engine/kv_quant.py, one KV head of half the latent), read in place by the
     kernel and dequantized for the chunks: against the reference over the dequantized layer."""
     query_lens, seq_lens, block_size, half = [1, 6, 1, 1], [30, 20, 1, 45], 8, 20
-    fmt = KVQuantFormat(fmt_name, block_size, 1, half)
-    generator = torch.Generator().manual_seed(5)
-    needed = [-(-n // block_size) for n in seq_lens]
-    order = torch.randperm(sum(needed) + 2, generator=generator).tolist()
-    tables = [order[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
-    layer = torch.zeros(sum(needed) + 2, fmt.block_bytes, dtype=torch.uint8)
-    every = AttentionMetadata.build(seq_lens, seq_lens, tables, block_size, "cpu")
-    latents = torch.randn(sum(seq_lens), 1, 2 * half, generator=generator)
-    fmt.store(latents[..., :half], latents[..., half:], layer, every.slot_mapping)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
-    query = torch.randn(sum(query_lens) + PADDING, 5, 2 * half, generator=generator)
+    query, layer, meta, fmt = make_8bit_batch(fmt_name, query_lens, seq_lens, half, block_size=block_size)
     dense = fmt.dequantize(layer, torch.arange(layer.shape[0]), torch.float32)
     compare((query, layer, meta, 32), splits, atol=2e-5, kv_format=fmt, reference_cache=dense)
 
