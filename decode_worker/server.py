@@ -124,7 +124,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
 
             def make_receiver(kv_cache, on_transfer_end):
                 return kvtransfer.create_receiver(config.transport, kv_cache.layers, transfer_config, on_transfer_end,
-                                                  packed=kv_cache.kv_format)
+                                                  packed=kv_cache.kv_format, layer_windows=kv_cache.layer_windows)
         self.engine = serving.build_async_engine(config.model, config.engine_options, config.role, make_receiver,
                                                  config.connector)
         connector = self.engine.engine.kv_connector

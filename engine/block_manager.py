@@ -11,7 +11,9 @@ Prefix caching: once all tokens of a full block are computed, the block is regis
 chained content hash (`engine.block_hash`). A lookup walks a request's full blocks from the
 first one and stops at the first miss; a hash hit counts only if the stored (parent hash, extra
 key, token ids) equal the request's, so a hash collision is a miss, never wrong KV. A lookup
-never covers the request's last token, whose logits are needed, and is block-aligned.
+never covers the request's last token, whose logits are needed, and is block-aligned. A request
+registers no block from `request.max_cached_blocks` on (an import whose sliding-window layers
+left those blocks' KV out).
 
 Host tier (optional, `engine/host_cache.py`): evicting a cached block saves its KV to host memory
 first, and a lookup that misses on the device goes on in the host tier; the blocks found there
@@ -143,6 +145,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if request.max_cached_blocks is not None:
+            num_full = min(num_full, request.max_cached_blocks)
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return

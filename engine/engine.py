@@ -85,7 +85,7 @@ class LLMEngine:
                 self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(),
                                                 kv_cache.layers, config.cache.block_size, DEFAULT_HASH_ALGORITHM,
                                                 lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set,
-                                                shards=runner.kv_shards)
+                                                shards=runner.kv_shards, layer_windows=kv_cache.layer_windows)
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                        role=config.role, kv_connector=self.kv_connector,
                                        num_swap_slots=runner.num_swap_slots,
@@ -332,7 +332,7 @@ class LLMEngine:
             error = f"remote prefill failed (producer): first token {done.first_token.token_id} is outside the vocabulary"
             fallback = self.kv_connector.config.on_transfer_failure == "fallback"
         if error is None:
-            out = self.scheduler.finish_import(done.request_id, done.first_token)
+            out = self.scheduler.finish_import(done.request_id, done.first_token, done.complete_blocks)
         else:
             logger.warning("%s: %s", done.request_id, error)
             out = self.scheduler.fail_import(done.request_id, fallback, error,

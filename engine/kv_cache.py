@@ -11,6 +11,11 @@ With tensor parallelism each rank's cache holds only that rank's KV heads: calle
 An 8-bit cache (`kv_format`, engine/kv_quant.py) is `[num_layers, num_blocks, block_bytes]`
 uint8: each (layer, block) chunk holds its 8-bit values and their scales, still one contiguous
 chunk per pair and one region for the whole cache.
+
+Each layer's kind: `layer_windows[i]` is layer i's sliding window in tokens (0: it attends to
+every position; `()`: every layer does). A sliding layer never reads a block again once it is
+behind the window of the next token (`window_skip_blocks`): a P->D transfer leaves those blocks
+out for that layer (their bytes on the decode side are stale and never read).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import math
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -35,6 +41,7 @@ class KVCache:
     memory_fd: int | None = None
     _mapping: object = None
     kv_format: KVQuantFormat | None = None  # 8-bit: the block layout; None: values in data.dtype
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window (0 = full); () = all full
 
     @property
     def layers(self) -> list[torch.Tensor]:
@@ -43,6 +50,27 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         return int(self.data.shape[1])
+
+
+def layer_windows(arch: ModelArchConfig) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens, 0 for full attention; () when no layer slides."""
+    windows = tuple(arch.sliding_window if arch.is_sliding(layer) else 0 for layer in range(arch.num_hidden_layers))
+    return windows if any(windows) else ()
+
+
+def window_skip_blocks(windows: Sequence[int], num_tokens: int, block_size: int,
+                       first_block: int = 0) -> list[int] | None:
+    """Per layer, how many leading blocks of `[first_block, ceil(num_tokens / block_size))` the
+    next token (position `num_tokens`) no longer reads: a sliding layer of window w reads
+    positions > num_tokens - w. At most all but the last block; 0 for full attention. None when
+    no layer slides."""
+    if not windows:
+        return None
+    num_blocks = -(-num_tokens // block_size) - first_block
+    if num_blocks < 1:
+        raise ValueError(f"{num_tokens} tokens in blocks of {block_size} end before block {first_block}")
+    return [min(num_blocks - 1, max(0, (num_tokens - window + 1) // block_size - first_block)) if window else 0
+            for window in windows]
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
@@ -71,6 +99,7 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
     pages (shmem), otherwise the CPU cache is advised into transparent huge pages. `kv_format`:
     an 8-bit cache in that format (`dtype` is then the model's, not the cache's)."""
     heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    windows = layer_windows(arch)
     shape = (arch.num_hidden_layers, num_blocks, 2, block_size, heads, arch.head_dim)
     if kv_format is not None:
         if (kv_format.block_size, kv_format.num_kv_heads, kv_format.head_dim) != (block_size, heads, arch.head_dim):
@@ -92,9 +121,10 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
             os.close(fd)
             raise
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-        return KVCache(data=data, block_size=block_size, memory_fd=fd, _mapping=mapping, kv_format=kv_format)
+        return KVCache(data=data, block_size=block_size, memory_fd=fd, _mapping=mapping, kv_format=kv_format,
+                       layer_windows=windows)
     data = torch.empty(shape, dtype=dtype, device=device)
     if data.device.type == "cpu":
         advise_huge_pages(data)  # before the first touch, so the zeroing below faults in huge pages
     data.zero_()
-    return KVCache(data=data, block_size=block_size, kv_format=kv_format)
+    return KVCache(data=data, block_size=block_size, kv_format=kv_format, layer_windows=windows)

@@ -36,6 +36,12 @@ engine thread's next step boundary, up to a decode step later. From then on the 
 verified load admits the request with it, a failed one falls back to a local prefill of the prompt
 and that token (or fails the request), and `LoadDone.first_token_streamed` tells the engine that
 the caller has it.
+
+Sliding-window layers (`layer_windows`, engine/kv_cache.py): a send leaves out, per layer, the
+leading blocks the next token no longer reads (`window_skip_blocks`; both sides compute them from
+the same tokens, and the checksum covers what moved). Those blocks lack some layers' KV on the
+decode side, so a verified load says from which block on the request's KV must not be shared
+(`LoadDone.complete_blocks`): the decode worker's prefix cache never hands them out.
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ import torch
 
 from engine.block_hash import hash_block, hash_full_blocks
 from engine.config import KV_ROLES
+from engine.kv_cache import window_skip_blocks
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.request import Request, RequestStatus
 
@@ -66,7 +73,7 @@ class KVSenderTransport(Protocol):
     epoch: int
 
     def start(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
-              dst_block_ids: Sequence[int]) -> Any: ...
+              dst_block_ids: Sequence[int], *, skip_blocks: Sequence[int] | None = None) -> Any: ...
 
     def send_layers(self, request_id: str, layers: Sequence[int], num_blocks: int | None = None) -> None: ...
 
@@ -90,7 +97,8 @@ class KVShards(Protocol):
 class KVReceiverTransport(Protocol):
     """What the decode side needs of a kvtransfer KVReceiver."""
 
-    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None: ...
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], *,
+               skip_blocks: Sequence[int] | None = None) -> None: ...
 
     def poll(self, request_id: str) -> Any: ...  # TransferStatus
 
@@ -184,6 +192,9 @@ class LoadDone:
     error: str | None
     fallback: bool  # on failure: prefill locally (else end the request with `error`)
     first_token_streamed: bool = False  # the caller has `first_token` (`stream_first_token`)
+    # On success with sliding-window layers: the request's blocks from this index on lack some
+    # layer's KV (blocks behind that layer's window did not move), so they must not be shared.
+    complete_blocks: int | None = None
 
 
 def answers_prefill(delta: Any) -> bool:
@@ -205,34 +216,44 @@ def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str
     return tuple(hashes)
 
 
-def kv_checksum(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
+def kv_checksum(layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+                skip_blocks: Sequence[int] | None = None) -> int:
     """xxh3-64 of the bytes of `block_ids` in every layer, layer-major, block by block: the same
-    on both sides whatever each cache's block ids are. Host caches are hashed in place, a run of
-    consecutive blocks per update; device caches are gathered to the host per layer."""
+    on both sides whatever each cache's block ids are. `skip_blocks[layer]`: that layer's leading
+    blocks that did not move (a sliding window's), left out. Host caches are hashed in place, a
+    run of consecutive blocks per update; device caches are gathered to the host per layer."""
     import xxhash
     hasher = xxhash.xxh3_64()
+    for number, layer in enumerate(layers):
+        ids = block_ids[skip_blocks[number]:] if skip_blocks is not None else block_ids
+        if layer.device.type == "cpu":
+            rows = layer.view(layer.shape[0], -1).view(torch.uint8).numpy()
+            for start, end in _runs(ids):
+                hasher.update(rows[start:end].data)
+        else:
+            index = torch.tensor(list(ids), dtype=torch.int64, device=layer.device)
+            hasher.update(layer.index_select(0, index).cpu().view(torch.uint8).numpy().data)
+    return hasher.intdigest()
+
+
+def _runs(block_ids: Sequence[int]) -> list[list[int]]:
+    """Consecutive block ids as [start, end) runs, in order."""
     runs: list[list[int]] = []
     for block_id in block_ids:
         if runs and runs[-1][1] == block_id:
             runs[-1][1] += 1
         else:
             runs.append([block_id, block_id + 1])
-    for layer in layers:
-        if layer.device.type == "cpu":
-            rows = layer.view(layer.shape[0], -1).view(torch.uint8).numpy()
-            for start, end in runs:
-                hasher.update(rows[start:end].data)
-        else:
-            index = torch.tensor(list(block_ids), dtype=torch.int64, device=layer.device)
-            hasher.update(layer.index_select(0, index).cpu().view(torch.uint8).numpy().data)
-    return hasher.intdigest()
+    return runs
 
 
 @dataclass
 class _Send:
     request: Request
     destination: KVDestination
+    num_tokens: int  # the tokens whose KV it sends (the prompt, and a resumed request's outputs)
     src_block_ids: list[int] = field(default_factory=list)
+    skip_blocks: list[int] | None = None  # per layer: leading blocks not sent (window_skip_blocks)
     opened: bool = False
     pushed: list[int] = field(default_factory=list)  # per layer group: blocks pushed so far
     finished_at: float = 0.0  # when the prompt was done: request_finished, then SENDING_KV (monotonic)
@@ -257,6 +278,7 @@ class _Load:
     checked: float = 0.0
     bytes_seen: int = 0
     block_hashes: tuple[bytes, ...] = ()  # of every full block of its tokens (the report must match)
+    skip_blocks: list[int] | None = None  # per layer: leading blocks not moved (window_skip_blocks)
 
 
 @dataclass
@@ -276,7 +298,8 @@ class KVConnector:
 
     def __init__(self, role: str, config: KVConnectorConfig, kv_layers: Sequence[torch.Tensor], block_size: int,
                  hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], KVTransport],
-                 wakeup: Callable[[], None] = lambda: None, shards: KVShards | None = None) -> None:
+                 wakeup: Callable[[], None] = lambda: None, shards: KVShards | None = None,
+                 layer_windows: Sequence[int] = ()) -> None:
         if role not in KV_ROLES:
             raise ValueError(f"a KV connector's role is one of {', '.join(KV_ROLES)}, got {role!r}")
         self.role = role
@@ -285,6 +308,7 @@ class KVConnector:
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
         self.shards = shards
+        self.layer_windows = tuple(layer_windows)
         self._wakeup = wakeup
         self._lock = threading.Lock()
         self._ended: set[str] = set()  # transfers that ended (I/O thread) or need a look (engine thread)
@@ -339,7 +363,7 @@ class KVConnector:
                 self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
             elif self.shards is not None and send.error is None:  # gathered now: the checksum reads it
                 self.shards.gather_kv(range(len(self.kv_layers)), send.src_block_ids)
-            send.checksum = kv_checksum(self.kv_layers, send.src_block_ids)
+            send.checksum = kv_checksum(self.kv_layers, send.src_block_ids, send.skip_blocks)
             # the tokens whose KV was sent: not the first token, sampled just now
             sent_tokens = request.all_token_ids[:request.num_computed_tokens]
             send.block_hashes = sent_token_hashes(sent_tokens, self.block_size, request.cache_salt,
@@ -390,7 +414,8 @@ class KVConnector:
         if end != num_blocks or not destination.block_ids:
             raise ValueError(f"the destination covers prompt blocks [{destination.first_block_index}, {end}) but "
                              f"the prompt of {request.num_tokens} tokens has {num_blocks} blocks")
-        self._sends[request.request_id] = _Send(request, destination, pushed=[0] * len(self.layer_groups))
+        self._sends[request.request_id] = _Send(request, destination, request.num_tokens,
+                                                pushed=[0] * len(self.layer_groups))
 
     def layer_hook(self, seqs: Sequence[Any]) -> Callable[[int], None] | None:
         """Before a forward: what each send may push after it (`seqs`: the batch's ScheduledSeqs).
@@ -438,9 +463,10 @@ class KVConnector:
         request = send.request
         first = send.destination.first_block_index
         send.src_block_ids = list(request.block_ids[first:first + len(send.destination.block_ids)])
+        send.skip_blocks = window_skip_blocks(self.layer_windows, send.num_tokens, self.block_size, first)
         try:
             self._sender.start(request.request_id, send.destination.address, send.src_block_ids,
-                               list(send.destination.block_ids))
+                               list(send.destination.block_ids), skip_blocks=send.skip_blocks)
         except Exception as exc:  # e.g. no transport in common with the destination
             send.error = f"KV send failed to start: {exc}"
             self._look_again(request.request_id)
@@ -508,9 +534,10 @@ class KVConnector:
         # Its tokens (a resumed request's include its outputs) do not change while it loads. Hashed
         # before the receiver expects it: past `expect`, nothing may fail and leave its record.
         hashes = sent_token_hashes(request.all_token_ids, self.block_size, request.cache_salt, self.hash_algorithm)
-        self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill])
+        skip = window_skip_blocks(self.layer_windows, request.num_tokens, self.block_size, plan.blocks_to_fill[0][0])
+        self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill], skip_blocks=skip)
         now = time.monotonic()
-        self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes)
+        self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes, skip_blocks=skip)
         if streamable:
             with self._lock:
                 self._early[request.request_id] = _EarlyToken(hashes)
@@ -590,7 +617,10 @@ class KVConnector:
         self._cancel_transfer(request_id)  # drops the finished record
         load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,
                                                  load.report.num_cached_tokens)
-        return LoadDone(request_id, load.report.first_token, None, False, streamed is not None)
+        complete = None
+        if load.skip_blocks is not None and max(load.skip_blocks):
+            complete = load.plan.blocks_to_fill[0][0]
+        return LoadDone(request_id, load.report.first_token, None, False, streamed is not None, complete)
 
     def _verify(self, load: _Load, status: Any) -> tuple[str, str] | None:
         report = load.report
@@ -602,7 +632,7 @@ class KVConnector:
         block_ids = [block_id for _, block_id in load.plan.blocks_to_fill]
         if self.config.inject_fault == "flip_byte":
             self.kv_layers[0][block_ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
-        if kv_checksum(self.kv_layers, block_ids) != report.checksum:
+        if kv_checksum(self.kv_layers, block_ids, load.skip_blocks) != report.checksum:
             return "checksum", "the received KV bytes do not match the prefill worker's checksum"
         return None
 

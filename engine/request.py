@@ -92,6 +92,9 @@ class Request:
         self.num_preemptions = 0
         self.block_ids: list[int] = []  # owned by the block manager
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
+        # Blocks from this index on are never registered in the prefix cache: an import left out
+        # their sliding-window layers' KV (engine/kv_connector.py). None: every block may be.
+        self.max_cached_blocks: int | None = None
         self.swap_slots: list[int] = []  # swap preemption: host slots holding its computed KV
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -545,6 +545,7 @@ class Scheduler:
         for request in reversed(self.waiting):
             if request.block_ids:
                 request.num_computed_tokens = 0
+                request.max_cached_blocks = None
                 self.block_manager.free(request)
                 request.status = RequestStatus.PREEMPTED
                 request.num_preemptions += 1
@@ -563,6 +564,7 @@ class Scheduler:
             self._swapped_out_blocks += held
         else:
             victim.num_computed_tokens = 0
+            victim.max_cached_blocks = None  # recomputed here: every layer's KV
         self.block_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
@@ -784,13 +786,15 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is not waiting for KV")
         return request
 
-    def finish_import(self, request_id: str, first_token: SampledToken) -> StepOutput:
+    def finish_import(self, request_id: str, first_token: SampledToken, complete_blocks: int | None = None) -> StepOutput:
         """The transfer wrote every block to fill: the prompt counts as computed, its full blocks
-        join the prefix cache, and the first token (sampled by the prefill worker) is appended.
-        Returns that token's output (finished if the token already ends the request)."""
+        join the prefix cache (those before `complete_blocks` only, when the blocks from there on
+        lack some sliding-window layer's KV), and the first token (sampled by the prefill worker)
+        is appended. Returns that token's output (finished if the token already ends the request)."""
         request = self._importing_request(request_id)
         self._imported_tokens += request.num_tokens - request.num_computed_tokens
         request.num_computed_tokens = request.num_tokens
+        request.max_cached_blocks = complete_blocks
         self.block_manager.cache_computed_blocks(request)
         request.append_output(first_token.token_id, first_token)
         reason, error = self._after_token(request, first_token.token_id)

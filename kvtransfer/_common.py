@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .layout import KVLayout
 from .status import TransferError
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,25 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int | None, name: str)
         limit = f"0..{num_blocks - 1}" if num_blocks is not None else ">= 0"
         raise ValueError(f"{name} {bad[:8]} out of range (valid: {limit})")
     return ids
+
+
+def check_skip_blocks(skip_blocks: Sequence[int] | None, layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    """Per cache layer, how many leading blocks of a `num_blocks`-block transfer it does not move
+    (None: none, every layer all blocks). Each is in [0, num_blocks): every layer moves at least
+    its last block; and 0 for a full-attention layer (`layout.window(layer)` 0)."""
+    if skip_blocks is None:
+        return (0,) * layout.num_layers
+    skips = tuple(int(skip) for skip in skip_blocks)
+    if len(skips) != layout.num_layers:
+        raise ValueError(f"skip_blocks has {len(skips)} entries: need one per cache layer ({layout.num_layers})")
+    for layer, skip in enumerate(skips):
+        if not 0 <= skip < num_blocks:
+            raise ValueError(f"skip_blocks[{layer}] is {skip}: a layer skips 0 to {num_blocks - 1} of the "
+                             f"transfer's {num_blocks} blocks (it moves at least the last one)")
+        if skip and not layout.window(layer):
+            raise ValueError(f"skip_blocks[{layer}] is {skip}, but layer {layer} has full attention "
+                             "(window 0 in the layout): it reads every block, so it skips none")
+    return skips
 
 
 def check_request_id(request_id: str) -> str:

@@ -31,10 +31,11 @@ class TransferEndpoint:
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None, on_transfer_end: Callable[[str], None] | None,
-                 packed: PackedBlocks | None, transport_name: str | None = None) -> None:
+                 packed: PackedBlocks | None, transport_name: str | None = None,
+                 layer_windows: Sequence[int] = ()) -> None:
         self.config = config or TransferConfig()
         self._on_transfer_end = on_transfer_end
-        self.layout = KVLayout.from_caches(layer_caches, packed)
+        self.layout = KVLayout.from_caches(layer_caches, packed, layer_windows)
         if self.layout.chunk_nbytes > self.config.max_message_bytes:
             raise ValueError(f"one KV chunk is {self.layout.chunk_nbytes} bytes, above "
                              f"max_message_bytes={self.config.max_message_bytes}")

@@ -2,7 +2,7 @@
 
 sender -> receiver   hello {layout}                 first message on a connection
 receiver -> sender   hello_ok {} | hello_reject {error}
-sender -> receiver   begin {uid, request_id, dst_block_ids, layers}
+sender -> receiver   begin {uid, request_id, dst_block_ids, layers, skip_blocks, epoch}
 sender -> receiver   data {uid, request_id, layers, block_start, block_end, nbytes} + payload
 receiver -> sender   ack {uid, layers, block_start, block_end}
 receiver -> sender   error {uid, error}             the receiver dropped or refused a transfer
@@ -21,4 +21,4 @@ ERROR = "error"
 ABORT = "abort"
 PING = "ping"
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: layouts carry layer_windows, begin carries skip_blocks

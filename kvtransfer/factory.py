@@ -76,25 +76,28 @@ def auto_sender_transports(layout: KVLayout) -> list[str]:
 def create_receiver(transport: str, layer_caches: Sequence[torch.Tensor],
                     config: TransferConfig | None = None,
                     on_transfer_end: Callable[[str], None] | None = None,
-                    packed: PackedBlocks | None = None) -> KVReceiver:
+                    packed: PackedBlocks | None = None, layer_windows: Sequence[int] = ()) -> KVReceiver:
     """A receiver listening on `transport` ("tcp", "shm", "ucx", "nccl" or "auto");
     `receiver.address` is what senders need. `packed`: the caches hold 8-bit blocks in that
-    format (kvtransfer/layout.py)."""
-    layout = KVLayout.from_caches(layer_caches, packed)
+    format; `layer_windows`: each layer's sliding window in tokens, 0 = full attention
+    (kvtransfer/layout.py; the sender's must be the same)."""
+    layout = KVLayout.from_caches(layer_caches, packed, layer_windows)
     names = auto_receiver_transports(layout) if transport == "auto" else [transport]
-    return KVReceiver([_make(name) for name in names], layer_caches, config, on_transfer_end, packed)
+    return KVReceiver([_make(name) for name in names], layer_caches, config, on_transfer_end, packed,
+                      layer_windows)
 
 
 def create_sender(transport: str, layer_caches: Sequence[torch.Tensor],
                   config: TransferConfig | None = None,
                   shared_memory: SharedMemory | None = None, epoch: int | None = None,
                   on_transfer_end: Callable[[str], None] | None = None,
-                  packed: PackedBlocks | None = None) -> KVSender:
+                  packed: PackedBlocks | None = None, layer_windows: Sequence[int] = ()) -> KVSender:
     """A sender over `transport` ("tcp", "shm", "ucx", "nccl" or "auto"). `shared_memory`: the
     shared file the (host) caches lie in, which lets shm receivers copy straight out of them.
-    `epoch` and `on_transfer_end`: see kvtransfer/sender.py; `packed`: as for `create_receiver`."""
-    layout = KVLayout.from_caches(layer_caches, packed)
+    `epoch` and `on_transfer_end`: see kvtransfer/sender.py; `packed` and `layer_windows`: as
+    for `create_receiver`."""
+    layout = KVLayout.from_caches(layer_caches, packed, layer_windows)
     names = auto_sender_transports(layout) if transport == "auto" else [transport]
     return KVSender([_make(name) for name in names], layer_caches, config,
                     transport_name=transport, shared_memory=shared_memory, epoch=epoch,
-                    on_transfer_end=on_transfer_end, packed=packed)
+                    on_transfer_end=on_transfer_end, packed=packed, layer_windows=layer_windows)

@@ -13,6 +13,11 @@ Lifecycle of one expected transfer (request id):
 transfer ends (SUCCESS or FAILED), so an engine loop can sleep until then instead of polling.
 `poll()` reports the `epoch` the sender announced (`TransferStatus.producer_epoch`).
 
+Sliding windows: `expect(..., skip_blocks=s)` names, per cache layer, the leading blocks the
+sender will not move (kvtransfer/sender.py); they count as arrived from the start, so
+`layers_ready`, `wait_layer` and completion see only the moved blocks, which are all that is
+written or counted in `bytes_transferred`.
+
 Threading: the public methods are called from the engine thread and never wait on the
 network. All I/O, and every write into the caches, runs on one event-loop thread owned by the
 receiver; `cancel()` runs on that thread too, which orders it against every write.
@@ -26,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import _protocol as proto
-from ._common import BoundedSet, check_block_ids, check_request_id, normalize_layers, within
+from ._common import BoundedSet, check_block_ids, check_request_id, check_skip_blocks, normalize_layers, within
 from ._endpoint import TransferEndpoint
 from ._payload import BlockSink, DataPiece, DiscardSink
 from .addresses import join_address
@@ -42,13 +47,14 @@ IDLE_SILENCE_S = 60.0
 
 class _ExpectedTransfer:
     def __init__(self, request_id: str, dst_block_ids: list[int], layers: tuple[int, ...],
-                 device: str) -> None:
+                 skip_blocks: tuple[int, ...], device: str) -> None:
         self.request_id = request_id
         self.dst_block_ids = dst_block_ids
         self.layers = layers
+        self.skip_blocks = skip_blocks  # per cache layer
         self.layer_position = {layer: position for position, layer in enumerate(layers)}
         self.index = torch.tensor(dst_block_ids, dtype=torch.int64, device=device)
-        self.blocks_done = [0] * len(layers)
+        self.blocks_done = [skip_blocks[layer] for layer in layers]  # skipped blocks count as arrived
         self.layers_complete = 0
         self.leading_layers_complete = 0
         self.state = TransferState.PENDING
@@ -85,8 +91,9 @@ class KVReceiver(TransferEndpoint):
 
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None,
-                 on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None) -> None:
-        super().__init__(transports, layer_caches, config, on_transfer_end, packed)
+                 on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None,
+                 layer_windows: Sequence[int] = ()) -> None:
+        super().__init__(transports, layer_caches, config, on_transfer_end, packed, layer_windows=layer_windows)
         self._transfers: dict[str, _ExpectedTransfer]
         self._cancelled = BoundedSet()
         self._connections: set[_SenderConnection] = set()
@@ -97,13 +104,16 @@ class KVReceiver(TransferEndpoint):
     # ---- public API (engine thread) -------------------------------------------------------
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
-               layers: Iterable[int] | None = None) -> None:
+               layers: Iterable[int] | None = None, skip_blocks: Sequence[int] | None = None) -> None:
         """Announce a transfer: `dst_block_ids` (one per source block, in order) will receive
-        `layers` (default: all). The blocks must stay reserved until the transfer ends."""
+        `layers` (default: all), except the leading `skip_blocks[layer]` blocks of each layer
+        (one per cache layer, as the sender's `start()` takes them; None: all 0). The blocks
+        must stay reserved until the transfer ends."""
         check_request_id(request_id)
         ids = check_block_ids(dst_block_ids, self.layout.num_blocks, "dst_block_ids")
         layer_tuple = normalize_layers(layers, self.layout.num_layers)
-        record = _ExpectedTransfer(request_id, ids, layer_tuple, self.layout.device)
+        skips = check_skip_blocks(skip_blocks, self.layout, len(ids))
+        record = _ExpectedTransfer(request_id, ids, layer_tuple, skips, self.layout.device)
         self._check_open()
         with self._lock:
             if request_id in self._transfers:
@@ -287,6 +297,9 @@ class KVReceiver(TransferEndpoint):
             elif sorted(int(layer) for layer in message["layers"]) != sorted(record.layers):
                 refusal, fail_record = (f"layers differ: sender sends {message['layers']}, "
                                         f"receiver expects {list(record.layers)}"), True
+            elif not self._same_skips(record, message["skip_blocks"]):
+                refusal, fail_record = (f"skip_blocks differ: sender skips {message['skip_blocks']}, "
+                                        f"receiver expects {list(record.skip_blocks)}"), True
             else:
                 record.uid, record.connection = uid, connection
                 record.producer_epoch = int(message.get("epoch", 0))
@@ -298,6 +311,12 @@ class KVReceiver(TransferEndpoint):
         if refusal is not None:
             connection.ended_uids.add(uid)
             self._send_error(connection, uid, refusal)
+
+    def _same_skips(self, record: _ExpectedTransfer, sent: list) -> bool:
+        """Whether a `begin`'s skip_blocks (one per cache layer) agree with the expected ones on
+        the transfer's layers (the only ones a transfer moves)."""
+        return len(sent) == self.layout.num_layers and all(
+            int(sent[layer]) == record.skip_blocks[layer] for layer in record.layers)
 
     def _on_abort(self, connection: _SenderConnection, message: dict) -> None:
         """The sender gave up: fail its transfer, also one it never began (still PENDING)."""
@@ -327,6 +346,9 @@ class KVReceiver(TransferEndpoint):
             problem = f"data for blocks [{piece.block_start}, {piece.block_end}) out of range"
         elif nbytes != piece.nbytes(self.layout):
             problem = f"data message announces {nbytes} bytes, its blocks hold {piece.nbytes(self.layout)}"
+        elif any(piece.block_start < record.skip_blocks[layer] for layer in piece.layers):
+            problem = (f"data for blocks [{piece.block_start}, {piece.block_end}) of layers {list(piece.layers)}, "
+                       f"below a layer's skip ({[record.skip_blocks[layer] for layer in piece.layers]})")
         elif any(record.blocks_done[record.layer_position[layer]] + piece.num_blocks
                  > len(record.dst_block_ids) for layer in piece.layers):
             problem = "duplicate data for a layer"

@@ -13,6 +13,10 @@ group of them as soon as prefill has computed it; `send()` does both for layers 
 `send_layers(..., num_blocks=n)` pushes only the first n blocks of the group (the blocks a prompt
 chunk completed); a later call for the same layers pushes the blocks after them.
 
+Sliding windows: `start(..., skip_blocks=s)` (`s[layer]` per cache layer) moves only blocks
+[s[layer], end) of each layer; a layer's skipped blocks count as sent (and, on the receiver, as
+arrived). Only a layer with a window in the layout (`layer_windows`) may skip blocks.
+
 `epoch` (constructor; default: random, i.e. new per sender and so per process) is sent in every `begin`, so the receiver can tell which incarnation of
 the sending process wrote the bytes; `on_transfer_end(request_id)` is called on the I/O thread
 whenever a transfer ends (SUCCESS or FAILED), so an engine loop can sleep until then instead of
@@ -33,7 +37,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import _protocol as proto
-from ._common import cancel_and_wait, check_block_ids, check_request_id, normalize_layers, within
+from ._common import (cancel_and_wait, check_block_ids, check_request_id, check_skip_blocks, normalize_layers,
+                      within)
 from ._endpoint import TransferEndpoint
 from ._payload import BlockSource, DataPiece, plan_pieces
 from .addresses import Endpoint, parse_address
@@ -51,19 +56,22 @@ _MIN_SPLIT_BYTES = 1 << 20  # ...unless its messages would get smaller than this
 
 class _OutgoingTransfer:
     def __init__(self, request_id: str, address: str, src_block_ids: list[int],
-                 dst_block_ids: list[int], layers: tuple[int, ...], device: str) -> None:
+                 dst_block_ids: list[int], layers: tuple[int, ...], skip_blocks: tuple[int, ...],
+                 device: str) -> None:
         self.uid = uuid.uuid4().hex
         self.request_id = request_id
         self.address = address
         self.src_block_ids = src_block_ids
         self.dst_block_ids = dst_block_ids
         self.layers = layers
+        self.skip_blocks = skip_blocks  # per cache layer
         self.layer_position = {layer: position for position, layer in enumerate(layers)}
         self.index = torch.tensor(src_block_ids, dtype=torch.int64, device=device)
-        self.blocks_queued = [0] * len(layers)  # per layer: blocks [0, n) handed to send_layers
+        skips = [skip_blocks[layer] for layer in layers]
+        self.blocks_queued = list(skips)  # per layer: blocks [0, n) skipped or handed to send_layers
         self.pending_pieces: deque[DataPiece] = deque()  # planned, not sent yet (loop thread)
         self.in_rotation = False  # has a "next_piece" turn queued on its connection
-        self.blocks_acked = [0] * len(layers)
+        self.blocks_acked = list(skips)  # skipped blocks count as acknowledged
         self.layers_acked = 0
         self.unacked_messages = 0
         self.state = TransferState.PENDING
@@ -99,13 +107,15 @@ class KVSender(TransferEndpoint):
     def __init__(self, transports: Sequence[Transport], layer_caches: Sequence[torch.Tensor],
                  config: TransferConfig | None = None, transport_name: str | None = None,
                  shared_memory: SharedMemory | None = None, epoch: int | None = None,
-                 on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None) -> None:
+                 on_transfer_end: Callable[[str], None] | None = None, packed: PackedBlocks | None = None,
+                 layer_windows: Sequence[int] = ()) -> None:
         if shared_memory is not None and not all(
                 shared_memory.covers(cache.data_ptr(), cache.numel() * cache.element_size())
                 for cache in layer_caches):
             raise ValueError("shared_memory must contain every layer cache")
         self.epoch = (secrets.randbits(63) | 1) if epoch is None else int(epoch)  # 0 means "not begun"
-        super().__init__(transports, layer_caches, config, on_transfer_end, packed, transport_name)  # takes a loop
+        super().__init__(transports, layer_caches, config, on_transfer_end, packed, transport_name,
+                         layer_windows)  # takes a loop
         self.shared_memory = None if self.layout.is_cuda else shared_memory
         self._transfers: dict[str, _OutgoingTransfer]
         self._connections: dict[str, _ReceiverConnection] = {}
@@ -114,19 +124,24 @@ class KVSender(TransferEndpoint):
     # ---- public API (engine thread) -------------------------------------------------------
 
     def start(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
-              dst_block_ids: Sequence[int], layers: Iterable[int] | None = None) -> "TransferHandle":
+              dst_block_ids: Sequence[int], layers: Iterable[int] | None = None,
+              skip_blocks: Sequence[int] | None = None) -> "TransferHandle":
         """Open a transfer of `layers` (default: all) of `src_block_ids` into the receiver's
         `dst_block_ids` (same length, matched in order). Nothing is sent until
-        `send_layers()`; the receiver must `expect()` the same request id, blocks and layers.
-        The source blocks must stay unchanged until the transfer ends or is cancelled."""
+        `send_layers()`; the receiver must `expect()` the same request id, blocks, layers and
+        skips. `skip_blocks[layer]` (one per cache layer; None: all 0): how many leading blocks
+        of the transfer that layer does not move, in [0, len(src_block_ids)), 0 for a
+        full-attention layer. The source blocks must stay unchanged until the transfer ends or
+        is cancelled."""
         check_request_id(request_id)
         src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
         dst = check_block_ids(dst_block_ids, None, "dst_block_ids")
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
         layer_tuple = normalize_layers(layers, self.layout.num_layers)
+        skips = check_skip_blocks(skip_blocks, self.layout, len(src))
         candidates = self._candidates(dst_address)
-        transfer = _OutgoingTransfer(request_id, dst_address, src, dst, layer_tuple,
+        transfer = _OutgoingTransfer(request_id, dst_address, src, dst, layer_tuple, skips,
                                      self.layout.device)
         self._check_open()
         with self._lock:
@@ -138,9 +153,13 @@ class KVSender(TransferEndpoint):
 
     def send_layers(self, request_id: str, layers: Iterable[int], num_blocks: int | None = None) -> None:
         """Push `layers` of an open transfer, blocks [already pushed, `num_blocks`) of each
-        (default: all): call it as soon as prefill has written them. The layers of one call
-        must have had the same blocks pushed before. Returns at once; on GPU the copy waits
-        for the work queued so far on the current stream."""
+        (default: all): call it as soon as prefill has written them. A layer's pushed count
+        starts at its skip, so a layer whose blocks below `num_blocks` are all skipped pushes
+        nothing; the layers of one call may start at different blocks. Raises ValueError,
+        pushing nothing, if a layer had blocks up to `num_blocks` or beyond pushed already, or
+        `num_blocks` is not in [1, len(src_block_ids)].
+        Returns at once; on GPU the copy waits for the work queued so far on the current
+        stream."""
         layer_tuple = normalize_layers(layers, self.layout.num_layers)
         with self._lock:
             transfer = self._get(request_id)
@@ -148,27 +167,36 @@ class KVSender(TransferEndpoint):
             if outside:
                 raise ValueError(f"layers {outside} are not part of transfer {request_id!r} "
                                  f"(it covers {list(transfer.layers)})")
-            end = len(transfer.src_block_ids) if num_blocks is None else int(num_blocks)
-            starts = {transfer.blocks_queued[transfer.layer_position[layer]] for layer in layer_tuple}
-            if len(starts) > 1:
-                raise ValueError(f"layers {list(layer_tuple)} of {request_id!r} were pushed up to different blocks")
-            start = starts.pop()
-            if not start < end <= len(transfer.src_block_ids):
-                raise ValueError(f"layers {list(layer_tuple)} of {request_id!r}: blocks [{start}, {end}) "
-                                 f"are already sent or outside its {len(transfer.src_block_ids)} blocks")
+            total = len(transfer.src_block_ids)
+            end = total if num_blocks is None else int(num_blocks)
+            groups: dict[int, list[int]] = {}  # first block to push -> the layers starting there
             for layer in layer_tuple:
-                transfer.blocks_queued[transfer.layer_position[layer]] = end
+                position = transfer.layer_position[layer]
+                start = transfer.blocks_queued[position]
+                if 0 < end <= start == transfer.skip_blocks[layer]:
+                    continue  # every block below `end` is skipped: nothing to push
+                if not start < end <= total:
+                    raise ValueError(f"layer {layer} of {request_id!r}: blocks [{start}, {end}) "
+                                     f"are already sent or outside its {total} blocks")
+                groups.setdefault(start, []).append(layer)
+            for group in groups.values():
+                for layer in group:
+                    transfer.blocks_queued[transfer.layer_position[layer]] = end
+        if not groups:
+            return
         ready_event = None
         if self.layout.is_cuda:
             ready_event = torch.cuda.Event()
             ready_event.record(torch.cuda.current_stream(torch.device(self.layout.device)))
-        self._loop_thread.call_soon(self._queue_on_loop, transfer, ("layers", transfer, layer_tuple,
-                                                                    ready_event, start, end))
+        planned = tuple((tuple(group), start) for start, group in groups.items())
+        self._loop_thread.call_soon(self._queue_on_loop, transfer, ("layers", transfer, planned,
+                                                                    ready_event, end))
 
     def send(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], layers: Iterable[int] | None = None) -> "TransferHandle":
+             dst_block_ids: Sequence[int], layers: Iterable[int] | None = None,
+             skip_blocks: Sequence[int] | None = None) -> "TransferHandle":
         """`start()` and `send_layers()` of every layer in one call: for blocks already computed."""
-        handle = self.start(request_id, dst_address, src_block_ids, dst_block_ids, layers)
+        handle = self.start(request_id, dst_address, src_block_ids, dst_block_ids, layers, skip_blocks)
         with self._lock:
             transfer_layers = self._get(request_id).layers
         self.send_layers(request_id, transfer_layers)
@@ -359,26 +387,27 @@ class KVSender(TransferEndpoint):
                 await channel.send_control({
                     "type": proto.BEGIN, "uid": transfer.uid, "request_id": transfer.request_id,
                     "dst_block_ids": transfer.dst_block_ids, "layers": list(transfer.layers),
-                    "epoch": self.epoch})
+                    "skip_blocks": list(transfer.skip_blocks), "epoch": self.epoch})
             elif kind == "layers":
                 self._plan_layers(connection, transfer, *item[2:])
             elif kind == "next_piece":
                 await self._send_next_piece(connection, transfer)
 
     def _plan_layers(self, connection: _ReceiverConnection, transfer: _OutgoingTransfer,
-                     layers: tuple[int, ...], ready_event, block_start: int, block_end: int) -> None:
-        """Split a layer group into messages; the transfer then takes turns with the other
-        transfers on this connection, one message each, so a large transfer does not hold up
-        a small one."""
+                     groups: tuple[tuple[tuple[int, ...], int], ...], ready_event, block_end: int) -> None:
+        """Split each (layers, first block) group of one `send_layers` into messages; the
+        transfer then takes turns with the other transfers on this connection, one message
+        each, so a large transfer does not hold up a small one."""
         if ready_event is not None:
             torch.cuda.current_stream(torch.device(self.layout.device)).wait_event(ready_event)
-        limit = connection.channel.max_payload_bytes or self.config.max_message_bytes
-        # a few messages per group at least, so the copies of staged transports overlap
-        group_bytes = len(layers) * (block_end - block_start) * self.layout.chunk_nbytes
-        limit = min(limit, max(group_bytes // _MIN_MESSAGES_PER_GROUP, _MIN_SPLIT_BYTES,
-                               self.layout.chunk_nbytes))
-        transfer.pending_pieces.extend(
-            plan_pieces(layers, block_end, self.layout, limit, block_start))
+        for layers, block_start in groups:
+            limit = connection.channel.max_payload_bytes or self.config.max_message_bytes
+            # a few messages per group at least, so the copies of staged transports overlap
+            group_bytes = len(layers) * (block_end - block_start) * self.layout.chunk_nbytes
+            limit = min(limit, max(group_bytes // _MIN_MESSAGES_PER_GROUP, _MIN_SPLIT_BYTES,
+                                   self.layout.chunk_nbytes))
+            transfer.pending_pieces.extend(
+                plan_pieces(layers, block_end, self.layout, limit, block_start))
         if not transfer.in_rotation:
             transfer.in_rotation = True
             connection.queue.put_nowait(("next_piece", transfer))

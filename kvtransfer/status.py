@@ -1,9 +1,10 @@
 """Transfer states, the status snapshot that `poll()` returns, kvtransfer's exceptions and how a
-layout mismatch names the values (torch-free: the wire imports it)."""
+layout mismatch names the values and the sliding windows (torch-free: the wire imports it)."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 
 class TransferState(enum.Enum):
@@ -55,3 +56,16 @@ class TransportUnavailableError(TransferError):
 def dtype_description(kv_format: str, dtype: str) -> str:
     """How a layout's values are named in mismatch messages (this side's and a peer's alike)."""
     return f"{kv_format} with float32 scales and bf16 K references" if kv_format else dtype
+
+
+def windows_description(layer_windows: Sequence[int]) -> str:
+    """A layout's per-layer sliding windows (tokens, 0 = full attention) in mismatch messages, runs
+    of one value folded: [512, 512, 0] -> "512x2, full"."""
+    runs: list[list] = []
+    for window in layer_windows:
+        if runs and runs[-1][0] == window:
+            runs[-1][1] += 1
+        else:
+            runs.append([window, 1])
+    return ", ".join(f"{window or 'full'}x{count}" if count > 1 else f"{window or 'full'}"
+                     for window, count in runs)

@@ -62,7 +62,8 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
                 shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
                                                  kv_cache.data.numel() * kv_cache.data.element_size())
             return kvtransfer.create_sender(config.transport, kv_cache.layers, transfer_config, shared_memory=shared,
-                                            on_transfer_end=on_transfer_end, packed=kv_cache.kv_format)
+                                            on_transfer_end=on_transfer_end, packed=kv_cache.kv_format,
+                                            layer_windows=kv_cache.layer_windows)
 
         self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
                                                  self.role, make_sender, config.connector)

@@ -9,7 +9,7 @@ from engine.kv_connector import KVSendResult, ProducerReport
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
 from engine.scheduler import SampledToken
-from kvtransfer.status import dtype_description
+from kvtransfer.status import dtype_description, windows_description
 from wire.schema import messages, sampling_to_wire
 
 
@@ -51,21 +51,32 @@ def chunk_from_delta(delta: StreamDelta, want_logprobs: bool) -> Any:
 
 
 def layout_to_wire(layout: Any) -> Any:
-    """A kvtransfer.KVLayout as the schema's KVLayout."""
+    """A kvtransfer.KVLayout as the schema's KVLayout (sliding windows included)."""
     return messages().KVLayout(num_layers=layout.num_layers, block_size=layout.block_size,
                                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                               dtype=str(layout.dtype).removeprefix("torch."), kv_format=layout.kv_format)
+                               dtype=str(layout.dtype).removeprefix("torch."), kv_format=layout.kv_format,
+                               layer_windows=list(layout.layer_windows))
 
 
 def describe_wire_layout(message: Any) -> str:
     values = dtype_description(message.kv_format, message.dtype)
+    windows = f" windows=[{windows_description(message.layer_windows)}]" if any(message.layer_windows) else ""
     return (f"layers={message.num_layers} block_size={message.block_size} kv_heads={message.num_kv_heads} "
-            f"head_dim={message.head_dim} dtype={values}")
+            f"head_dim={message.head_dim} dtype={values}{windows}")
 
 
 def same_layout(a: Any, b: Any) -> bool:
+    """Whether two schema KVLayouts can exchange blocks: every field, sliding windows included
+    (all zeros is the same as none: every layer full)."""
     fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "kv_format")
-    return all(getattr(a, name) == getattr(b, name) for name in fields)
+    return all(getattr(a, name) == getattr(b, name) for name in fields) and (
+        _windows(a.layer_windows) == _windows(b.layer_windows))
+
+
+def _windows(layer_windows: Any) -> tuple[int, ...]:
+    """A schema KVLayout's windows as KVLayout stores them: () when every layer is full."""
+    windows = tuple(int(w) for w in layer_windows)
+    return windows if any(windows) else ()
 
 
 def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout: Any) -> Any:

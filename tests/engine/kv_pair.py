@@ -47,7 +47,7 @@ class Pair:
 
         def make_receiver(kv_cache, on_end):
             return kvtransfer.create_receiver(transport, kv_cache.layers, self.transfer_config, on_end,
-                                              packed=kv_cache.kv_format)
+                                              packed=kv_cache.kv_format, layer_windows=kv_cache.layer_windows)
 
         self.prefill = self.make_prefill(prefill, **options)
         self.decode = make_engine(model_dir, "decode", make_receiver,
@@ -59,7 +59,8 @@ class Pair:
             shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
                                              kv_cache.data.numel() * kv_cache.data.element_size())
             return kvtransfer.create_sender(self.transport_name, kv_cache.layers, self.transfer_config,
-                                            shared_memory=shared, on_transfer_end=on_end, packed=kv_cache.kv_format)
+                                            shared_memory=shared, on_transfer_end=on_end, packed=kv_cache.kv_format,
+                                            layer_windows=kv_cache.layer_windows)
         return make_engine(self.model_dir, "prefill", make_sender, KVConnectorConfig(**(connector or {})), **options)
 
     def close(self):

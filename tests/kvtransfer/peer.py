@@ -78,17 +78,18 @@ def _peer_main(connection, role: str, transport: str, spec: CacheSpec, seed: int
     from kvtransfer import TransferConfig, create_receiver, create_sender
     config_kwargs = dict(config_kwargs)
     shared_source = config_kwargs.pop("shared_source", False)
+    layer_windows = config_kwargs.pop("layer_windows", ())
     config = TransferConfig(**config_kwargs)
     if role == "sender":
         if shared_source:  # caches in a memfd, as a prefill worker allocates them
             caches, shared, _keep_alive = shared_source_caches(spec, seed)
-            target = create_sender(transport, caches, config, shared_memory=shared)
+            target = create_sender(transport, caches, config, shared_memory=shared, layer_windows=layer_windows)
         else:
-            target = create_sender(transport, source_caches(spec, seed), config)
+            target = create_sender(transport, source_caches(spec, seed), config, layer_windows=layer_windows)
         connection.send(("ready", None))
     else:
         caches = sentinel_caches(spec)
-        target = create_receiver(transport, caches, config)
+        target = create_receiver(transport, caches, config, layer_windows=layer_windows)
         connection.send(("ready", target.address))
     while True:
         try:
@@ -120,7 +121,8 @@ class PeerError(Exception):
 
 class PeerProcess:
     """A sender or receiver in a spawned process. `shared_source=True` (sender): its caches lie
-    in a memfd handed to `create_sender` (shm's mapped path); other keywords go to TransferConfig."""
+    in a memfd handed to `create_sender` (shm's mapped path); `layer_windows`: the layout's
+    sliding windows; other keywords go to TransferConfig."""
 
     def __init__(self, role: str, transport: str, spec: CacheSpec = CacheSpec(), seed: int = 0,
                  **config_kwargs) -> None:

@@ -26,6 +26,8 @@ SEED = 1234
 TIMEOUT_S = 3.0  # dead/silent peer timeout of the long-lived pairs
 SHORT_TIMEOUT_S = 1.0  # for the dead/silent peer tests
 GUARD_S = 60.0  # hang guard for waits; never a performance bound
+# sliding windows as in Gemma 3 (5 windowed layers, then a full one), 2 blocks per window here
+WINDOWS = ([2 * SPEC.block_size] * 5 + [0]) * (SPEC.num_layers // 6)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # starts processes
 
@@ -79,6 +81,32 @@ def receiver(shared_receiver):
     for cache in shared_receiver.caches:
         cache.fill_(SENTINEL)
     yield shared_receiver
+
+
+@pytest.fixture(scope="module")
+def windowed_sender_peer(transport, sender_options):
+    peer = PeerProcess("sender", transport, SPEC, SEED, timeout_s=TIMEOUT_S, layer_windows=WINDOWS,
+                       **sender_options)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def shared_windowed_receiver(transport, options):
+    caches = sentinel_caches(SPEC)
+    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S, **options),
+                               layer_windows=WINDOWS)
+    receiver.caches = caches
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture
+def windowed_receiver(shared_windowed_receiver):
+    """The module's receiver with sliding-window layers, its caches reset."""
+    for cache in shared_windowed_receiver.caches:
+        cache.fill_(SENTINEL)
+    yield shared_windowed_receiver
 
 
 def random_blocks(rng: random.Random, count: int) -> tuple[list[int], list[int]]:
@@ -188,6 +216,129 @@ def test_subset_of_layers_in_any_order(receiver, sender_peer, source):
     others = [layer for layer in range(SPEC.num_layers) if layer not in layers]
     assert_untouched(receiver, dst_ids, others)
     sender_peer.call("cancel", "subset")
+
+
+def window_skips(num_blocks: int) -> list[int]:
+    """Per cache layer, leading blocks not moved: 0 for full-attention layers, a spread from 0
+    to num_blocks - 1 (only the last block moves) for windowed ones."""
+    return [(layer * 5) % num_blocks if window else 0 for layer, window in enumerate(WINDOWS)]
+
+
+def moved_bytes(num_blocks: int, skips, end: int | None = None) -> int:
+    """Bytes of the chunks a transfer with `skips` moves, counting blocks below `end` only."""
+    end = num_blocks if end is None else end
+    return sum(max(0, end - skip) for skip in skips) * SPEC.chunk_nbytes
+
+
+def assert_moved_unless_skipped(receiver, source, src_ids, dst_ids, skips, end: int | None = None) -> None:
+    """Per layer: blocks [skip, end) equal the source, the skipped ones and those from `end` on keep
+    the sentinel."""
+    end = len(src_ids) if end is None else end
+    for layer, skip in enumerate(skips):
+        assert_untouched(receiver, dst_ids[:skip], [layer])
+        assert_arrived(receiver, source, src_ids[skip:end], dst_ids[skip:end], [layer])
+        assert_untouched(receiver, dst_ids[max(skip, end):], [layer])
+
+
+def test_skipped_blocks_are_not_moved(windowed_receiver, windowed_sender_peer, source):
+    receiver = windowed_receiver
+    src_ids, dst_ids = random_blocks(random.Random(11), 12)
+    skips = window_skips(12)
+    before = receiver.total_bytes_received
+    receiver.expect("skips", dst_ids, skip_blocks=skips)
+    windowed_sender_peer.call("send", "skips", receiver.address, src_ids, dst_ids, skip_blocks=skips)
+    received = receiver.wait("skips", GUARD_S)
+    sent = windowed_sender_peer.call("wait", "skips", GUARD_S)
+    assert received.state is TransferState.SUCCESS, received.error
+    assert sent.state is TransferState.SUCCESS, sent.error
+    assert received.bytes_transferred == sent.bytes_transferred == moved_bytes(12, skips)
+    assert receiver.total_bytes_received - before == moved_bytes(12, skips)
+    assert received.layers_done == SPEC.num_layers and receiver.layers_ready("skips") == SPEC.num_layers
+    assert_moved_unless_skipped(receiver, source, src_ids, dst_ids, skips)
+    others = [block for block in range(SPEC.num_blocks) if block not in dst_ids]
+    assert_untouched(receiver, others, range(SPEC.num_layers))
+    windowed_sender_peer.call("cancel", "skips")
+    receiver.cancel("skips")
+
+
+def test_layerwise_block_steps_with_skips(windowed_receiver, windowed_sender_peer, source):
+    """Prompt chunks of 3 blocks pushed for every layer: a layer whose skip covers a whole step
+    pushes nothing in it, and each layer moves exactly its blocks from its skip on."""
+    receiver = windowed_receiver
+    src_ids, dst_ids = random_blocks(random.Random(12), 12)
+    skips = window_skips(12)
+    receiver.expect("steps", dst_ids, skip_blocks=skips)
+    windowed_sender_peer.call("start", "steps", receiver.address, src_ids, dst_ids, skip_blocks=skips)
+    for end in (3, 6, 9):
+        assert any(skip >= end for skip in skips)  # some layers have nothing in this step
+        windowed_sender_peer.call("send_layers", "steps", range(SPEC.num_layers), num_blocks=end)
+        assert wait_until(lambda: receiver.poll("steps").bytes_transferred == moved_bytes(12, skips, end))
+        assert_moved_unless_skipped(receiver, source, src_ids, dst_ids, skips, end)
+        assert receiver.layers_ready("steps") == 0
+    windowed_sender_peer.call("send_layers", "steps", range(0, 15))  # the last step, in two layer groups
+    assert receiver.wait_layer("steps", 14, GUARD_S)
+    assert wait_until(lambda: receiver.layers_ready("steps") == 15)
+    assert not receiver.wait_layer("steps", 15, 0.0)
+    windowed_sender_peer.call("send_layers", "steps", range(15, SPEC.num_layers))
+    received = receiver.wait("steps", GUARD_S)
+    sent = windowed_sender_peer.call("wait", "steps", GUARD_S)
+    assert received.state is TransferState.SUCCESS and sent.state is TransferState.SUCCESS
+    assert received.bytes_transferred == sent.bytes_transferred == moved_bytes(12, skips)
+    assert receiver.layers_ready("steps") == SPEC.num_layers
+    assert_moved_unless_skipped(receiver, source, src_ids, dst_ids, skips)
+    windowed_sender_peer.call("cancel", "steps")
+    receiver.cancel("steps")
+
+
+def test_skips_that_differ_fail_both_sides_naming_both(windowed_receiver, windowed_sender_peer):
+    receiver = windowed_receiver
+    src_ids, dst_ids = random_blocks(random.Random(13), 6)
+    expected, sent_skips = window_skips(6), window_skips(6)
+    sent_skips[1] = 0 if expected[1] else 1
+    receiver.expect("skipdiff", dst_ids, skip_blocks=expected)
+    windowed_sender_peer.call("send", "skipdiff", receiver.address, src_ids, dst_ids, skip_blocks=sent_skips)
+    sent = windowed_sender_peer.call("wait", "skipdiff", GUARD_S)
+    received = receiver.wait("skipdiff", GUARD_S)
+    for status in (sent, received):
+        assert status.state is TransferState.FAILED
+        assert "skip_blocks differ" in status.error
+        assert str(sent_skips) in status.error and str(expected) in status.error
+    assert_untouched(receiver, dst_ids, range(SPEC.num_layers))
+    windowed_sender_peer.call("cancel", "skipdiff")
+    receiver.cancel("skipdiff")
+
+
+def test_bad_skips_are_refused(windowed_receiver, windowed_sender_peer):
+    receiver = windowed_receiver
+    good = window_skips(4)
+    full_layer = WINDOWS.index(0)
+    cases = [(good[:-1], "29 entries"), ([*good[:1], 4, *good[2:]], r"skip_blocks\[1\] is 4"),
+             ([-1, *good[1:]], r"skip_blocks\[0\] is -1"),
+             ([1 if layer == full_layer else skip for layer, skip in enumerate(good)],
+              f"layer {full_layer} has full attention")]
+    for skips, message in cases:
+        with pytest.raises(ValueError, match=message):
+            receiver.expect("bad", [0, 1, 2, 3], skip_blocks=skips)
+        with pytest.raises(PeerError, match=message) as raised:
+            windowed_sender_peer.call("start", "bad", receiver.address, [0, 1, 2, 3], [0, 1, 2, 3],
+                                      skip_blocks=skips)
+        assert raised.value.type_name == "ValueError"
+    with pytest.raises(KeyError):
+        receiver.poll("bad")
+
+
+def test_windows_that_differ_are_refused_naming_both_layouts(windowed_receiver, transport, options):
+    other = [2 * SPEC.block_size] * (SPEC.num_layers - 1) + [0]
+    sender = create_sender(transport, source_caches(SPEC, 0), TransferConfig(timeout_s=TIMEOUT_S, **options),
+                           layer_windows=other)
+    try:
+        with pytest.raises(LayoutMismatchError) as raised:
+            sender.connect(windowed_receiver.address)
+        message = str(raised.value)
+        assert sender.layout.describe() in message and windowed_receiver.layout.describe() in message
+        assert "windows=[32x29, full]" in message and "windows=[32x5, full, 32x5," in message
+    finally:
+        sender.close()
 
 
 def test_mismatched_layout_is_refused_naming_both(receiver, transport, options):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvtransfer
+import kvtransfer.sender
 from kvtransfer import (KVLayout, LayoutMismatchError, TransferConfig, TransferError,
                         TransferState, TransportUnavailableError, available_transports,
                         create_receiver, create_sender)
@@ -23,7 +24,7 @@ from kvtransfer.transports._stream import AsyncSocket, SocketPayloadChannel
 
 from ..memory_maps import THP_ON, mapping_at
 from ..transports import transport_params
-from .peer import CacheSpec, is_sentinel, same_bytes, sentinel_caches, source_caches
+from .peer import SENTINEL, CacheSpec, is_sentinel, same_bytes, sentinel_caches, source_caches
 
 GUARD_S = 60.0
 SMALL = CacheSpec(num_layers=4, num_blocks=8)
@@ -65,6 +66,33 @@ def test_layout_compatibility_ignores_pool_size_and_device_only():
         with pytest.raises(LayoutMismatchError) as raised:
             check_layouts(other, base)
         assert other.describe() in str(raised.value) and base.describe() in str(raised.value)
+
+
+def test_layout_sliding_windows_normalize_describe_and_travel():
+    caches = source_caches(SMALL, 0)
+    assert KVLayout.from_caches(caches, layer_windows=[0, 0, 0, 0]).layer_windows == ()
+    assert KVLayout.from_caches(caches, layer_windows=[]) == KVLayout.from_caches(caches)
+    windowed = KVLayout.from_caches(caches, layer_windows=[512, 512, 0, 512])
+    assert windowed.layer_windows == (512, 512, 0, 512)
+    assert [windowed.window(layer) for layer in range(4)] == [512, 512, 0, 512]
+    assert KVLayout.from_caches(caches).window(3) == 0
+    assert windowed.describe().endswith(" device=cpu windows=[512x2, full, 512]")
+    assert "windows" not in KVLayout.from_caches(caches).describe()
+    gemma = KVLayout(18, 8, 16, 1, 256, torch.bfloat16, layer_windows=([512] * 5 + [0]) * 3)
+    assert gemma.describe().endswith("windows=[512x5, full, 512x5, full, 512x5, full]")
+    assert KVLayout.from_wire(windowed.to_wire()) == windowed
+    old_peer = {name: value for name, value in windowed.to_wire().items() if name != "layer_windows"}
+    assert KVLayout.from_wire(old_peer).layer_windows == ()
+    assert not windowed.transfer_compatible(KVLayout.from_caches(caches))
+    assert not windowed.transfer_compatible(KVLayout.from_caches(caches, layer_windows=[512, 512, 0, 256]))
+    assert windowed.transfer_compatible(KVLayout.from_caches(caches[:1] * 4, layer_windows=[512, 512, 0, 512]))
+    with pytest.raises(LayoutMismatchError) as raised:
+        check_layouts(windowed, KVLayout.from_caches(caches))
+    assert "windows=[512x2, full, 512]" in str(raised.value)
+    for bad, message in (([512, 0], "2 entries for 4 layers"), ([512, -1, 0, 0], "non-negative ints"),
+                         ([512, 1.5, 0, 0], "non-negative ints"), ([True, 0, 0, 0], "non-negative ints")):
+        with pytest.raises(ValueError, match=message):
+            KVLayout.from_caches(caches, layer_windows=bad)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -287,8 +315,8 @@ def test_argument_validation(tcp_pair):
     sender.send_layers("s", [0])
     with pytest.raises(ValueError, match=r"blocks \[1, 1\) are already sent"):
         sender.send_layers("s", [0])
-    with pytest.raises(ValueError, match=r"layers \[0, 1\] of 's' were pushed up to different blocks"):
-        sender.send_layers("s", [0, 1])
+    with pytest.raises(ValueError, match=r"layer 0 of 's': blocks \[1, 1\) are already sent"):
+        sender.send_layers("s", [0, 1])  # refused as a whole: layer 1 is still unsent (below)
     with pytest.raises(ValueError, match=r"blocks \[0, 2\) are already sent or outside its 1 blocks"):
         sender.send_layers("s", [1], num_blocks=2)
     sender.cancel("s")
@@ -305,6 +333,116 @@ def test_dst_blocks_or_layers_that_differ_fail_both_sides(tcp_pair):
     assert status.state is TransferState.FAILED and "layers differ" in status.error
     assert "layers differ" in receiver.wait("layers", GUARD_S).error
     assert all(is_sentinel(cache) for cache in caches)
+
+
+WINDOWED = [64, 0, 64, 64]  # SMALL's layers: layer 1 has full attention
+
+
+@pytest.fixture
+def windowed_tcp_pair():
+    source = source_caches(SMALL, 6)
+    caches = sentinel_caches(SMALL)
+    receiver = create_receiver("tcp", caches, TransferConfig(timeout_s=2.0), layer_windows=WINDOWED)
+    sender = create_sender("tcp", source, TransferConfig(timeout_s=2.0), layer_windows=WINDOWED)
+    yield receiver, sender, caches, source
+    sender.close()
+    receiver.close()
+
+
+def test_send_layers_with_skips_starts_each_layer_at_its_own_block(windowed_tcp_pair):
+    """One call pushes layers that start at different blocks; a layer with nothing new below
+    `num_blocks` (all skipped) is left alone, one that had blocks pushed there is refused."""
+    receiver, sender, caches, source = windowed_tcp_pair
+    skips = [3, 0, 1, 5]
+    src, dst = [7, 6, 5, 4, 3, 2], [0, 1, 2, 3, 4, 5]
+    receiver.expect("w", dst, skip_blocks=skips)
+    sender.start("w", receiver.address, src, dst, skip_blocks=skips)
+    transfer = sender._transfers["w"]
+    assert transfer.blocks_queued == [3, 0, 1, 5]
+    sender.send_layers("w", range(4), num_blocks=2)  # layers 0 and 3: all skipped below 2
+    assert transfer.blocks_queued == [3, 2, 2, 5]
+    with pytest.raises(ValueError, match=r"layer 1 of 'w': blocks \[2, 2\) are already sent"):
+        sender.send_layers("w", [0, 1], num_blocks=2)
+    with pytest.raises(ValueError, match=r"layer 2 of 'w': blocks \[2, 1\) are already sent"):
+        sender.send_layers("w", [2], num_blocks=1)
+    sender.send_layers("w", [0, 3], num_blocks=3)  # layer 0's skip is exactly 3: nothing yet
+    assert transfer.blocks_queued == [3, 2, 2, 5]
+    sender.send_layers("w", range(4))
+    status = receiver.wait("w", GUARD_S)
+    assert status.ok and sender.wait("w", GUARD_S).ok
+    moved = sum(len(src) - skip for skip in skips)
+    assert status.bytes_transferred == sender.poll("w").bytes_transferred == moved * SMALL.chunk_nbytes
+    for layer, skip in enumerate(skips):
+        for position, (s, d) in enumerate(zip(src, dst)):
+            assert (is_sentinel(caches[layer][d]) if position < skip
+                    else same_bytes(caches[layer][d], source[layer][s])), (layer, position)
+
+
+def test_send_layers_groups_layers_by_start(windowed_tcp_pair, monkeypatch):
+    """Layers with the same first block are planned as one group (few messages)."""
+    receiver, sender, _, _ = windowed_tcp_pair
+    planned = []
+    real_plan = kvtransfer.sender.plan_pieces
+
+    def spy(layers, num_blocks, layout, max_bytes, block_start=0):
+        planned.append((tuple(layers), block_start, num_blocks))
+        return real_plan(layers, num_blocks, layout, max_bytes, block_start)
+
+    monkeypatch.setattr(kvtransfer.sender, "plan_pieces", spy)
+    receiver.expect("g", [0, 1, 2, 3], skip_blocks=[2, 0, 2, 0])
+    sender.send("g", receiver.address, [4, 5, 6, 7], [0, 1, 2, 3], skip_blocks=[2, 0, 2, 0])
+    assert receiver.wait("g", GUARD_S).ok
+    assert planned == [((0, 2), 2, 4), ((1, 3), 0, 4)]
+
+
+def test_skip_blocks_validation(windowed_tcp_pair, tcp_pair):
+    receiver, sender, _, _ = windowed_tcp_pair
+    for skips, message in (([1, 0, 0], "3 entries: need one per cache layer"),
+                           ([2, 0, 0, 0], r"skip_blocks\[0\] is 2: a layer skips 0 to 1"),
+                           ([0, 0, -1, 0], r"skip_blocks\[2\] is -1"),
+                           ([0, 1, 0, 0], "layer 1 has full attention")):
+        with pytest.raises(ValueError, match=message):
+            receiver.expect("v", [0, 1], skip_blocks=skips)
+        with pytest.raises(ValueError, match=message):
+            sender.start("v", receiver.address, [0, 1], [0, 1], skip_blocks=skips)
+    plain_receiver, plain_sender, _, _ = tcp_pair  # no windows: every layer is full
+    with pytest.raises(ValueError, match="layer 0 has full attention"):
+        plain_sender.send("v", plain_receiver.address, [0, 1], [0, 1], skip_blocks=[1, 0, 0, 0])
+    plain_receiver.expect("v", [0, 1], skip_blocks=[0, 0, 0, 0])  # all zero: allowed anywhere
+
+
+def test_skips_that_differ_or_data_below_a_skip_are_refused(windowed_tcp_pair):
+    receiver, sender, caches, _ = windowed_tcp_pair
+    receiver.expect("differ", [0, 1, 2], skip_blocks=[2, 0, 0, 0])
+    status = sender.send("differ", receiver.address, [3, 4, 5], [0, 1, 2]).wait(GUARD_S)
+    assert status.state is TransferState.FAILED
+    assert "skip_blocks differ: sender skips [0, 0, 0, 0], receiver expects [2, 0, 0, 0]" in status.error
+    assert "skip_blocks differ" in receiver.wait("differ", GUARD_S).error
+    # only the transfer's layers must agree
+    receiver.expect("subset", [0, 1], layers=[1], skip_blocks=None)
+    sender.send("subset", receiver.address, [3, 4], [0, 1], layers=[1], skip_blocks=[1, 0, 0, 0])
+    assert receiver.wait("subset", GUARD_S).ok
+    receiver.cancel("subset")
+    caches[1].fill_(SENTINEL)
+    # a sender that pushes blocks below a layer's skip (forced here) is refused, nothing written
+    receiver.expect("below", [0, 1, 2], layers=[0], skip_blocks=[2, 0, 0, 0])
+    sender.start("below", receiver.address, [3, 4, 5], [0, 1, 2], layers=[0], skip_blocks=[2, 0, 0, 0])
+    sender._transfers["below"].blocks_queued[0] = 0
+    sender.send_layers("below", [0])
+    status = receiver.wait("below", GUARD_S)
+    assert status.state is TransferState.FAILED and "below a layer's skip" in status.error
+    assert sender.wait("below", GUARD_S).state is TransferState.FAILED
+    assert all(is_sentinel(cache) for cache in caches)
+
+
+def test_windows_that_differ_refuse_the_handshake(tcp_pair):
+    plain_receiver, _, _, _ = tcp_pair
+    with create_sender("tcp", source_caches(SMALL, 0), layer_windows=WINDOWED) as sender:
+        with pytest.raises(LayoutMismatchError) as raised:
+            sender.connect(plain_receiver.address)
+        message = str(raised.value)
+        assert "windows=[64, full, 64x2]" in message
+        assert plain_receiver.layout.describe() + "]" in message
 
 
 def test_unreachable_receiver_fails_fast_with_a_reason():

@@ -1,7 +1,8 @@
 """Every model family across the P -> D hand-off: a prefill worker computes the prompt's KV (every
 layer, sliding ones included), pushes it to a decode worker, which decodes on it. Greedy tokens
 must equal transformers' (fp32, eager) on the same tiny random model, with every prompt block's
-KV received (`kv_bytes_received`), the prefill done remotely and no transfer failure counted (a
+KV that the decode side reads received (`kv_bytes_received`; a sliding layer's blocks behind the
+window do not move), the prefill done remotely and no transfer failure counted (a
 fallback to local prefill would hide a broken hand-off behind correct tokens).
 
 One prefill and one decode worker per family, all started at once; prompts cross the sliding
@@ -11,6 +12,8 @@ import pytest
 import torch
 import transformers
 
+from engine.kv_cache import layer_windows, window_skip_blocks
+from engine.model.arch import ModelArchConfig
 from tests.engine.tiny_models import FAMILIES, save_family_model
 from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
 
@@ -50,17 +53,23 @@ def _transformers_greedy(folder: str) -> list[list[int]]:
 def test_disaggregated_greedy_is_transformers_with_the_kv_from_the_prefill_worker(families, name):
     folder, prefill, decode = families[name]
     expected = _transformers_greedy(folder)
-    bytes_per_block = None
+    arch = ModelArchConfig.from_hf_config(transformers.AutoConfig.from_pretrained(folder))
+    windows = layer_windows(arch)
+    bytes_per_chunk = None
     for index, prompt in enumerate(PROMPTS):
         result = generate(decode, f"{name}-{index}", prompt, prefill, params=sampling(max_tokens=NEW))
         assert result.token_ids == expected[index], f"{name}, prompt {index}"
         outcome = result.kv_outcome
         assert outcome.prefilled_remotely and outcome.num_prompt_tokens == len(prompt)
+        # every (layer, block) chunk the decode side reads arrived: each block of a full-attention
+        # layer, a sliding layer's from the first its window still covers
         blocks = -(-len(prompt) // BLOCK)
-        assert outcome.kv_bytes_received % blocks == 0
-        per_block = outcome.kv_bytes_received // blocks
-        assert bytes_per_block in (None, per_block) and per_block > 0  # every block of every prompt arrived
-        bytes_per_block = per_block
+        skips = window_skip_blocks(windows, len(prompt), BLOCK) or [0] * arch.num_hidden_layers
+        chunks = sum(blocks - skip for skip in skips)
+        assert outcome.kv_bytes_received % chunks == 0
+        per_chunk = outcome.kv_bytes_received // chunks
+        assert bytes_per_chunk in (None, per_chunk) and per_chunk > 0
+        bytes_per_chunk = per_chunk
     stats = decode.stats()
     assert sum(stats.kv_transfer_failures.values()) == 0, dict(stats.kv_transfer_failures)
     for worker in (prefill, decode):
