@@ -13,22 +13,27 @@ Those two are on in AVX2 builds; AVX-512 builds report them absent (`has_moe_exp
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
-results more slowly. `make install` builds it (`python -m engine.cpu_kernels`); later processes
-load the cached library from torch's extension directory (`TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`), with a file lock so concurrent workers build it only once.
+results more slowly. `make install` builds it (`python -m engine.cpu_kernels`) in torch's extension
+directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), with torch's file lock so
+concurrent workers build it only once.
 
 The build is content-addressed: the sources are copied into the build folder, whose name hashes
-their bytes, this CPU's flags (`-march=native`), the compiler flags and torch's version. So the
-compile commands ninja records never depend on the checkout's path, the working directory or the
-environment of the process that loads it, and every checkout of the same sources on a machine
-shares one build.
+their bytes, this CPU's flags, the instruction set chosen (`PDSERVE_CPU_ISA`) and the compiler
+flags, torch's version and Python's extension ABI. So a folder's name says everything that decides
+its library, and every checkout of the same sources on a machine shares one build. A finished
+build leaves a stamp naming its library (`built`); a later process that finds it imports that
+library directly, running neither ninja nor the compiler, so neither its PATH, its working directory
+nor its environment can make it rebuild. Only a missing stamp (a new key, or an unfinished build)
+goes through torch's build.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import sysconfig
 import time
 from pathlib import Path
 
@@ -121,37 +126,79 @@ def build_name() -> str:
     """The library's cache name: a hash of everything that decides what is compiled."""
     import torch
     key = b"".join(source.read_bytes() + b"\0" for source in [*_SOURCES, *_HEADERS])
-    key += "\0".join([_cpu_flags(), torch.__version__, *_compile_flags(), *_LDFLAGS]).encode()
+    # EXT_SUFFIX: the library is a CPython extension module, tied to this Python's ABI (torch's
+    # version string is the same for every Python it is built for).
+    key += "\0".join([_cpu_flags(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "",
+                      *_compile_flags(), *_LDFLAGS]).encode()
     return f"pdserve_cpu_kernels_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+_STAMP = "built"  # in a build folder: the file name of the library a finished build produced
 
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The compiled kernels module, or None (logged once) when they cannot be built."""
+    """The compiled kernels module, or None (logged once) when they cannot be built. A library
+    already built for this key is imported directly; only a missing one is built."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import get_default_build_root
-        from torch.utils.cpp_extension import load as load_extension
         name = build_name()
         build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-        sources = _copy_sources(build_dir / "src")
-        _remove_stale_lock(build_dir / "lock")
-        library = next(build_dir.glob(f"{name}*.so"), None)
-        if library is None:
-            log.info("compiling pdserve's CPU kernels (%s) into %s (once per machine and source version; about a "
-                     "minute)", isa(), build_dir)
-        started = time.monotonic()
-        module = load_extension(name=name, sources=[str(source) for source in sources],
-                                build_directory=str(build_dir), extra_cflags=_compile_flags(),
-                                extra_ldflags=list(_LDFLAGS), verbose=False)
-        if library is None:
-            log.info("compiled pdserve's CPU kernels in %.0f s", time.monotonic() - started)
-        return module
+        library = built_library(build_dir)
+        if library is not None:
+            try:
+                return _import_library(library)
+            except ImportError as exc:  # a damaged library: let the build have a go
+                log.warning("could not load the built CPU kernels %s (%s); building them", library, exc)
+        return _build(name, build_dir)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("pdserve CPU kernels unavailable (%s); attention and elementwise ops use the slower torch path",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+def built_library(build_dir: Path) -> Path | None:
+    """The library a finished build left in `build_dir` (its stamp names it), or None."""
+    try:
+        library = build_dir / (build_dir / _STAMP).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return library if library.is_file() and library.parent == build_dir else None
+
+
+def _import_library(library: Path):
+    """Import a built extension module by its path, as torch's loader does once ninja is done."""
+    import torch  # noqa: F401 - the library links libtorch by soname: torch must be loaded first
+    spec = importlib.util.spec_from_file_location(library.name.split(".")[0], library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"not an extension module: {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, build_dir: Path):
+    """Build (or, when ninja finds it up to date, just load) the library through torch, then stamp
+    the folder so later processes import it directly."""
+    from torch.utils.cpp_extension import load as load_extension
+    sources = _copy_sources(build_dir / "src")
+    _remove_stale_lock(build_dir / "lock")
+    compiling = next(build_dir.glob(f"{name}*.so"), None) is None
+    if compiling:
+        log.info("compiling pdserve's CPU kernels (%s) into %s (once per machine and source version; about a "
+                 "minute)", isa(), build_dir)
+    started = time.monotonic()
+    module = load_extension(name=name, sources=[str(source) for source in sources],
+                            build_directory=str(build_dir), extra_cflags=_compile_flags(),
+                            extra_ldflags=list(_LDFLAGS), verbose=False)
+    if compiling:
+        log.info("compiled pdserve's CPU kernels in %.0f s", time.monotonic() - started)
+    stamp = build_dir / f".{_STAMP}.{os.getpid()}.tmp"
+    stamp.write_text(Path(module.__file__).name + "\n")
+    os.replace(stamp, build_dir / _STAMP)  # atomic: a reader sees no stamp or a whole one
+    return module
 
 
 def _copy_sources(folder: Path) -> list[Path]:
