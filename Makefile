@@ -26,7 +26,9 @@ KERNEL_TESTS := tests/engine/test_attention.py tests/engine/test_fused_ops.py te
                 tests/engine/test_kv_quant.py tests/engine/test_attention_variants.py \
                 tests/engine/test_moe_cpu_kernel.py tests/engine/test_latent_cpu_kernel.py
 
+# lint-imports: the dependency arrows of docs/architecture.md ([tool.importlinter] in pyproject.toml).
 test: install
+	$(PYTHON) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"
 	$(PYTHON) -m pytest tests
 	PDSERVE_CPU_ISA=avx2 $(PYTHON) -m pytest -q $(KERNEL_TESTS)
 
