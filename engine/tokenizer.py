@@ -97,15 +97,15 @@ class Tokenizer:
         metadata = read_gguf_scalars(path)
         if "tokenizer.ggml.model" not in metadata:
             raise ValueError(f"GGUF file {path!r} has no tokenizer (no tokenizer.ggml.model metadata)")
-        from transformers import AutoTokenizer
         from engine.model.gguf_loader import converted_dir, is_complete_conversion
         converted = converted_dir(path)
         try:
             if is_complete_conversion(converted):
                 # The model's cached conversion holds this tokenizer, saved: ~2 s instead of the
                 # ~15 s transformers takes to build it from the GGUF's vocabulary.
-                hf_tokenizer = AutoTokenizer.from_pretrained(converted, local_files_only=True)
+                hf_tokenizer = _saved_tokenizer(converted)
             else:
+                from transformers import AutoTokenizer
                 folder, name = os.path.split(os.path.abspath(path))
                 hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         except Exception as exc:
@@ -274,6 +274,22 @@ def _as_id_set(value: Any) -> set[int]:
 
 
 # ---- GGUF metadata ---------------------------------------------------------------------------
+def _saved_tokenizer(folder: str) -> Any:
+    """The tokenizer pdserve saved into a converted model folder, loaded by the class it was saved
+    as (what AutoTokenizer chose then). AutoTokenizer itself would import torch (through
+    transformers' model configs): a router process, which loads only this, stays torch-free."""
+    import transformers
+    name = _read_json_dict(os.path.join(folder, "tokenizer_config.json")).get("tokenizer_class")
+    try:
+        tokenizer_class = getattr(transformers, name) if isinstance(name, str) else None
+    except AttributeError:
+        tokenizer_class = None
+    if tokenizer_class is None:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return tokenizer_class.from_pretrained(folder, local_files_only=True)
+
+
 # The gguf package parses every array (the whole vocabulary) into Python objects, which takes
 # seconds; the tokenizer only needs a few scalars, so it reads the key/value header itself.
 

@@ -1,6 +1,6 @@
 """The router process is torch-free (docs/architecture.md: the router imports only the torch-free
 modules of `engine`): importing its entry points and building its app, in a fresh interpreter,
-loads neither torch nor triton. Static import rules are `lint-imports` ([tool.importlinter] in
+loads neither torch nor triton, with the default model's real tokenizer. Static import rules are `lint-imports` ([tool.importlinter] in
 pyproject.toml); this checks what a router really loads, lazy imports in `engine` included."""
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ import router.app
 import deploy.admin
 import deploy.router_process
 import deploy.router_sync
-from tests.router.harness import tiny_tokenizer
 
 main = router.__main__
-config = main.config_from_args(main.build_parser().parse_args(["--model", "tiny", "--decode", "127.0.0.1:9"]))
-app = router.app.create_app(config, tokenizer=tiny_tokenizer())
-assert app.state.router.config is config
+# the packaged default model, as `python -m router --model default` loads it: its tokenizer comes
+# from the model's converted folder (`make install` converted it)
+config = main.config_from_args(main.build_parser().parse_args(["--model", "default", "--decode", "127.0.0.1:9"]))
+app = router.app.create_app(config)
+assert app.state.router.config is config and app.state.router.tokenizer.encode("Hello world")
 print(json.dumps({name: first.get(name, "(in sys.modules, import not seen)")
                   for name in FORBIDDEN if name in sys.modules}))
 """
