@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 import kvtransfer
+from engine.kv_cache import window_skip_blocks
 from tests.engine.kv_pair import PARAMS, Pair, make_engine, prompt
 from tests.engine.tiny_models import save_family_model, save_tiny_model, tiny_config
 
@@ -31,6 +32,9 @@ CASES = {
     # one copy of it crosses, not one per rank; in the model's dtype and in 8-bit blocks
     "mla-p2-to-d1": (2, 1, {"family": "deepseek-v3"}, "tcp"),
     "int8-mla-p1-to-d2": (1, 2, {"family": "deepseek-v2-lite"}, "tcp", "int8"),
+    # sliding-window and global layers (Gemma 3): a sliding layer's blocks behind the window stay
+    # behind, for 8-bit blocks and rank shares too
+    "int8-sliding-p2-to-d2": (2, 2, {"family": "gemma3"}, "tcp", "int8"),
 }
 
 
@@ -104,6 +108,14 @@ def test_prefill_at_one_degree_fills_decode_at_another_token_exact(name, folders
                     assert cache.kv_format.values_bytes == 2 * cache.block_size * cache.kv_format.head_dim
                     block_bytes = cache.kv_format.block_bytes
                 assert outcome.bytes_received == blocks * arch.num_hidden_layers * block_bytes
+            windows = pair.decode.runner.transfer_cache.layer_windows
+            if windows:  # the (layer, block) chunks the windows need, no more
+                cache = pair.decode.runner.transfer_cache
+                blocks = -(-len(PROMPTS[i]) // cache.block_size)
+                skips = window_skip_blocks(windows, len(PROMPTS[i]), cache.block_size)
+                assert max(skips) > 0 or len(PROMPTS[i]) <= max(windows)
+                chunk = cache.kv_format.block_bytes if cache.kv_format is not None else cache.data[0, 0].nbytes
+                assert outcome.bytes_received == sum(blocks - skip for skip in skips) * chunk
         assert not pair.decode.kv_connector.failures and not pair.prefill.kv_connector.failures
         pair.assert_nothing_held()
     finally:
