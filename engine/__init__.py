@@ -1,4 +1,4 @@
-"""pdserve's shared inference core (see DESIGN.md, "Inside the engine").
+"""pdserve's shared inference core (see docs/design.md, "Inside the engine").
 
 `engine` imports no other project folder. Heavy pieces load lazily so that the router can import
 `engine.block_hash`, `engine.sampling_params` and the tokenizer without pulling in the model.

@@ -1,4 +1,4 @@
-"""The tensor-parallel group: the N processes that run one model together (DESIGN.md, "Parallelism").
+"""The tensor-parallel group: the N processes that run one model together (docs/design.md, "Parallelism").
 
 Contract:
 

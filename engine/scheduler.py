@@ -1,6 +1,6 @@
 """Token-budget scheduler: continuous batching, chunked prefill, prefix caching, preemption.
 
-Contract (DESIGN.md, "Inside the engine"): `schedule() -> Batch`, the model runner turns the batch
+Contract (docs/design.md, "Inside the engine"): `schedule() -> Batch`, the model runner turns the batch
 into tensors and returns one `SampledToken` per seq with `sample=True`, then
 `update(batch, sampled) -> list[StepOutput]`; `sampled` maps each such request to its new tokens
 (one, or with a draft the accepted draft tokens and one more). There is no prefill/decode phase: every running

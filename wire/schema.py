@@ -1,8 +1,9 @@
 """The gRPC wire schema, loaded at run time from `proto/pdserve.proto`, and the channel options.
 
-There is no generated code in the tree (and no Python package named `proto`, see DESIGN.md):
-`grpc.protos_and_services` compiles the one `.proto` on first use. Router, workers and deploy
-import this module, so they always agree with the schema file.
+There is no generated code in the tree, and no Python package named `proto` (`ray[default]`
+pulls in `proto-plus`, whose import name is `proto`; a package of ours by that name would shadow
+it or be shadowed): `grpc.protos_and_services` compiles the one `.proto` on first use. Router,
+workers and deploy import this module, so they always agree with the schema file.
 """
 from __future__ import annotations
 
