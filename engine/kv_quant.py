@@ -15,7 +15,7 @@ Why the K reference: K has channels whose values sit far from 0 with a small spr
 per-channel centre (after RoPE, slowly rotating across a block's positions). A scale sized for
 their magnitude wastes the 8 bits on that offset. The block's first K row is a good centre, so
 the deviation from it is what gets quantized (fp8 e4m3 perplexity on the default model: +1.2%
-without it, -0.2% with it; benchmarks/README.md). Attention adds `q . ref` to a block's
+without it, -0.2% with it; benchmarks/HISTORY.md). Attention adds `q . ref` to a block's
 scores, exactly, so the reference costs one dot product per block and head.
 
 Invariants (what `store` keeps):

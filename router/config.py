@@ -91,7 +91,7 @@ class RouterConfig:
     # on the prefill worker. 1: a token of a running stream's time is worth one of the newcomer's;
     # a decode worker's --max-step-ratio (2) already keeps a local prefill from stretching any one
     # inter-token interval past twice a decode step. 0: stalls are free; inf: a decode worker with
-    # running streams never prefills for the router. Measured (benchmarks/README.md, 2026-12-04):
+    # running streams never prefills for the router. Measured (benchmarks/HISTORY.md, 2026-12-04):
     # 1 against 8 gave short-request TTFT p99 505-521 vs 647-653 ms on the interference workload
     # at the same ITL, and 1.08x the throughput at 64 in flight.
     local_prefill_weight: float = 1.0
