@@ -66,11 +66,23 @@ def sender_peer(transport, sender_options):
     peer.close()
 
 
+def _sentinel_receiver(transport, options, layer_windows=()):
+    caches = sentinel_caches(SPEC)
+    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S, **options),
+                               layer_windows=layer_windows)
+    receiver.caches = caches
+    return receiver
+
+
+def _reset(receiver):
+    for cache in receiver.caches:
+        cache.fill_(SENTINEL)
+    return receiver
+
+
 @pytest.fixture(scope="module")
 def shared_receiver(transport, options):
-    caches = sentinel_caches(SPEC)
-    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S, **options))
-    receiver.caches = caches
+    receiver = _sentinel_receiver(transport, options)
     yield receiver
     receiver.close()
 
@@ -78,9 +90,7 @@ def shared_receiver(transport, options):
 @pytest.fixture
 def receiver(shared_receiver):
     """The module's receiver (one per transport: set-up is slow), its caches reset."""
-    for cache in shared_receiver.caches:
-        cache.fill_(SENTINEL)
-    yield shared_receiver
+    yield _reset(shared_receiver)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +103,7 @@ def windowed_sender_peer(transport, sender_options):
 
 @pytest.fixture(scope="module")
 def shared_windowed_receiver(transport, options):
-    caches = sentinel_caches(SPEC)
-    receiver = create_receiver(transport, caches, TransferConfig(timeout_s=TIMEOUT_S, **options),
-                               layer_windows=WINDOWS)
-    receiver.caches = caches
+    receiver = _sentinel_receiver(transport, options, WINDOWS)
     yield receiver
     receiver.close()
 
@@ -104,9 +111,7 @@ def shared_windowed_receiver(transport, options):
 @pytest.fixture
 def windowed_receiver(shared_windowed_receiver):
     """The module's receiver with sliding-window layers, its caches reset."""
-    for cache in shared_windowed_receiver.caches:
-        cache.fill_(SENTINEL)
-    yield shared_windowed_receiver
+    yield _reset(shared_windowed_receiver)
 
 
 def random_blocks(rng: random.Random, count: int) -> tuple[list[int], list[int]]:
