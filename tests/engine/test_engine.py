@@ -32,7 +32,7 @@ class EngineRunner(FakeModelRunner):
         self.kv_shards = None
         self.weight_bytes = 0
         self.transfer_cache = SimpleNamespace(layers=[torch.zeros(num_blocks, 2, block_size, 1, 4) for _ in range(2)],
-                                              kv_format=None)
+                                              kv_format=None, layer_windows=())
         self.closed = False
 
     def close(self) -> None:
