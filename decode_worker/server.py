@@ -36,7 +36,7 @@ import kvtransfer
 import serving
 import wire
 from engine.async_engine import EngineUnavailable
-from engine.config import DECODE_ROLES
+from engine.config import Role
 from engine.engine import LLMEngine
 from engine.kv_connector import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
@@ -47,7 +47,7 @@ from wire.convert import chunk_from_delta, prefill_request_to_wire, producer_rep
 @dataclass
 class DecodeWorkerConfig:
     model: str = DEFAULT_MODEL_NAME
-    role: str = "decode"  # "decode" or "both" (colocated: always prefills locally)
+    role: Role = Role.DECODE  # decode, or both (colocated: always prefills locally); a name is parsed
     engine_options: dict[str, Any] = field(default_factory=dict)
     transport: str = "auto"  # the receiver's transports: auto (shm + tcp on CPU), tcp, shm, ucx, nccl
     kv_timeout_s: float = kvtransfer.TransferConfig.timeout_s  # a silent sender fails the transfer after this long
@@ -57,8 +57,9 @@ class DecodeWorkerConfig:
     host: str = kvtransfer.TransferConfig.host  # where the KV receiver listens
 
     def __post_init__(self) -> None:
-        if self.role not in DECODE_ROLES:
-            raise ValueError(f"role must be one of {', '.join(DECODE_ROLES)}, got {self.role!r}")
+        self.role = Role.parse(self.role)
+        if not self.role.decodes:
+            raise ValueError(f"a decode worker's role is decode or both, got {self.role.value!r}")
         kvtransfer.check_transport_choice(self.transport)
 
 
@@ -109,13 +110,21 @@ class PrefillChannels:
 
 class DecodeWorker(wire.services().DecodeServiceServicer):
     """The engine (decode or colocated role), whose connector's receiver takes the KV, and the
-    DecodeService over it."""
+    DecodeService over it (a `serving.Worker`)."""
+
+    @classmethod
+    def from_options(cls, role: Role, options: serving.WorkerOptions) -> DecodeWorker:
+        """The worker `serving.start_worker` brings up (role decode or both)."""
+        return cls(DecodeWorkerConfig(model=options.model, role=role, engine_options=options.engine_options,
+                                      transport=options.kv.transport, kv_timeout_s=options.kv.kv_timeout_s,
+                                      connector=options.kv.connector_config(), host=options.host,
+                                      advertise_host=options.advertise_host))
 
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.role = config.role
         make_receiver = None
-        if config.role == "decode":
+        if config.role.imports_kv:
             # pending_timeout_s None: the connector times a transfer that does not start or stalls
             # (--transfer-timeout-s, from the last progress) and cancels it; one timer, one reason.
             transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s, host=config.host,
@@ -142,6 +151,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         resumes its request on another worker from the tokens it already has; the requests are
         aborted here as their streams close. Returns how many streams there were."""
         return self.engine.hand_over()
+
+    def kv_settings(self) -> dict[str, Any]:
+        return serving.kv_settings(self.engine, self.config.transport)
 
     async def close(self) -> None:
         await self.prefill_channels.close()
@@ -186,7 +198,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         """Put the request in the engine: prefill locally, or wait for its KV while a task asks the
         prefill worker and hands its answer to the engine."""
         engine = self.engine
-        if self.role == "both" or not prefill_address:
+        if not self.role.imports_kv or not prefill_address:
             await asyncio.wrap_future(engine.call(LLMEngine.add, engine_request, False))
             return None
         try:

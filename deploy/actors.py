@@ -4,9 +4,12 @@ endpoint) per Ray actor, and the controller's handle on them.
 `WorkerActor` lifecycle (one state per line):
 
     created    the actor process exists, with OMP_NUM_THREADS set before torch loads
-    start()    engine built off the event loop (tensor parallel N: with its N-1 follower processes,
-               children of this one: engine/tp_worker.py); gRPC server listening; returns both addresses
-               (gRPC and KV transport), the process id, and the Ray node it runs on (id and IP)
+    start()    `serving.start_worker`, the bring-up `python -m prefill_worker|decode_worker` use too,
+               with `WorkerSpec.worker_options` for its role and node: engine built off the event
+               loop (tensor parallel N: with its N-1 follower processes, children of this one:
+               engine/tp_worker.py); gRPC server listening; returns both addresses (gRPC and KV
+               transport), the process id, the Ray node it runs on (id and IP) and the KV settings
+               in effect (`Worker.kv_settings`)
     serving    `run_until_stopped()` stays pending while it serves: the controller's watch call,
                which fails at once when the actor dies
     stop()     gRPC server stopped with a grace period, engine and transport closed
@@ -18,8 +21,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from deploy.config import NODE_IP_HOST, ROLES, PoolTargets, WorkerSpec, capacity_shortfall
-from engine.process import configure_logging, freeze_startup_objects
+from deploy.config import PoolTargets, WorkerSpec, capacity_shortfall
+from engine.config import Role
+from serving.bringup import RunningWorker, Worker, WorkerOptions, start_worker
 
 if TYPE_CHECKING:
     from wire.stats import WorkerStats
@@ -27,63 +31,36 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def build_worker(role: Role, options: WorkerOptions) -> Worker:
+    """The worker server of `role` (loads the engine: torch, imported here, in the worker's actor)."""
+    if role is Role.PREFILL:
+        from prefill_worker.server import PrefillWorker
+        return PrefillWorker.from_options(role, options)
+    from decode_worker.server import DecodeWorker
+    return DecodeWorker.from_options(role, options)
+
 
 class WorkerActor:
     """One worker inside a Ray actor. `role` is "prefill", "decode" or "both" (colocated)."""
 
     def __init__(self, role: str, spec: WorkerSpec) -> None:
-        if role not in ROLES:
-            raise ValueError(f"unknown worker role {role!r}")
-        self.role = role
+        self.role = Role.parse(role)
         self.spec = spec
-        self._worker: Any = None
-        self._server: Any = None
+        self._running: RunningWorker | None = None
         self._stopped: asyncio.Event | None = None
 
     async def start(self) -> dict[str, Any]:
-        import grpc
-
         import ray
-        import wire
         if self._stopped is not None:
-            raise RuntimeError(f"this {self.role} worker was already started")
-        configure_logging(self.spec.log_level)
+            raise RuntimeError(f"this {self.role.pool} worker was already started")
         self._stopped = asyncio.Event()
         node_id = ray.get_runtime_context().get_node_id()
         node_ip = ray.util.get_node_ip_address()
-        host = node_ip if self.spec.host == NODE_IP_HOST else self.spec.host
-        advertise = node_ip if self.spec.advertise_node_ip else host
-        self._worker = await asyncio.to_thread(self._build_worker, host, advertise)
-        server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
-        self._worker.add_to_server(server)
-        port = server.add_insecure_port(f"{host}:0")
-        if port == 0:
-            raise RuntimeError(f"the {self.role} worker cannot listen on {host}")
-        await server.start()
-        self._server = server
-        freeze_startup_objects()
-        return {"role": self.role, "grpc_address": f"{advertise}:{port}",
-                "transport_address": self._worker.transport_address,
-                "pid": os.getpid(), "node_id": node_id, "node_ip": node_ip}
-
-    def _build_worker(self, host: str, advertise_host: str) -> Any:
-        import torch
-        # The worker's share, all its ranks together: with TP the engine gives each rank 1/N of it.
-        torch.set_num_threads(self.spec.threads(self.role))
-        options = dict(self.spec.engine_options, device=self.spec.device)
-        if self.spec.tp(self.role) > 1:  # rank 0 (this process) starts the N-1 followers as its children
-            options["tensor_parallel_size"] = self.spec.tp(self.role)
-        if self.role == "prefill":
-            from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-            return PrefillWorker(PrefillWorkerConfig(model=self.spec.model, engine_options=options,
-                                                     transport=self.spec.transport))
-        from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-        from engine.kv_connector import KVConnectorConfig
-        connector = KVConnectorConfig(**({} if self.spec.local_prefill_threshold is None
-                                         else {"local_prefill_threshold": self.spec.local_prefill_threshold}))
-        return DecodeWorker(DecodeWorkerConfig(model=self.spec.model, role=self.role, engine_options=options,
-                                               transport=self.spec.transport, host=host,
-                                               advertise_host=advertise_host, connector=connector))
+        self._running = running = await start_worker(self.role, self.spec.worker_options(self.role, node_ip),
+                                                     build_worker)
+        return {"role": self.role.value, "grpc_address": running.grpc_address,
+                "transport_address": running.worker.transport_address, "pid": os.getpid(), "node_id": node_id,
+                "node_ip": node_ip, "kv_settings": running.worker.kv_settings()}
 
     async def run_until_stopped(self) -> None:
         """Pending while the worker serves; returns after `stop()`."""
@@ -94,15 +71,12 @@ class WorkerActor:
     async def hand_over(self) -> int:
         """Draining: the worker ends its streams for their callers to resume elsewhere (decode and
         colocated workers; a prefill worker has none). Returns how many."""
-        return self._worker.hand_over() if self._worker is not None else 0
+        return self._running.worker.hand_over() if self._running is not None else 0
 
     async def stop(self, grace_s: float) -> None:
-        if self._server is not None:
-            server, self._server = self._server, None
-            await server.stop(grace=grace_s)
-        if self._worker is not None:
-            worker, self._worker = self._worker, None
-            await worker.close()
+        if self._running is not None:
+            running, self._running = self._running, None
+            await running.stop(grace_s)
         if self._stopped is not None:
             self._stopped.set()
 

@@ -17,11 +17,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from deploy.client import ControllerClient
+from engine.config import Role
 from router.app import bearer_auth
-from router.config import POOL_NAMES
 from router.errors import invalid_request
 
-POOL_FIELDS: tuple[str, ...] = tuple(POOL_NAMES.values())  # the pool sizes a scale request may set
+POOL_FIELDS: tuple[str, ...] = tuple(role.pool for role in Role)  # the pool sizes a scale request may set
 
 
 def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter:

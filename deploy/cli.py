@@ -3,7 +3,7 @@
     pdserve serve   [--model default|gemma-3-270m|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
                     [--api-key KEY] [--routers N] [--tensor-parallel-size N] [--prefill-tp N] [--decode-tp N]
-                    [engine options]
+                    [engine and KV options: those of the workers, serving.add_worker_arguments]
                                                                run the cluster until Ctrl-C / SIGTERM
     pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
     pdserve status  [--json] [--events N]
@@ -25,13 +25,11 @@ from typing import Any
 
 from deploy.cluster import RaySettings
 from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, DEVICE_CHOICES, NODE_IP_HOST, ROLES,
-                           TRANSPORT_CHOICES, ControllerConfig, parse_resources, pool_flag, pool_name)
+                           ControllerConfig, parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
 from deploy.serve import ServeOptions
-from engine.config import add_engine_arguments
-from engine.config import engine_options as engine_options_from_flags
-from engine.model.packaged_models import PACKAGED_MODELS
 from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
+from serving.bringup import add_worker_arguments, engine_options, kv_options
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,10 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,scale,status,bench}")
 
     serve = commands.add_parser("serve", help="start (or join) a Ray cluster and serve the OpenAI API")
-    serve.add_argument("--model", default=ServeOptions.model,
-                       help="model folder, .gguf file or a packaged model: "
-                            + ", ".join(f"{m.name!r} ({m.description})" for m in PACKAGED_MODELS.values())
-                            + " (default: %(default)s)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
     serve.add_argument("--prefill", type=int, default=ServeOptions.prefill,
                        help="prefill workers (default %(default)s)")
@@ -56,15 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HTTP port (default %(default)s; 0: any free port)")
     serve.add_argument("--device", default=ServeOptions.device, choices=DEVICE_CHOICES,
                        help="auto: cuda when the Ray cluster has GPUs (one GPU per worker)")
-    serve.add_argument("--transport", default=ServeOptions.transport, choices=TRANSPORT_CHOICES,
-                       help="KV transport between P and D")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and /admin "
                             "(default: $PDSERVE_API_KEY)")
-    engine = serve.add_argument_group("engine (every worker)")
-    add_engine_arguments(engine)
-    engine.add_argument("--local-prefill-threshold", type=int, default=None,
-                        help="decode workers prefill locally when fewer uncached prompt tokens than this")
+    add_worker_arguments(serve, ROLES)  # --model, the engine's and the KV connector's: every worker's
     serve.add_argument("--routers", type=int, default=ServeOptions.routers,
                        help="router processes sharing the HTTP port; one that dies is restarted (default %(default)s)")
     serve.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
@@ -201,18 +190,17 @@ def _add_locator_arguments(parser: argparse.ArgumentParser, with_ray_address: bo
 # ---- serve --------------------------------------------------------------------------------------
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
-    engine_options = engine_options_from_flags(args)
     ray_settings = RaySettings(address=args.ray_address, namespace=args.namespace, num_cpus=args.num_cpus,
                                object_store_memory_mb=args.object_store_mb, include_dashboard=args.include_dashboard,
                                temp_dir=args.ray_temp_dir)
     return ServeOptions(model=args.model, served_model_name=args.served_model_name, prefill=args.prefill,
                         decode=args.decode, colocated=args.colocated, host=args.host, port=args.port,
-                        device=args.device, transport=args.transport, api_key=_api_key(args.api_key),
-                        engine_options=engine_options, worker_cpus=args.worker_cpus,
+                        device=args.device, api_key=_api_key(args.api_key), engine_options=engine_options(args),
+                        kv=kv_options(args), worker_cpus=args.worker_cpus,
                         worker_gpus=args.worker_gpus, pool_resources=_pool_resources(args),
                         tensor_parallel_size=_tensor_parallel_sizes(args),
                         omp_num_threads=args.omp_num_threads, worker_host=args.worker_host,
-                        local_prefill_threshold=args.local_prefill_threshold, max_migrations=args.max_migrations,
+                        max_migrations=args.max_migrations,
                         local_prefill_weight=args.local_prefill_weight,
                         max_inflight_requests=args.max_inflight_requests, batch_share=args.batch_share,
                         routers=args.routers, ray=ray_settings,

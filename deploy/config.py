@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.planner import PlannerConfig
-from engine.config import KV_ROLES, ROLES  # noqa: F401  (re-exported: deploy's modules take them from here)
+from engine.config import KV_ROLES, ROLES, Role  # noqa: F401  (re-exported: deploy's modules take them from here)
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
-from kvtransfer.addresses import TRANSPORT_CHOICES, check_transport_choice
-from router.config import LOOPBACK_HOST, POOL_NAMES
+from router.config import LOOPBACK_HOST
+from serving.bringup import KVOptions, WorkerOptions
 DEVICES = ("cpu", "cuda")
 DEVICE_CHOICES = ("auto", *DEVICES)  # `--device`; auto: cuda when the Ray cluster has GPUs
 NODE_IP_HOST = "node-ip"  # WorkerSpec.host / --worker-host: listen on the IP of the worker's Ray node
@@ -63,8 +63,11 @@ def validate_resources(resources: Any) -> dict[str, float]:
 
 @dataclass
 class WorkerSpec:
-    """How to build one worker (engine + gRPC server + KV transport endpoint) inside its actor.
+    """How to build one worker (engine + gRPC server + KV transport endpoint) inside its actor:
+    `worker_options(role, node_ip)` are the `serving.WorkerOptions` its actor starts it with
+    (`serving.start_worker`, the bring-up `python -m prefill_worker|decode_worker` use too).
 
+    `kv`: the KV transport and connector settings of every worker (each side reads its own).
     `host` is where the worker's gRPC server and KV receiver listen (`NODE_IP_HOST`: the IP
     of the Ray node the worker runs on); `advertise_node_ip` writes the Ray node's IP into the
     reported addresses instead (for `host="0.0.0.0"` on multi-node clusters). `num_cpus` /
@@ -84,7 +87,7 @@ class WorkerSpec:
     model: str = DEFAULT_MODEL_NAME
     device: str = "cpu"
     engine_options: dict[str, Any] = field(default_factory=dict)
-    transport: str = "auto"
+    kv: KVOptions = field(default_factory=KVOptions)
     host: str = LOOPBACK_HOST
     advertise_node_ip: bool = False
     num_cpus: float = 0.5
@@ -92,7 +95,6 @@ class WorkerSpec:
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
     omp_num_threads: int = 1  # torch threads per process (each TP rank)
     tensor_parallel_size: dict[str, int] = field(default_factory=dict)  # by role; absent: 1
-    local_prefill_threshold: int | None = None  # decode workers; None: the worker's default
     log_level: str = "WARNING"
 
     def __post_init__(self) -> None:
@@ -101,7 +103,6 @@ class WorkerSpec:
                              f"model ({', '.join(PACKAGED_MODELS)})")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} once resolved, got {self.device!r}")
-        check_transport_choice(self.transport)
         if not self.host:
             raise ValueError("host must be a non-empty host name or IP address")
         if self.num_cpus < 0 or self.num_gpus < 0:
@@ -120,8 +121,6 @@ class WorkerSpec:
             raise ValueError("a cuda worker needs num_gpus > 0 (one GPU per worker: num_gpus=1)")
         if self.omp_num_threads < 1:
             raise ValueError(f"omp_num_threads must be >= 1, got {self.omp_num_threads}")
-        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
-            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
         if {"device", "role", "tensor_parallel_size"} & set(self.engine_options):
             raise ValueError("engine_options must not set device, role or tensor_parallel_size: use "
                              "WorkerSpec.device, the pool role and WorkerSpec.tensor_parallel_size")
@@ -155,6 +154,18 @@ class WorkerSpec:
         its N ranks 1/N of them, engine/tp_worker.py)."""
         return self.omp_num_threads * self.tp(role)
 
+    def worker_options(self, role: str, node_ip: str) -> WorkerOptions:
+        """What a worker of `role` on the Ray node of IP `node_ip` is started with: it listens on
+        `host` (that IP for `NODE_IP_HOST`) at any free port, its addresses say the node's IP with
+        `advertise_node_ip`, and rank 0 (its actor) starts the N-1 followers of TP degree N."""
+        host = node_ip if self.host == NODE_IP_HOST else self.host
+        engine_options = dict(self.engine_options, device=self.device)
+        if self.tp(role) > 1:
+            engine_options["tensor_parallel_size"] = self.tp(role)
+        return WorkerOptions(model=self.model, engine_options=engine_options, kv=self.kv, host=host,
+                             advertise_host=node_ip if self.advertise_node_ip else host,
+                             threads=self.threads(role), log_level=self.log_level)
+
 
 @dataclass
 class PoolTargets:
@@ -180,13 +191,13 @@ class PoolTargets:
                              "or one colocated worker")
 
     def counts(self) -> dict[str, int]:
-        """The pool sizes by role (the fields are named by pool: `POOL_NAMES`)."""
-        return {role: getattr(self, pool) for role, pool in POOL_NAMES.items()}
+        """The pool sizes by role (the fields are named by pool: `Role.pool`)."""
+        return {role: getattr(self, role.pool) for role in Role}
 
     @classmethod
     def from_counts(cls, counts: dict[str, int]) -> "PoolTargets":
         """The inverse of `counts()`."""
-        return cls(**{pool: counts[role] for role, pool in POOL_NAMES.items()})
+        return cls(**{role.pool: counts[role] for role in Role})
 
     def replace(self, prefill: int | None = None, decode: int | None = None,
                 colocated: int | None = None) -> "PoolTargets":
@@ -302,5 +313,5 @@ def tp_flag(role: str) -> str:
 
 
 def pool_name(role: str) -> str:
-    """What users call a role's pool: "colocated" for role "both" (`POOL_NAMES`)."""
-    return POOL_NAMES.get(role, role)
+    """What users call a role's pool: "colocated" for role "both" (`Role.pool`)."""
+    return Role.parse(role).pool

@@ -57,7 +57,8 @@ class WorkerHandle(Protocol):
 
     async def start(self) -> dict[str, Any]:
         """Build the engine and serve; return {"grpc_address", "transport_address", "pid", "node_id",
-        "node_ip"} (node: the Ray node the worker runs on)."""
+        "node_ip", "kv_settings"} (node: the Ray node the worker runs on; kv_settings: the KV
+        transport and connector settings in effect, `serving.Worker.kv_settings`)."""
 
     async def wait_dead(self) -> str:
         """Return (with a reason) when the worker has died; never returns while it lives."""
@@ -97,7 +98,8 @@ class StateStore(Protocol):
     def clear(self) -> None: ...
 
 
-_SAVED_FIELDS = ("worker_id", "role", "state", "grpc_address", "transport_address", "pid", "node_id", "node_ip")
+_SAVED_FIELDS = ("worker_id", "role", "state", "grpc_address", "transport_address", "pid", "node_id", "node_ip",
+                 "kv_settings")
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Member:
     pid: int | None = None
     node_id: str = ""  # the Ray node the worker runs on (hex id) and its IP
     node_ip: str = ""
+    kv_settings: dict[str, Any] = field(default_factory=dict)  # what its start reported
     healthy: bool = False
     stats: WorkerStats | None = None  # the last Stats answer (None before one)
     stats_time: float | None = None  # when the last successful poll was sent
@@ -242,6 +245,7 @@ class PoolController:
                 member = Member(saved["worker_id"], saved["role"], handle, state=saved["state"],
                                 grpc_address=saved["grpc_address"], transport_address=saved["transport_address"],
                                 pid=saved["pid"], node_id=saved.get("node_id", ""), node_ip=saved.get("node_ip", ""),
+                                kv_settings=saved["kv_settings"],
                                 healthy=True, launched_at=now, ready_at=now,
                                 drain_started=now if saved["state"] == DRAINING else None)
                 self._members[member.worker_id] = member
@@ -327,7 +331,7 @@ class PoolController:
                 "worker_id": m.worker_id, "role": m.role, "state": m.state, "address": m.grpc_address,
                 "tensor_parallel_size": self.config.worker.tp(m.role),
                 "transport_address": m.transport_address, "pid": m.pid, "node_id": m.node_id,
-                "node_ip": m.node_ip, "healthy": m.healthy, "running": stats.running,
+                "node_ip": m.node_ip, "kv_settings": m.kv_settings, "healthy": m.healthy, "running": stats.running,
                 "waiting": stats.waiting, "kv_blocks_total": total, "kv_blocks_free": free,
                 "kv_bytes_sent": stats.kv_bytes_sent, "kv_bytes_received": stats.kv_bytes_received,
                 "rss_bytes": stats.rss_bytes, "weight_bytes": stats.weight_bytes,
@@ -417,6 +421,7 @@ class PoolController:
         member.grpc_address = info["grpc_address"]
         member.transport_address = info.get("transport_address", "")
         member.pid, member.node_id, member.node_ip = info.get("pid"), info.get("node_id", ""), info.get("node_ip", "")
+        member.kv_settings = info.get("kv_settings", {})
         member.state, member.healthy, member.ready_at = READY, True, self.clock()
         self._backoff.pop(member.role, None)
         self._event(f"{member.worker_id} ready at {member.grpc_address} (pid {member.pid})")

@@ -36,6 +36,7 @@ from engine.config import CacheConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS, is_packaged_model, package_installed, packaged_gguf_path
 from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
+from serving.bringup import KVOptions
 
 logger = logging.getLogger("pdserve")
 
@@ -53,9 +54,9 @@ class ServeOptions:
     host: str = RouterConfig.host
     port: int = RouterConfig.port
     device: str = "auto"  # auto: cuda when the Ray cluster has GPUs
-    transport: str = "auto"
     api_key: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
+    kv: KVOptions = field(default_factory=KVOptions)  # every worker's KV transport and connector settings
     worker_cpus: float | None = None  # Ray CPUs per worker (default: 0.5 on CPU, 1 with a GPU)
     worker_gpus: float | None = None  # Ray GPUs per cuda worker (default 1; 0.5 puts P and D on one GPU)
     # by role: Ray custom resources each worker of that pool requires (WorkerSpec.resources)
@@ -64,7 +65,6 @@ class ServeOptions:
     # by role: tensor-parallel degree of each worker of that pool (absent: 1)
     tensor_parallel_size: dict[str, int] = field(default_factory=dict)
     worker_host: str | None = None  # default: 127.0.0.1 on a local instance, 0.0.0.0 when joining; node-ip
-    local_prefill_threshold: int | None = None
     # router: resume a generation on another worker after its decode worker fails
     max_migrations: int = RouterConfig.max_migrations
     local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
@@ -114,8 +114,9 @@ class ServeOptions:
                              f"a .gguf file, or a packaged model: {', '.join(map(repr, PACKAGED_MODELS))})")
         from engine.llm import build_engine_config
         build_engine_config(self.model, device="cpu", **self.engine_options)  # bad engine options fail here
+        self.kv.check()  # and bad KV connector options
         cuda = self.device == "cuda"  # (auto: checked again once the device is known)
-        self.controller_config(WorkerSpec(model=self.model, transport=self.transport, resources=self.pool_resources,
+        self.controller_config(WorkerSpec(model=self.model, kv=self.kv, resources=self.pool_resources,
                                           tensor_parallel_size=dict(self.tensor_parallel_size),
                                           device="cuda" if cuda else "cpu",
                                           num_gpus=(self.worker_gpus or 1.0) if cuda else 0.0))
@@ -131,16 +132,16 @@ class ServeOptions:
         ranks = sum(count * self.tensor_parallel_size.get(role, 1) for role, count in self.targets.counts().items())
         threads = self.omp_num_threads or max(1, (os.cpu_count() or 1) // ranks)
         host = self.worker_host or (LOOPBACK_HOST if started_ray else "0.0.0.0")
-        engine_options, transport = dict(self.engine_options), self.transport
+        engine_options, kv = dict(self.engine_options), self.kv
         if device == "cuda" and (self.worker_gpus or 1.0) < 1.0:
-            engine_options, transport = _sharing_a_gpu(engine_options, transport, self.worker_gpus)
+            engine_options, transport = _sharing_a_gpu(engine_options, kv.transport, self.worker_gpus)
+            kv = dataclasses.replace(kv, transport=transport)
         return WorkerSpec(model=self.model, device=device, engine_options=engine_options,
-                          transport=transport, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
+                          kv=kv, host=host, advertise_node_ip=host not in LOOPBACK_HOSTS,
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
                           num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0,
                           resources=self.pool_resources, omp_num_threads=threads,
-                          tensor_parallel_size=dict(self.tensor_parallel_size),
-                          local_prefill_threshold=self.local_prefill_threshold)
+                          tensor_parallel_size=dict(self.tensor_parallel_size))
 
     def router_config(self, port: int) -> RouterConfig:
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.model.default_model import DEFAULT_MODEL_NAME
@@ -9,13 +10,54 @@ from engine.model.default_model import DEFAULT_MODEL_NAME
 if TYPE_CHECKING:
     import torch
 
-Role = Literal["both", "prefill", "decode"]
-# The one list of worker roles (router, deploy and workers import it); "both": colocated.
-ROLES: tuple[str, ...] = ("prefill", "decode", "both")
-# Its subsets: the roles that decode (the router streams from them; a decode worker's default role
-# comes first) and the roles that move KV between workers (a colocated worker moves none).
-DECODE_ROLES: tuple[str, ...] = ("decode", "both")
-KV_ROLES: tuple[str, ...] = ("prefill", "decode")
+
+class Role(str, Enum):
+    """A worker's role, the one owner of the role names (router, deploy, the workers and the engine
+    take them from here). A member equals its name (`Role.BOTH == "both"`), so the command-line
+    spellings and what travels in messages and JSON stay plain strings; `Role.parse` checks one.
+    `pool`: what users call the role's pool ("colocated" for "both": `--colocated`, `pdserve
+    status`); `sends_kv` / `imports_kv`: which end of the KV hand-off its workers are (a colocated
+    worker moves no KV); `decodes`: the router streams generations from it."""
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, role: str) -> Role:
+        try:
+            return cls(role)
+        except ValueError:
+            raise ValueError(f"role must be one of {', '.join(cls)}, got {role!r}") from None
+
+    @property
+    def pool(self) -> str:
+        return "colocated" if self is Role.BOTH else self.value
+
+    @property
+    def sends_kv(self) -> bool:
+        return self is Role.PREFILL
+
+    @property
+    def imports_kv(self) -> bool:
+        return self is Role.DECODE
+
+    @property
+    def moves_kv(self) -> bool:
+        return self.sends_kv or self.imports_kv
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+
+# Every role, and its subsets: the roles that decode (the router streams from them; a decode
+# worker's default role comes first) and the roles that move KV between workers.
+ROLES: tuple[Role, ...] = tuple(Role)
+DECODE_ROLES: tuple[Role, ...] = tuple(role for role in Role if role.decodes)
+KV_ROLES: tuple[Role, ...] = tuple(role for role in Role if role.moves_kv)
 
 # A decode-role worker prefills only what the router keeps local (a short tail, or a prompt the
 # prefill pool is too busy for); its decodes come first, so by default such a step takes at most
@@ -265,7 +307,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: Literal["auto"] | AttentionBackendName = "auto"
-    role: Role = "both"
+    role: Role = Role.BOTH  # (a role's name is parsed into its Role)
     max_model_len: int | None = None  # None: the model's own context length
     # On CUDA (Triton backend), replay decode-only steps as CUDA graphs (engine/cuda_graphs.py).
     cuda_graphs: bool = True
@@ -278,8 +320,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        self.role = Role.parse(self.role)
         if self.attention_backend not in ("auto", *BACKEND_NAMES):
             raise ValueError(f"attention_backend must be auto or one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")

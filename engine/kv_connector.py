@@ -58,14 +58,11 @@ import torch
 from engine.block_hash import hash_block, hash_full_blocks
 from engine.config import KV_ROLES
 from engine.kv_cache import window_skip_blocks
-from engine.kv_hooks import ImportPlan, KVDestination
+from engine.kv_hooks import FAULTS, ON_TRANSFER_FAILURE, ImportPlan, KVConnectorConfig, KVDestination  # noqa: F401 (re-exported)
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-# What a decode worker does after a failed load: prefill the prompt itself, or fail the request.
-ON_TRANSFER_FAILURE = ("fallback", "fail")
-FAULTS = ("drop_layer_group", "flip_byte")  # testing only: see KVConnectorConfig.inject_fault
 
 
 class KVSenderTransport(Protocol):
@@ -109,44 +106,6 @@ class KVReceiverTransport(Protocol):
 
 # A connector's transport: a sender for the prefill role, a receiver for the decode role.
 KVTransport = Union[KVSenderTransport, KVReceiverTransport]
-
-
-@dataclass(frozen=True)
-class KVConnectorConfig:
-    """lease_s: prefill; longest a finished prompt's blocks stay pinned for its send without
-        progress (after the hold, when testing with one): renewed while bytes are acknowledged.
-    transfer_timeout_s: decode; longest wait for a remote prefill's progress: for its first KV
-        (the prefill worker's queue and first chunk), then for more KV (each chunk is pushed as it
-        is computed, so a long prompt is not cut off by its length), then for the report.
-    local_prefill_threshold: decode; fewer uncached prompt tokens than this are prefilled here.
-    on_transfer_failure: decode; "fallback" (local prefill) or "fail" (end with the error).
-    layerwise: prefill; push each layer group as it is computed (False: after the whole prompt).
-    layer_group_size: prefill; layers per push (0: a quarter of the model's, at least 1).
-    hold_send_s / inject_fault: testing only. hold: push nothing until this long after the first
-    token. Faults: "drop_layer_group" (prefill: one group is never pushed), "flip_byte" (decode:
-    one received byte is flipped before verification)."""
-    lease_s: float = 60.0
-    transfer_timeout_s: float = 60.0
-    local_prefill_threshold: int = 64
-    on_transfer_failure: str = "fallback"
-    layerwise: bool = True
-    layer_group_size: int = 0
-    hold_send_s: float = 0.0
-    inject_fault: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("lease_s", "transfer_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.local_prefill_threshold < 0:
-            raise ValueError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
-        if self.on_transfer_failure not in ON_TRANSFER_FAILURE:
-            raise ValueError(f"on_transfer_failure must be one of {', '.join(ON_TRANSFER_FAILURE)}, "
-                             f"got {self.on_transfer_failure!r}")
-        if self.layer_group_size < 0 or self.hold_send_s < 0:
-            raise ValueError("layer_group_size and hold_send_s must be >= 0")
-        if self.inject_fault is not None and self.inject_fault not in FAULTS:
-            raise ValueError(f"inject_fault must be one of {', '.join(FAULTS)}, got {self.inject_fault!r}")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import grpc
 import kvtransfer
 import serving
 import wire
+from engine.config import Role
 from engine.kv_connector import KVConnectorConfig, answers_prefill
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
@@ -46,11 +47,20 @@ class PrefillWorkerConfig:
 
 class PrefillWorker(wire.services().PrefillServiceServicer):
     """The engine (prefill role), whose connector's sender pushes over `config.transport`, and
-    the PrefillService over it."""
+    the PrefillService over it (a `serving.Worker`)."""
+
+    @classmethod
+    def from_options(cls, role: Role, options: serving.WorkerOptions) -> PrefillWorker:
+        """The worker `serving.start_worker` brings up (role prefill)."""
+        if role is not Role.PREFILL:
+            raise ValueError(f"a prefill worker's role is prefill, got {str(role)!r}")
+        return cls(PrefillWorkerConfig(model=options.model, engine_options=options.engine_options,
+                                       transport=options.kv.transport, kv_timeout_s=options.kv.kv_timeout_s,
+                                       connector=options.kv.connector_config()))
 
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
-        self.role = "prefill"
+        self.role = Role.PREFILL
         self.transport_address = ""  # a prefill worker listens for no KV
         transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s)
 
@@ -78,6 +88,9 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
     def hand_over(self) -> int:
         """Draining: nothing to hand over (a prefill ends with its prompt, within the drain)."""
         return 0
+
+    def kv_settings(self) -> dict[str, Any]:
+        return serving.kv_settings(self.engine, self.config.transport)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: not on this event loop

@@ -1,72 +1,30 @@
-"""What both worker servers need, once: engine flags and bring-up (with its KV connector), the
-conversion of a wire request into an engine request, the gRPC server and the ready line.
+"""What both worker servers need, once: their engine (with its KV connector), the conversion of a
+wire request into an engine request, and the RPCs both answer alike. Their flags and bring-up,
+shared with deploy's Ray actor, are serving/bringup.py (`start_worker`; re-exported here).
 
-A worker prints exactly one line when it serves, for tests and Ray to parse:
+A worker process prints exactly one line when it serves, for tests and tools to parse:
 
     READY grpc=HOST:PORT transport=ADDRESS role=ROLE
 
-(`transport=` is empty for a colocated worker.) SIGTERM / SIGINT stop it gracefully.
+(`transport=` is empty for a prefill or colocated worker.) SIGTERM / SIGINT stop it gracefully.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
-import signal
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import grpc
 
-import kvtransfer
 import wire
-
-from engine import config as engine_config
-from engine.model.default_model import DEFAULT_MODEL_NAME
-from engine.model.packaged_models import PACKAGED_MODELS
-from engine.process import configure_logging, freeze_startup_objects
+from serving.bringup import (KV_FLAGS, KVOptions, RunningWorker, Worker, WorkerBuilder, WorkerOptions,  # noqa: F401
+                             add_process_arguments, add_worker_arguments, engine_options, kv_options, run, serve,
+                             start_worker, worker_options)
 
 logger = logging.getLogger(__name__)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=DEFAULT_MODEL_NAME,
-                       help="model folder, GGUF file or a packaged model: "
-                            + ", ".join(f"{m.name!r} ({m.description})" for m in PACKAGED_MODELS.values())
-                            + " (default: %(default)s)")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
-    group.add_argument("--tensor-parallel-size", type=int, default=None,
-                       help="processes (one GPU each on CUDA) that split the model's heads and MLP (default 1)")
-    engine_config.add_engine_arguments(group)
-
-
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default=kvtransfer.TransferConfig.host, help="gRPC and transport listen host")
-    group.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    group.add_argument("--advertise-host", default=None, help="host written into the printed addresses")
-    group.add_argument("--log-level", default="WARNING")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags as `engine.llm.build_engine_config` keyword options (unset ones left out)."""
-    options = {name: getattr(args, name) for name in ("device", "seed", "tensor_parallel_size")
-               if getattr(args, name) is not None}
-    return {**options, **engine_config.engine_options(args)}
-
-
-def add_kv_arguments(parser: argparse.ArgumentParser, side: str) -> None:
-    """The KV connector's flags; `side` is "sender" (prefill) or "receiver" (decode)."""
-    from engine.kv_connector import FAULTS  # (torch) here: deploy's router processes import this module
-    group = parser.add_argument_group("kv transfer")
-    group.add_argument("--transport", default="auto", choices=kvtransfer.TRANSPORT_CHOICES,
-                       help=f"the KV {side}'s transports: auto (what the receiver offers / shm and tcp on CPU)")
-    group.add_argument("--kv-timeout-s", type=float, default=kvtransfer.TransferConfig.timeout_s,
-                       help="a silent peer fails a transfer after this (s; default: %(default)s)")
-    group.add_argument("--inject-kv-fault", default=None, choices=FAULTS, help="testing only: break every transfer")
 
 
 def build_async_engine(model: str, options: dict[str, Any], role: str, kv_transport=None, kv_connector_config=None):
@@ -113,6 +71,16 @@ async def unavailable_when_engine_down(context: grpc.aio.ServicerContext) -> Asy
         yield
     except EngineUnavailable as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+def kv_settings(engine, transport: str) -> dict[str, Any]:
+    """`Worker.kv_settings`: the transport choice, the silent-peer timeout of the live sender or
+    receiver and its connector's config ({} for an engine without a connector: colocated)."""
+    connector = engine.engine.kv_connector
+    if connector is None:
+        return {}
+    return {"transport": transport, "kv_timeout_s": connector.transport.config.timeout_s,
+            **dataclasses.asdict(connector.config)}
 
 
 def health(engine, role: str, model: str, transport_address: str = "") -> Any:
@@ -166,32 +134,3 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-async def serve(add_servicer: Callable[[grpc.aio.Server], None], host: str, port: int, advertise_host: str | None,
-                ready_fields: Callable[[str], str], on_stop: Callable[[], Awaitable[None]]) -> None:
-    """Bind, print the ready line, run until SIGTERM/SIGINT, then stop (grace 2 s) and `on_stop()`."""
-    server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
-    add_servicer(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise SystemExit(f"cannot listen on {host}:{port}")
-    await server.start()
-    freeze_startup_objects()
-    address = f"{advertise_host or host}:{bound}"
-    print(f"READY grpc={address} {ready_fields(address)}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=2.0)
-    await on_stop()
-
-
-def run(args: argparse.Namespace, serve_worker: Callable[[argparse.Namespace], Awaitable[None]]) -> None:
-    """A worker process's main: logging at `--log-level`, then `serve_worker(args)` until stopped."""
-    configure_logging(args.log_level)
-    asyncio.run(serve_worker(args))
-
-

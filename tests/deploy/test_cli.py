@@ -23,7 +23,7 @@ def options(*argv):
 def test_serve_defaults_are_the_embedded_default():
     opts = options()
     assert (opts.model, opts.prefill, opts.decode, opts.colocated) == ("default", 1, 1, 0)
-    assert (opts.host, opts.port, opts.device, opts.transport) == ("127.0.0.1", 8000, "auto", "auto")
+    assert (opts.host, opts.port, opts.device, opts.kv.transport) == ("127.0.0.1", 8000, "auto", "auto")
     assert opts.ray.address is None and opts.ray.include_dashboard is False
     assert opts.ray.object_store_memory_mb == 150 and opts.engine_options == {}
     assert opts.max_migrations == 2 and options("--max-migrations", "0").max_migrations == 0
@@ -57,7 +57,7 @@ def test_every_packaged_model_name_is_a_serve_model(monkeypatch):
 def test_serve_flags_default_to_serve_options():
     from deploy.serve import ServeOptions
     opts, defaults = options(), ServeOptions()
-    for name in ("model", "prefill", "decode", "colocated", "host", "port", "device", "transport", "routers"):
+    for name in ("model", "prefill", "decode", "colocated", "host", "port", "device", "kv", "routers"):
         assert getattr(opts, name) == getattr(defaults, name), name
     assert opts.ray.object_store_memory_mb == RaySettings().object_store_memory_mb
 
@@ -108,6 +108,10 @@ def test_engine_flags_reach_every_worker():
     (["--worker-gpus", "2"], "--worker-gpus must be in (0, 1]"),
     (["--object-store-mb", "10"], "at least 75 MB"),
     (["--api-key", ""], "--api-key must be non-empty"),  # `--api-key "$KEY"` with KEY unset: not "no key"
+    (["--kv-timeout-s", "0"], "--kv-timeout-s must be > 0, got 0.0"),
+    (["--export-lease-s", "0"], "--export-lease-s must be > 0, got 0.0"),
+    (["--transfer-timeout-s", "-1"], "--transfer-timeout-s must be > 0, got -1.0"),
+    (["--local-prefill-threshold", "-1"], "--local-prefill-threshold must be >= 0, got -1"),
 ])
 def test_bad_serve_options_fail_before_anything_starts(argv, message, capsys):
     assert main(["serve", *argv]) == 2
@@ -139,12 +143,12 @@ def test_auto_device_takes_one_gpu_per_worker_when_the_cluster_has_gpus():
     # sharing a GPU: each worker's KV cache from its share of the memory, and not over nccl (which
     # cannot join two ranks on one GPU)
     assert spec.engine_options["gpu_memory_utilization"] == pytest.approx(0.425)
-    assert spec.transport == ("ucx" if "ucx" in available_transports() else "tcp")
+    assert spec.kv.transport == ("ucx" if "ucx" in available_transports() else "tcp")
     spec = options("--worker-gpus", "0.5", "--kv-cache-blocks", "900", "--transport", "nccl").worker_spec(
         {"CPU": 4.0, "GPU": 1.0}, started_ray=True)
-    assert "gpu_memory_utilization" not in spec.engine_options and spec.transport == "nccl"  # asked for
+    assert "gpu_memory_utilization" not in spec.engine_options and spec.kv.transport == "nccl"  # asked for
     whole = options().worker_spec({"CPU": 4.0, "GPU": 1.0}, started_ray=True)
-    assert "gpu_memory_utilization" not in whole.engine_options and whole.transport == "auto"
+    assert "gpu_memory_utilization" not in whole.engine_options and whole.kv.transport == "auto"
     with pytest.raises(ValueError, match="--device cuda, but the Ray cluster has no GPU"):
         options("--device", "cuda").worker_spec({"CPU": 2.0}, started_ray=True)
 
@@ -209,6 +213,26 @@ def test_worker_spec_checks_resources_by_role():
 def test_workers_can_listen_on_their_nodes_ip():
     spec = options("--worker-host", "node-ip").worker_spec({"CPU": 2.0}, started_ray=False)
     assert spec.host == "node-ip" and spec.advertise_node_ip is True
+    worker = spec.worker_options("decode", "10.0.0.7")  # what its actor starts it with on that node
+    assert (worker.host, worker.advertise_host, worker.port) == ("10.0.0.7", "10.0.0.7", 0)
+    local = options().worker_spec({"CPU": 2.0}, started_ray=True).worker_options("prefill", "10.0.0.7")
+    assert (local.host, local.advertise_host) == ("127.0.0.1", "127.0.0.1")
+
+
+def test_kv_flags_reach_every_worker():
+    """The KV connector's flags (serving.add_worker_arguments, shared with the worker mains) go to
+    every worker the controller starts, whatever its role (each side reads its own)."""
+    from serving.bringup import KVOptions
+    opts = options("--on-transfer-failure", "fail", "--transfer-timeout-s", "90", "--kv-timeout-s", "9",
+                   "--export-lease-s", "120", "--no-layerwise-push", "--local-prefill-threshold", "0")
+    assert opts.kv == KVOptions(on_transfer_failure="fail", transfer_timeout_s=90.0, kv_timeout_s=9.0, lease_s=120.0,
+                                layerwise=False, local_prefill_threshold=0)
+    spec = opts.worker_spec({"CPU": 2.0}, started_ray=True)
+    for role in ("prefill", "decode", "both"):
+        worker = spec.worker_options(role, "10.0.0.7")
+        assert worker.kv == opts.kv and worker.engine_options == {"device": "cpu"}
+        assert (worker.model, worker.threads, worker.log_level) == ("default", spec.omp_num_threads, "WARNING")
+    assert options().kv == KVOptions()
 
 
 def test_state_file_round_trip_and_staleness(tmp_path):
