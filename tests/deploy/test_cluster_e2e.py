@@ -28,8 +28,8 @@ import httpx
 import openai
 import pytest
 
-from tests.deploy.harness import (Stream, cluster_fixtures, offline_text, processes_inheriting, ready_workers,
-                                  stop_and_check_nothing_is_left, wait_until)
+from tests.deploy.harness import (Stream, cluster_fixtures, offline_text, offline_texts, processes_inheriting,
+                                  ready_workers, stop_and_check_nothing_is_left, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def test_killing_the_controller_loses_no_stream_and_it_comes_back(serve, client,
     before = serve.status()
     workers_before = sorted((w["worker_id"], w["address"], w["pid"]) for w in before["workers"])
     prompts = [f"Story number {index}: once upon a time, in a village by the sea," for index in range(12)]
-    expected = {prompt: offline_text(offline, prompt, STREAM_TOKENS, ignore_eos=True) for prompt in prompts}
+    expected = dict(zip(prompts, offline_texts(offline, prompts, STREAM_TOKENS, ignore_eos=True)))
     streams = [Stream(client, prompt, STREAM_TOKENS) for prompt in prompts]
     for stream in streams:
         assert stream.first.wait(600) and stream.error is None
@@ -165,7 +165,7 @@ def test_scale_down_under_16_live_streams_hands_them_over_in_seconds(serve, clie
     prompts = [f"{STORY} {word}" for word in ("a baker", "a smith", "a weaver", "a miller", "a potter", "a tailor",
                                               "a farmer", "a fisher", "a hunter", "a healer", "a scribe", "a cooper",
                                               "a mason", "a carter", "a brewer", "a tanner")][:DRAIN_STREAMS]
-    expected = {p: offline_text(offline, p, DRAIN_STREAM_TOKENS, ignore_eos=True) for p in prompts}
+    expected = dict(zip(prompts, offline_texts(offline, prompts, DRAIN_STREAM_TOKENS, ignore_eos=True)))
     streams = [Stream(client, p, DRAIN_STREAM_TOKENS) for p in prompts]
     assert all(s.first.wait(300) for s in streams) and all(s.error is None for s in streams)
     victim = max(decode, key=lambda w: next(r["running"] for r in router_workers(serve) if r["address"] == w["address"]))
@@ -243,7 +243,7 @@ def test_a_killed_router_is_restarted_and_the_cluster_keeps_serving(serve, clien
     wait_until(lambda: set(live_routers(serve)) == set(pids), 60, "both routers to sync with the controller",
                interval=0.5)
     prompts = [f"Story number {index}: once upon a time, in a village by the sea," for index in range(8)]
-    expected = {prompt: offline_text(offline, prompt, ROUTER_STREAM_TOKENS, ignore_eos=True) for prompt in prompts}
+    expected = dict(zip(prompts, offline_texts(offline, prompts, ROUTER_STREAM_TOKENS, ignore_eos=True)))
     streams = [Stream(client, prompt, ROUTER_STREAM_TOKENS) for prompt in prompts]
     for stream in streams:
         assert stream.first.wait(600) and stream.error is None
@@ -273,10 +273,10 @@ def test_a_killed_router_is_restarted_and_the_cluster_keeps_serving(serve, clien
     wait_until(lambda: new_pid in live_routers(serve), 60, "the restarted router to sync", interval=0.5)
     assert "router 0 is back" in serve.tail(200) or "router 1 is back" in serve.tail(200)
     [survivor] = [pid for pid in pids if pid != victim]
+    expected_texts = offline_texts(offline, failed[:2], ROUTER_STREAM_TOKENS)
     os.kill(survivor, signal.SIGSTOP)  # only the restarted router accepts now
     try:
-        for prompt in failed[:2]:
-            expected_text = offline_text(offline, prompt, ROUTER_STREAM_TOKENS)
+        for prompt, expected_text in zip(failed[:2], expected_texts):
             assert fresh_completion(serve, prompt, ROUTER_STREAM_TOKENS) == expected_text
     finally:
         os.kill(survivor, signal.SIGCONT)

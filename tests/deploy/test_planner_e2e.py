@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.deploy.harness import Stream, cluster_fixtures, offline_text, wait_until
+from tests.deploy.harness import Stream, cluster_fixtures, offline_texts, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -22,26 +22,29 @@ serve, offline, client = cluster_fixtures(NUM_BLOCKS, "--prefill", "1", "--decod
                                           "--planner-cooldown", "5")
 
 
-def status(serve) -> dict:
-    return json.loads(serve.cli("status", "--json").stdout)
+def targets(serve) -> dict:
+    """The pool targets, polled through the router's /admin/status (`pdserve status` joins Ray
+    first: seconds of CPU per call, which the streams on this machine's 2 cores would pay)."""
+    return serve.status()["targets"]
 
 
 def test_the_planner_scales_decode_up_under_load_and_down_when_idle(serve, client, offline):
-    streams = [Stream(client, f"{STORY} (story {i})", STREAM_TOKENS) for i in range(12)]
-    wait_until(lambda: status(serve)["targets"]["decode"] == 2, timeout=300,
+    prompts = [f"{STORY} (story {i})" for i in range(12)]
+    streams = [Stream(client, prompt, STREAM_TOKENS) for prompt in prompts]
+    wait_until(lambda: targets(serve)["decode"] == 2, timeout=300,
                what="the planner to add a decode worker")
     wait_until(lambda: all(s.done.is_set() for s in streams), timeout=900, what="the streams to finish")
     # requests keep succeeding while the pool changes back
     answers = []
     wait_until(lambda: answers.append(client.completions.create(model="default", prompt=STORY, max_tokens=4,
                                                                 temperature=0)) or
-               status(serve)["targets"]["decode"] == 1, timeout=300,
+               targets(serve)["decode"] == 1, timeout=300,
                what="the planner to remove the decode worker again")
     assert all(s.error is None for s in streams), [repr(s.error) for s in streams if s.error]
-    for i, stream in enumerate(streams):  # the streams ask for ignore_eos
-        assert stream.text == offline_text(offline, f"{STORY} (story {i})", STREAM_TOKENS, ignore_eos=True)
+    # the streams ask for ignore_eos
+    assert [s.text for s in streams] == offline_texts(offline, prompts, STREAM_TOKENS, ignore_eos=True)
     assert answers and all(a.choices[0].text for a in answers)
-    final = status(serve)
+    final = json.loads(serve.cli("status", "--json").stdout)  # the command shows the planner's decisions
     assert final["planner"]["changes_total"] == 2 and not final["planner"]["dry_run"]
     scales = [e["message"] for e in final["events"] if e["message"].startswith("scale to ")]
     assert scales == ["scale to 1 prefill, 2 decode, 0 colocated", "scale to 1 prefill, 1 decode, 0 colocated"]

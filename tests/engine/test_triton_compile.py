@@ -1,17 +1,18 @@
 """Every Triton kernel launch the engine makes compiles for an A100 (sm_80) and an H100/H200 (sm_90),
 here, without a GPU.
 
-The CPU tests run the kernels under Triton's interpreter, which executes them as numpy and skips
-the compiler's front end: code it accepts can still fail to compile for a GPU (a non-constexpr
-global, two return types across constexpr branches: both were caught here). This runs
-tests/engine/triton_compile_check.py, which records the launches of the store, decode (one and
-several splits), combine and prefill kernels over bf16/fp16/fp32, int8 and fp8 caches, their
-attention-variant specializations (sliding window, soft-cap, sinks: alone and together), the
-elementwise ops, the fused-MoE grouped GEMM (both projections, each activation, decode- and
-prefill-sized blocks) and the latent-attention (MLA) decode kernel (DeepSeek-V3's sizes and the
-tiny models', split and not, float and 8-bit caches), and compiles each to a cubin with the
-ptxas Triton ships, specialized as a GPU launch is (divisibility hints, which set vectorization
-and pipelining), each within the architecture's shared memory per block.
+The CPU tests run the kernels under Triton's interpreter, which executes them as numpy and skips the
+compiler's front end: code it accepts can still fail to compile for a GPU (a non-constexpr global,
+two return types across constexpr branches: both were caught here). This runs
+tests/engine/triton_compile_check.py (once per architecture, the two at once), which records the
+launches of the store, decode (one and several splits), combine and prefill kernels over
+bf16/fp16/fp32, int8 and fp8 caches, their attention-variant specializations (sliding window,
+soft-cap, sinks: alone and together), the elementwise ops, the fused-MoE grouped GEMM (both
+projections, each activation, decode- and prefill-sized blocks) and the latent-attention (MLA)
+decode kernel (DeepSeek-V3's sizes and the tiny models', split and not, float and 8-bit caches), and
+compiles each to a cubin with the ptxas Triton ships, specialized as a GPU launch is (divisibility
+hints, which set vectorization and pipelining), each within the architecture's shared memory per
+block.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,15 +29,45 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+ARCHS = (80, 90)
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_every_triton_kernel_launch_compiles_for_the_gpu(arch):
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """arch -> (exit status, stdout, stderr) of triton_compile_check.py for each architecture, both
+    run at once: each is one process whose compiles (LLVM, then ptxas) run one at a time on one
+    core, so with an empty Triton cache (a fresh machine) the pair takes about the time of one."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "engine" / "triton_compile_check.py"), "--arch", str(arch)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
-    report = json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else {}
-    assert run.returncode == 0 and not report.get("failed"), (run.stderr[-3000:], report.get("failed"))
+    folder = tmp_path_factory.mktemp("triton-compile")
+    started = {}
+    for arch in ARCHS:  # output to files: a full pipe would stall one process while the other is read
+        out, err = (open(folder / f"sm_{arch}.{name}", "w+") for name in ("out", "err"))
+        started[arch] = (subprocess.Popen([sys.executable, str(REPO / "tests" / "engine" / "triton_compile_check.py"),
+                                           "--arch", str(arch)], cwd=REPO, env=env, stdout=out, stderr=err, text=True),
+                         out, err)
+    results, deadline = {}, time.monotonic() + 540
+    try:
+        for arch, (process, out, err) in started.items():
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            out.seek(0)
+            err.seek(0)
+            results[arch] = (process.returncode, out.read(), err.read())
+    finally:
+        for process, out, err in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.close()
+            err.close()
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_triton_kernel_launch_compiles_for_the_gpu(arch, checks):
+    returncode, stdout, stderr = checks[arch]
+    report = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else {}
+    assert returncode == 0 and not report.get("failed"), (stderr[-3000:], report.get("failed"))
     kernels = {name.split("(")[0] for name in report["compiled"]}
     assert kernels == {"_store_kv_kernel", "_store_kv_8bit_kernel", "_paged_decode_kernel", "_combine_splits_kernel",
                        "_paged_prefill_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
