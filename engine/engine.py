@@ -30,7 +30,8 @@ from engine.sampling_params import SamplingParams
 from engine.block_hash import DEFAULT_HASH_ALGORITHM
 from engine.kv_connector import KVConnector, KVConnectorConfig, KVTransport, LoadDone, ProducerReport, SendDone
 from engine.kv_hooks import ImportPlan
-from engine.scheduler import SampledToken, Scheduler, SchedulerStats, StepOutput
+from engine.scheduler import Scheduler
+from engine.step_types import SampledToken, SchedulerStats, StepOutput
 from engine.structured_output import GrammarCompiler
 
 if TYPE_CHECKING:

@@ -111,7 +111,7 @@ KVTransport = Union[KVSenderTransport, KVReceiverTransport]
 @dataclass(frozen=True)
 class ProducerReport:
     """The prefill worker's answer for one request (decode side)."""
-    first_token: Any  # engine.scheduler.SampledToken
+    first_token: Any  # engine.step_types.SampledToken
     epoch: int
     checksum: int
     block_hashes: tuple[bytes, ...]  # chained hashes of every full prompt block

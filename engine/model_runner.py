@@ -48,7 +48,7 @@ from engine.model.decoder import DecoderForCausalLM, TensorParallelShard, check_
 from engine.model.loader import LoadedModel
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata
-from engine.scheduler import Batch, SampledToken
+from engine.step_types import Batch, SampledToken
 from engine.speculative import accepted_length
 
 log = logging.getLogger(__name__)

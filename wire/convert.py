@@ -8,7 +8,7 @@ from typing import Any
 from engine.kv_connector import KVSendResult, ProducerReport
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
-from engine.scheduler import SampledToken
+from engine.step_types import SampledToken
 from kvtransfer.status import dtype_description, windows_description
 from wire.schema import messages, sampling_to_wire
 

@@ -59,7 +59,7 @@ _COUNTS = tuple(f.name for f in fields(WorkerStats) if f.name not in ("role", "k
 def worker_stats_to_wire(role: str, stats: Any, prefill_tokens_queued: int, block_size: int,
                          kv_bytes_sent: int = 0, kv_bytes_received: int = 0, rss_bytes: int = 0,
                          weight_bytes: int = 0) -> Any:
-    """`stats` is engine.scheduler.SchedulerStats; requests waiting for their KV count as waiting."""
+    """`stats` is engine.step_types.SchedulerStats; requests waiting for their KV count as waiting."""
     return messages().WorkerStats(
         role=role, running=stats.running, waiting=stats.waiting + stats.waiting_for_kv,
         kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.scheduler import Batch, SampledToken, Scheduler, StepOutput
+from engine.scheduler import Scheduler
+from engine.step_types import Batch, SampledToken, StepOutput
 from engine.speculative import accepted_length
 
 VOCAB_SIZE = 1000

@@ -15,7 +15,7 @@ from engine.llm import build_engine_config
 from engine.model.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
+from engine.step_types import SampledToken
 
 BLOCK = 4
 NUM_BLOCKS = 256

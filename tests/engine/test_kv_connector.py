@@ -23,7 +23,7 @@ from engine.engine import LLMEngine
 from engine.kv_connector import ProducerReport, answers_prefill
 from engine.kv_hooks import KVDestination
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
+from engine.step_types import SampledToken
 from tests.engine.kv_pair import BLOCK, PARAMS, Pair, make_engine, prompt
 
 TRANSPORTS = kvtransfer.available_transports()  # nccl: gloo on CPU caches

@@ -8,7 +8,8 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_hooks import KVCacheFullError
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler
+from engine.scheduler import Scheduler
+from engine.step_types import SampledToken
 from tests.engine.fake_runner import FakeConnector, FakeModelRunner, reference_generate, run_until_done, step
 
 BS = 4

@@ -302,7 +302,7 @@ def test_a_resumed_constrained_request_continues_exactly(llm):
 def test_a_first_token_the_grammar_refuses_ends_the_request_with_an_error():
     """Decode role: the prefill worker's first token is accepted into the grammar like any other;
     one that does not match (a prefill worker that ignored the constraint) fails the request."""
-    from engine.scheduler import SampledToken
+    from engine.step_types import SampledToken
 
     engine = LLM("default", role="decode", num_blocks=64).engine
     params = SamplingParams(max_tokens=8, temperature=0.0, structured_output=StructuredOutput.choice(["yes", "no"]))

@@ -3,7 +3,7 @@
 import pickle
 from dataclasses import fields
 
-from engine.scheduler import SchedulerStats
+from engine.step_types import SchedulerStats
 from wire.schema import messages
 from wire.stats import WorkerStats, worker_stats_from_wire, worker_stats_to_wire
 
