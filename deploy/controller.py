@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deploy.config import KV_ROLES, ROLES, ControllerConfig, PoolTargets, pool_name
+from deploy.durable import GcsStateStore, StateStore
 from deploy.planner import Planner
 from engine.process import configure_logging
 from wire.stats import WorkerStats
@@ -86,16 +87,6 @@ class Launcher(Protocol):
     def capacity_shortfall(self, targets: PoolTargets) -> str | None:
         """Why pools of these sizes cannot all be placed (workers that do not fit would wait for
         resources, on a fixed cluster forever), or None."""
-
-
-class StateStore(Protocol):
-    """Where the controller keeps what it must not lose with its process."""
-
-    def load(self) -> dict[str, Any] | None: ...
-
-    def save(self, state: dict[str, Any]) -> None: ...
-
-    def clear(self) -> None: ...
 
 
 _SAVED_FIELDS = ("worker_id", "role", "state", "grpc_address", "transport_address", "pid", "node_id", "node_ip",
@@ -245,8 +236,7 @@ class PoolController:
                 member = Member(saved["worker_id"], saved["role"], handle, state=saved["state"],
                                 grpc_address=saved["grpc_address"], transport_address=saved["transport_address"],
                                 pid=saved["pid"], node_id=saved.get("node_id", ""), node_ip=saved.get("node_ip", ""),
-                                kv_settings=saved["kv_settings"],
-                                healthy=True, launched_at=now, ready_at=now,
+                                kv_settings=saved["kv_settings"], healthy=True, launched_at=now, ready_at=now,
                                 drain_started=now if saved["state"] == DRAINING else None)
                 self._members[member.worker_id] = member
                 self._spawn(self._watch(member))
@@ -632,7 +622,6 @@ class ControllerActor:
     def __init__(self, config: ControllerConfig) -> None:
         configure_logging(logging.INFO)
         from deploy.actors import RayWorkerLauncher
-        from deploy.durable import GcsStateStore
         self.config = config
         self.controller = PoolController(config, RayWorkerLauncher(config.worker, config.name, config.namespace),
                                          store=GcsStateStore(config.name, config.namespace))

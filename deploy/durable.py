@@ -1,5 +1,6 @@
-"""The controller's durable record: one JSON document in Ray's GCS key-value store, so that a
-restarted controller finds its targets and membership (deploy/controller.py, `recover()`).
+"""The controller's durable record: what it needs of one (`StateStore`) and the one it keeps in
+production (`GcsStateStore`: one JSON document in Ray's GCS key-value store), so that a restarted
+controller finds its targets and membership (deploy/controller.py, `recover()`).
 
 The key is the controller's name, in the KV namespace `pdserve:<Ray namespace>`; it lives as long
 as the Ray cluster. `pdserve serve` clears it before it creates a controller and after it stops
@@ -8,7 +9,17 @@ one, so a record never outlives its cluster's `pdserve serve`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
+
+
+class StateStore(Protocol):
+    """Where the controller keeps what it must not lose with its process."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, state: dict[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 class GcsStateStore:

@@ -19,7 +19,7 @@ import torch
 from engine.attention.backend import check_shapes, host_lengths
 from engine.attention.latent import latent_attention
 from engine.attention.metadata import AttentionMetadata, put_rows, sub_batch, take_rows
-from engine.attention import triton_kernels, triton_latent
+from engine.attention import triton_kernels, triton_latent, triton_store
 from engine.attention.variant import AttentionVariant, is_plain
 from engine.kv_quant import KVQuantFormat
 
@@ -160,10 +160,10 @@ class TritonAttentionBackend:
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         if self.kv_format is None:
-            return triton_kernels.store_kv_triton(key, value, kv_cache, slot_mapping)
+            return triton_store.store_kv_triton(key, value, kv_cache, slot_mapping)
         if self._sorted_for is not slot_mapping:
-            self._sorted_for, self._sorted_slots = slot_mapping, triton_kernels.sort_slots(slot_mapping)
-        triton_kernels.store_kv_8bit_triton(key, value, kv_cache, slot_mapping, self.kv_format, self._sorted_slots)
+            self._sorted_for, self._sorted_slots = slot_mapping, triton_store.sort_slots(slot_mapping)
+        triton_store.store_kv_8bit_triton(key, value, kv_cache, slot_mapping, self.kv_format, self._sorted_slots)
 
     def _decode_splits(self, query: torch.Tensor, num_decodes: int, num_kv_heads: int,
                        max_seq_len: int) -> int:

@@ -452,7 +452,7 @@ def test_triton_head_dim_128_default_tiles_padding_and_strided_inputs():
 
 def test_triton_store_kv_matches_torch_and_skips_negative_slots():
     get_attention_backend("triton")
-    from engine.attention.triton_kernels import store_kv_triton
+    from engine.attention.triton_store import store_kv_triton
     generator = torch.Generator().manual_seed(2)
     cache = torch.randn(5, 2, 16, 3, 64, generator=generator).half()
     key = torch.randn(6, 3, 64, generator=generator).half()

@@ -24,7 +24,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention import get_attention_backend  # noqa: E402
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
-from engine.attention.triton_kernels import _quantize, _stored_to_f32, _unscaled_8bit  # noqa: E402
+from engine.attention.triton_kernels import _unscaled_8bit  # noqa: E402
+from engine.attention.triton_store import _quantize, _stored_to_f32  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.kv_quant import KVQuantFormat  # noqa: E402
 from tests.engine.test_attention import on_device_tensor  # noqa: E402

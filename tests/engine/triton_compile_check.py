@@ -109,6 +109,7 @@ def engine_launches():
     (bf16), all together over each float dtype and both 8-bit formats; the fused-MoE grouped
     GEMM's launches (`moe_launches`) and the latent-attention decode's (`latent_launches`)."""
     from engine.attention import triton_kernels as tk
+    from engine.attention import triton_store as ts
     from engine.attention.variant import AttentionVariant
     from engine.kv_quant import KVQuantFormat
     from engine.model import triton_ops
@@ -136,11 +137,11 @@ def engine_launches():
             query = torch.zeros(4, heads, dim, dtype=dtype)
             key = torch.zeros(4, kv_heads, dim, dtype=dtype)
             caches = [(torch.zeros(blocks, 2, block, kv_heads, dim, dtype=dtype), None)]
-            tk.store_kv_triton(key, key, caches[0][0], slots)
+            ts.store_kv_triton(key, key, caches[0][0], slots)
             for name in ("int8", "fp8_e4m3"):
                 fmt = KVQuantFormat(name, block, kv_heads, dim)
                 layer = torch.zeros(blocks, fmt.block_bytes, dtype=torch.uint8)
-                tk.store_kv_8bit_triton(key, key, layer, slots, fmt, tk.sort_slots(slots))
+                ts.store_kv_8bit_triton(key, key, layer, slots, fmt, ts.sort_slots(slots))
                 caches.append((layer, fmt))
             for cache, fmt in caches:
                 attend(query, cache, fmt, None)

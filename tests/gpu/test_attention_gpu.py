@@ -104,7 +104,7 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(dtype):
 
 def test_store_kv_matches_torch_at_size():
     from engine.attention import store_kv
-    from engine.attention.triton_kernels import store_kv_triton
+    from engine.attention.triton_store import store_kv_triton
     generator = torch.Generator(device="cuda").manual_seed(6)
     cache = torch.randn(4096, 2, 16, 8, 128, generator=generator, device="cuda").to(torch.bfloat16)
     key = torch.randn(2048, 8, 128, generator=generator, device="cuda").to(torch.bfloat16)
