@@ -51,11 +51,9 @@ Conventions and choices beyond the shared contract:
   is never preempted) and finishes after its first token with finish_reason "prefill_done". If
   the KV connector says its blocks wait for a send (`request_finished`), it becomes SENDING_KV
   instead (blocks pinned, the first token's output not final) until `finish_sending`.
-- decode role: `finish_import` returns the StepOutput of the first token; if `max_num_seqs` is
-  reached or an import deferred earlier still waits, the request waits (status WAITING, blocks
-  kept) and is admitted in queue order. `add_imported_request` raises `KVCacheFullError` (nothing changed) when blocks
-  are short, or while a waiting request ahead of it (priority, then arrival) could not get its
-  blocks at the last admission: imports do not take the blocks it waits for.
+- the roles' send and import transitions (`finish_sending`; `add_imported_request`,
+  `finish_import`, `fail_import`) are `KVRoleTransitions` (engine/kv_role_transitions.py, its
+  contract there), mixed in: the same `RequestStatus` states and queues as the core here.
 - `get_request(id)` also finds requests finished since the last `schedule()` call.
 - a request that ends early (abort, error) in any state first has the connector's
   `request_ended` stop its transfer, then its blocks are freed.
@@ -68,14 +66,15 @@ import itertools
 
 from engine.block_manager import BlockManager
 from engine.config import ROLES, CacheConfig, SchedulerConfig, SpeculativeConfig
-from engine.kv_hooks import ImportPlan, KVCacheFullError, SchedulerConnector
+from engine.kv_hooks import SchedulerConnector
+from engine.kv_role_transitions import KVRoleTransitions
 from engine.request import Request, RequestStatus
 from engine.speculative import Proposer, build_proposer
 from engine.step_cost import StepCostModel
 from engine.step_types import Batch, SampledToken, ScheduledSeq, SchedulerStats, StepOutput
 from engine.step_times import StepTimeHistogram
 
-class Scheduler:
+class Scheduler(KVRoleTransitions):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, role: str = "both", kv_connector: SchedulerConnector | None = None,
                  num_swap_slots: int = 0, num_host_slots: int = 0,
@@ -623,115 +622,7 @@ class Scheduler:
         reason, error = self._finish(request, reason, message)
         return StepOutput(request_id, [], [], True, reason, request.num_cached_tokens, error)
 
-    # ---- prefill role: the send ------------------------------------------------------------
-
-    def finish_sending(self, request_id: str, error: str | None) -> StepOutput | None:
-        """The connector's send of a request ended (`error` None: every block arrived). A
-        SENDING_KV request finishes ("prefill_done", or "error") and its blocks are unpinned; a
-        send that failed before the prompt was done ends its request with the error. None if
-        the request is unknown or finished."""
-        request = self._sending.get(request_id)
-        if request is None:
-            return self._end(request_id, "error", error) if error is not None else None
-        reason, error = self._finish(request, "prefill_done" if error is None else "error", error)
-        return StepOutput(request_id, [], [], True, reason, request.num_cached_tokens, error)
-
-    # ---- decode role: import ---------------------------------------------------------------
-
-    def add_imported_request(self, request: Request) -> ImportPlan:
-        """Allocate blocks for the whole prompt after this worker's own prefix-cache match.
-
-        The request waits (WAITING_FOR_KV) until `finish_import` or `fail_import`; its blocks are
-        its own meanwhile. Raises ValueError for an invalid request and KVCacheFullError if the
-        blocks are not free now (in both cases nothing changed).
-        """
-        if self.role == "prefill":
-            raise ValueError("a prefill-role scheduler does not import KV")
-        self._validate(request)
-        if request.needs_prompt_logprobs:
-            raise ValueError("prompt_logprobs are computed where the prompt is prefilled: send this request "
-                             "without a prefill worker")
-        ahead = self._short_of_blocks
-        if ahead is not None and ahead.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) \
-                and not ahead.block_ids and ahead.priority <= request.priority:
-            raise KVCacheFullError(f"request {ahead.request_id} waits for free KV blocks ahead of "
-                                   f"{request.request_id}")
-        prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
-        host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
-        # The imported KV covers every token so far: the prompt, and a resumed request's outputs.
-        if not self.block_manager.allocate_slots(request, request.num_tokens, prefix_blocks, host_hits):
-            needed = self.block_manager.blocks_needed(request.num_tokens) - len(prefix_blocks)
-            raise KVCacheFullError(f"request {request.request_id} needs {needed} free KV blocks, "
-                                   f"{self.block_manager.num_free_blocks} are free")
-        self._register(request)
-        num_hit += host_hits * self.block_manager.block_size
-        request.num_computed_tokens = num_hit
-        request.num_cached_tokens = num_hit
-        self._prefix_queries += request.num_tokens
-        self._prefix_hits += num_hit
-        request.status = RequestStatus.WAITING_FOR_KV
-        self._importing[request.request_id] = request
-        first = num_hit // self.block_manager.block_size
-        return ImportPlan(request.request_id, list(request.block_ids), num_hit,
-                          [(index, request.block_ids[index]) for index in range(first, len(request.block_ids))])
-
-    def _importing_request(self, request_id: str) -> Request:
-        request = self._importing.get(request_id)
-        if request is None:
-            raise ValueError(f"request {request_id!r} is not waiting for KV")
-        return request
-
-    def finish_import(self, request_id: str, first_token: SampledToken, complete_blocks: int | None = None) -> StepOutput:
-        """The transfer wrote every block to fill: the prompt counts as computed, its full blocks
-        join the prefix cache (those before `complete_blocks` only, when the blocks from there on
-        lack some sliding-window layer's KV), and the first token (sampled by the prefill worker)
-        is appended. Returns that token's output (finished if the token already ends the request)."""
-        request = self._importing_request(request_id)
-        self._imported_tokens += request.num_tokens - request.num_computed_tokens
-        request.num_computed_tokens = request.num_tokens
-        request.max_cached_blocks = complete_blocks
-        self.block_manager.cache_computed_blocks(request)
-        request.append_output(first_token.token_id, first_token)
-        reason, error = self._after_token(request, first_token.token_id)
-        if reason is not None:
-            reason, error = self._finish(request, reason, error)
-        else:
-            del self._importing[request_id]
-            # Straight to running (its next token is a decode, scheduled before any prefill chunk)
-            # unless the seq cap is reached or an import deferred earlier still waits: then it is
-            # admitted in queue order after that one.
-            if len(self.running) < self.config.max_num_seqs and not any(r.block_ids for r in self.waiting):
-                self._enqueue_running(request)
-            else:
-                request.status = RequestStatus.WAITING
-                self._enqueue_waiting(request)
-        return self._output(request, [first_token], reason, error)
-
-    def fail_import(self, request_id: str, fallback_to_local_prefill: bool, message: str = "KV transfer failed",
-                    first_token: SampledToken | None = None) -> StepOutput | None:
-        """The transfer failed or timed out. Either prefill locally from the cached prefix (the
-        request keeps its blocks and waits; returns None) or end it with an error.
-
-        `first_token`: the prefill worker's, already streamed to the caller (only its KV failed).
-        A fallback keeps it: it is appended (its output is returned, finished if it ends the
-        request) and the local prefill covers the prompt and it, then samples the second token."""
-        request = self._importing_request(request_id)
-        if not fallback_to_local_prefill:
-            return self._end(request_id, "error", message)
-        request.num_computed_tokens = request.num_cached_tokens
-        reason, error = None, None
-        if first_token is not None:
-            request.append_output(first_token.token_id, first_token)
-            reason, error = self._after_token(request, first_token.token_id)
-        if reason is not None:
-            reason, error = self._finish(request, reason, error)
-        else:
-            del self._importing[request_id]
-            request.status = RequestStatus.WAITING
-            self._enqueue_waiting(request)
-        if first_token is None:
-            return None
-        return self._output(request, [first_token], reason, error)
+    # ---- prefill role: the send; decode role: import: KVRoleTransitions (kv_role_transitions.py)
 
     # ---- counters --------------------------------------------------------------------------
 
