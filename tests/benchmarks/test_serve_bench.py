@@ -10,7 +10,6 @@ import json
 import math
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from benchmarks.serve import (SLO, BenchConfig, RequestResult, RunOutcome, arriv
                               format_report, percentile, run_benchmark, send_request, summarize)
 from benchmarks.workloads import (COMMON_WORDS, Conversation, Turn, Workload, WorkloadConfig, build_workload,
                                   estimated_prompt_tokens, max_prompt_words)
+from tests.helpers import free_port
 from tests.router.processes import Process, grpc_address, start_router
 
 REPO = Path(__file__).resolve().parents[2]
@@ -587,9 +587,7 @@ def test_pdserve_bench_command_prints_the_table_and_writes_json(live_pdserve, tm
 
 @pytest.mark.slow
 def test_bench_command_reports_an_unreachable_server():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = subprocess.run([sys.executable, "benchmarks/serve.py", "--base-url", f"http://127.0.0.1:{port}",
                            "--num-requests", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -3,7 +3,6 @@ finding every process of one cluster (to check that none is left after a stop)."
 import contextlib
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -15,12 +14,13 @@ from pathlib import Path
 import torch
 
 from engine.sampling_params import SamplingParams
+from tests.helpers import PythonProcess, child_env, stop_process, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 900
 
 
-class Serve:
+class Serve(PythonProcess):
     """`python -m deploy.cli serve ...` with its output read by a thread. `ray_temp_dir`: the
     local Ray instance's (None when `args` join a cluster with --ray-address); `env`: more
     environment for it and the `pdserve` commands."""
@@ -28,49 +28,25 @@ class Serve:
     def __init__(self, state_file: Path, ray_temp_dir: str | None, *args: str, env: dict | None = None) -> None:
         self.state_file = state_file
         self.ray_temp_dir = ray_temp_dir
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "PYTHONUNBUFFERED": "1", "PDSERVE_STATE_FILE": str(state_file), **(env or {})}
+        self.env = child_env(PDSERVE_STATE_FILE=str(state_file), **(env or {}))
         temp_dir = [] if ray_temp_dir is None else ["--ray-temp-dir", ray_temp_dir]
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--port", "0", "--omp-num-threads", "1",
-             *temp_dir, "--log-level", "info", *args],
-            cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        super().__init__(["-m", "deploy.cli", "serve", "--port", "0", "--omp-num-threads", "1",
+                          *temp_dir, "--log-level", "info", *args], env=self.env)
         self.url: str | None = None  # set by the caller from the ready line
-        self.log: list[str] = []
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.log.append(line)
-            self.lines.put(line)
 
     def wait_for(self, text: str, timeout: float = STARTUP_TIMEOUT_S) -> str:
         """The first output line containing `text`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1.0)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-                continue
-            if text in line:
-                return line
-        raise AssertionError(f"pdserve serve did not print {text!r}:\n" + self.tail())
+        line = self.next_line(lambda line: text in line, timeout, poll_s=1.0)
+        if line is None:
+            raise AssertionError(f"pdserve serve did not print {text!r}:\n" + self.tail())
+        return line
 
     def wait_ready(self) -> str:
         """The router URL from the ready line `pdserve ready: URL/v1 ...`."""
         return self.wait_for("pdserve ready: ").split()[2].removesuffix("/v1")
 
     def stop(self, sig: int = signal.SIGINT) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(180)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen, 180, sig)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=REPO, env=self.env,
@@ -89,7 +65,7 @@ class Serve:
         return httpx.get(self.url + "/admin/status", timeout=120).raise_for_status().json()
 
     def tail(self, lines: int = 60) -> str:
-        return "".join(self.log[-lines:])
+        return super().tail(lines)
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -155,17 +131,6 @@ def processes_inheriting(name: str, value: str) -> list[str]:
             if needle in environ:
                 found.append(f"{entry}: {cmdline[:200].decode(errors='replace')}")
     return found
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def stop_and_check_nothing_is_left(serve: Serve) -> None:

@@ -29,7 +29,8 @@ import openai
 import pytest
 
 from tests.deploy.harness import (Stream, cluster_fixtures, offline_text, offline_texts, processes_inheriting,
-                                  ready_workers, stop_and_check_nothing_is_left, wait_until)
+                                  ready_workers, stop_and_check_nothing_is_left)
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def wait_for_replacement(serve, victim: dict, decode_workers: int) -> dict:
         if status["settled"] and len(decode) == decode_workers and victim["pid"] not in {w["pid"] for w in decode}:
             return status
         return None
-    return wait_until(replaced, 600, "a replacement decode worker")
+    return wait_until(replaced, 600, "a replacement decode worker", interval=1.0)
 
 
 def test_greedy_completions_match_the_offline_engine(serve, client, offline):
@@ -161,7 +162,7 @@ def test_scale_down_under_16_live_streams_hands_them_over_in_seconds(serve, clie
     decode = ready_workers(serve.status(), "decode")
     assert len(decode) == 2
     wait_until(lambda: sum(w["role"] == "decode" and w["healthy"] for w in router_workers(serve)) == 2,
-               60, "the router to route to both decode workers")
+               60, "the router to route to both decode workers", interval=1.0)
     prompts = [f"{STORY} {word}" for word in ("a baker", "a smith", "a weaver", "a miller", "a potter", "a tailor",
                                               "a farmer", "a fisher", "a hunter", "a healer", "a scribe", "a cooper",
                                               "a mason", "a carter", "a brewer", "a tanner")][:DRAIN_STREAMS]
@@ -200,7 +201,7 @@ def test_decode_pool_scales_up_and_down_while_a_stream_runs(serve, client, offli
     assert not stream.done.is_set(), "the stream ended before the pool grew; make LONG_STREAM_TOKENS larger"
     # The new worker joins the router's pool (membership comes from the controller only).
     wait_until(lambda: any(w["address"] == second["address"] and w["healthy"] for w in router_workers(serve)),
-               60, "the router to route to the new decode worker")
+               60, "the router to route to the new decode worker", interval=1.0)
 
     assert not stream.done.is_set(), "the stream ended before the drain began; make LONG_STREAM_TOKENS larger"
     serve.cli("scale", "--decode", "1", "--drain", first["address"])  # waits for the drain
@@ -214,7 +215,7 @@ def test_decode_pool_scales_up_and_down_while_a_stream_runs(serve, client, offli
     assert any(f"{first['worker_id']} at {first['address']} handed 1 stream(s) over" in e for e in events), events
     assert any(f"{first['worker_id']} at {first['address']} stopping: drained" in e for e in events), events
     wait_until(lambda: first["address"] not in {w["address"] for w in router_workers(serve)}, 60,
-               "the router to drop the drained worker")
+               "the router to drop the drained worker", interval=1.0)
     out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)
     assert out.choices[0].text == offline_text(offline, PLAIN, 24)
 
@@ -232,7 +233,7 @@ def test_a_killed_worker_ends_its_stream_with_an_error_and_is_replaced(serve, cl
     assert any(f"{victim['worker_id']} at {victim['address']} died" in e["message"] for e in status["events"])
     table = serve.cli("status").stdout
     assert replacement["worker_id"] in table and victim["worker_id"] not in table.split("targets:")[0]
-    wait_until(lambda: httpx.get(serve.url + "/health", timeout=30).status_code == 200, 120, "/health")
+    wait_until(lambda: httpx.get(serve.url + "/health", timeout=30).status_code == 200, 120, "/health", interval=1.0)
     out = client.completions.create(model="default", prompt=PLAIN, max_tokens=24, temperature=0)
     assert out.choices[0].text == offline_text(offline, PLAIN, 24)
 
@@ -268,7 +269,7 @@ def test_a_killed_router_is_restarted_and_the_cluster_keeps_serving(serve, clien
     assert failed, "no stream ran on the killed router"
 
     restarted = wait_until(lambda: [pid for pid in router_pids(serve) if pid not in pids], 120,
-                           "a new router process")
+                           "a new router process", interval=1.0)
     [new_pid] = restarted
     wait_until(lambda: new_pid in live_routers(serve), 60, "the restarted router to sync", interval=0.5)
     assert "router 0 is back" in serve.tail(200) or "router 1 is back" in serve.tail(200)
@@ -285,7 +286,7 @@ def test_a_killed_router_is_restarted_and_the_cluster_keeps_serving(serve, clien
         workers = serve.status()["workers"]
         return all(w["kv_blocks_free"] == w["kv_blocks_total"] and not w["running"] for w in workers)
     # a prompt whose router died between prefill and decode holds its blocks until the send lease ends
-    wait_until(blocks_released, 120, "every KV block to be free on every worker")
+    wait_until(blocks_released, 120, "every KV block to be free on every worker", interval=1.0)
 
 
 def test_sigint_stops_every_process_of_the_cluster(serve):

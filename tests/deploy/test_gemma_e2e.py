@@ -24,7 +24,8 @@ import pytest
 
 from benchmarks.cluster_check import parse_metrics
 from engine.model.packaged_models import GEMMA3_270M_INSTALL, GEMMA3_270M_NAME, GEMMA3_270M_PACKAGE
-from tests.deploy.harness import Serve, ready_workers, stop_and_check_nothing_is_left, wait_until
+from tests.deploy.harness import Serve, ready_workers, stop_and_check_nothing_is_left
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ import json
 import httpx
 import pytest
 
-from tests.deploy.harness import Stream, cluster_fixtures, offline_texts, wait_until
+from tests.deploy.harness import Stream, cluster_fixtures, offline_texts
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +33,15 @@ def test_the_planner_scales_decode_up_under_load_and_down_when_idle(serve, clien
     prompts = [f"{STORY} (story {i})" for i in range(12)]
     streams = [Stream(client, prompt, STREAM_TOKENS) for prompt in prompts]
     wait_until(lambda: targets(serve)["decode"] == 2, timeout=300,
-               what="the planner to add a decode worker")
-    wait_until(lambda: all(s.done.is_set() for s in streams), timeout=900, what="the streams to finish")
+               what="the planner to add a decode worker", interval=1.0)
+    wait_until(lambda: all(s.done.is_set() for s in streams), timeout=900, what="the streams to finish",
+               interval=1.0)
     # requests keep succeeding while the pool changes back
     answers = []
     wait_until(lambda: answers.append(client.completions.create(model="default", prompt=STORY, max_tokens=4,
                                                                 temperature=0)) or
                targets(serve)["decode"] == 1, timeout=300,
-               what="the planner to remove the decode worker again")
+               what="the planner to remove the decode worker again", interval=1.0)
     assert all(s.error is None for s in streams), [repr(s.error) for s in streams if s.error]
     # the streams ask for ignore_eos
     assert [s.text for s in streams] == offline_texts(offline, prompts, STREAM_TOKENS, ignore_eos=True)
@@ -53,5 +55,5 @@ def test_the_planner_scales_decode_up_under_load_and_down_when_idle(serve, clien
         lines = httpx.get(serve.url + "/metrics", timeout=30).text.splitlines()
         return {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line.startswith("pdserve:planner_")}
     metrics = wait_until(lambda: (m := planner_metrics()).get('pdserve:planner_decisions_total{outcome="change"}', 0)
-                         >= 2 and m, timeout=30, what="the planner's decisions on /metrics")
+                         >= 2 and m, timeout=30, what="the planner's decisions on /metrics", interval=1.0)
     assert metrics['pdserve:planner_target_workers{role="decode"}'] == 1

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.harness import Serve, descendants, processes_inheriting, processes_mentioning, start_time, wait_until
+from tests.deploy.harness import Serve, descendants, processes_inheriting, processes_mentioning, start_time
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from benchmarks.cluster_check import parse_metrics
-from tests.deploy.harness import assert_chats_match_offline, cluster_fixtures, ready_workers, wait_until
+from tests.deploy.harness import assert_chats_match_offline, cluster_fixtures, ready_workers
 from tests.deploy.test_tensor_parallel_serve import followers_of
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,9 @@ import openai
 import pytest
 
 from benchmarks.cluster_check import parse_metrics
-from tests.deploy.harness import Serve, ready_workers, wait_until
+from tests.deploy.harness import Serve, ready_workers
 from tests.engine.tiny_models import save_tiny_model, tiny_config
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

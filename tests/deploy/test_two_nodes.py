@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.harness import Serve, assert_chats_match_offline, ready_workers, running, wait_until
+from tests.deploy.harness import Serve, assert_chats_match_offline, ready_workers, running
 from tests.deploy.ray_nodes import RayNodes, _pids
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

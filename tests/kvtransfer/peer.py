@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 
@@ -169,16 +168,6 @@ class PeerProcess:
         self.kill()
         self._connection.close()
         self.process.close()
-
-
-def wait_until(predicate, timeout: float = CALL_TIMEOUT_S, interval: float = 0.02) -> bool:
-    """Poll `predicate` until true; False if it never was within the (hang-guard) timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 def open_fd_count() -> int:

@@ -12,11 +12,12 @@ import pytest
 
 from kvtransfer import (TRANSPORT_NAMES, KVLayout, LayoutMismatchError, TransferConfig, TransferState,
                         create_receiver, create_sender)
+from ..helpers import eventually
 from ..transports import transport_params
 
 from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
                    kvtransfer_thread_stacks, kvtransfer_threads, open_fd_count, same_bytes,
-                   sentinel_caches, source_caches, wait_until)
+                   sentinel_caches, source_caches)
 
 # "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them);
 # "shm-mapped" has the sender's caches in shared memory, which the receiver maps and copies from.
@@ -277,12 +278,12 @@ def test_layerwise_block_steps_with_skips(windowed_receiver, windowed_sender_pee
     for end in (3, 6, 9):
         assert any(skip >= end for skip in skips)  # some layers have nothing in this step
         windowed_sender_peer.call("send_layers", "steps", range(SPEC.num_layers), num_blocks=end)
-        assert wait_until(lambda: receiver.poll("steps").bytes_transferred == moved_bytes(12, skips, end))
+        assert eventually(lambda: receiver.poll("steps").bytes_transferred == moved_bytes(12, skips, end))
         assert_moved_unless_skipped(receiver, source, src_ids, dst_ids, skips, end)
         assert receiver.layers_ready("steps") == 0
     windowed_sender_peer.call("send_layers", "steps", range(0, 15))  # the last step, in two layer groups
     assert receiver.wait_layer("steps", 14, GUARD_S)
-    assert wait_until(lambda: receiver.layers_ready("steps") == 15)
+    assert eventually(lambda: receiver.layers_ready("steps") == 15)
     assert not receiver.wait_layer("steps", 15, 0.0)
     windowed_sender_peer.call("send_layers", "steps", range(15, SPEC.num_layers))
     received = receiver.wait("steps", GUARD_S)
@@ -504,9 +505,9 @@ def _baseline(transport):
 
 def _assert_nothing_leaked(baseline) -> None:
     threads, fds = baseline
-    assert wait_until(lambda: kvtransfer_threads() == threads), \
+    assert eventually(lambda: kvtransfer_threads() == threads), \
         f"{kvtransfer_threads()} after, {threads} before:\n{kvtransfer_thread_stacks()}"
-    assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
+    assert eventually(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
 
 
 def test_killed_sender_fails_the_transfer_and_nothing_leaks(transport, options, sender_options):
@@ -589,7 +590,7 @@ def test_killed_receiver_fails_the_sender_and_nothing_leaks(transport, options):
         peer.call("expect", "orphan", [5, 6, 7])
         sender.start("orphan", peer.address, [1, 2, 3], [5, 6, 7])
         sender.send_layers("orphan", [0, 1])
-        assert wait_until(lambda: sender.poll("orphan").layers_done == 2)
+        assert eventually(lambda: sender.poll("orphan").layers_done == 2)
         peer.kill()
         sender.send_layers("orphan", range(2, SPEC.num_layers))
         status = sender.wait("orphan", GUARD_S)

@@ -22,6 +22,7 @@ from kvtransfer.addresses import parse_address
 from kvtransfer.layout import check_layouts
 from kvtransfer.transports._stream import AsyncSocket, SocketPayloadChannel
 
+from ..helpers import eventually, free_port
 from ..memory_maps import THP_ON, mapping_at
 from ..transports import transport_params
 from .peer import SENTINEL, CacheSpec, is_sentinel, same_bytes, sentinel_caches, source_caches
@@ -446,9 +447,7 @@ def test_windows_that_differ_refuse_the_handshake(tcp_pair):
 
 
 def test_unreachable_receiver_fails_fast_with_a_reason():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead_port = probe.getsockname()[1]
+    dead_port = free_port()
     address = f"tcp://127.0.0.1:{dead_port}"
     with create_sender("tcp", source_caches(SMALL, 0), TransferConfig(timeout_s=1.0)) as sender:
         with pytest.raises(TransferError, match="cannot connect to receiver"):
@@ -575,7 +574,7 @@ def test_a_small_transfer_is_not_stuck_behind_a_large_one():
 def test_ucx_runtime_is_released_with_its_last_user():
     """ucxx is process-wide: its loop thread and UCX's own threads and descriptors go away
     when the last ucx sender or receiver closes."""
-    from .peer import kvtransfer_threads, open_fd_count, wait_until
+    from .peer import kvtransfer_threads, open_fd_count
     threads, fds = kvtransfer_threads(), open_fd_count()
     source = source_caches(SMALL, 6)
     caches = sentinel_caches(SMALL)
@@ -588,7 +587,7 @@ def test_ucx_runtime_is_released_with_its_last_user():
     assert "kvtransfer-ucx" in kvtransfer_threads()  # the receiver still uses it
     receiver.close()
     assert kvtransfer_threads() == threads
-    assert wait_until(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
+    assert eventually(lambda: open_fd_count() <= fds), (open_fd_count(), fds)
     assert same_bytes(caches[1][2], source[1][3])
 
 

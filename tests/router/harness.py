@@ -13,7 +13,6 @@ import concurrent.futures
 import math
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,6 +20,7 @@ import grpc
 
 import wire
 from engine.step_times import STEP_TIME_BUCKETS
+from tests.helpers import wait_until
 
 BLOCK_SIZE = 16
 TINY_CONTEXT = 512
@@ -55,15 +55,6 @@ def free_socket() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0, message: str = "condition") -> None:
-    """Poll `condition` (a hang guard, not a performance assertion)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {message}")
-        time.sleep(0.02)
 
 
 class BackgroundLoop:
@@ -332,7 +323,7 @@ class RouterServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
         self._task = loop.submit(self._serve(sock))
-        wait_until(lambda: self._server.started or self._task.done(), message="the router to start")
+        wait_until(lambda: self._server.started or self._task.done(), timeout=30, what="the router to start")
         if self._task.done():
             self._task.result()
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.engine.tiny_models import save_tiny_model, tiny_config
-from tests.router.harness import wait_until
+from tests.helpers import wait_until
 from tests.router.processes import Process, grpc_address, start_router
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_interactive_requests_are_admitted_and_served_through_a_batch_flood(serv
     pool = concurrent.futures.ThreadPoolExecutor(1)
     flood = pool.submit(asyncio.run, _flood(server, stop))
     wait_until(lambda: httpx.get(server + "/status").json()["inflight_requests"] >= int(MAX_INFLIGHT * BATCH_SHARE),
-               timeout=120, message="the flood to fill the batch share")
+               timeout=120, what="the flood to fill the batch share")
     loaded = [_one_token(server, i) for i in range(INTERACTIVE)]
     stop.set()
     responses = flood.result(timeout=600)
@@ -110,7 +110,7 @@ def test_interactive_requests_are_admitted_and_served_through_a_batch_flood(serv
     assert all("priority > 0" in json.loads(body)["error"]["message"] for _, body in shed)
     # The dropped streams are aborted and give their slots back.
     wait_until(lambda: httpx.get(server + "/status").json()["inflight_requests"] == 0, timeout=60,
-               message="the dropped flood streams to be aborted")
+               what="the dropped flood streams to be aborted")
     ratio = statistics.median(loaded) / statistics.median(idle)
     print(f"interactive one-token latency: idle median {statistics.median(idle) * 1e3:.0f} ms, under the flood "
           f"{statistics.median(loaded) * 1e3:.0f} ms ({ratio:.1f}x); flood: {admitted} admitted, {len(shed)} shed")

@@ -6,7 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.router.harness import Hang, reply_script, token_chunks, wait_until
+from tests.helpers import wait_until
+from tests.router.harness import Hang, reply_script, token_chunks
 
 REPLY = "Hello world, hello there!"
 NON_ASCII = "Grüße aus Zürich: 世界 🎉 ok"
@@ -118,7 +119,7 @@ def test_stop_string_truncates_and_aborts_the_worker(client, decode, tokenizer, 
     assert out.choices[0].finish_reason == "stop"
     request_id = decode.requests[-1].request_id
     wait_until(lambda: request_id in decode.finished and request_id in decode.aborts,
-               message="the router to abort the worker's request")
+               timeout=30, what="the router to abort the worker's request")
     assert decode.free_blocks == decode.num_blocks
     stop_ids = tokenizer.encode("Hello world. And", add_special_tokens=False)
     assert out.usage.completion_tokens <= len(stop_ids) + 1

@@ -4,7 +4,8 @@ import socket
 
 import httpx
 
-from tests.router.harness import Hang, reply_script, wait_until
+from tests.helpers import wait_until
+from tests.router.harness import Hang, reply_script
 
 
 def free_blocks_in_status(router, decode):
@@ -16,7 +17,7 @@ def free_blocks_in_status(router, decode):
 def assert_ended(router, decode, request_id, finish_reason):
     """The worker saw the request cancelled, every block is free, nothing is in flight, and the
     router counted it as ended with `finish_reason`."""
-    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
+    wait_until(lambda: request_id in decode.finished, timeout=30, what="the worker to see the cancellation")
     assert request_id in decode.cancelled
     free, total, inflight = free_blocks_in_status(router, decode)
     assert free == total and inflight == 0
@@ -41,7 +42,7 @@ def test_streaming_client_disconnect_frees_blocks(router, decode, tokenizer):
         free, total, inflight = free_blocks_in_status(router, decode)
         assert free < total and inflight == 1  # the request holds blocks while it streams
     # leaving the `with` closes the connection mid-stream
-    wait_until(lambda: request_id in decode.finished, message="the worker to see the cancellation")
+    wait_until(lambda: request_id in decode.finished, timeout=30, what="the worker to see the cancellation")
     assert request_id in decode.cancelled
     assert free_blocks_in_status(router, decode) == (total, total, 0)
     decode_info = router.state.pool.get(decode.address)
@@ -57,7 +58,7 @@ def test_non_streaming_client_disconnect_frees_blocks(router, decode, tokenizer)
     except httpx.ReadTimeout:
         pass
     wait_until(lambda: decode.requests and decode.requests[-1].request_id in decode.finished,
-               message="the worker to see the cancellation")
+               timeout=30, what="the worker to see the cancellation")
     assert decode.requests[-1].request_id in decode.cancelled
     free, total, inflight = free_blocks_in_status(router, decode)
     assert free == total and inflight == 0
@@ -69,7 +70,7 @@ def test_disconnect_before_the_first_token_frees_blocks(router, decode):
     with socket.create_connection(("127.0.0.1", router.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        wait_until(lambda: len(decode.active) == 1, message="the request to reach the worker")
+        wait_until(lambda: len(decode.active) == 1, timeout=30, what="the request to reach the worker")
         request_id = decode.requests[-1].request_id
     assert_ended(router, decode, request_id, "abort")
 

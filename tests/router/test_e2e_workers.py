@@ -19,16 +19,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
-from tests.router.harness import wait_until
-from tests.router.processes import REPO, grpc_address, start_router, start_worker, worker_stats
+from tests.helpers import wait_until
+from tests.router.processes import grpc_address, start_router, start_worker, worker_stats
 
 pytestmark = pytest.mark.slow
 
 NUM_BLOCKS = 512
-
-if not (REPO / "decode_worker" / "__main__.py").exists() or not (REPO / "prefill_worker" / "__main__.py").exists():
-    pytest.skip("the workers (python -m prefill_worker / decode_worker) are not in this tree yet",
-                allow_module_level=True)
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 NON_ASCII_CHATS = [[{"role": "user", "content": "Say hello in Japanese."}],  # kana split across tokens
@@ -204,7 +200,7 @@ def test_each_workers_model_steps_reach_metrics_by_kind(client, cluster):
                               extra_body={"ignore_eos": True})
     wait_until(lambda: _step_counts(cluster).get(("decode", "decode"), 0) > before.get(("decode", "decode"), 0)
                and _step_counts(cluster).get(("prefill", "prefill"), 0) > before.get(("prefill", "prefill"), 0),
-               message="the workers' new steps on /metrics")
+               timeout=30, what="the workers' new steps on /metrics")
     assert _step_counts(cluster).get(("prefill", "decode"), 0) == 0
 
 
@@ -220,7 +216,7 @@ def test_client_disconnect_frees_blocks(client, cluster):
             received += next(lines).startswith("data: ")
         during = decode_status(cluster)
         assert during["running"] == 1 and during["kv_blocks_free"] < NUM_BLOCKS
-    wait_until(lambda: decode_status(cluster)["running"] == 0, timeout=60, message="the request to be aborted")
+    wait_until(lambda: decode_status(cluster)["running"] == 0, timeout=60, what="the request to be aborted")
     after = decode_status(cluster)
     assert after["kv_blocks_free"] == after["kv_blocks_total"]
     status = httpx.get(cluster["url"] + "/status").json()
@@ -288,7 +284,7 @@ def test_speculative_decoding_keeps_the_output_and_reports_its_acceptance(client
     out = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0)
     assert out.choices[0].message.content == expected
     assert out.usage.completion_tokens == len(reference.token_ids)
-    wait_until(lambda: _spec_counters(cluster)[0] > drafted, message="the decode worker's drafts on /metrics")
+    wait_until(lambda: _spec_counters(cluster)[0] > drafted, timeout=30, what="the decode worker's drafts on /metrics")
     drafted_after, accepted_after, rate = _spec_counters(cluster)
     assert accepted_after - accepted > (drafted_after - drafted) / 2 and rate > 0
     stream = client.chat.completions.create(model="default", messages=COPY_CHAT, max_tokens=40, temperature=0,
@@ -568,7 +564,7 @@ def test_a_constraint_no_text_satisfies_is_a_400(client, cluster):
     with pytest.raises(openai.BadRequestError, match="json_schema constraint allows no token after"):
         client.chat.completions.create(model="default", messages=CHAT, max_tokens=32, response_format=response_format)
     wait_until(lambda: decode_status(cluster)["kv_blocks_free"] == NUM_BLOCKS, timeout=60,
-               message="the decode worker to free every block")
+               what="the decode worker to free every block")
 
 
 # ---- tool calling (router/tools.py over structured output) --------------------------------------

@@ -9,7 +9,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.errors import APIError
-from tests.router.harness import Fail, Hang, reply_script, wait_until
+from tests.helpers import wait_until
+from tests.router.harness import Fail, Hang, reply_script
 
 import grpc
 
@@ -271,7 +272,7 @@ def test_health_needs_a_prefill_and_a_decode_worker_or_a_colocated_one(make_rout
     colocated = make_router(colocated=[decode.address])
     assert httpx.get(colocated.url + "/health").status_code == 200
     prefills[0].ok = False  # the worker says it is not ok: out of routing at the next poll
-    wait_until(lambda: httpx.get(pair.url + "/health").status_code == 503, message="health to turn 503")
+    wait_until(lambda: httpx.get(pair.url + "/health").status_code == 503, timeout=30, what="health to turn 503")
 
 
 def test_worker_invalid_argument_becomes_a_400(router, decode):
@@ -300,7 +301,7 @@ def test_router_inflight_limit_is_a_429(make_router, decode, loop, tokenizer):
         r = httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"})
         error = error_of(r, 429)
         assert r.headers["retry-after"] == "1" and "max_inflight_requests=1" in error["message"]
-    wait_until(lambda: router.state.dispatcher.inflight == 0, message="the held request to be released")
+    wait_until(lambda: router.state.dispatcher.inflight == 0, timeout=30, what="the held request to be released")
     decode.script = reply_script(tokenizer, "ok")
     assert httpx.post(router.url + COMPLETIONS, json={"model": "tiny", "prompt": "y"}).status_code == 200
 
@@ -352,7 +353,7 @@ def test_priority_over_0_requests_hold_at_most_their_share_and_leave_room_for_th
             assert interactive.status_code == 200  # the rest of the limit is theirs
         metrics = httpx.get(router.url + "/metrics").text
         assert 'pdserve:requests_shed_total{priority_class="batch"} 1.0' in metrics
-    wait_until(lambda: router.state.dispatcher.inflight == 0, message="the held requests to be released")
+    wait_until(lambda: router.state.dispatcher.inflight == 0, timeout=30, what="the held requests to be released")
     assert router.state.dispatcher.inflight_batch == 0
 
 

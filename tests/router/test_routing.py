@@ -11,7 +11,8 @@ from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 from router.kv_index import KVIndex, Match
 from router.policies import Choice, PowerOfTwoDecode, PrefixAffinityPrefill, RoundRobin, prefill_locally
 from router.pool import WorkerInfo, WorkerPool
-from tests.router.harness import reply_script, wait_until
+from tests.helpers import wait_until
+from tests.router.harness import reply_script
 import wire
 from wire.stats import WorkerStats
 
@@ -398,7 +399,7 @@ def test_decode_worker_prefills_locally_when_the_prefill_pool_is_backed_up(make_
     for prefill in prefills:
         prefill.queued_tokens = 0
     wait_until(lambda: all(router.state.pool.get(p.address).stats.prefill_tokens_queued == 0 for p in prefills),
-               message="the prefill workers' queues to drain")
+               timeout=30, what="the prefill workers' queues to drain")
     httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "another prompt", "max_tokens": 2})
     assert decode.requests[-1].prefill_address in {p.address for p in prefills}
 
@@ -416,7 +417,7 @@ def test_colocated_worker_prefills_locally(make_router, decode, prefills, tokeni
 def test_unhealthy_prefill_worker_is_skipped_and_comes_back(router, decode, prefills, tokenizer):
     decode.script = reply_script(tokenizer, "ok")
     prefills[0].ok = False
-    wait_until(lambda: not router.state.pool.get(prefills[0].address).healthy, message="worker 0 unhealthy")
+    wait_until(lambda: not router.state.pool.get(prefills[0].address).healthy, timeout=30, what="worker 0 unhealthy")
     for i in range(4):
         httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i} other", "max_tokens": 2})
     assert {r.prefill_address for r in decode.requests} == {prefills[1].address}
@@ -425,14 +426,15 @@ def test_unhealthy_prefill_worker_is_skipped_and_comes_back(router, decode, pref
     assert by_address[prefills[0].address]["healthy"] is False
     assert "not ok" in by_address[prefills[0].address]["last_error"]
     prefills[0].ok = True
-    wait_until(lambda: router.state.pool.get(prefills[0].address).healthy, message="worker 0 healthy again")
+    wait_until(lambda: router.state.pool.get(prefills[0].address).healthy, timeout=30, what="worker 0 healthy again")
 
 
 def test_worker_added_at_run_time_gets_traffic(make_router, loop, decode, prefills, tokenizer):
     decode.script = reply_script(tokenizer, "ok")
     router = make_router(decode=[decode.address], prefill=[prefills[0].address], prefill_policy="round_robin")
     loop.run(_add(router.state.pool, "prefill", prefills[1].address))
-    wait_until(lambda: router.state.pool.get(prefills[1].address).healthy, message="the new worker to be polled")
+    wait_until(lambda: router.state.pool.get(prefills[1].address).healthy, timeout=30,
+               what="the new worker to be polled")
     for i in range(4):
         httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": f"{i}", "max_tokens": 2})
     assert {r.prefill_address for r in decode.requests} == {p.address for p in prefills}

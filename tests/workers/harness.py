@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 import wire
+from tests.helpers import REPO, kill_process, start_python, stop_process
 
-REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240.0
 COMMON = ["--model", "default", "--host", "127.0.0.1", "--port", "0", "--block-size", "16"]
 
@@ -37,25 +36,16 @@ class WorkerProcess:
         return self.stub().Stats(wire.messages().StatsRequest(), timeout=30)
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
+        kill_process(self.process, 30)
 
     def stop(self, terminate: bool = True) -> None:
         """SIGTERM (once: a second one during the graceful stop would kill it), wait, then SIGKILL."""
-        if self.process.poll() is None:
-            if terminate:
-                self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.process, 30, signal.SIGTERM if terminate else None)
 
 
 def _launch(kind: str, args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", f"{kind}_worker", *COMMON, *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_python(["-m", f"{kind}_worker", *COMMON, *args], env)
 
 
 def _wait_ready(kind: str, process: subprocess.Popen) -> WorkerProcess:
@@ -160,18 +150,6 @@ def generate(decode: WorkerProcess, request_id: str, prompt: list[int], prefill:
     chunks = list(decode.stub().Generate(request, timeout=timeout))
     tokens = [t for chunk in chunks for t in chunk.token_ids]
     return Generation(tokens, chunks, chunks[-1].finish_reason, chunks[-1].error)
-
-
-def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05, what: str = "condition"):
-    """Poll until `predicate()` is truthy (a bounded wait for a state, not a speed assertion)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def all_blocks_free(worker: WorkerProcess) -> bool:

@@ -15,8 +15,9 @@ import kvtransfer
 import wire
 from engine import LLM, SamplingParams
 from engine.model.loader import resolve_model
+from tests.helpers import wait_until
 from tests.transports import transport_params
-from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
+from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers
 
 pytestmark = pytest.mark.slow
 

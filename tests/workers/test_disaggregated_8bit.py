@@ -7,8 +7,9 @@ import pytest
 
 import kvtransfer
 from engine import LLM, SamplingParams
+from tests.helpers import wait_until
 from tests.transports import transport_params
-from tests.workers.harness import all_blocks_free, generate, start_workers, stop_workers, wait_until
+from tests.workers.harness import all_blocks_free, generate, start_workers, stop_workers
 
 pytestmark = pytest.mark.slow
 

@@ -7,25 +7,19 @@ WAITING; one started with --hold-kv-send-s keeps a finished prefill in SENDING_K
 the decode worker WAITING_FOR_KV) for as long as the test needs.
 """
 import random
-import socket
 import threading
 
 import grpc
 import pytest
 
 import wire
-from tests.workers.harness import all_blocks_free, generate, kv_outcome, sampling, start_workers, stop_workers, wait_until
+from tests.helpers import free_port, wait_until
+from tests.workers.harness import all_blocks_free, generate, kv_outcome, sampling, start_workers, stop_workers
 
 pytestmark = pytest.mark.slow
 
 HOLD = ["--hold-kv-send-s", "600"]
 DECODE = ["--num-blocks", "256", "--transport", "tcp", "--local-prefill-threshold", "8"]
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 RESTART_PORT = free_port()

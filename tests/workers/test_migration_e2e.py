@@ -6,16 +6,14 @@ While a streamed greedy completion is being generated, the worker serving it is 
 delivered; the client's stream must go on to the same text as an uninterrupted run.
 """
 import os
-import socket
-import subprocess
-import sys
 import threading
 
 import httpx
 import openai
 import pytest
 
-from tests.workers.harness import REPO, start_workers, stop_workers, wait_until
+from tests.helpers import free_port, start_python, stop_process, wait_until
+from tests.workers.harness import start_workers, stop_workers
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +25,11 @@ MAX_TOKENS = 64
 @pytest.fixture(scope="module")
 def cluster():
     workers = start_workers([("decode", ENGINE), ("decode", ENGINE)])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router", "--model", "default", "--colocated", ",".join(w.grpc_address for w in workers),
-         "--port", str(port), "--stats-interval", "0.5", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    router = start_python(["-m", "router", "--model", "default", "--colocated",
+                           ",".join(w.grpc_address for w in workers), "--port", str(port), "--stats-interval", "0.5",
+                           "--log-level", "warning"], env)
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(router.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -52,11 +46,7 @@ def cluster():
         wait_until(healthy, timeout=120, what="the router to report healthy")
         yield {"url": url, "workers": workers, "router_log": log}
     finally:
-        router.terminate()
-        try:
-            router.wait(20)
-        except subprocess.TimeoutExpired:
-            router.kill()
+        stop_process(router, 20)
         stop_workers([w for w in workers if w.process.poll() is None])
 
 

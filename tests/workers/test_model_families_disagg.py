@@ -15,7 +15,8 @@ import transformers
 from engine.kv_cache import layer_windows, window_skip_blocks
 from engine.model.arch import ModelArchConfig
 from tests.engine.tiny_models import FAMILIES, save_family_model
-from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers, wait_until
+from tests.helpers import wait_until
+from tests.workers.harness import all_blocks_free, generate, sampling, start_workers, stop_workers
 
 pytestmark = pytest.mark.slow
 
