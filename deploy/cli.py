@@ -7,11 +7,11 @@
                                                                run the cluster until Ctrl-C / SIGTERM
     pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
     pdserve status  [--json] [--events N]
-    pdserve bench   ARGS...                                    forwards to benchmarks/serve.py
+    pdserve bench   ARGS...                                    the serving benchmark (deploy/bench.py)
 
 `scale` and `status` find the running controller through the state file that `serve` writes
-(`~/.cache/pdserve/serve.json`, or --state-file / $PDSERVE_STATE_FILE), or through
---ray-address (then --namespace / --controller-name name it).
+(`$PDSERVE_CACHE_DIR/serve.json`, default `~/.cache/pdserve/serve.json`, or --state-file /
+$PDSERVE_STATE_FILE), or through --ray-address (then --namespace / --controller-name name it).
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from deploy.planner import PlannerConfig
 from deploy.serve import ServeOptions
 from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
 from serving.bringup import add_worker_arguments, engine_options, kv_options
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--events", type=int, default=5, help="recent controller events to show (default 5)")
     _add_locator_arguments(status)
 
-    bench = commands.add_parser("bench", help="run benchmarks/serve.py against a running server")
+    bench = commands.add_parser("bench", help="the serving benchmark against a running server (deploy/bench.py)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
@@ -180,7 +178,8 @@ def _pool_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 def _add_locator_arguments(parser: argparse.ArgumentParser, with_ray_address: bool = True) -> None:
     parser.add_argument("--state-file", type=Path, default=None,
-                        help="the serve state file (default $PDSERVE_STATE_FILE or ~/.cache/pdserve/serve.json)")
+                        help="the serve state file (default $PDSERVE_STATE_FILE, else serve.json in "
+                             "$PDSERVE_CACHE_DIR or ~/.cache/pdserve)")
     if with_ray_address:
         parser.add_argument("--ray-address", default=None, help="reach the controller through this Ray cluster")
         parser.add_argument("--namespace", default=DEFAULT_NAMESPACE)
@@ -353,19 +352,15 @@ def _clock(timestamp: float) -> str:
 # ---- bench --------------------------------------------------------------------------------------
 
 def run_bench(args: argparse.Namespace) -> int:
-    script = REPO_ROOT / "benchmarks" / "serve.py"
-    if not script.exists():
-        print(f"pdserve: error: {script} does not exist yet; run the offline benchmark with "
-              "`python benchmarks/offline.py`", file=sys.stderr)
-        return 2
-    os.execv(sys.executable, [sys.executable, str(script), *args.args])
-    return 0  # not reached
+    """The serving benchmark, in this process (part of the installed package; torch-free)."""
+    from deploy.bench import main as bench_main
+    return bench_main(list(args.args))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
-        # Everything after `bench` belongs to benchmarks/serve.py, options included (argparse's
+        # Everything after `bench` belongs to deploy/bench.py's parser, options included (argparse's
         # REMAINDER does not take a leading `--option`).
         return run_bench(argparse.Namespace(command="bench", args=argv[1:]))
     args = build_parser().parse_args(argv)

@@ -1,8 +1,9 @@
 """Ray sessions: start a small local instance or join a cluster; find a running controller.
 
-`pdserve serve` writes a state file (default `~/.cache/pdserve/serve.json`, or
-`$PDSERVE_STATE_FILE`) with the Ray address, namespace, controller name and router URL, so
-`pdserve scale` / `pdserve status` find the controller without flags.
+`pdserve serve` writes a state file (default `serve.json` in pdserve's cache root,
+`$PDSERVE_CACHE_DIR` or `~/.cache/pdserve`; or `$PDSERVE_STATE_FILE`) with the Ray address,
+namespace, controller name and router URL, so `pdserve scale` / `pdserve status` find the
+controller without flags.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.config import DEFAULT_NAMESPACE
+from engine.paths import state_file
 from router.config import LOOPBACK_HOSTS
 
 logger = logging.getLogger(__name__)
@@ -159,8 +161,10 @@ class ServeState:
 
 
 def default_state_file() -> Path:
+    """$PDSERVE_STATE_FILE, else serve.json in pdserve's cache root ($PDSERVE_CACHE_DIR, default
+    ~/.cache/pdserve; engine/paths.py)."""
     override = os.environ.get(STATE_FILE_ENV)
-    return Path(override) if override else Path.home() / ".cache" / "pdserve" / "serve.json"
+    return Path(override) if override else state_file()
 
 
 def write_state(path: Path, state: ServeState) -> None:

@@ -13,9 +13,9 @@ Those two are on in AVX2 builds; AVX-512 builds report them absent (`has_moe_exp
 
 `load()` returns the compiled module, or None when it cannot be built here (no C++ compiler or
 ninja, `PDSERVE_CPU_KERNELS=0`); callers then use the plain torch path, which gives the same
-results more slowly. `make install` builds it (`python -m engine.cpu_kernels`) in torch's extension
-directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), with torch's file lock so
-concurrent workers build it only once.
+results more slowly. `make install` builds it (`python -m engine.cpu_kernels`) in `native/` of pdserve's
+cache root (`$PDSERVE_CACHE_DIR/native`, default `~/.cache/pdserve/native`; engine/paths.py), or in
+`$TORCH_EXTENSIONS_DIR` when that is set, with torch's file lock so concurrent workers build it only once.
 
 The build is content-addressed: the sources are copied into the build folder, whose name hashes
 their bytes, this CPU's flags, the instruction set chosen (`PDSERVE_CPU_ISA`) and the compiler
@@ -143,9 +143,9 @@ def load():
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import get_default_build_root
+        from engine.paths import native_dir
         name = build_name()
-        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or native_dir()) / name
         library = built_library(build_dir)
         if library is not None:
             try:

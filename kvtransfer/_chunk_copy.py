@@ -3,8 +3,9 @@
 
 `copy_chunks` runs `csrc/chunk_copy.c` (streaming stores, prefetch; one call per batch) when a C
 compiler was found, else a `ctypes.memmove` per chunk. The library is plain C with no Python or
-torch headers, so it builds in well under a second on first use and is cached in
-`$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a hash of its source and compiler. The
+torch headers, so it builds in well under a second on first use and is cached in `native/` of
+pdserve's cache root (`$PDSERVE_CACHE_DIR/native`, default `~/.cache/pdserve/native`) under a hash
+of its source and compiler. The
 build writes a private file and renames it into place, so processes starting together need no
 lock. `PDSERVE_NATIVE_COPY=0` turns it off.
 """
@@ -38,7 +39,11 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    """`native/` of pdserve's cache root. The root is defined in engine/paths.py, which kvtransfer
+    may not import (it imports no other project package): this is the same read of the same
+    variable with the same default (tests/test_wheel_install.py checks that they agree)."""
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join("~", ".cache", "pdserve")
+    return Path(os.path.abspath(os.path.expanduser(root))) / "native"
 
 
 @functools.lru_cache(maxsize=1)

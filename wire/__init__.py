@@ -1,4 +1,4 @@
-"""The wire: the gRPC schema (`proto/pdserve.proto`, loaded at run time), the options of every
+"""The wire: the gRPC schema (`wire/proto/pdserve.proto`, loaded at run time), the options of every
 gRPC server and channel, and the conversions between schema messages and engine objects.
 Router, both worker kinds and deploy import it; it imports `engine` only for the types it
 converts, and `kvtransfer.status` (torch-free) for the KV dtype's description."""

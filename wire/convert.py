@@ -1,4 +1,4 @@
-"""Conversions between the wire schema (proto/pdserve.proto) and engine objects for both worker
+"""Conversions between the wire schema (wire/proto/pdserve.proto) and engine objects for both worker
 kinds (the decode worker is the prefill service's client). What routers read, a worker's Stats
 and KV events, is in the torch-free wire/stats.py and wire/kv_events.py."""
 from __future__ import annotations

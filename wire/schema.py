@@ -1,23 +1,40 @@
-"""The gRPC wire schema, loaded at run time from `proto/pdserve.proto`, and the channel options.
+"""The gRPC wire schema, loaded at run time from `wire/proto/pdserve.proto`, and the channel options.
 
 There is no generated code in the tree, and no Python package named `proto` (`ray[default]`
 pulls in `proto-plus`, whose import name is `proto`; a package of ours by that name would shadow
 it or be shadowed): `grpc.protos_and_services` compiles the one `.proto` on first use. Router,
-workers and deploy import this module, so they always agree with the schema file.
+workers and deploy import this module, so they always agree with the schema file. The `.proto` is
+package data of `wire` (pyproject's package-data), found through `importlib.resources`, so an
+installed wheel has it too; its folder, which holds nothing else, goes on sys.path for grpc_tools.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.resources
 from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 
-PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 PROTO_FILE = "pdserve.proto"
+PROTO_FOLDER = "proto"  # inside the `wire` package: wire/proto/pdserve.proto
 # Every gRPC server and channel of pdserve: a long prompt's token ids exceed gRPC's 4 MiB default.
 GRPC_OPTIONS = (("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20))
+
+
+_resources = contextlib.ExitStack()  # keeps an extracted copy (a zipped install) for the process's life
+
+
+@functools.lru_cache(maxsize=1)
+def proto_dir() -> Path:
+    """The folder holding pdserve.proto: in the package, or a temporary copy where the package is
+    not a plain folder (as_file extracts it)."""
+    resource = importlib.resources.files("wire") / PROTO_FOLDER / PROTO_FILE
+    if not resource.is_file():
+        raise RuntimeError(f"wire schema {resource} is missing from this installation (package data of `wire`)")
+    return Path(_resources.enter_context(importlib.resources.as_file(resource))).parent
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,10 +44,9 @@ def load():
 
     import grpc
 
-    if not (PROTO_DIR / PROTO_FILE).exists():
-        raise RuntimeError(f"wire schema {PROTO_DIR / PROTO_FILE} is missing from this installation")
-    if str(PROTO_DIR) not in sys.path:
-        sys.path.append(str(PROTO_DIR))  # grpc_tools resolves the .proto through sys.path
+    folder = str(proto_dir())
+    if folder not in sys.path:
+        sys.path.append(folder)  # grpc_tools resolves the .proto through sys.path
     return grpc.protos_and_services(PROTO_FILE)
 
 

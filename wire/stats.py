@@ -11,7 +11,7 @@ from wire.schema import messages
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """One Stats answer (proto/pdserve.proto WorkerStats; the schema's meaning, its zero defaults).
+    """One Stats answer (wire/proto/pdserve.proto WorkerStats; the schema's meaning, its zero defaults).
     Counters marked cumulative count since the worker started."""
     role: str = ""  # "prefill", "decode" or "both"
     running: int = 0

@@ -39,12 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from engine import paths
 from engine.model.arch import ModelArchConfig, check_weights
 
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
-CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
+CACHE_DIR_ENV = paths.CACHE_DIR_ENV
 MAX_SHARD_BYTES = 2 << 30
 STALE_TEMP_SECONDS = 3600
 SUPPORTED_GGUF_ARCHITECTURES = {
@@ -108,10 +109,9 @@ _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 def cache_root(cache_dir: str | None = None) -> str:
-    """Where converted models live: `cache_dir`, else $PDSERVE_CACHE_DIR, else
-    ~/.cache/pdserve/models."""
-    root = cache_dir or os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "pdserve", "models")
-    return os.path.abspath(os.path.expanduser(root))
+    """Where converted models live: `cache_dir`, else `models/` in pdserve's cache root
+    ($PDSERVE_CACHE_DIR/models, default ~/.cache/pdserve/models; engine/paths.py)."""
+    return os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else str(paths.models_dir())
 
 
 def converted_dir(gguf_path: str, cache_dir: str | None = None) -> str:

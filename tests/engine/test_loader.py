@@ -35,7 +35,7 @@ def default_gguf():
 
 @pytest.fixture(scope="module")
 def converted_default(default_gguf, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("pdserve-cache"))
+    root = str(tmp_path_factory.mktemp("pdserve-cache") / "models")  # <$PDSERVE_CACHE_DIR>/models
     return root, resolve_model("default", cache_dir=root)
 
 
@@ -73,7 +73,7 @@ def test_cache_is_reused_without_reading_the_gguf(converted_default, monkeypatch
     monkeypatch.setattr(gguf_loader, "_convert_into", no_read)
     again = resolve_model("default", cache_dir=root)
     assert again.model_dir == loaded.model_dir and again.arch == loaded.arch
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", root)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", os.path.dirname(root))  # the cache root; models/ in it
     assert resolve_model("default").model_dir == loaded.model_dir
     assert os.stat(weights).st_mtime_ns == mtime
 
