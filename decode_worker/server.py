@@ -38,7 +38,7 @@ import wire
 from engine.async_engine import EngineUnavailable
 from engine.config import Role
 from engine.engine import LLMEngine
-from engine.kv_connector import KVConnectorConfig
+from engine.kv_hooks import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from wire.convert import chunk_from_delta, prefill_request_to_wire, producer_report_from_wire
@@ -124,6 +124,10 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         self.config = config
         self.role = config.role
         make_receiver = None
+        # The receiver (decode role) its engine's connector gets: the connector needs only its
+        # KVReceiverTransport part, this server keeps the rest of kvtransfer.KVReceiver (address,
+        # layout, bytes, close).
+        self.receiver: kvtransfer.KVReceiver | None = None
         if config.role.imports_kv:
             # pending_timeout_s None: the connector times a transfer that does not start or stalls
             # (--transfer-timeout-s, from the last progress) and cancels it; one timer, one reason.
@@ -132,14 +136,12 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                                                         advertise_host=config.advertise_host)
 
             def make_receiver(kv_cache, on_transfer_end):
-                return kvtransfer.create_receiver(config.transport, kv_cache.layers, transfer_config, on_transfer_end,
-                                                  packed=kv_cache.kv_format, layer_windows=kv_cache.layer_windows)
+                self.receiver = kvtransfer.create_receiver(config.transport, kv_cache.layers, transfer_config,
+                                                           on_transfer_end, packed=kv_cache.kv_format,
+                                                           layer_windows=kv_cache.layer_windows)
+                return self.receiver
         self.engine = serving.build_async_engine(config.model, config.engine_options, config.role, make_receiver,
                                                  config.connector)
-        connector = self.engine.engine.kv_connector
-        # The receiver built above (decode role): the connector needs only its KVReceiverTransport
-        # part, this server uses the rest of kvtransfer.KVReceiver (address, layout, bytes, close).
-        self.receiver: kvtransfer.KVReceiver | None = connector.transport if connector is not None else None
         self.transport_address = self.receiver.address if self.receiver is not None else ""
         self.prefill_channels = PrefillChannels()
 
@@ -153,7 +155,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         return self.engine.hand_over()
 
     def kv_settings(self) -> dict[str, Any]:
-        return serving.kv_settings(self.engine, self.config.transport)
+        if self.receiver is None:  # colocated: no KV moves
+            return {}
+        return serving.kv_settings(self.config.transport, self.receiver.config, self.config.connector)
 
     async def close(self) -> None:
         await self.prefill_channels.close()

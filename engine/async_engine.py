@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.engine import LLMEngine, Prompt, token_logprobs
-from engine.kv_connector import ProducerReport
+from engine.kv_hooks import ProducerReport
 from engine.kv_events import KVEventBatch
 from engine.outputs import StreamDelta
 from engine.request import Request
@@ -50,6 +51,9 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
+        # Decode role: the prefill worker's answers go to it; any role: its failure counters
+        # join the stats snapshot, its deadlines wake the engine thread.
+        self._connector = engine.kv_connector
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -58,7 +62,7 @@ class AsyncEngine:
         self._idle_wait_s = idle_wait_s
         self._died: BaseException | None = None
         self._aborts_before_add: set[str] = set()  # engine thread: aborted while its stream waits for the add
-        self._snapshot = engine.stats()  # (SchedulerStats, queued prompt tokens), replaced whole
+        self._snapshot = self._engine_stats()  # (SchedulerStats, queued prompt tokens), replaced whole
         self._kv_feeds: set[KVEventFeed] = set()
         self._kv_lock = threading.Lock()
         self._kv_seq = 0  # the last published batch (engine thread)
@@ -105,6 +109,18 @@ class AsyncEngine:
         with self._streams_lock:
             return request_id in self._streams
 
+    def make_request(self, *args, **kwargs) -> Request:
+        """`LLMEngine.make_request`: any thread may call it (it changes no engine state)."""
+        return self.engine.make_request(*args, **kwargs)
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.cache.block_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.engine.runner.weight_bytes
+
     def add(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request whose stream was opened with `open_stream` (an invalid one's
         ValueError is raised to that stream's reader)."""
@@ -128,9 +144,8 @@ class AsyncEngine:
             delta = StreamDelta(request_id, [token.token_id], new_logprobs=token_logprobs([token.token_id], [token]),
                                 num_cached_tokens=request.num_cached_tokens,
                                 num_prompt_tokens=request.num_prompt_tokens)
-            self.engine.kv_connector.stream_first_token(request_id, report, self.engine.runner.vocab_size,
-                                                        lambda: self._deliver(delta, request_id))
-        self.call(LLMEngine.report_kv_producer, request_id, report, error)
+            self._connector.stream_first_token(request_id, report, lambda: self._deliver(delta, request_id))
+        self.call(lambda _: self._connector.report_producer(request_id, report, error))
 
     def _close_stream(self, request_id: str, abort: bool) -> None:
         if abort:
@@ -177,7 +192,8 @@ class AsyncEngine:
             self._kv_feeds.discard(feed)
 
     def stats(self):
-        """`LLMEngine.stats()` as of the end of the last step (or inbox drain), without waiting
+        """`LLMEngine.stats()`, with the KV connector's failures by reason, as of the end of the
+        last step (or inbox drain), without waiting
         for the engine thread. Raises EngineUnavailable once the engine cannot take requests, so a
         health check built on it fails instead of reporting stale numbers (`last_stats` has them)."""
         self._check_alive()
@@ -313,8 +329,14 @@ class AsyncEngine:
 
     def _refresh_snapshot(self) -> None:
         """After each step and command: the stats snapshot, and the KV events it caused."""
-        self._snapshot = self.engine.stats()
+        self._snapshot = self._engine_stats()
         self._publish_kv_events()
+
+    def _engine_stats(self):
+        stats, queued = self.engine.stats()
+        if self._connector is not None:
+            stats = dataclasses.replace(stats, kv_transfer_failures=dict(self._connector.failures))
+        return stats, queued
 
     def _publish_kv_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -328,7 +350,7 @@ class AsyncEngine:
             feed._offer(batch)
 
     def _wait_for_work(self, timeout: float) -> None:
-        deadline = self.engine.next_deadline()
+        deadline = self._connector.next_deadline() if self._connector is not None else None
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         self._wakeup.wait(timeout)

@@ -5,17 +5,19 @@ sampling) and, when it owns a tokenizer, incremental detokenization with stop st
 single-threaded: `AsyncEngine` drives it from one background thread.
 
 Disaggregation: with a KV transport injected, the engine owns a `KVConnector`
-(engine/kv_connector.py) for its role. Each step first applies what the connector's `poll()`
-reports (sends that ended, loads that arrived, verified or failed), then schedules; a prefill
-step hands the connector's per-layer hook to the model runner, so K/V leaves as it is written.
-`wakeup` is set whenever a transfer ends, for the thread that drives the engine to wait on.
+(engine/kv_connector.py) for its role and calls six of its members: `add_send`, `start_load`,
+`layer_hook`, `send_report`, `poll` and (a failed construction) `close`. Each step first applies
+what the connector's `poll()` reports (sends that ended, loads that arrived, verified or failed),
+then schedules; a prefill step hands the connector's per-layer hook to the model runner, so K/V
+leaves as it is written. `wakeup` is set whenever a transfer ends, for the thread that drives the
+engine to wait on. The connector verifies and counts everything it receives; what the prefill
+worker answers reaches it through `AsyncEngine` (`report_kv_producer`), not through this class.
 
 Failure contract: if the model runner raises, every request of that batch ends with
 finish_reason "error" and its blocks are freed; the engine keeps serving the others.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -28,8 +30,8 @@ from engine.outputs import StreamDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.block_hash import DEFAULT_HASH_ALGORITHM
-from engine.kv_connector import KVConnector, KVConnectorConfig, KVTransport, LoadDone, ProducerReport, SendDone
-from engine.kv_hooks import ImportPlan
+from engine.kv_connector import KVConnector, KVTransport
+from engine.kv_hooks import ImportPlan, KVConnectorConfig, KVDestination, LoadDone, SendDone
 from engine.scheduler import Scheduler
 from engine.step_types import SampledToken, SchedulerStats, StepOutput
 from engine.structured_output import GrammarCompiler
@@ -85,7 +87,8 @@ class LLMEngine:
                 kv_cache = runner.transfer_cache
                 self.kv_connector = KVConnector(config.role, kv_connector_config or KVConnectorConfig(),
                                                 kv_cache.layers, config.cache.block_size, DEFAULT_HASH_ALGORITHM,
-                                                lambda on_end: kv_transport(kv_cache, on_end), self.wakeup.set,
+                                                runner.vocab_size, lambda on_end: kv_transport(kv_cache, on_end),
+                                                self.wakeup.set,
                                                 shards=runner.kv_shards, layer_windows=kv_cache.layer_windows)
             self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
                                        role=config.role, kv_connector=self.kv_connector,
@@ -94,7 +97,10 @@ class LLMEngine:
                                        speculative=config.speculative)
         except BaseException:  # e.g. the Scheduler refused the config: nothing may outlive the refusal
             if self.kv_connector is not None:
-                self._close_kv_transport()  # its I/O thread, listening socket and fds
+                try:  # its I/O thread, listening socket and fds
+                    self.kv_connector.close()
+                except Exception:  # the construction's own error is the one to raise
+                    logger.exception("closing the KV transport of an engine that failed to start")
             self.close()
             raise
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -121,7 +127,7 @@ class LLMEngine:
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      priority: int = 0, cache_salt: str | None = None, num_resumed_tokens: int = 0,
-                     kv_destination: Any = None) -> Request:
+                     kv_destination: KVDestination | None = None) -> Request:
         """Tokenize and validate (raises ValueError for a client's mistake); no engine state changes,
         so any thread may call it. `num_resumed_tokens`: the prompt's last N token ids are output
         tokens a failed worker already delivered (a migrated generation; see `Request`)."""
@@ -160,16 +166,14 @@ class LLMEngine:
     def add(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request (ValueError if invalid). One with a `kv_destination` (prefill role)
         sends its prompt's KV there as it is computed."""
-        if request.kv_destination is None:
-            self.scheduler.add_request(request)
-        else:
-            if self.kv_connector is None or self.kv_connector.role != "prefill":
-                raise ValueError("this engine sends no KV: it has no prefill-role KV connector")
-            self.kv_connector.add_send(request)
+        if request.kv_destination is not None and self.kv_connector is None:
+            raise ValueError("this engine sends no KV: it has no KV connector")
+        self.scheduler.add_request(request)
+        if request.kv_destination is not None:
             try:
-                self.scheduler.add_request(request)
+                self.kv_connector.add_send(request)
             except Exception:
-                self.kv_connector.request_ended(request)
+                self.scheduler.abort(request.request_id)  # never scheduled: nothing else to undo
                 raise
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
@@ -193,14 +197,6 @@ class LLMEngine:
         (engine/tp_worker.py). Idempotent; nothing to do without tensor parallelism."""
         self.runner.close()
 
-    def _close_kv_transport(self) -> None:
-        """A failed construction: close the KV connector's sender or receiver (once built, the
-        worker server that injected it closes it)."""
-        try:
-            self.kv_connector.transport.close()
-        except Exception:  # the construction's own error is the one to raise
-            logger.exception("closing the KV transport of an engine that failed to start")
-
     @property
     def broken(self) -> str | None:
         """Why this engine cannot run another step (its model runner's tensor-parallel group
@@ -216,8 +212,8 @@ class LLMEngine:
 
         With a KV connector, the receiver expects the blocks to fill, unless the uncached tail is
         below the local-prefill threshold: then the request is prefilled here and None returned.
-        The caller asks the prefill worker for the plan's blocks and hands its answer to
-        `report_kv_producer`; the step loop does the rest."""
+        The caller asks the prefill worker for the plan's blocks and hands its answer to the
+        connector (`AsyncEngine.report_kv_producer`); the step loop does the rest."""
         plan = self.scheduler.add_imported_request(request)
         # Blocks evicted for this request are saved to the host tier before the transfer writes
         # into them, and its host-tier hits are copied back now.
@@ -231,51 +227,33 @@ class LLMEngine:
         if detokenize and self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.all_token_ids, request.sampling_params)
-        connector = self.kv_connector
-        if connector is None:
+        if self.kv_connector is None:
             return plan
-        if not connector.wants_remote_prefill(plan, request.num_tokens):
-            self.scheduler.fail_import(request.request_id, True)
-            return None
         try:
-            connector.start_load(request, plan, streamable=request.request_id not in self._detokenizers)
+            expected = self.kv_connector.start_load(request, plan,
+                                                    streamable=request.request_id not in self._detokenizers)
         except Exception as exc:
             self.scheduler.finish_with_error(request.request_id, f"cannot expect the KV: {exc}")
             self._detokenizers.pop(request.request_id, None)  # its output never goes out: the caller gets the error
             raise RuntimeError(f"cannot expect the KV: {exc}") from exc
+        if not expected:
+            self.scheduler.fail_import(request.request_id, True)
+            return None
         return plan
 
-    def report_kv_producer(self, request_id: str, report: ProducerReport | None, error: str | None = None) -> bool:
-        """Decode role: the prefill worker answered for `request_id` (its report, or why it
-        failed); the next step verifies and admits the request, or falls back. False if the
-        request no longer waits for its KV."""
-        return self.kv_connector.report_producer(request_id, report, error)
-
     def finish_import(self, request_id: str, first_token: SampledToken) -> StreamDelta:
-        """Decode role, driving an import by hand (without the connector's checks): every block
-        to fill was written; append the prefill worker's first token."""
+        """Decode role without a KV connector, driving an import by hand: every block to fill
+        was written; append the prefill worker's first token."""
         if self.kv_connector is not None:
-            self.kv_connector.cancel_load(request_id)
+            raise RuntimeError("this engine's KV connector finishes its imports")
         return self._to_delta(self.scheduler.finish_import(request_id, first_token))
 
-    def fail_import(self, request_id: str, fallback_to_local_prefill: bool,
-                    message: str = "KV transfer failed") -> StreamDelta | None:
-        """Decode role, by hand: prefill locally (returns None) or end the request with `message`;
-        a transfer the connector still expects is stopped first."""
-        if self.kv_connector is not None:
-            self.kv_connector.cancel_load(request_id)
-        final = self.scheduler.fail_import(request_id, fallback_to_local_prefill, message)
-        return self._to_delta(final) if final is not None else None
-
     def stats(self) -> tuple[SchedulerStats, int]:
-        """Scheduler counters (with the KV connector's failures by reason) and the prefill work
-        queued: the tokens still to compute before each waiting or running request decodes."""
+        """Scheduler counters and the prefill work queued: the tokens still to compute before
+        each waiting or running request decodes (the KV connector counts its own failures)."""
         scheduler = self.scheduler
         queued = sum(_prefill_tokens_left(r) for r in scheduler.waiting + scheduler.running)
-        stats = scheduler.stats()
-        if self.kv_connector is not None:
-            stats = dataclasses.replace(stats, kv_transfer_failures=dict(self.kv_connector.failures))
-        return stats, queued
+        return scheduler.stats(), queued
 
     def take_kv_events(self):
         """KV-cache events since the last call (engine/kv_events.py; [] unless `cache.kv_events`)."""
@@ -284,10 +262,6 @@ class LLMEngine:
     def kv_snapshot(self):
         """The prefix cache's whole state as KV-cache events (a subscriber's first batch)."""
         return self.scheduler.block_manager.kv_snapshot()
-
-    def next_deadline(self) -> float | None:
-        """When a step must run even if nothing else happens (a KV lease or transfer timeout)."""
-        return self.kv_connector.next_deadline() if self.kv_connector is not None else None
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -327,16 +301,11 @@ class LLMEngine:
             delta = self._to_delta(final)
             delta.kv_send = done.result
             return [delta]
-        error, fallback = done.error, done.fallback
-        if error is None and not 0 <= done.first_token.token_id < self.runner.vocab_size:
-            self.kv_connector.failures["producer"] += 1
-            error = f"remote prefill failed (producer): first token {done.first_token.token_id} is outside the vocabulary"
-            fallback = self.kv_connector.config.on_transfer_failure == "fallback"
-        if error is None:
+        if done.error is None:
             out = self.scheduler.finish_import(done.request_id, done.first_token, done.complete_blocks)
         else:
-            logger.warning("%s: %s", done.request_id, error)
-            out = self.scheduler.fail_import(done.request_id, fallback, error,
+            logger.warning("%s: %s", done.request_id, done.error)
+            out = self.scheduler.fail_import(done.request_id, done.fallback, done.error,
                                              done.first_token if done.first_token_streamed else None)
             if out is None:  # a fallback with no token yet: say now how the KV came (it did not), so
                 # the decode worker cancels the prefill worker's side at once, not at the first local token

@@ -4,12 +4,15 @@ One connector per engine, prefill or decode role, no threads of its own. Its two
 
 - scheduler side (`engine/kv_hooks.py`): `request_finished` pins a prefill-role request's blocks
   for its send (SENDING_KV); `request_ended` stops a transfer before early-freed blocks go back.
-- worker side, called by `LLMEngine`: `start_load` (decode: expect the blocks an ImportPlan must
-  fill), `layer_hook(seqs)` (prefill: before each forward, the callback the model runner calls
-  after each layer's K/V store; every layer group is pushed as soon as it is written, for each
-  chunk of a prompt the blocks that chunk completed: layer-wise push), `report_producer`
-  (decode: the prefill worker's answer), and `poll()`, once per step, which returns the sends
-  and loads that ended.
+- engine side, the six members `LLMEngine` calls: `add_send` (prefill: a request with a
+  destination), `start_load` (decode: expect the blocks an ImportPlan must fill, unless the
+  prompt is short enough to prefill here), `layer_hook(seqs)` (prefill: before each forward, the
+  callback the model runner calls after each layer's K/V store; every layer group is pushed as
+  soon as it is written, for each chunk of a prompt the blocks that chunk completed: layer-wise
+  push), `send_report` (prefill: the answer once every layer group is pushed), `poll()`, once
+  per step, which returns the sends and loads that ended, and `close()`.
+- caller side (`AsyncEngine`, for the decode worker's server): `report_producer` (the prefill
+  worker's answer), `stream_first_token`, `next_deadline` and the `failures` counters.
 
 The transport (a kvtransfer sender or receiver) calls `on_transfer_end` from its I/O thread when
 a transfer ends; the connector records the id and rings the engine's wakeup, so `poll()` looks
@@ -22,8 +25,8 @@ a last one over a trailing partial block's tokens) and an xxhash of every byte i
 (layer-major over the sent blocks). It reports once every layer group is pushed (`send_report`:
 the bytes may still be in flight), so the answer does not wait for an engine step to see the
 send end; a send that fails after that reaches the receiver as the sender's abort or a dead
-connection. Before a decode-role request runs, its connector has the report and checks: the
-transfer ended SUCCESS over every layer of every block; the epoch in the transfer's `begin`
+connection. Before a decode-role request runs, its connector has the report and checks: its
+first token is in the vocabulary; the transfer ended SUCCESS over every layer of every block; the epoch in the transfer's `begin`
 equals the report's; the block hashes equal its own for the same tokens; the checksum of the
 bytes in its blocks equals the report's. Anything else is a failed load, by reason
 (`FAILURE_REASONS`, engine/kv_hooks.py; counted in `failures`), which falls back to local
@@ -58,7 +61,8 @@ import torch
 from engine.block_hash import hash_block, hash_full_blocks
 from engine.config import KV_ROLES
 from engine.kv_cache import window_skip_blocks
-from engine.kv_hooks import FAULTS, ON_TRANSFER_FAILURE, ImportPlan, KVConnectorConfig, KVDestination  # noqa: F401 (re-exported)
+from engine.kv_hooks import (FAULTS, ON_TRANSFER_FAILURE, ImportPlan, KVConnectorConfig,  # noqa: F401 (re-exported)
+                             KVDestination, KVImportOutcome, KVSendResult, LoadDone, ProducerReport, SendDone)
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -106,61 +110,6 @@ class KVReceiverTransport(Protocol):
 
 # A connector's transport: a sender for the prefill role, a receiver for the decode role.
 KVTransport = Union[KVSenderTransport, KVReceiverTransport]
-
-
-@dataclass(frozen=True)
-class ProducerReport:
-    """The prefill worker's answer for one request (decode side)."""
-    first_token: Any  # engine.step_types.SampledToken
-    epoch: int
-    checksum: int
-    block_hashes: tuple[bytes, ...]  # chained hashes of every full prompt block
-    num_cached_tokens: int = 0  # the prefill worker's prefix-cache hit
-    bytes_sent: int = 0
-
-
-@dataclass(frozen=True)
-class KVSendResult:
-    """How a prefill-role request's send ended (its final output carries it)."""
-    error: str | None
-    bytes_sent: int
-    epoch: int
-    checksum: int = 0
-    block_hashes: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True)
-class KVImportOutcome:
-    """How a decode-role request got its KV (its first output carries it)."""
-    prefilled_remotely: bool
-    bytes_received: int
-    seconds: float
-    num_cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SendDone:
-    request_id: str
-    result: KVSendResult
-
-
-@dataclass(frozen=True)
-class LoadDone:
-    request_id: str
-    first_token: Any  # None when the load failed before its first token was streamed
-    error: str | None
-    fallback: bool  # on failure: prefill locally (else end the request with `error`)
-    first_token_streamed: bool = False  # the caller has `first_token` (`stream_first_token`)
-    # On success with sliding-window layers: the request's blocks from this index on lack some
-    # layer's KV (blocks behind that layer's window did not move), so they must not be shared.
-    complete_blocks: int | None = None
-
-
-def answers_prefill(delta: Any) -> bool:
-    """Whether a prefill-role request's StreamDelta is the one its worker answers the decode
-    worker with: its first token's, when that carries the send's report (`send_report`), else
-    its final one (the send ended: its outcome; or the request failed)."""
-    return delta.finished or (delta.kv_send is not None and delta.kv_send.error is None)
 
 
 def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
@@ -256,7 +205,8 @@ class KVConnector:
     blocks to the ranks once verified."""
 
     def __init__(self, role: str, config: KVConnectorConfig, kv_layers: Sequence[torch.Tensor], block_size: int,
-                 hash_algorithm: str, make_transport: Callable[[Callable[[str], None]], KVTransport],
+                 hash_algorithm: str, vocab_size: int,
+                 make_transport: Callable[[Callable[[str], None]], KVTransport],
                  wakeup: Callable[[], None] = lambda: None, shards: KVShards | None = None,
                  layer_windows: Sequence[int] = ()) -> None:
         if role not in KV_ROLES:
@@ -266,6 +216,7 @@ class KVConnector:
         self.kv_layers = list(kv_layers)
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
+        self.vocab_size = vocab_size  # a producer's first token must be below it
         self.shards = shards
         self.layer_windows = tuple(layer_windows)
         self._wakeup = wakeup
@@ -285,6 +236,11 @@ class KVConnector:
         self.layer_groups = [range(start, min(num_layers, start + size)) for start in range(0, num_layers, size)]
         self._group_ending_at = {group[-1]: index for index, group in enumerate(self.layer_groups)}
         self.transport: KVTransport = make_transport(self._on_transfer_end)
+
+    def close(self) -> None:
+        """Close the transport (its I/O thread, sockets and fds): only for an engine whose
+        construction failed; a running worker's server closes the transport it built."""
+        self.transport.close()
 
     @property
     def _sender(self) -> KVSenderTransport:
@@ -364,7 +320,10 @@ class KVConnector:
     # ---- prefill side ---------------------------------------------------------------------
 
     def add_send(self, request: Request) -> None:
-        """Engine thread, when a prefill-role request with a destination is added."""
+        """Engine thread, when a prefill-role request with a destination is added (ValueError
+        for a decode-role connector, a second send of the request, or a wrong destination)."""
+        if self.role != "prefill":
+            raise ValueError("this engine sends no KV: its KV connector has the decode role")
         destination = request.kv_destination
         if request.request_id in self._sends:
             raise ValueError(f"request id {request.request_id!r} already has a KV send")
@@ -483,13 +442,15 @@ class KVConnector:
 
     # ---- decode side ----------------------------------------------------------------------
 
-    def wants_remote_prefill(self, plan: ImportPlan, num_tokens: int) -> bool:
-        return bool(plan.blocks_to_fill) and num_tokens - plan.num_cached_tokens >= self.config.local_prefill_threshold
-
-    def start_load(self, request: Request, plan: ImportPlan, streamable: bool = True) -> None:
-        """Engine thread, after the scheduler allocated the blocks the transfer must fill.
-        `streamable`: its first token may go out before the checks (`stream_first_token`); not
-        for a request the engine detokenizes (an early token would have no text)."""
+    def start_load(self, request: Request, plan: ImportPlan, streamable: bool = True) -> bool:
+        """Engine thread, after the scheduler allocated the blocks the transfer must fill: expect
+        them, or return False (nothing to fill, or fewer uncached tokens than the local-prefill
+        threshold: prefill here). `streamable`: its first token may go out before the checks
+        (`stream_first_token`); not for a request the engine detokenizes (an early token would
+        have no text)."""
+        if (not plan.blocks_to_fill
+                or request.num_tokens - plan.num_cached_tokens < self.config.local_prefill_threshold):
+            return False
         # Its tokens (a resumed request's include its outputs) do not change while it loads. Hashed
         # before the receiver expects it: past `expect`, nothing may fail and leave its record.
         hashes = sent_token_hashes(request.all_token_ids, self.block_size, request.cache_salt, self.hash_algorithm)
@@ -501,9 +462,9 @@ class KVConnector:
             with self._lock:
                 self._early[request.request_id] = _EarlyToken(hashes)
         heapq.heappush(self._deadlines, (now + self.config.transfer_timeout_s, request.request_id))
+        return True
 
-    def stream_first_token(self, request_id: str, report: ProducerReport, vocab_size: int,
-                           deliver: Callable[[], None]) -> bool:
+    def stream_first_token(self, request_id: str, report: ProducerReport, deliver: Callable[[], None]) -> bool:
         """Any thread, when the prefill worker's report arrives: send its first token to the
         caller now (`deliver`)? Yes, once per load, if the load still waits and may stream, the
         report's block hashes equal this prompt's and the token is in the vocabulary; the load then
@@ -514,7 +475,7 @@ class KVConnector:
         before the engine emits anything more for the request, so whatever the engine emits comes
         after the token (given `deliver` and the engine queue outputs in one order, e.g. onto the
         same event loop)."""
-        if not 0 <= report.first_token.token_id < vocab_size:
+        if not self._in_vocabulary(report):
             return False
         with self._lock:
             early = self._early.get(request_id)
@@ -523,6 +484,9 @@ class KVConnector:
             early.token = report.first_token
             deliver()
             return True
+
+    def _in_vocabulary(self, report: ProducerReport) -> bool:
+        return 0 <= report.first_token.token_id < self.vocab_size
 
     def _end_load(self, request_id: str) -> tuple[_Load | None, Any]:
         """Forget a load (engine thread): (its record, its first token if `stream_first_token`
@@ -537,6 +501,8 @@ class KVConnector:
         load = self._loads.get(request_id)
         if load is None:
             return False
+        if report is not None and not self._in_vocabulary(report):
+            report, error = None, f"first token {report.first_token.token_id} is outside the vocabulary"
         load.report, load.producer_error = report, error
         self._look_again(request_id)
         return True
@@ -647,11 +613,6 @@ class KVConnector:
             self.transport.cancel(request_id)
         except RuntimeError as exc:
             logger.debug("KV transfer %s: not cancelled: %s", request_id, exc)
-
-    def cancel_load(self, request_id: str) -> None:
-        """Stop expecting `request_id`'s KV (its import is finished or failed by the caller)."""
-        if self._end_load(request_id)[0] is not None:
-            self._cancel_transfer(request_id)
 
     def next_deadline(self) -> float | None:
         """When `poll()` must run next even if no transfer ends (monotonic seconds); None when

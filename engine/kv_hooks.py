@@ -14,8 +14,10 @@ Either role: `request_ended(request)` runs before the blocks of a request that e
 error) are freed, so that no transfer reads or writes them afterwards.
 
 `FAILURE_REASONS`: why the connector counts a transfer as failed (its `failures`; the router
-exports them per worker), and `KVConnectorConfig`, the connector's settings: here so that readers
-(the router, the CLI, the controller) need neither torch nor the connector.
+exports them per worker), `KVConnectorConfig`, the connector's settings, and the plain values that
+cross the seam (what the connector's `poll()` returns, the producer's report, how a send or an
+import ended: `StreamDelta` and the wire carry them): here so that their readers (wire, the router,
+the CLI, the controller) need neither torch nor the connector.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.request import Request
+from engine.step_types import SampledToken
 
 FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
 
@@ -99,3 +102,53 @@ class ImportPlan:
 
 class KVCacheFullError(RuntimeError):
     """Not enough free KV blocks right now to import a request's prompt (retry or prefill locally)."""
+
+
+# ---- what crosses the seam: plain values (the wire carries them; no torch) ----------------
+
+@dataclass(frozen=True)
+class ProducerReport:
+    """The prefill worker's answer for one request (decode side)."""
+    first_token: SampledToken
+    epoch: int
+    checksum: int
+    block_hashes: tuple[bytes, ...]  # chained hashes of every full prompt block
+    num_cached_tokens: int = 0  # the prefill worker's prefix-cache hit
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class KVSendResult:
+    """How a prefill-role request's send ended (its final output carries it)."""
+    error: str | None
+    bytes_sent: int
+    epoch: int
+    checksum: int = 0
+    block_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVImportOutcome:
+    """How a decode-role request got its KV (its first output carries it)."""
+    prefilled_remotely: bool
+    bytes_received: int
+    seconds: float
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SendDone:
+    request_id: str
+    result: KVSendResult
+
+
+@dataclass(frozen=True)
+class LoadDone:
+    request_id: str
+    first_token: SampledToken | None  # None when the load failed before its first token was streamed
+    error: str | None
+    fallback: bool  # on failure: prefill locally (else end the request with `error`)
+    first_token_streamed: bool = False  # the caller has `first_token` (`stream_first_token`)
+    # On success with sliding-window layers: the request's blocks from this index on lack some
+    # layer's KV (blocks behind that layer's window did not move), so they must not be shared.
+    complete_blocks: int | None = None

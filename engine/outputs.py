@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from engine.kv_hooks import KVImportOutcome, KVSendResult
 
 
 @dataclass
@@ -26,15 +27,21 @@ class StreamDelta:
     error: str | None = None
     invalid_request: bool = False  # the error is the request's own (`StepOutput.invalid_request`)
     # Disaggregation (engine/kv_connector.py): a prefill-role request's first-token delta carries
-    # its send's report once every layer is pushed (KVSendResult, error None; `answers_prefill`),
-    # its final delta how the send ended; a decode-role request's first one how it got its KV
-    # (KVImportOutcome; after a failed load that falls back before any token, at once, in a
-    # delta without tokens).
-    kv_send: Any = None
-    kv_import: Any = None
+    # its send's report once every layer is pushed (error None; `answers_prefill`), its final
+    # delta how the send ended; a decode-role request's first one how it got its KV (after a
+    # failed load that falls back before any token, at once, in a delta without tokens).
+    kv_send: KVSendResult | None = None
+    kv_import: KVImportOutcome | None = None
     # With SamplingParams.prompt_logprobs, on the delta of the first output token: one entry per
     # prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def answers_prefill(self) -> bool:
+        """Whether this prefill-role delta is the one its worker answers the decode worker with:
+        its first token's, when that carries the send's report (`KVConnector.send_report`), else
+        its final one (the send ended: its outcome; or the request failed)."""
+        return self.finished or (self.kv_send is not None and self.kv_send.error is None)
 
 
 @dataclass

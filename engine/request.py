@@ -25,9 +25,12 @@ from __future__ import annotations
 import enum
 import time
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # engine/kv_hooks.py imports this module
+    from engine.kv_hooks import KVDestination, KVImportOutcome
 from engine.structured_output import GrammarState
 
 
@@ -71,7 +74,7 @@ class Request:
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  resumed_output_token_ids: list[int] = (), grammar: GrammarState | None = None,
-                 kv_destination: Any = None) -> None:
+                 kv_destination: KVDestination | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -98,10 +101,10 @@ class Request:
         self.swap_slots: list[int] = []  # swap preemption: host slots holding its computed KV
         self.finish_reason: str | None = None
         self.error: str | None = None
-        # Disaggregation (engine/kv_connector.py): where a prefill-role request's KV goes
-        # (engine.kv_hooks.KVDestination), and how a decode-role request got its KV.
+        # Disaggregation (engine/kv_connector.py): where a prefill-role request's KV goes, and how
+        # a decode-role request got its KV (once known).
         self.kv_destination = kv_destination
-        self.kv_import: Any = None  # engine.kv_connector.KVImportOutcome, once known
+        self.kv_import: KVImportOutcome | None = None
         self._all_token_ids = list(self.prompt_token_ids)
         # Structured output: follows every output token (engine/structured_output.py).
         self.grammar = grammar

@@ -106,5 +106,5 @@ class SchedulerStats:
     prefill_chunk_tokens: int = 0  # the per-step cap on a prompt's tokens (long_prefill_chunk_tokens; 0: none)
     # model step times by kind: {kind: (counts per bucket, sum of seconds)} (engine/step_times.py; cumulative)
     step_times: dict = field(default_factory=dict)
-    # filled by LLMEngine.stats() from its KV connector: failed transfers by reason (cumulative)
+    # filled by AsyncEngine from its KV connector: failed transfers by reason (cumulative)
     kv_transfer_failures: dict = field(default_factory=dict)

@@ -27,7 +27,7 @@ import kvtransfer
 import serving
 import wire
 from engine.config import Role
-from engine.kv_connector import KVConnectorConfig, answers_prefill
+from engine.kv_hooks import KVConnectorConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
@@ -71,15 +71,15 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
             if kv_cache.memory_fd is not None:
                 shared = kvtransfer.SharedMemory(kv_cache.memory_fd, kv_cache.data.data_ptr(),
                                                  kv_cache.data.numel() * kv_cache.data.element_size())
-            return kvtransfer.create_sender(config.transport, kv_cache.layers, transfer_config, shared_memory=shared,
-                                            on_transfer_end=on_transfer_end, packed=kv_cache.kv_format,
-                                            layer_windows=kv_cache.layer_windows)
+            # The engine's connector needs only its KVSenderTransport part; this server keeps the
+            # rest of kvtransfer.KVSender (layout, reachability, byte count, close).
+            self.sender = kvtransfer.create_sender(config.transport, kv_cache.layers, transfer_config,
+                                                   shared_memory=shared, on_transfer_end=on_transfer_end,
+                                                   packed=kv_cache.kv_format, layer_windows=kv_cache.layer_windows)
+            return self.sender
 
         self.engine = serving.build_async_engine(config.model, {"shared_memory": True, **config.engine_options},
                                                  self.role, make_sender, config.connector)
-        # The sender built above: the engine's connector needs only its KVSenderTransport part, this
-        # server uses the rest of kvtransfer.KVSender (layout, reachability, byte count, close).
-        self.sender: kvtransfer.KVSender = self.engine.engine.kv_connector.transport
         self.layout = layout_to_wire(self.sender.layout)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -90,7 +90,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
         return 0
 
     def kv_settings(self) -> dict[str, Any]:
-        return serving.kv_settings(self.engine, self.config.transport)
+        return serving.kv_settings(self.config.transport, self.sender.config, self.config.connector)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: not on this event loop
@@ -112,7 +112,7 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
                 engine.add(engine_request, False)
                 async for delta in stream:  # the first token (with the send's report), then the send's end
                     first = first or (delta if delta.new_token_ids else None)
-                    if answers_prefill(delta):
+                    if delta.answers_prefill:
                         answered = True
                         return prefill_response(delta, first)
             except ValueError as exc:  # refused by the engine (e.g. larger than the whole cache)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import ROLES, CacheConfig
+from engine.config import CacheConfig, Role
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
 
@@ -13,8 +13,8 @@ LOOPBACK_HOST = "127.0.0.1"
 # Hosts that only this machine reaches: binding one needs no --api-key; a worker on one advertises it.
 LOOPBACK_HOSTS: tuple[str, ...] = (LOOPBACK_HOST, "localhost", "::1")
 # What users call each role's pool (RouterConfig's worker lists, `pdserve serve`'s flags and pool
-# sizes): the workers of role "both" make up the colocated pool.
-POOL_NAMES: dict[str, str] = {**{role: role for role in ROLES}, "both": "colocated"}
+# sizes; `Role.pool`): the workers of role "both" make up the colocated pool.
+POOL_NAMES: dict[str, str] = {role.value: role.pool for role in Role}
 
 
 def check_grpc_address(address: str, what: str) -> str:

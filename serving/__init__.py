@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 import grpc
 
 import wire
+from engine.kv_hooks import KVConnectorConfig
 from serving.bringup import (KV_FLAGS, KVOptions, RunningWorker, Worker, WorkerBuilder, WorkerOptions,  # noqa: F401
                              add_process_arguments, add_worker_arguments, engine_options, kv_options, run, serve,
                              start_worker, worker_options)
@@ -44,9 +45,9 @@ async def request_from_wire(engine, message: Any, request_id: str, **extra):
     with its priority (a prefill worker serves a batch prompt after an interactive one, as the
     decode worker does). A structured-output constraint is parsed and compiled off the event loop."""
     def build():
-        return engine.engine.make_request(list(message.prompt_token_ids), wire.sampling_from_wire(message.sampling),
-                                          request_id, priority=message.priority, cache_salt=message.cache_salt or None,
-                                          num_resumed_tokens=message.num_resumed_tokens, **extra)
+        return engine.make_request(list(message.prompt_token_ids), wire.sampling_from_wire(message.sampling),
+                                   request_id, priority=message.priority, cache_salt=message.cache_salt or None,
+                                   num_resumed_tokens=message.num_resumed_tokens, **extra)
     if message.sampling.HasField("structured_output"):
         return await asyncio.to_thread(build)
     return build()
@@ -73,14 +74,11 @@ async def unavailable_when_engine_down(context: grpc.aio.ServicerContext) -> Asy
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
-def kv_settings(engine, transport: str) -> dict[str, Any]:
+def kv_settings(transport: str, transfer_config: Any, connector_config: KVConnectorConfig) -> dict[str, Any]:
     """`Worker.kv_settings`: the transport choice, the silent-peer timeout of the live sender or
-    receiver and its connector's config ({} for an engine without a connector: colocated)."""
-    connector = engine.engine.kv_connector
-    if connector is None:
-        return {}
-    return {"transport": transport, "kv_timeout_s": connector.transport.config.timeout_s,
-            **dataclasses.asdict(connector.config)}
+    receiver (its kvtransfer.TransferConfig) and the config its engine's connector was built with."""
+    return {"transport": transport, "kv_timeout_s": transfer_config.timeout_s,
+            **dataclasses.asdict(connector_config)}
 
 
 def health(engine, role: str, model: str, transport_address: str = "") -> Any:
@@ -95,8 +93,8 @@ async def stats(engine, role: str, context: grpc.aio.ServicerContext, **kv_bytes
     (its last one): the router polls Health and Stats together and must see Health's ok=False."""
     from wire.stats import worker_stats_to_wire
     snapshot, queued = engine.last_stats()
-    return worker_stats_to_wire(role, snapshot, queued, engine.engine.config.cache.block_size,
-                                rss_bytes=resident_bytes(), weight_bytes=engine.engine.runner.weight_bytes,
+    return worker_stats_to_wire(role, snapshot, queued, engine.block_size,
+                                rss_bytes=resident_bytes(), weight_bytes=engine.weight_bytes,
                                 **kv_bytes)
 
 

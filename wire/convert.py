@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.kv_connector import KVSendResult, ProducerReport
+from engine.kv_hooks import KVSendResult, ProducerReport
 from engine.kv_hooks import ImportPlan, KVDestination
 from engine.outputs import StreamDelta
 from engine.step_types import SampledToken
@@ -104,9 +104,9 @@ def destination_from_wire(message: Any) -> KVDestination:
 
 
 def prefill_response(delta: StreamDelta, first: StreamDelta | None) -> Any:
-    """The PrefillResponse for a prefill-role request's answering delta (engine.kv_connector
-    `answers_prefill`: the first token's with the send's report, or the final one; `first`: the
-    one with its first token, if it got that far)."""
+    """The PrefillResponse for a prefill-role request's answering delta (`StreamDelta.answers_prefill`:
+    the first token's with the send's report, or the final one; `first`: the one with its first
+    token, if it got that far)."""
     pb = messages()
     response = pb.PrefillResponse(num_cached_tokens=delta.num_cached_tokens)
     if first is not None and first.new_token_ids:

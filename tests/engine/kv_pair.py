@@ -9,7 +9,7 @@ import torch
 
 import kvtransfer
 from engine.engine import LLMEngine
-from engine.kv_connector import KVConnectorConfig, ProducerReport, answers_prefill
+from engine.kv_hooks import KVConnectorConfig, ProducerReport
 from engine.kv_hooks import KVDestination
 from engine.llm import build_engine_config
 from engine.model.loader import resolve_model
@@ -95,15 +95,15 @@ class Pair:
 
     def run_prefill_to_answer(self, request_id, timeout=30.0):
         """Step the prefill engine until the delta its server answers `request_id` with
-        (`answers_prefill`); returns the deltas so far (of every request)."""
-        return self.run_prefill(until=lambda deltas: any(d.request_id == request_id and answers_prefill(d)
+        (`StreamDelta.answers_prefill`); returns the deltas so far (of every request)."""
+        return self.run_prefill(until=lambda deltas: any(d.request_id == request_id and d.answers_prefill
                                                          for d in deltas), timeout=timeout)
 
     @staticmethod
     def producer_report(deltas):
         """(report, error): what the decode server makes of the PrefillResponse (answered by the
         first delta that `answers_prefill`)."""
-        answer = next(d for d in deltas if answers_prefill(d))
+        answer = next(d for d in deltas if d.answers_prefill)
         first = next((d for d in deltas if d.new_token_ids), None)
         result = answer.kv_send
         if (answer.finished and answer.finish_reason != "prefill_done") or result is None or result.error:
@@ -115,7 +115,7 @@ class Pair:
         """What the decode server hands to the engine from the PrefillResponse (`deltas`: the
         prefill engine's, of any requests)."""
         mine = [d for d in deltas if d.request_id == request_id]
-        return self.decode.report_kv_producer(request_id, *self.producer_report(mine))
+        return self.decode.kv_connector.report_producer(request_id, *self.producer_report(mine))
 
     def run_decode(self, timeout=30.0):
         tokens, finals = {}, {}

@@ -2,7 +2,7 @@
 over real kvtransfer senders and receivers on every transport, with a tiny random Llama model.
 
 Each test drives the hand-off as the two worker servers do (decode: `add_imported`, prefill:
-`add` with the destination, the prefill worker's answer handed to `report_kv_producer`), then
+`add` with the destination, the prefill worker's answer handed to the connector's `report_producer`), then
 checks what matters: greedy tokens equal to a colocated engine of the same weights (a clean
 hand-off, or the local-prefill fallback after any fault), no block left held on either side
 (`check_integrity()` and free-block counts), and each failure counted under its reason.
@@ -20,7 +20,7 @@ import transformers
 import kvtransfer
 from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
-from engine.kv_connector import ProducerReport, answers_prefill
+from engine.kv_hooks import ProducerReport
 from engine.kv_hooks import KVDestination
 from engine.sampling_params import SamplingParams
 from engine.step_types import SampledToken
@@ -228,7 +228,7 @@ def test_a_report_that_does_not_match_the_bytes_is_refused(pair_factory, referen
                                 final.kv_send.block_hashes)
         report = dataclasses.replace(report, **({"epoch": report.epoch ^ 1} if forged == "epoch"
                                                 else {"block_hashes": report.block_hashes[::-1]}))
-    pair.decode.report_kv_producer("a", report)
+    pair.decode.kv_connector.report_producer("a", report)
     out, finals = pair.run_decode()
     assert out["a"] == reference(tokens) and not finals["a:import"].prefilled_remotely
     assert pair.decode.kv_connector.failures == {forged: 1}
@@ -253,9 +253,9 @@ def test_abort_on_the_prefill_side_in_each_state(pair_factory, reference, state)
     assert final.finish_reason == "abort"
     if state == "WAITING":
         pair.report("a", pair.run_prefill())
-        pair.decode.report_kv_producer("b", None, "prefill worker: aborted")
+        pair.decode.kv_connector.report_producer("b", None, "prefill worker: aborted")
     else:
-        pair.decode.report_kv_producer("a", None, "prefill worker: aborted")
+        pair.decode.kv_connector.report_producer("a", None, "prefill worker: aborted")
     out, _ = pair.run_decode()
     assert out["a"] == reference(tokens)
 
@@ -287,7 +287,7 @@ def test_a_producer_that_dies_mid_transfer_is_recomputed_and_a_new_one_is_used(p
     pair.run_prefill(until=lambda ds: any(d.new_token_ids for d in ds))
     old_epoch = pair.prefill.kv_connector.transport.epoch
     pair.prefill.kv_connector.transport.close()  # the process "dies": its connection drops
-    pair.decode.report_kv_producer("a", None, "prefill worker: UNAVAILABLE")
+    pair.decode.kv_connector.report_producer("a", None, "prefill worker: UNAVAILABLE")
     out, _ = pair.run_decode()
     assert out["a"] == reference(tokens)
     assert pair.decode.kv_connector.failures == {"producer": 1}
@@ -333,7 +333,7 @@ def test_an_imported_first_token_does_not_wait_for_a_model_step(model_dir, refer
     """The decode engine is inside a model step of the requests already running (held at a gate
     here; each costs a real model tens of milliseconds) when the prefill worker's answer comes.
 
-    - Handed to the engine thread (`LLMEngine.report_kv_producer`): the connector's outcome goes
+    - Handed to the engine thread (the connector's `report_producer`): the connector's outcome goes
       out before the next step's batch runs (`AsyncEngine` delivers `apply_kv_transfers` first),
       so the first token waits for the held step only.
     - Through `AsyncEngine.report_kv_producer` (the decode worker's way): the token goes out at
@@ -355,7 +355,7 @@ def test_an_imported_first_token_does_not_wait_for_a_model_step(model_dir, refer
             if streamed:
                 engine.report_kv_producer(request, *answer)
             else:
-                engine.call(LLMEngine.report_kv_producer, "imported", *answer)  # runs after the held step
+                engine.call(lambda e: e.kv_connector.report_producer("imported", *answer))  # runs after the held step
                 steps.held.release()
                 await _until(lambda: len(steps.entered) == 2, "the next decode step to reach the gate")
             first = await asyncio.wait_for(stream.__anext__(), timeout=10)
@@ -461,7 +461,7 @@ def test_the_prefill_answer_goes_out_with_the_first_token_not_after_the_next_ste
             stream = engine.open_stream("a")
             engine.add(prefill.make_request(tokens, PARAMS, "a", kv_destination=destination), False)
             first = await asyncio.wait_for(stream.__anext__(), timeout=30)
-            assert first.new_token_ids and answers_prefill(first) and first.kv_send.error is None
+            assert first.new_token_ids and first.answers_prefill and first.kv_send.error is None
             following = engine.open_stream("next")
             engine.add(prefill.make_request(prompt(16, 30), PARAMS, "next"), False)
             assert await asyncio.to_thread(entered.wait, 30), "the next prompt's step never started"
@@ -490,12 +490,12 @@ def _stream_and_report(pair, request_id, report, error=None):
     """What `AsyncEngine.report_kv_producer` does on the decode server's loop, on this thread:
     claim the first token for the caller, then hand the answer to the engine."""
     streamed = _stream(pair, request_id, report)
-    pair.decode.report_kv_producer(request_id, report, error)
+    pair.decode.kv_connector.report_producer(request_id, report, error)
     return streamed
 
 
 def _stream(pair, request_id, report, deliver=lambda: None):
-    return pair.decode.kv_connector.stream_first_token(request_id, report, pair.decode.runner.vocab_size, deliver)
+    return pair.decode.kv_connector.stream_first_token(request_id, report, deliver)
 
 
 def test_a_streamed_first_token_is_not_sent_again_by_the_engine(pair_factory, reference):

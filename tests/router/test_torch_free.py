@@ -1,5 +1,5 @@
 """The router process is torch-free (docs/architecture.md: the router imports only the torch-free
-modules of `engine`): importing its entry points and building its app, in a fresh interpreter,
+modules of `engine`), and so is all of `wire`: importing its entry points and building its app, in a fresh interpreter,
 loads neither torch nor triton, with the default model's real tokenizer. Static import rules are `lint-imports` ([tool.importlinter] in
 pyproject.toml); this checks what a router really loads, lazy imports in `engine` included."""
 from __future__ import annotations
@@ -30,6 +30,7 @@ import router.app
 import deploy.admin
 import deploy.router_process
 import deploy.router_sync
+import wire.convert, wire.kv_events, wire.stats  # the whole contract the workers speak, typed
 
 main = router.__main__
 # the packaged default model, as `python -m router --model default` loads it: its tokenizer comes
