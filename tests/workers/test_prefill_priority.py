@@ -3,8 +3,6 @@ carries it (wire/convert.py), the prefill worker's engine request has it (servin
 so a prefill worker serves an interactive prompt before a batch one queued ahead of it."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import grpc
 import pytest
 import torch
@@ -50,7 +48,7 @@ def prefill_call(request_id: str, prompt: list[int], priority: int):
 
 
 async def test_priority_goes_over_the_wire_both_ways():
-    engine = SimpleNamespace(engine=prefill_engine())
+    engine = prefill_engine()  # request_from_wire needs its make_request only, as AsyncEngine's
     message = prefill_call("batch", [1, 2, 3, 4, 5], priority=7)
     assert message.priority == 7
     message = wire.messages().PrefillRequest.FromString(message.SerializeToString())
@@ -62,10 +60,9 @@ async def test_priority_goes_over_the_wire_both_ways():
 
 async def test_a_prefill_engine_serves_an_interactive_prompt_before_a_batch_one_queued_first():
     engine = prefill_engine(max_num_seqs=1)
-    async_engine = SimpleNamespace(engine=engine)
     for request_id, prompt, priority in (("batch", [3, 4, 5, 6, 7], 1), ("interactive", [8, 9, 10, 11, 12], 0)):
         message = prefill_call(request_id, prompt, priority)  # (batch arrives first)
-        engine.add(await serving.request_from_wire(async_engine, message, request_id), detokenize=False)
+        engine.add(await serving.request_from_wire(engine, message, request_id), detokenize=False)
     finished = []
     while engine.has_unfinished():
         finished += [delta.request_id for delta in engine.step() if delta.finished]
