@@ -24,7 +24,7 @@ install:
 # machine also checks what AVX2-only machines run (on an AVX2 machine it is the same build).
 KERNEL_TESTS := tests/engine/test_attention.py tests/engine/test_fused_ops.py tests/engine/test_cpu_kernels_build.py \
                 tests/engine/test_kv_quant.py tests/engine/test_attention_variants.py \
-                tests/engine/test_moe_cpu_kernel.py tests/engine/test_latent_cpu_kernel.py
+                tests/engine/test_moe_cpu_kernel.py tests/engine/test_latent_cpu_kernel.py tests/engine/test_quant_linear.py
 
 # lint-imports: the dependency arrows of docs/architecture.md ([tool.importlinter] in pyproject.toml).
 test: install

@@ -7,7 +7,9 @@ RMSNorm, SiLU-and-mul, RoPE; used by `engine.model.fused_ops`), the structured-o
 mask (`engine.structured_output.apply_bitmask`), and a mixture of experts' routed experts for a
 decode-sized batch in one call (`moe_experts`, used by `engine.model.moe.run_experts`).
 DeepSeek's latent attention (MLA) for decodes over the paged latent cache, float or 8-bit, read in
-place (`latent_decode_attention`, used by the "cpu" backend's `latent_attention`).
+place (`latent_decode_attention`, used by the "cpu" backend's `latent_attention`). Linear layers
+whose weights stay in a GGUF block format (`gguf_linear`, `gguf_dequantize`, used by
+`engine.model.quant_linear`).
 Those two are on in AVX2 builds; AVX-512 builds report them absent (`has_moe_experts`,
 `has_latent_decode`) until their 16-lane paths have run on an AVX-512 machine.
 
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("bindings.cpp", "paged_decode_cpu.cpp", "kv_store_cpu.cpp",
                          "flash_prefill_cpu.cpp", "fused_ops_cpu.cpp", "small_linear_cpu.cpp", "token_mask_cpu.cpp",
-                         "moe_cpu.cpp", "latent_decode_cpu.cpp")]
+                         "moe_cpu.cpp", "latent_decode_cpu.cpp", "gguf_linear_cpu.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd_math.h", "parallel.h", "row_ops.h")]
 
 

@@ -53,6 +53,11 @@ at::Tensor latent_decode_attention_8bit(const at::Tensor& query, const at::Tenso
                                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                         int64_t value_dim, int64_t block_size, bool fp8, int64_t num_splits,
                                         int64_t heads_per_item);
+// gguf_linear_cpu.cpp (weights kept in a GGUF block format: engine/model/quant_linear.py)
+bool has_gguf_linear();
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type);
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU), with an optional sliding window, soft-cap and sinks",
@@ -105,4 +110,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("value_dim"), py::arg("block_size"), py::arg("fp8"), py::arg("num_splits") = 0,
         py::arg("heads_per_item") = 0);
+  m.def("has_gguf_linear", &has_gguf_linear, "Whether gguf_linear and gguf_dequantize were compiled in (x86-64-v3)");
+  m.def("gguf_linear", &gguf_linear,
+        "float32 x [rows, K] times a GGUF Q4_0 / Q4_1 / Q8_0 weight [N, K / 32 blocks] transposed -> [rows, N]",
+        py::arg("x"), py::arg("weight"), py::arg("type"));
+  m.def("gguf_dequantize", &gguf_dequantize, "A GGUF Q4_0 / Q4_1 / Q8_0 weight [N, K / 32 blocks] as float32 [N, K]",
+        py::arg("weight"), py::arg("type"), py::arg("in_features"));
 }

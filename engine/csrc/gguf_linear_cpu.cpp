@@ -1,0 +1,187 @@
+// y = x W^T for a weight W kept in a GGUF block format (engine/model/quant_linear.py), float32
+// activations, for the few rows of a decode step; and W dequantized to float32, for the GEMM of a
+// prefill-sized batch.
+//
+// Formats (ggml's blocks of 32 weights along K, a row of W is K / 32 blocks back to back):
+//   Q4_0 (type 2, 18 bytes): fp16 d, 16 bytes of nibbles;   w = d * (q - 8)
+//   Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, 16 bytes;      w = d * q + m
+//   Q8_0 (type 8, 34 bytes): fp16 d, 32 int8;               w = d * q
+// Byte j's low nibble is weight j of its block, its high nibble weight j + 16.
+//
+// Weights are dequantized in registers, each exactly as gguf's reference does it (the products
+// are exact in fp32; Q4_1's d * q + m is a multiply then an add, two roundings, as numpy does),
+// and multiplied into fp32 accumulators: the result differs from the reference's (dequantize,
+// then matmul) only by the order of the sums. Decode is bound by reading W, here 4.5-8.5 bits a
+// weight instead of 32. Rows of x go over each block in groups of four, so each block is read and
+// dequantized once per group. W's rows are split over the threads. AVX2 + FMA + F16C (x86-64-v3),
+// the ISA every supported machine has; an AVX-512 build runs the same code.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int kGroupRows = 4;
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", type, " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  }
+  return 0;
+}
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+// The block's 32 weights, in order, as four vectors of eight.
+inline void dequantize_block(int64_t type, const uint8_t* block, __m256 out[4]) {
+  const __m256 d = _mm256_set1_ps(fp16_at(block));
+  if (type == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
+      out[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+    }
+    return;
+  }
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (type == kQ4_1 ? 4 : 2)));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(packed, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  if (type == kQ4_1) {
+    const __m256 m = _mm256_set1_ps(fp16_at(block + 2));
+    for (int i = 0; i < 4; ++i) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+      out[i] = _mm256_add_ps(_mm256_mul_ps(d, q), m);
+    }
+  } else {
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(q, eight));
+    }
+  }
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// y[r, n] for the `Rows` rows of x at x_rows (stride ldx) and W's rows [n0, n1).
+template <int Rows>
+void rows_times_weights(const float* x_rows, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t type,
+                        int64_t block_size_bytes, int64_t blocks, float* y_rows, int64_t ldy, int64_t n0,
+                        int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 even[Rows], odd[Rows];  // two chains per row of x: the FMA latency overlaps
+    for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 wv[4];
+      dequantize_block(type, row + b * block_size_bytes, wv);
+      for (int r = 0; r < Rows; ++r) {
+        const float* xb = x_rows + r * ldx + b * kBlock;
+        even[r] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xb), even[r]);
+        odd[r] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xb + 8), odd[r]);
+        even[r] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), even[r]);
+        odd[r] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), odd[r]);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) y_rows[r * ldy + n] = horizontal_sum(_mm256_add_ps(even[r], odd[r]));
+  }
+}
+
+void check_weight(const at::Tensor& weight, int64_t type, int64_t in_features) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "gguf_linear: the weight is a contiguous uint8 [out_features, row bytes] tensor");
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0, "gguf_linear: in_features (", in_features,
+              ") must be a positive multiple of ", kBlock);
+  TORCH_CHECK(weight.size(1) == in_features / kBlock * block_bytes(type), "gguf_linear: a weight row has ",
+              weight.size(1), " bytes, but ", in_features, " weights of type ", type, " take ",
+              in_features / kBlock * block_bytes(type));
+}
+
+}  // namespace
+
+bool has_gguf_linear() { return true; }
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear: x is a float32 [rows, in_features] tensor");
+  const int64_t in_features = x.size(1);
+  check_weight(weight, type, in_features);
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), out_features = weight.size(0);
+  const int64_t block_size_bytes = block_bytes(type), blocks = in_features / kBlock;
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = weight.size(1);
+  // ~16 weight rows per task at least: a task reads a few KB of W, enough to amortize its start.
+  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + kGroupRows <= rows; r += kGroupRows)
+      rows_times_weights<kGroupRows>(xp + r * in_features, in_features, wp, row_bytes, type, block_size_bytes,
+                                     blocks, yp + r * out_features, out_features, n0, n1);
+    switch (rows - r) {
+      case 3: rows_times_weights<3>(xp + r * in_features, in_features, wp, row_bytes, type, block_size_bytes,
+                                    blocks, yp + r * out_features, out_features, n0, n1); break;
+      case 2: rows_times_weights<2>(xp + r * in_features, in_features, wp, row_bytes, type, block_size_bytes,
+                                    blocks, yp + r * out_features, out_features, n0, n1); break;
+      case 1: rows_times_weights<1>(xp + r * in_features, in_features, wp, row_bytes, type, block_size_bytes,
+                                    blocks, yp + r * out_features, out_features, n0, n1); break;
+      default: break;
+    }
+  });
+  return y;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features) {
+  check_weight(weight, type, in_features);
+  const int64_t out_features = weight.size(0), row_bytes = weight.size(1);
+  const int64_t block_size_bytes = block_bytes(type), blocks = in_features / kBlock;
+  at::Tensor w = at::empty({out_features, in_features}, weight.options().dtype(at::kFloat));
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256 wv[4];
+        dequantize_block(type, wp + n * row_bytes + b * block_size_bytes, wv);
+        float* dst = out + n * in_features + b * kBlock;
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + 8 * i, wv[i]);
+      }
+    }
+  });
+  return w;
+}
+
+#else  // not x86-64-v3: engine/model/quant_linear.py dequantizes through gguf instead
+
+bool has_gguf_linear() { return false; }
+at::Tensor gguf_linear(const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "gguf_linear needs AVX2, FMA and F16C");
+  return at::Tensor();
+}
+at::Tensor gguf_dequantize(const at::Tensor&, int64_t, int64_t) {
+  TORCH_CHECK(false, "gguf_dequantize needs AVX2, FMA and F16C");
+  return at::Tensor();
+}
+
+#endif

@@ -1,0 +1,120 @@
+"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1 and Q8_0 blocks.
+
+A `GGUFLinear` holds W as a GGUF file stores it, uint8 [out_features, in_features / 32 blocks of
+`BLOCK_BYTES[type]` bytes], and computes y = x W^T (+ bias) in float32:
+
+- the reference path, that every kernel is tested against: W dequantized by the `gguf` package
+  (ggml's own formulas, in numpy), then `F.linear`;
+- on CPU with the native kernels (engine/csrc/gguf_linear_cpu.cpp): up to `DECODE_ROWS` rows, W
+  dequantized in registers and multiplied in fp32 (a decode step is bound by reading W: 4.5 to
+  8.5 bits a weight instead of 32); more rows, W dequantized to fp32 once per call, then the fast
+  GEMM (a prefill is bound by compute).
+
+Both native paths dequantize exactly as the reference does, so an output differs from the
+reference's only by the order of its fp32 sums. Without the kernels, the reference path runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ggml's type ids (gguf.GGMLQuantizationType) of the formats kept as stored, and their block sizes
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+BLOCK = 32  # weights per block, along in_features
+# Rows of x up to which the register kernel beats dequantize + GEMM (decode-sized batches).
+DECODE_ROWS = 16
+
+
+def type_name(ggml_type: int) -> str:
+    return next((name for name, number in GGML_TYPES.items() if number == ggml_type), str(ggml_type))
+
+
+def check_shape(ggml_type: int, out_features: int, in_features: int, packed: torch.Tensor) -> None:
+    """ValueError unless `packed` is W [out_features, in_features] in `ggml_type`'s blocks."""
+    if ggml_type not in BLOCK_BYTES:
+        raise ValueError(f"GGML type {type_name(ggml_type)} is not kept quantized; supported: "
+                         f"{', '.join(GGML_TYPES)}")
+    if in_features <= 0 or in_features % BLOCK:
+        raise ValueError(f"in_features ({in_features}) must be a positive multiple of {BLOCK} for a GGUF block format")
+    expected = (out_features, in_features // BLOCK * BLOCK_BYTES[ggml_type])
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
+        raise ValueError(f"a {type_name(ggml_type)} weight [{out_features}, {in_features}] is uint8 {list(expected)}, "
+                         f"got {packed.dtype} {list(packed.shape)}")
+
+
+def reference_dequantize(packed: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """W as float32 [out_features, in_features], by the `gguf` package (the reference)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    weights = dequantize(packed.cpu().numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
+
+
+def quantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """A float weight [out_features, in_features] in `ggml_type`'s blocks, by the `gguf` package
+    (llama.cpp's reference quantizer): what a GGUF file of that type would store."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+    array = weight.detach().to(torch.float32).cpu().numpy()
+    return torch.from_numpy(np.ascontiguousarray(gguf_quantize(array, GGMLQuantizationType(ggml_type))))
+
+
+def reference_linear(x: torch.Tensor, packed: torch.Tensor, ggml_type: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x.to(torch.float32), reference_dequantize(packed, ggml_type).to(x.device), bias)
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ bias) with W kept in a GGUF block format, computed in float32 (the result in
+    x's dtype). `packed` is a parameter (uint8, never trained), so the model's parameters count
+    its bytes and a tied embedding that shares it counts them once."""
+
+    def __init__(self, packed: torch.Tensor, ggml_type: int, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        check_shape(ggml_type, packed.shape[0], in_features, packed)
+        self.ggml_type = ggml_type
+        self.in_features = in_features
+        self.out_features = packed.shape[0]
+        self.packed = nn.Parameter(packed.contiguous(), requires_grad=False)
+        self.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False) if bias is not None else None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + (self.bias.numel() * 4 if self.bias is not None else 0)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={type_name(self.ggml_type)}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        bias = self.bias.to(torch.float32) if self.bias is not None else None
+        kernels = _kernels() if rows.device.type == "cpu" else None
+        if kernels is None:
+            y = reference_linear(rows, self.packed, self.ggml_type, bias)
+        elif rows.shape[0] <= DECODE_ROWS:
+            y = kernels.gguf_linear(rows, self.packed, self.ggml_type)
+            if bias is not None:
+                y += bias
+        else:
+            y = F.linear(rows, kernels.gguf_dequantize(self.packed, self.ggml_type, self.in_features), bias)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows `indices` of W as float32 [*indices.shape, in_features] (an embedding lookup)."""
+        selected = self.packed[indices.reshape(-1)]
+        kernels = _kernels() if selected.device.type == "cpu" else None
+        weights = (kernels.gguf_dequantize(selected, self.ggml_type, self.in_features) if kernels is not None
+                   else reference_dequantize(selected, self.ggml_type).to(selected.device))
+        return weights.reshape(*indices.shape, self.in_features)
+
+
+def _kernels():
+    """The native kernels when they have the GGUF linear (x86-64-v3 builds), else None."""
+    from engine import cpu_kernels
+    module = cpu_kernels.load()
+    return module if module is not None and module.has_gguf_linear() else None

@@ -1,0 +1,90 @@
+"""GGUF-quantized linear layers (engine/model/quant_linear.py, engine/csrc/gguf_linear_cpu.cpp)
+against their reference: W dequantized by the `gguf` package (ggml's formulas), then F.linear.
+
+Weights are quantized by the `gguf` package too (llama.cpp's reference quantizer), from random
+floats with an offset per row, so a scale, a minimum or a nibble read from the wrong place shows.
+Shapes are odd on purpose: out_features not a multiple of the kernel's tiles, in_features a
+multiple of 32 but not of 256, row counts around the kernel's groups of four and on both sides
+of DECODE_ROWS. `make test` runs this file again with PDSERVE_CPU_ISA=avx2 (the portable path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.model import quant_linear
+from engine.model.quant_linear import (BLOCK_BYTES, DECODE_ROWS, GGML_TYPES, GGUFLinear, quantize,
+                                       reference_dequantize, reference_linear)
+
+TYPES = list(GGML_TYPES.items())
+
+
+def native():
+    module = cpu_kernels.load()
+    if module is None or not module.has_gguf_linear():
+        pytest.skip("no native CPU kernels with the GGUF linear here (the reference path serves)")
+    return module
+
+
+def weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.randn(out_features, 1, generator=generator)
+    return torch.randn(out_features, in_features, generator=generator) * 0.5 + offsets
+
+
+def within_sum_order(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> None:
+    """Equal up to the order of fp32 sums: |error| <= 2 (K + 1) eps (sum_k |x_k w_k| + |bias|),
+    the sum of both sides' bounds."""
+    magnitude = x.abs() @ dequantized.abs().T + (bias.abs() if bias is not None else 0)
+    bound = 2 * (x.shape[-1] + 1) * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    excess = (y - reference).abs() - bound
+    assert excess.max() <= 0, f"max error over the bound: {excess.max().item():.3g}"
+
+
+@pytest.mark.parametrize("name, ggml_type", TYPES)
+@pytest.mark.parametrize("out_features, in_features", [(1, 32), (37, 96), (130, 288)])
+def test_the_native_dequantize_is_the_references_bit_for_bit(name, ggml_type, out_features, in_features):
+    kernels = native()
+    packed = quantize(weights(out_features, in_features, seed=out_features), ggml_type)
+    assert packed.shape == (out_features, in_features // 32 * BLOCK_BYTES[ggml_type])
+    assert torch.equal(kernels.gguf_dequantize(packed, ggml_type, in_features), reference_dequantize(packed, ggml_type))
+
+
+@pytest.mark.parametrize("name, ggml_type", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, DECODE_ROWS, DECODE_ROWS + 3])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_the_linear_matches_its_reference(name, ggml_type, rows, with_bias):
+    native()
+    out_features, in_features = 45, 160
+    packed = quantize(weights(out_features, in_features, seed=rows), ggml_type)
+    bias = torch.randn(out_features) if with_bias else None
+    layer = GGUFLinear(packed, ggml_type, in_features, bias)
+    x = torch.randn(rows, in_features)
+    y = layer(x)
+    reference = reference_linear(x, packed, ggml_type, bias)
+    dequantized = reference_dequantize(packed, ggml_type)
+    within_sum_order(y, reference, x, dequantized, bias)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+
+
+def test_leading_dimensions_and_the_reference_path_without_kernels(monkeypatch):
+    packed = quantize(weights(8, 64, seed=1), GGML_TYPES["Q4_1"])
+    layer = GGUFLinear(packed, GGML_TYPES["Q4_1"], 64)
+    x = torch.randn(2, 3, 64)
+    monkeypatch.setattr(quant_linear, "_kernels", lambda: None)  # as where the kernels cannot be built
+    y = layer(x)
+    assert y.shape == (2, 3, 8)
+    assert torch.equal(y, reference_linear(x.reshape(6, 64), packed, GGML_TYPES["Q4_1"]).reshape(2, 3, 8))
+    # the weight held is the file's bytes: 20 per 32 weights for Q4_1
+    assert layer.weight_bytes == 8 * 64 // 32 * 20
+
+
+def test_a_wrong_shape_or_format_is_refused_with_what_is_supported():
+    packed = quantize(weights(4, 64, seed=2), GGML_TYPES["Q8_0"])
+    with pytest.raises(ValueError, match=r"a Q4_0 weight \[4, 64\] is uint8 \[4, 36\], got torch.uint8 \[4, 68\]"):
+        GGUFLinear(packed, GGML_TYPES["Q4_0"], 64)
+    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q8_0"):
+        GGUFLinear(packed, 12, 64)  # Q4_K: not (yet) kept quantized
+    with pytest.raises(ValueError, match="multiple of 32"):
+        GGUFLinear(packed, GGML_TYPES["Q8_0"], 48)
