@@ -229,11 +229,20 @@ class SpeculativeConfig:
                 raise ValueError(message)
 
 
+# How a checkpoint's weights are held (`--quantization`): "none" dequantizes whatever the file
+# stores to the model's dtype at load; "gguf" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as
+# stored (engine/model/gguf_quantized.py; other formats in the file stay float).
+QUANTIZATIONS = ("none", "gguf")
+QUANTIZATION_HELP = ("none (default): weights dequantized at load to the model's dtype; gguf: a .gguf model's "
+                     "Q4_0 / Q4_1 / Q8_0 linear weights kept as stored (a quarter to a half of float32's memory)")
+
+
 def add_engine_arguments(group) -> None:
     """The engine flags of every command that starts workers (an argparse group): `pdserve serve`
     gives them to each of its workers, a worker started by hand takes them itself. Unset ones stay
     None, so the engine's (and the role's) defaults apply; `engine_options` collects the rest."""
     group.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     group.add_argument("--block-size", type=int, default=None, help="tokens per KV block, the same on every worker "
                                                                     "(default 16)")
     group.add_argument("--kv-cache-blocks", "--num-blocks", dest="num_blocks", type=int, default=None,
@@ -267,7 +276,7 @@ def add_engine_arguments(group) -> None:
 
 def engine_options(args) -> dict:
     """The flags of `add_engine_arguments` that were given, as `engine.llm.build_engine_config` options."""
-    names = ("dtype", "block_size", "num_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "max_num_batched_tokens",
+    names = ("dtype", "quantization", "block_size", "num_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "max_num_batched_tokens",
              "max_num_seqs", "max_step_ms", "max_step_ratio", "long_prefill_chunk_tokens", "max_model_len",
              "preemption_mode", "swap_space_gb", "host_cache_gb")
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -305,6 +314,7 @@ def speculative_options(args) -> dict:
 class EngineConfig:
     model: str = DEFAULT_MODEL_NAME
     dtype: str = "auto"
+    quantization: str = "none"  # QUANTIZATIONS
     device: str = "auto"
     attention_backend: Literal["auto"] | AttentionBackendName = "auto"
     role: Role = Role.BOTH  # (a role's name is parsed into its Role)
@@ -328,6 +338,12 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         self.device = resolve_device(self.device)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r} "
+                             "(fp8, AWQ, GPTQ and int8 weights are not supported yet)")
+        if self.quantization == "gguf" and (tp > 1 or self.device != "cpu"):
+            raise ValueError("quantization 'gguf' runs on one CPU process for now (no tensor parallelism, no GPU); "
+                             "use quantization 'none' there")
         if self.speculative.enabled and self.cache.kv_cache_dtype != "auto":
             # A draft token's K/V can grow its block's scale, which re-rounds the tokens before it;
             # rejecting the draft does not undo that, so outputs would differ from decoding without it.

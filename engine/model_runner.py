@@ -144,6 +144,12 @@ class ModelRunner:
             place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
         model.init_rotary(self.max_model_len, self.device)  # its tables, computed (not left empty)
         model.load_weights(loaded.iter_weights())
+        if self.config.quantization == "gguf":
+            if loaded.gguf_path is None:
+                raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights as stored, but {loaded.model_dir} "
+                                 "is a Hugging Face folder: serve the .gguf file (or a packaged model)")
+            from engine.model.gguf_quantized import keep_gguf_quantized
+            keep_gguf_quantized(model, loaded.gguf_path)
         model.prepack_linear_weights()
         return model.eval()
 

@@ -32,6 +32,7 @@ class LoadedModel:
 
     arch: ModelArchConfig
     model_dir: str
+    gguf_path: str | None = None  # the .gguf it was converted from, if any (`--quantization gguf` reads it)
 
     def weight_files(self) -> list[str]:
         return weight_files(self.model_dir)
@@ -130,11 +131,11 @@ def load_arch_config(model_dir: str) -> ModelArchConfig:
         raise ValueError(f"{config_path}: {exc}") from exc
 
 
-def load_hf_folder(model_dir: str) -> LoadedModel:
+def load_hf_folder(model_dir: str, gguf_path: str | None = None) -> LoadedModel:
     """Validate a Hugging Face folder (config, weight files, tensor names and shapes,
-    headers only) and describe it."""
+    headers only) and describe it (`gguf_path`: the file it was converted from)."""
     model_dir = os.path.abspath(model_dir)
-    model = LoadedModel(arch=load_arch_config(model_dir), model_dir=model_dir)
+    model = LoadedModel(arch=load_arch_config(model_dir), model_dir=model_dir, gguf_path=gguf_path)
     check_weights(model.arch, model.weight_shapes(), source=model_dir)
     return model
 
@@ -147,13 +148,14 @@ def resolve_model(model: str, cache_dir: str | None = None) -> LoadedModel:
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
     if model in PACKAGED_MODELS:
-        return load_hf_folder(convert_gguf(packaged_gguf_path(model, cache_dir), cache_dir))
+        gguf_path = packaged_gguf_path(model, cache_dir)
+        return load_hf_folder(convert_gguf(gguf_path, cache_dir), gguf_path)
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return load_hf_folder(path)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
-            return load_hf_folder(convert_gguf(path, cache_dir))
+            return load_hf_folder(convert_gguf(path, cache_dir), os.path.abspath(path))
         if os.path.basename(path) == "config.json":
             return load_hf_folder(os.path.dirname(os.path.abspath(path)))
         raise ValueError(

@@ -13,7 +13,7 @@ def test_cpu_dtype_benchmark_smoke(tmp_path):
     results, stdout = run_smoke("cpu_dtype.py", tmp_path)
     assert set(results["dtypes"]) == {"float32", "bfloat16"}
     for figures in results["dtypes"].values():
-        assert set(figures) == {"prefill_64_ms", "decode_step_batch1_ms", "decode_step_batch16_ms"}
+        assert set(figures) == {"weight_bytes", "prefill_64_ms", "decode_step_batch1_ms", "decode_step_batch16_ms"}
         assert all(isinstance(value, float) and math.isfinite(value) for value in figures.values())  # no timing bounds
     assert results["threads"] == 2
     assert "CPU features" in stdout

@@ -79,8 +79,9 @@ def test_engine_flags_reach_every_worker():
                    "--kv-cache-blocks", "300", "--max-model-len", "1024", "--no-prefix-caching", "--no-cuda-graphs",
                    "--preemption-mode", "swap", "--swap-space-gb", "2", "--host-cache-gb", "8",
                    "--speculative", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1",
-                   "--prompt-lookup-max", "5", "--speculative-disable-by-batch-size", "16")
-    assert opts.engine_options == {"block_size": 32, "max_num_batched_tokens": 512, "max_num_seqs": 8,
+                   "--prompt-lookup-max", "5", "--speculative-disable-by-batch-size", "16",
+                   "--quantization", "gguf")
+    assert opts.engine_options == {"quantization": "gguf", "block_size": 32, "max_num_batched_tokens": 512, "max_num_seqs": 8,
                                    "num_blocks": 300, "max_model_len": 1024, "enable_prefix_caching": False,
                                    "cuda_graphs": False, "preemption_mode": "swap", "swap_space_gb": 2.0,
                                    "host_cache_gb": 8.0, "speculative_method": "ngram", "num_speculative_tokens": 3,

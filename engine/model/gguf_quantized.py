@@ -1,0 +1,102 @@
+"""`--quantization gguf`: a GGUF model's linear weights kept in the file's own blocks.
+
+The model is first built and loaded as usual, from the converted (dequantized) folder; then
+every projection whose GGUF tensors are in a kept format (`quant_linear.GGML_TYPES`: Q4_0, Q4_1,
+Q8_0) is replaced by a `GGUFLinear` over the file's bytes, and so is the token embedding (its
+rows dequantized as they are looked up) and the LM head (a tied one shares the embedding's bytes).
+A layer whose tensors are in another format (k-quants, a mix) keeps its float weights, and the
+count of each is logged. The fused projections are the file's tensors' rows end to end (q | k | v,
+gate | up, all in one format); llama's permuted Q/K rows are put back in Hugging Face order as the
+converter does (whole rows move: the blocks run along a row).
+
+What the dequantized model computes and what this one computes differ only by the order of fp32
+sums (the kernels dequantize exactly as the reference does); the weights held are the file's bytes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.model.gguf_loader import _PERMUTED_QK_ARCHITECTURES, _field, _open_reader, unpermute_qk
+from engine.model.quant_linear import BLOCK_BYTES, GGUFLinear
+
+logger = logging.getLogger(__name__)
+
+
+class GGUFEmbedding(nn.Module):
+    """nn.Embedding over a GGUF-quantized table: the rows looked up are dequantized (float32)."""
+
+    def __init__(self, linear: GGUFLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = linear  # shared with a tied LM head: one copy of the bytes
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(input_ids).to(self.dtype)
+
+
+def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
+    """Replace `model`'s linear layers (a `DecoderForCausalLM`, one process) by `GGUFLinear`s over
+    `gguf_path`'s tensors where their format is kept. Returns {"kept": n, "float": m} layers."""
+    reader = _open_reader(gguf_path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    permuted = _field(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    arch = model.arch
+    dtype = model.embed_tokens.weight.dtype
+    counts = {"kept": 0, "float": 0}
+
+    def packed(name: str, heads: int | None = None) -> tuple[int, torch.Tensor] | None:
+        tensor = tensors.get(name)
+        if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES:
+            return None
+        rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+        if heads is not None and permuted:
+            rows = unpermute_qk(rows, heads)
+        return int(tensor.tensor_type), torch.from_numpy(np.array(rows))  # a copy: the file is closed after
+
+    def replace(owner: nn.Module, attribute: str, parts: list[tuple[int, torch.Tensor] | None]) -> None:
+        current = getattr(owner, attribute)
+        types = {part[0] for part in parts if part is not None}
+        if None in parts or len(types) != 1:
+            counts["float"] += 1
+            return
+        bias = current.bias.detach().to(torch.float32) if current.bias is not None else None
+        setattr(owner, attribute, GGUFLinear(torch.cat([part[1] for part in parts]), types.pop(),
+                                             current.in_features, bias))
+        counts["kept"] += 1
+
+    for index, layer in enumerate(model.layers):
+        attention, prefix = layer.self_attn, f"blk.{index}."
+        if hasattr(attention, "qkv_proj"):  # not latent attention
+            replace(attention, "qkv_proj", [packed(prefix + "attn_q.weight", arch.num_attention_heads),
+                                            packed(prefix + "attn_k.weight", arch.num_key_value_heads),
+                                            packed(prefix + "attn_v.weight")])
+            replace(attention, "o_proj", [packed(prefix + "attn_output.weight")])
+        if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP, not a mixture of experts
+            replace(layer.mlp, "gate_up_proj", [packed(prefix + "ffn_gate.weight"), packed(prefix + "ffn_up.weight")])
+            replace(layer.mlp, "down_proj", [packed(prefix + "ffn_down.weight")])
+    embedding = packed("token_embd.weight")
+    if embedding is not None:
+        table = GGUFLinear(embedding[1], embedding[0], arch.hidden_size)
+        model.embed_tokens = GGUFEmbedding(table, dtype)
+        counts["kept"] += 1
+        if model.lm_head is None:  # tied: the same bytes
+            model.lm_head = table
+    if model.lm_head is not None and not isinstance(model.lm_head, GGUFLinear):
+        head = packed("output.weight")
+        if head is not None:
+            model.lm_head = GGUFLinear(head[1], head[0], arch.hidden_size)
+            counts["kept"] += 1
+    logger.info("GGUF weights kept as stored: %d layers; %d left in float (formats not kept: %s)",
+                counts["kept"], counts["float"], ", ".join(sorted(_other_formats(tensors))) or "none")
+    return counts
+
+
+def _other_formats(tensors: dict[str, Any]) -> set[str]:
+    return {tensor.tensor_type.name for tensor in tensors.values()
+            if len(tensor.shape) == 2 and int(tensor.tensor_type) not in BLOCK_BYTES
+            and tensor.tensor_type.name not in ("F32", "F16", "BF16")}

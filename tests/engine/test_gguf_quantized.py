@@ -1,0 +1,49 @@
+"""`--quantization gguf` (engine/model/gguf_quantized.py) on the default model, SmolLM2-135M from
+its packaged Q4_1 GGUF (linear layers Q4_1, the tied embedding Q8_0): the weights held are the
+file's tensors' bytes, and greedy outputs equal the dequantized model's (`quantization="none"`,
+today's path; the kernels dequantize exactly as it does, only fp32 sums are ordered differently).
+Refusals: a Hugging Face folder, tensor parallelism, a format that is not supported."""
+from __future__ import annotations
+
+import pytest
+
+from engine import cpu_kernels
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.model.packaged_models import packaged_gguf_path
+from engine.sampling_params import SamplingParams
+from tests.engine.tiny_models import save_tiny_model, tiny_config
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.mark.slow
+def test_the_default_model_kept_as_stored_holds_the_files_bytes_and_decodes_as_the_dequantized_one():
+    module = cpu_kernels.load()
+    if module is None or not module.has_gguf_linear():
+        pytest.skip("no native GGUF linear here: the reference path would dequantize every layer at every step")
+    from gguf import GGUFReader
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    with LLM("default", dtype="float32", quantization="none") as dequantized:
+        expected = [out.token_ids for out in dequantized.generate(PROMPTS, params)]
+        float_bytes = dequantized.engine.runner.weight_bytes
+    with LLM("default", dtype="float32", quantization="gguf") as kept:
+        got = [out.token_ids for out in kept.generate(PROMPTS, params)]
+        held = kept.engine.runner.weight_bytes
+    assert got == expected
+    file_tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(packaged_gguf_path("default")).tensors)
+    assert held == file_tensor_bytes, (held, file_tensor_bytes)
+    assert held < float_bytes / 5  # 4.5-8.5 bits a weight instead of 32 (float32's pre-blocked copies aside)
+
+
+def test_what_is_not_supported_is_refused_at_load():
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, got 'awq'"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+
+
+def test_a_hugging_face_folder_is_refused_with_what_to_serve_instead(tmp_path):
+    folder = save_tiny_model(tmp_path / "tiny", tiny_config())
+    with pytest.raises(ValueError, match="is a Hugging Face folder: serve the .gguf file"):
+        LLM(folder, quantization="gguf")
