@@ -15,6 +15,8 @@ reference's only by the order of its fp32 sums. Without the kernels, the referen
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -113,8 +115,10 @@ class GGUFLinear(nn.Module):
         return weights.reshape(*indices.shape, self.in_features)
 
 
+@functools.lru_cache(maxsize=1)
 def _kernels():
-    """The native kernels when they have the GGUF linear (x86-64-v3 builds), else None."""
+    """The native kernels when they have the GGUF linear (x86-64-v3 builds), else None (asked once:
+    a layer's call is a few microseconds of Python around the kernel)."""
     from engine import cpu_kernels
     module = cpu_kernels.load()
     return module if module is not None and module.has_gguf_linear() else None
