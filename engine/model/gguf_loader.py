@@ -59,7 +59,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
 # transformers' model_type where it differs from the GGUF architecture name (a gemma3 GGUF
 # holds only the text model).
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
-_PERMUTED_QK_ARCHITECTURES = ("llama",)
+PERMUTED_QK_ARCHITECTURES = ("llama",)
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # llama.cpp's converter computes rope_freqs with original_max_position_embeddings read from the
 # top level of config.json, where Llama 3.x configs do not have it: always its default 8192.
@@ -184,7 +184,7 @@ class _GGUFModel:
     pad_token_id: int | None
 
 
-def _open_reader(path: str):
+def open_reader(path: str):
     import gguf
 
     try:
@@ -195,7 +195,7 @@ def _open_reader(path: str):
             "truncated or not a GGUF model: download or convert it again") from exc
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def read_field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -215,7 +215,7 @@ def _float32_decimal(value: float) -> float:
 
 
 def _read_model(path: str, reader: Any) -> _GGUFModel:
-    arch_name = _field(reader, "general.architecture")
+    arch_name = read_field(reader, "general.architecture")
     if arch_name not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF file {path} has architecture {arch_name!r}, which pdserve does not support; "
@@ -225,7 +225,7 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
         raise ValueError(f"GGUF file {path} has no token_embd.weight tensor; it is not a complete model")
 
     def meta(key: str, default: Any = None, required: bool = True) -> Any:
-        value = _field(reader, f"{arch_name}.{key}", default)
+        value = read_field(reader, f"{arch_name}.{key}", default)
         if value is None and required:
             raise ValueError(f"GGUF file {path} lacks the metadata key {arch_name}.{key}")
         return value
@@ -284,8 +284,8 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": read_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": read_field(reader, "tokenizer.ggml.eos_token_id"),
     }
     if arch_name in _GEMMA_ARCHITECTURES:
         hf_config.update(_gemma_config(path, arch_name, meta, hf_config))
@@ -296,7 +296,7 @@ def _read_model(path: str, reader: Any) -> _GGUFModel:
     if arch_name in _MOE_ARCHITECTURES:
         hf_config.update(_moe_config(meta, tensors, num_layers))
     return _GGUFModel(path, arch_name, hf_config, _engine_arch(path, hf_config),
-                      _field(reader, "tokenizer.ggml.padding_token_id"))
+                      read_field(reader, "tokenizer.ggml.padding_token_id"))
 
 
 def _moe_config(meta: Any, tensors: dict, num_layers: int) -> dict:
@@ -453,7 +453,7 @@ def _dequantized(model: _GGUFModel, tensor: Any) -> np.ndarray:
     expected = tuple(int(d) for d in reversed(tensor.shape))
     if weight.shape != expected:
         weight = weight.reshape(expected)
-    if model.gguf_architecture in _PERMUTED_QK_ARCHITECTURES:
+    if model.gguf_architecture in PERMUTED_QK_ARCHITECTURES:
         if ".attn_q." in tensor.name:
             weight = unpermute_qk(weight, model.hf_config["num_attention_heads"])
         elif ".attn_k." in tensor.name:
@@ -544,14 +544,14 @@ def _write_config(model: _GGUFModel, folder: str) -> None:
 def _write_tokenizer(model: _GGUFModel, reader: Any, folder: str) -> None:
     from transformers import AutoTokenizer
 
-    if _field(reader, "tokenizer.ggml.model") is None:
+    if read_field(reader, "tokenizer.ggml.model") is None:
         raise ValueError(f"GGUF file {model.path} has no tokenizer (no tokenizer.ggml.model metadata)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             os.path.dirname(os.path.abspath(model.path)), gguf_file=os.path.basename(model.path))
     except Exception as exc:
         raise ValueError(f"could not build the tokenizer of GGUF file {model.path}: {exc}") from exc
-    template = _field(reader, "tokenizer.chat_template")
+    template = read_field(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     tokenizer.model_max_length = model.hf_config["max_position_embeddings"]
@@ -559,7 +559,7 @@ def _write_tokenizer(model: _GGUFModel, reader: Any, folder: str) -> None:
 
 
 def _convert_into(gguf_path: str, folder: str, progress: bool) -> None:
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     model = _read_model(gguf_path, reader)
     _write_weights(model, reader, folder, progress)
     _write_tokenizer(model, reader, folder)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.model.gguf_loader import _PERMUTED_QK_ARCHITECTURES, _field, _open_reader, unpermute_qk
+from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
 from engine.model.quant_linear import BLOCK_BYTES, GGUFLinear
 
 logger = logging.getLogger(__name__)
@@ -42,9 +42,9 @@ class GGUFEmbedding(nn.Module):
 def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     """Replace `model`'s linear layers (a `DecoderForCausalLM`, one process) by `GGUFLinear`s over
     `gguf_path`'s tensors where their format is kept. Returns {"kept": n, "float": m} layers."""
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    permuted = _field(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    permuted = read_field(reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
     arch = model.arch
     dtype = model.embed_tokens.weight.dtype
     counts = {"kept": 0, "float": 0}
