@@ -3,10 +3,13 @@
 // prefill-sized batch.
 //
 // Formats (ggml's blocks of 32 weights along K, a row of W is K / 32 blocks back to back):
-//   Q4_0 (type 2, 18 bytes): fp16 d, 16 bytes of nibbles;   w = d * (q - 8)
-//   Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, 16 bytes;      w = d * q + m
-//   Q8_0 (type 8, 34 bytes): fp16 d, 32 int8;               w = d * q
-// Byte j's low nibble is weight j of its block, its high nibble weight j + 16.
+//   Q4_0 (type 2, 18 bytes): fp16 d, 16 bytes of nibbles;             w = d * (q - 8)
+//   Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, 16 bytes;                w = d * q + m
+//   Q5_0 (type 6, 22 bytes): fp16 d, 32 high bits, 16 bytes;          w = d * (q - 16)
+//   Q5_1 (type 7, 24 bytes): fp16 d, fp16 m, 32 high bits, 16 bytes;  w = d * q + m
+//   Q8_0 (type 8, 34 bytes): fp16 d, 32 int8;                         w = d * q
+// Byte j's low nibble is weight j of its block, its high nibble weight j + 16; a 5-bit weight j's
+// fifth bit is bit j of the 32-bit little-endian word before the nibbles.
 //
 // Weights are dequantized in registers, each exactly as gguf's reference does it (the products
 // are exact in fp32; Q4_1's d * q + m is a multiply then an add, two roundings, as numpy does),
@@ -26,15 +29,18 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8;
 constexpr int kGroupRows = 4;
 
 int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "gguf_linear: GGML type ", type, " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", type,
+                         " is not supported (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8)");
   }
   return 0;
 }
@@ -43,6 +49,40 @@ inline float fp16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   return _cvtsh_ss(h);
+}
+
+// 0x10 in byte j where bit j of the little-endian word at `bits` is set, else 0: each byte
+// picks the word's byte j / 8, keeps its bit j % 8 and compares it with that bit.
+inline __m256i fifth_bits(const uint8_t* bits) {
+  uint32_t word;
+  std::memcpy(&word, bits, sizeof(word));
+  const __m256i byte_of_j = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(word)), byte_of_j);
+  const __m256i bit_of_j = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit_of_j), bit_of_j);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// Q5_0 / Q5_1: the nibbles with their fifth bits, as four vectors of eight weights.
+inline void dequantize_5bit_block(int64_t type, const uint8_t* block, __m256 d, __m256 out[4]) {
+  const uint8_t* bits = block + (type == kQ5_1 ? 4 : 2);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + 4));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4),
+                                           _mm_and_si128(packed, low4));
+  const __m256i q = _mm256_or_si256(nibbles, fifth_bits(bits));
+  const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+  if (type == kQ5_1) {
+    const __m256 m = _mm256_set1_ps(fp16_at(block + 2));
+    for (int i = 0; i < 4; ++i)
+      out[i] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]))), m);
+  } else {
+    const __m256 sixteen = _mm256_set1_ps(16.0f);
+    for (int i = 0; i < 4; ++i)
+      out[i] = _mm256_mul_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), sixteen));
+  }
 }
 
 // The block's 32 weights, in order, as four vectors of eight.
@@ -54,6 +94,10 @@ inline void dequantize_block(int64_t type, const uint8_t* block, __m256 out[4]) 
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
       out[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
     }
+    return;
+  }
+  if (type == kQ5_0 || type == kQ5_1) {
+    dequantize_5bit_block(type, block, d, out);
     return;
   }
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (type == kQ4_1 ? 4 : 2)));

@@ -1,13 +1,14 @@
 """`--quantization gguf`: a GGUF model's linear weights kept in the file's own blocks.
 
-The model is first built and loaded as usual, from the converted (dequantized) folder; then
-every projection whose GGUF tensors are in a kept format (`quant_linear.GGML_TYPES`: Q4_0, Q4_1,
-Q8_0) is replaced by a `GGUFLinear` over the file's bytes, and so is the token embedding (its
+The model is first built and loaded as usual, from the converted (dequantized) folder; then every
+projection whose GGUF tensors are in a kept format (`quant_linear.GGML_TYPES`: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0) is replaced by a `GGUFLinear` over the file's bytes, and so is the token embedding (its
 rows dequantized as they are looked up) and the LM head (a tied one shares the embedding's bytes).
-A layer whose tensors are in another format (k-quants, a mix) keeps its float weights, and the
-count of each is logged. The fused projections are the file's tensors' rows end to end (q | k | v,
-gate | up, all in one format); llama's permuted Q/K rows are put back in Hugging Face order as the
-converter does (whole rows move: the blocks run along a row).
+A layer with a tensor in another format (the k-quants) keeps its float weights, and the count of
+each is logged. A fused projection (q | k | v, gate | up) is the file's tensors' rows end to end
+when they share a format, else a `GGUFConcat` of one `GGUFLinear` per tensor; llama's permuted
+Q/K rows are put back in Hugging Face order as the converter does (whole rows move: the blocks
+run along a row).
 
 What the dequantized model computes and what this one computes differ only by the order of fp32
 sums (the kernels dequantize exactly as the reference does); the weights held are the file's bytes.
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
-from engine.model.quant_linear import BLOCK_BYTES, GGUFLinear
+from engine.model.quant_linear import BLOCK_BYTES, GGUFConcat, GGUFLinear
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,16 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
 
     def replace(owner: nn.Module, attribute: str, parts: list[tuple[int, torch.Tensor] | None]) -> None:
         current = getattr(owner, attribute)
-        types = {part[0] for part in parts if part is not None}
-        if None in parts or len(types) != 1:
+        if None in parts:
             counts["float"] += 1
             return
         bias = current.bias.detach().to(torch.float32) if current.bias is not None else None
-        setattr(owner, attribute, GGUFLinear(torch.cat([part[1] for part in parts]), types.pop(),
-                                             current.in_features, bias))
+        types = {part[0] for part in parts}
+        if len(types) == 1:  # one matmul over the parts' rows end to end
+            replacement = GGUFLinear(torch.cat([part[1] for part in parts]), types.pop(), current.in_features, bias)
+        else:  # e.g. Q5_0 q and k beside a Q8_0 v: one matmul per part
+            replacement = GGUFConcat([GGUFLinear(rows, kind, current.in_features) for kind, rows in parts], bias)
+        setattr(owner, attribute, replacement)
         counts["kept"] += 1
 
     for index, layer in enumerate(model.layers):

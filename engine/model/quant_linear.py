@@ -1,4 +1,4 @@
-"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1 and Q8_0 blocks.
+"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks.
 
 A `GGUFLinear` holds W as a GGUF file stores it, uint8 [out_features, in_features / 32 blocks of
 `BLOCK_BYTES[type]` bytes], and computes y = x W^T (+ bias) in float32:
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the formats kept as stored, and their block sizes
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34}
 BLOCK = 32  # weights per block, along in_features
 # Rows of x up to which the register kernel beats dequantize + GEMM (decode-sized batches).
 DECODE_ROWS = 16
@@ -113,6 +113,24 @@ class GGUFLinear(nn.Module):
         weights = (kernels.gguf_dequantize(selected, self.ggml_type, self.in_features) if kernels is not None
                    else reference_dequantize(selected, self.ggml_type).to(selected.device))
         return weights.reshape(*indices.shape, self.in_features)
+
+
+class GGUFConcat(nn.Module):
+    """A fused projection (q | k | v, gate | up) whose parts a GGUF stores in different formats:
+    each part's `GGUFLinear`, their outputs side by side, then the fused bias."""
+
+    def __init__(self, parts: list[GGUFLinear], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if len({part.in_features for part in parts}) != 1 or any(part.bias is not None for part in parts):
+            raise ValueError("the parts of a fused projection share in_features and carry no bias of their own")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 @functools.lru_cache(maxsize=1)

@@ -47,3 +47,22 @@ def test_a_hugging_face_folder_is_refused_with_what_to_serve_instead(tmp_path):
     folder = save_tiny_model(tmp_path / "tiny", tiny_config())
     with pytest.raises(ValueError, match="is a Hugging Face folder: serve the .gguf file"):
         LLM(folder, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_gemma_3_keeps_its_5_and_8_bit_tensors_and_decodes_as_the_dequantized_one():
+    """Gemma 3 270M's Q4_K_M file mixes formats: q, k, gate and up in Q5_0, v in Q5_0 or Q8_0 (a fused
+    q | k | v of two formats), the embedding in Q8_0, o_proj and down_proj in k-quants (left float)."""
+    module = cpu_kernels.load()
+    if module is None or not module.has_gguf_linear():
+        pytest.skip("no native GGUF linear here")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    with LLM("gemma-3-270m", dtype="float32", quantization="none") as dequantized:
+        expected = [out.token_ids for out in dequantized.generate(prompts, params)]
+        float_bytes = dequantized.engine.runner.weight_bytes
+    with LLM("gemma-3-270m", dtype="float32", quantization="gguf") as kept:
+        got = [out.token_ids for out in kept.generate(prompts, params)]
+        held = kept.engine.runner.weight_bytes
+    assert got == expected
+    assert held < float_bytes / 2, (held, float_bytes)

@@ -13,7 +13,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.model import quant_linear
-from engine.model.quant_linear import (BLOCK_BYTES, DECODE_ROWS, GGML_TYPES, GGUFLinear, quantize,
+from engine.model.quant_linear import (BLOCK_BYTES, DECODE_ROWS, GGML_TYPES, GGUFConcat, GGUFLinear, quantize,
                                        reference_dequantize, reference_linear)
 
 TYPES = list(GGML_TYPES.items())
@@ -84,7 +84,19 @@ def test_a_wrong_shape_or_format_is_refused_with_what_is_supported():
     packed = quantize(weights(4, 64, seed=2), GGML_TYPES["Q8_0"])
     with pytest.raises(ValueError, match=r"a Q4_0 weight \[4, 64\] is uint8 \[4, 36\], got torch.uint8 \[4, 68\]"):
         GGUFLinear(packed, GGML_TYPES["Q4_0"], 64)
-    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0"):
         GGUFLinear(packed, 12, 64)  # Q4_K: not (yet) kept quantized
     with pytest.raises(ValueError, match="multiple of 32"):
         GGUFLinear(packed, GGML_TYPES["Q8_0"], 48)
+
+
+def test_a_fused_projection_of_parts_in_different_formats():
+    native()
+    parts = [(GGML_TYPES["Q5_0"], 24), (GGML_TYPES["Q5_0"], 8), (GGML_TYPES["Q8_0"], 8)]  # Gemma 3's q, k, v
+    packed = [quantize(weights(rows, 96, seed=rows + kind), kind) for kind, rows in parts]
+    bias = torch.randn(40)
+    layer = GGUFConcat([GGUFLinear(p, kind, 96) for p, (kind, _) in zip(packed, parts)], bias)
+    x = torch.randn(3, 96)
+    dequantized = torch.cat([reference_dequantize(p, kind) for p, (kind, _) in zip(packed, parts)])
+    reference = torch.cat([reference_linear(x, p, kind) for p, (kind, _) in zip(packed, parts)], dim=-1) + bias
+    within_sum_order(layer(x), reference, x, dequantized, bias)
