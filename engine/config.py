@@ -230,11 +230,11 @@ class SpeculativeConfig:
 
 
 # How a checkpoint's weights are held (`--quantization`): "none" dequantizes whatever the file
-# stores to the model's dtype at load; "gguf" keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
-# blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float).
+# stores to the model's dtype at load; "gguf" keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
+# Q4_K / Q6_K blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float).
 QUANTIZATIONS = ("none", "gguf")
 QUANTIZATION_HELP = ("none (default): weights dequantized at load to the model's dtype; gguf: a .gguf model's "
-                     "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights kept as stored (k-quants stay float)")
+                     "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights kept as stored (others stay float)")
 
 
 def add_engine_arguments(group) -> None:

@@ -1,7 +1,9 @@
-"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks.
+"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+Q6_K blocks.
 
 A `GGUFLinear` holds W as a GGUF file stores it, uint8 [out_features, in_features / 32 blocks of
-`BLOCK_BYTES[type]` bytes], and computes y = x W^T (+ bias) in float32:
+`BLOCK_BYTES[type]` bytes] (256-weight blocks for the k-quants), and computes y = x W^T (+ bias) in
+float32:
 
 - the reference path, that every kernel is tested against: W dequantized by the `gguf` package
   (ggml's own formulas, in numpy), then `F.linear`;
@@ -23,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the formats kept as stored, and their block sizes
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34}
-BLOCK = 32  # weights per block, along in_features
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 14: 210}
+BLOCK = 32  # weights per block along in_features; the k-quants' blocks hold 256 (BLOCK_WEIGHTS)
+BLOCK_WEIGHTS = {12: 256, 14: 256}
 # Rows of x up to which the register kernel beats dequantize + GEMM (decode-sized batches).
 DECODE_ROWS = 16
 
@@ -39,9 +42,11 @@ def check_shape(ggml_type: int, out_features: int, in_features: int, packed: tor
     if ggml_type not in BLOCK_BYTES:
         raise ValueError(f"GGML type {type_name(ggml_type)} is not kept quantized; supported: "
                          f"{', '.join(GGML_TYPES)}")
-    if in_features <= 0 or in_features % BLOCK:
-        raise ValueError(f"in_features ({in_features}) must be a positive multiple of {BLOCK} for a GGUF block format")
-    expected = (out_features, in_features // BLOCK * BLOCK_BYTES[ggml_type])
+    per_block = BLOCK_WEIGHTS.get(ggml_type, BLOCK)
+    if in_features <= 0 or in_features % per_block:
+        raise ValueError(f"in_features ({in_features}) must be a positive multiple of {per_block} for "
+                         f"{type_name(ggml_type)}")
+    expected = (out_features, in_features // per_block * BLOCK_BYTES[ggml_type])
     if packed.dtype != torch.uint8 or tuple(packed.shape) != expected:
         raise ValueError(f"a {type_name(ggml_type)} weight [{out_features}, {in_features}] is uint8 {list(expected)}, "
                          f"got {packed.dtype} {list(packed.shape)}")

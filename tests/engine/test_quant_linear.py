@@ -3,6 +3,8 @@ against their reference: W dequantized by the `gguf` package (ggml's formulas), 
 
 Weights are quantized by the `gguf` package too (llama.cpp's reference quantizer), from random
 floats with an offset per row, so a scale, a minimum or a nibble read from the wrong place shows.
+The package has no k-quant quantizer: Q4_K and Q6_K blocks are random bytes with sane fp16 scales
+(every byte pattern is a valid block), so each packed scale, min and bit is exercised.
 Shapes are odd on purpose: out_features not a multiple of the kernel's tiles, in_features a
 multiple of 32 but not of 256, row counts around the kernel's groups of four and on both sides
 of DECODE_ROWS. `make test` runs this file again with PDSERVE_CPU_ISA=avx2 (the portable path)."""
@@ -13,10 +15,16 @@ import torch
 
 from engine import cpu_kernels
 from engine.model import quant_linear
-from engine.model.quant_linear import (BLOCK_BYTES, DECODE_ROWS, GGML_TYPES, GGUFConcat, GGUFLinear, quantize,
+from engine.model.quant_linear import (BLOCK_BYTES, BLOCK_WEIGHTS, DECODE_ROWS, GGML_TYPES, GGUFConcat, GGUFLinear, quantize,
                                        reference_dequantize, reference_linear)
 
 TYPES = list(GGML_TYPES.items())
+
+
+def width(ggml_type: int, in_features: int) -> int:
+    """`in_features` for the 32-weight formats; eight times as many for the k-quants (256-weight
+    blocks), so their rows are a few blocks long too."""
+    return in_features * BLOCK_WEIGHTS.get(ggml_type, 32) // 32
 
 
 def native():
@@ -30,6 +38,21 @@ def weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     offsets = torch.randn(out_features, 1, generator=generator)
     return torch.randn(out_features, in_features, generator=generator) * 0.5 + offsets
+
+
+K_QUANT_SCALES = {GGML_TYPES["Q4_K"]: (0, 2), GGML_TYPES["Q6_K"]: (208,)}  # byte offsets of fp16 scales
+
+
+def packed_weights(out_features: int, in_features: int, ggml_type: int, seed: int) -> torch.Tensor:
+    if ggml_type not in K_QUANT_SCALES:
+        return quantize(weights(out_features, in_features, seed), ggml_type)
+    generator = torch.Generator().manual_seed(seed)
+    blocks = in_features // 256 * out_features
+    packed = torch.randint(0, 256, (blocks, BLOCK_BYTES[ggml_type]), dtype=torch.uint8, generator=generator)
+    for offset in K_QUANT_SCALES[ggml_type]:
+        scale = (torch.rand(blocks, generator=generator) * 0.02 + 0.001).to(torch.float16)
+        packed[:, offset:offset + 2] = scale.view(torch.uint8).reshape(blocks, 2)
+    return packed.reshape(out_features, -1)
 
 
 def within_sum_order(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, dequantized: torch.Tensor,
@@ -46,8 +69,9 @@ def within_sum_order(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, 
 @pytest.mark.parametrize("out_features, in_features", [(1, 32), (37, 96), (130, 288)])
 def test_the_native_dequantize_is_the_references_bit_for_bit(name, ggml_type, out_features, in_features):
     kernels = native()
-    packed = quantize(weights(out_features, in_features, seed=out_features), ggml_type)
-    assert packed.shape == (out_features, in_features // 32 * BLOCK_BYTES[ggml_type])
+    in_features = width(ggml_type, in_features)
+    packed = packed_weights(out_features, in_features, ggml_type, seed=out_features)
+    assert packed.shape == (out_features, in_features // BLOCK_WEIGHTS.get(ggml_type, 32) * BLOCK_BYTES[ggml_type])
     assert torch.equal(kernels.gguf_dequantize(packed, ggml_type, in_features), reference_dequantize(packed, ggml_type))
 
 
@@ -56,8 +80,8 @@ def test_the_native_dequantize_is_the_references_bit_for_bit(name, ggml_type, ou
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_the_linear_matches_its_reference(name, ggml_type, rows, with_bias):
     native()
-    out_features, in_features = 45, 160
-    packed = quantize(weights(out_features, in_features, seed=rows), ggml_type)
+    out_features, in_features = 45, width(ggml_type, 160)
+    packed = packed_weights(out_features, in_features, ggml_type, seed=rows)
     bias = torch.randn(out_features) if with_bias else None
     layer = GGUFLinear(packed, ggml_type, in_features, bias)
     x = torch.randn(rows, in_features)
@@ -84,9 +108,11 @@ def test_a_wrong_shape_or_format_is_refused_with_what_is_supported():
     packed = quantize(weights(4, 64, seed=2), GGML_TYPES["Q8_0"])
     with pytest.raises(ValueError, match=r"a Q4_0 weight \[4, 64\] is uint8 \[4, 36\], got torch.uint8 \[4, 68\]"):
         GGUFLinear(packed, GGML_TYPES["Q4_0"], 64)
-    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0"):
-        GGUFLinear(packed, 12, 64)  # Q4_K: not (yet) kept quantized
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K"):
+        GGUFLinear(packed, 10, 64)  # Q2_K: not (yet) kept quantized
+    with pytest.raises(ValueError, match="multiple of 256 for Q4_K"):
+        GGUFLinear(packed_weights(4, 256, GGML_TYPES["Q4_K"], seed=3), GGML_TYPES["Q4_K"], 128)
+    with pytest.raises(ValueError, match="multiple of 32 for Q8_0"):
         GGUFLinear(packed, GGML_TYPES["Q8_0"], 48)
 
 
