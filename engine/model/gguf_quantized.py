@@ -2,10 +2,11 @@
 
 The model is first built and loaded as usual, from the converted (dequantized) folder; then every
 projection whose GGUF tensors are in a kept format (`quant_linear.GGML_TYPES`: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q6_K) is replaced by a `GGUFLinear` over the file's bytes, and so is the token embedding (its
-rows dequantized as they are looked up) and the LM head (a tied one shares the embedding's bytes).
-A layer with a tensor in another format (Q2_K, Q3_K, Q5_K, ...) keeps its float weights, and the count of
-each is logged. A fused projection (q | k | v, gate | up) is the file's tensors' rows end to end
+Q5_1, Q8_0, Q4_K, Q6_K) is replaced by a `GGUFLinear` over the file's bytes, and so is the token
+embedding (its rows dequantized as they are looked up) and the LM head (a tied one shares the
+embedding's bytes). A layer with a tensor in another format (Q2_K, Q3_K, Q5_K, ...) keeps its float
+weights, and the count of each is logged. (The float load first is a cost, of load time and peak
+memory, that loading only the float layers would save.) A fused projection (q | k | v, gate | up) is the file's tensors' rows end to end
 when they share a format, else a `GGUFConcat` of one `GGUFLinear` per tensor; llama's permuted
 Q/K rows are put back in Hugging Face order as the converter does (whole rows move: the blocks
 run along a row).
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.model.decoder import Attention, DecoderForCausalLM
 from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
+from engine.model.layers import GatedMLP
 from engine.model.quant_linear import BLOCK_BYTES, GGUFConcat, GGUFLinear
 
 logger = logging.getLogger(__name__)
@@ -40,8 +43,8 @@ class GGUFEmbedding(nn.Module):
         return self.table.rows(input_ids).to(self.dtype)
 
 
-def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
-    """Replace `model`'s linear layers (a `DecoderForCausalLM`, one process) by `GGUFLinear`s over
+def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, int]:
+    """Replace `model`'s linear layers (one process) by `GGUFLinear`s over
     `gguf_path`'s tensors where their format is kept. Returns {"kept": n, "float": m} layers."""
     reader = open_reader(gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
@@ -75,12 +78,12 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
 
     for index, layer in enumerate(model.layers):
         attention, prefix = layer.self_attn, f"blk.{index}."
-        if hasattr(attention, "qkv_proj"):  # not latent attention
+        if isinstance(attention, Attention):  # not latent attention
             replace(attention, "qkv_proj", [packed(prefix + "attn_q.weight", arch.num_attention_heads),
                                             packed(prefix + "attn_k.weight", arch.num_key_value_heads),
                                             packed(prefix + "attn_v.weight")])
             replace(attention, "o_proj", [packed(prefix + "attn_output.weight")])
-        if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP, not a mixture of experts
+        if isinstance(layer.mlp, GatedMLP):  # a dense MLP, not a mixture of experts
             replace(layer.mlp, "gate_up_proj", [packed(prefix + "ffn_gate.weight"), packed(prefix + "ffn_up.weight")])
             replace(layer.mlp, "down_proj", [packed(prefix + "ffn_down.weight")])
     embedding = packed("token_embd.weight")
