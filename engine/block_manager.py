@@ -77,6 +77,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def token_capacity(self) -> int:
+        """The longest sequence whose blocks the whole cache holds."""
+        return self.num_blocks * self.block_size
+
+    def new_blocks_for(self, request: Request, num_tokens: int) -> int:
+        """How many free blocks `allocate_slots(request, num_tokens)` would take."""
+        return max(0, self.blocks_needed(num_tokens) - len(request.block_ids))
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
@@ -225,8 +234,9 @@ class BlockManager:
         if block_hash is not None:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
-                if self._kv_events is not None:
-                    self._kv_events.append(BlockRemoved((block_hash,), "device", "evicted" if keep_on_host else "cleared"))
+                reported = self._event_hash(block_hash)
+                if self._kv_events is not None and reported is not None:
+                    self._kv_events.append(BlockRemoved((reported,), "device", "evicted" if keep_on_host else "cleared"))
                 if keep_on_host and self.host_cache is not None:
                     self.host_cache.save(block_hash, self._block_content[block_id], block_id)
             self._block_hash[block_id] = None
@@ -236,11 +246,7 @@ class BlockManager:
         """Drop the request's references; blocks nobody holds any more become free (cached ones
         stay findable until reused)."""
         for block_id in reversed(request.block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
-                if self._block_hash[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+            self._unref(block_id)
         request.block_ids.clear()
         self._holders.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
@@ -250,11 +256,17 @@ class BlockManager:
         slots). They hold no registered block: registration covers computed tokens only."""
         keep = self.blocks_needed(num_tokens)
         for block_id in request.block_ids[keep:]:
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
-                self._free.move_to_end(block_id, last=False)
+            self._unref(block_id)
         del request.block_ids[keep:]
+
+    def _unref(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds joins the free list, at the front unless it
+        is cached (then at the back, findable until reused)."""
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None
+            if self._block_hash[block_id] is None:
+                self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block (referenced ones stay), and the host tier.
@@ -271,6 +283,10 @@ class BlockManager:
 
     # ---- KV events -------------------------------------------------------------------------
 
+    def _event_hash(self, key) -> BlockHash | None:
+        """The hash a KV event reports for a cache key (None: the key's block is not reported)."""
+        return key
+
     def take_kv_events(self) -> list[KVEvent]:
         """The events recorded since the last call, in order ([] when not recording)."""
         if not self._kv_events:
@@ -282,24 +298,32 @@ class BlockManager:
     def kv_snapshot(self) -> list[KVEvent]:
         """The cache's whole state as events: AllBlocksCleared, then each cached block per tier."""
         events: list[KVEvent] = [AllBlocksCleared()]
-        events += [BlockStored.of_block(h, self._block_content[b], "device") for h, b in self._cached.items()]
+        events += [BlockStored.of_block(self._event_hash(key), self._block_content[b], "device")
+                   for key, b in self._cached.items() if self._event_hash(key) is not None]
         if self.host_cache is not None:
             events += [BlockStored.of_block(h, content, "host") for h, content in self.host_cache.entries()]
         return events
 
     # ---- invariants ------------------------------------------------------------------------
 
+    num_reserved = 0  # leading blocks never handed out (a grouped cache's null block)
+
+    def _held(self, request: Request) -> list[int]:
+        """The blocks the request holds a reference to, each once per table that lists it."""
+        return request.block_ids
+
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
         counts = [0] * self.num_blocks
         for request_id, request in self._holders.items():
-            if not request.block_ids:
+            held = self._held(request)
+            if not held:
                 raise AssertionError(f"request {request_id} is a holder without blocks")
-            if len(set(request.block_ids)) != len(request.block_ids):
-                raise AssertionError(f"request {request_id} lists a block twice: {request.block_ids}")
-            for block_id in request.block_ids:
+            if len(set(held)) != len(held):
+                raise AssertionError(f"request {request_id} lists a block twice: {request.block_tables}")
+            for block_id in held:
                 counts[block_id] += 1
-        for block_id in range(self.num_blocks):
+        for block_id in range(self.num_reserved, self.num_blocks):
             ref, free = self._ref_counts[block_id], block_id in self._free
             if ref != counts[block_id]:
                 raise AssertionError(f"block {block_id}: ref count {ref} but {counts[block_id]} holders")
@@ -313,7 +337,7 @@ class BlockManager:
         for block_hash, block_id in self._cached.items():
             if self._block_hash[block_id] != block_hash:
                 raise AssertionError(f"cache maps a hash to block {block_id}, which holds another hash")
-        if len(self._free) + sum(1 for c in self._ref_counts if c > 0) != self.num_blocks:
+        if len(self._free) + sum(1 for c in self._ref_counts if c > 0) != self.num_blocks - self.num_reserved:
             raise AssertionError("free + referenced blocks != total")
         if self.host_cache is not None:
             self.host_cache.check_integrity()

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Literal, get_args
 
+from engine.kv_groups import KV_LAYOUTS
 from engine.model.default_model import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -137,8 +138,14 @@ class CacheConfig:
     # K/V and KV head and a bf16 K reference row per block and head, stored in the block
     # (engine/kv_quant.py): 0.53x bf16's bytes per token at head_dim 64.
     kv_cache_dtype: str = "auto"
+    # engine/kv_groups.py: "auto" gives sliding-window layers' blocks behind their window back to
+    # the pool where the configuration allows it; "grouped" insists (refused where it does not
+    # work yet); "uniform" keeps every layer's blocks for every token.
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -249,6 +256,9 @@ def add_engine_arguments(group) -> None:
                        help="KV blocks per worker (default: from --kv-cache-memory-gb)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache per worker on CPU")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_DTYPE_HELP)
+    group.add_argument("--kv-layout", choices=KV_LAYOUTS, default=None,
+                       help="auto (default): sliding-window layers give their blocks behind the window back to the "
+                            "pool (colocated workers without KV events, swap or the host tier); uniform: keep them")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
     group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
     group.add_argument("--max-step-ms", type=float, default=None,
@@ -276,7 +286,8 @@ def add_engine_arguments(group) -> None:
 
 def engine_options(args) -> dict:
     """The flags of `add_engine_arguments` that were given, as `engine.llm.build_engine_config` options."""
-    names = ("dtype", "quantization", "block_size", "num_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "max_num_batched_tokens",
+    names = ("dtype", "quantization", "block_size", "num_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "kv_layout",
+             "max_num_batched_tokens",
              "max_num_seqs", "max_step_ms", "max_step_ratio", "long_prefill_chunk_tokens", "max_model_len",
              "preemption_mode", "swap_space_gb", "host_cache_gb")
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}

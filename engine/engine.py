@@ -94,7 +94,7 @@ class LLMEngine:
                                        role=config.role, kv_connector=self.kv_connector,
                                        num_swap_slots=runner.num_swap_slots,
                                        num_host_slots=runner.num_host_cache_slots,
-                                       speculative=config.speculative)
+                                       speculative=config.speculative, kv_groups=runner.kv_groups)
         except BaseException:  # e.g. the Scheduler refused the config: nothing may outlive the refusal
             if self.kv_connector is not None:
                 try:  # its I/O thread, listening socket and fds

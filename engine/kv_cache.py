@@ -16,6 +16,10 @@ Each layer's kind: `layer_windows[i]` is layer i's sliding window in tokens (0: 
 every position; `()`: every layer does). A sliding layer never reads a block again once it is
 behind the window of the next token (`window_skip_blocks`): a P->D transfer leaves those blocks
 out for that layer (their bytes on the decode side are stale and never read).
+
+A grouped cache (`groups`, engine/kv_groups.py) is `[layers per group, num_blocks, ...]`: layer i's
+view is `data[groups.layer_slot[i]]`, and each group's layers use the blocks of their group's
+tables, so a block holds one group's layers; the views of layers in the same slot alias.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Sequence
 import torch
 
 from engine.huge_pages import advise_huge_pages
+from engine.kv_groups import KVGroups
 from engine.kv_quant import KVQuantFormat
 from engine.model.arch import ModelArchConfig
 
@@ -42,10 +47,13 @@ class KVCache:
     _mapping: object = None
     kv_format: KVQuantFormat | None = None  # 8-bit: the block layout; None: values in data.dtype
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window (0 = full); () = all full
+    groups: KVGroups | None = None  # grouped: each layer's slot; None: data's first dim is the layer
 
     @property
     def layers(self) -> list[torch.Tensor]:
-        return list(self.data.unbind(0))
+        """Each layer's view of the cache."""
+        slots = self.data.unbind(0)
+        return list(slots) if self.groups is None else [slots[s] for s in self.groups.layer_slot]
 
     @property
     def num_blocks(self) -> int:
@@ -74,17 +82,21 @@ def window_skip_blocks(windows: Sequence[int], num_tokens: int, block_size: int,
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
-                    num_kv_heads: int | None = None, kv_format: KVQuantFormat | None = None) -> int:
+                    num_kv_heads: int | None = None, kv_format: KVQuantFormat | None = None,
+                    groups: KVGroups | None = None) -> int:
+    """The bytes of one block: every layer's, or with `groups` one group's."""
+    layers = arch.num_hidden_layers if groups is None else groups.num_slots
     if kv_format is not None:
-        return arch.num_hidden_layers * kv_format.block_bytes
+        return layers * kv_format.block_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
-    return arch.num_hidden_layers * 2 * block_size * heads * arch.head_dim * itemsize
+    return layers * 2 * block_size * heads * arch.head_dim * itemsize
 
 
 def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, memory_bytes: int,
-                          num_kv_heads: int | None = None, kv_format: KVQuantFormat | None = None) -> int:
-    blocks = memory_bytes // bytes_per_block(arch, block_size, dtype, num_kv_heads, kv_format)
+                          num_kv_heads: int | None = None, kv_format: KVQuantFormat | None = None,
+                          groups: KVGroups | None = None) -> int:
+    blocks = memory_bytes // bytes_per_block(arch, block_size, dtype, num_kv_heads, kv_format, groups)
     if blocks < 2:
         raise ValueError(f"KV cache memory of {memory_bytes / 2**20:.1f} MiB holds fewer than 2 blocks of "
                          f"{block_size} tokens; raise kv_cache_memory_gb or set num_blocks")
@@ -93,19 +105,20 @@ def num_blocks_for_memory(arch: ModelArchConfig, block_size: int, dtype: torch.d
 
 def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device | str, shared: bool = False, num_kv_heads: int | None = None,
-                      kv_format: KVQuantFormat | None = None) -> KVCache:
-    """A zeroed cache. `shared` (CPU, Linux): allocate it in a memfd, so that a same-host peer
+                      kv_format: KVQuantFormat | None = None, groups: KVGroups | None = None) -> KVCache:
+    """A zeroed cache (`groups`: a grouped one, see the module docstring). `shared` (CPU, Linux): allocate it in a memfd, so that a same-host peer
     given the descriptor can map it (kvtransfer's shm mapped path); such memory is in 4 KiB
     pages (shmem), otherwise the CPU cache is advised into transparent huge pages. `kv_format`:
     an 8-bit cache in that format (`dtype` is then the model's, not the cache's)."""
     heads = arch.num_key_value_heads if num_kv_heads is None else num_kv_heads
     windows = layer_windows(arch)
-    shape = (arch.num_hidden_layers, num_blocks, 2, block_size, heads, arch.head_dim)
+    layers = arch.num_hidden_layers if groups is None else groups.num_slots
+    shape = (layers, num_blocks, 2, block_size, heads, arch.head_dim)
     if kv_format is not None:
         if (kv_format.block_size, kv_format.num_kv_heads, kv_format.head_dim) != (block_size, heads, arch.head_dim):
             raise ValueError(f"kv_format is for blocks of {kv_format.block_size} tokens x {kv_format.num_kv_heads} "
                              f"heads x {kv_format.head_dim}, the cache's are {block_size} x {heads} x {arch.head_dim}")
-        shape, dtype = (arch.num_hidden_layers, num_blocks, kv_format.block_bytes), torch.uint8
+        shape, dtype = (layers, num_blocks, kv_format.block_bytes), torch.uint8
     if shared and torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
@@ -122,9 +135,9 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
             raise
         data = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
         return KVCache(data=data, block_size=block_size, memory_fd=fd, _mapping=mapping, kv_format=kv_format,
-                       layer_windows=windows)
+                       layer_windows=windows, groups=groups)
     data = torch.empty(shape, dtype=dtype, device=device)
     if data.device.type == "cpu":
         advise_huge_pages(data)  # before the first touch, so the zeroing below faults in huge pages
     data.zero_()
-    return KVCache(data=data, block_size=block_size, kv_format=kv_format, layer_windows=windows)
+    return KVCache(data=data, block_size=block_size, kv_format=kv_format, layer_windows=windows, groups=groups)

@@ -42,7 +42,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import KV_ROLES, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
-from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
+from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, layer_windows, num_blocks_for_memory
+from engine.kv_groups import kv_groups_for
 from engine.kv_quant import kv_quant_format
 from engine.model.decoder import DecoderForCausalLM, TensorParallelShard, check_tensor_parallel
 from engine.model.loader import LoadedModel
@@ -105,13 +106,16 @@ class ModelRunner:
         self.kv_format = kv_quant_format(config.cache.kv_cache_dtype, self.block_size,
                                          self.model.shard.num_kv_heads, self.arch.head_dim)
         self.backend = get_attention_backend(config.backend_name, self.kv_format)
+        self.kv_groups = kv_groups_for(layer_windows(self.arch), self.arch.num_hidden_layers, config.cache.kv_layout,
+                                       self._uniform_layout_needs())
+        grouped = self.kv_groups if self.kv_groups.grouped else None
         # Shared memory is for a same-host KV peer, which maps the cache it transfers: under TP
         # that is rank 0's transfer cache, never a rank's own.
         self.kv_cache: KVCache = allocate_kv_cache(self.arch, self._agree_on_num_blocks(), self.block_size,
                                                    self.dtype, self.device,
                                                    shared=config.cache.shared_memory and self.tp is None,
                                                    num_kv_heads=self.model.shard.num_kv_heads,
-                                                   kv_format=self.kv_format)
+                                                   kv_format=self.kv_format, groups=grouped)
         self.kv_layers = self.kv_cache.layers
         self.transfer_cache = self.kv_cache
         if self._holds_transfer_cache:
@@ -175,7 +179,18 @@ class ModelRunner:
             budget = int(cache.kv_cache_memory_gb * 2**30)
         heads = self.model.shard.num_kv_heads + (self.arch.num_key_value_heads if self._holds_transfer_cache else 0)
         fmt = None if self.kv_format is None else self.kv_format.with_heads(heads)  # bytes are linear in heads
-        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads, fmt)
+        return num_blocks_for_memory(self.arch, self.block_size, self.dtype, budget, heads, fmt,
+                                     self.kv_groups if self.kv_groups.grouped else None)
+
+    def _uniform_layout_needs(self) -> list[str]:
+        """The options of this configuration that need every layer's blocks kept (kv_groups_for)."""
+        config = self.config
+        needs = [(config.role != "both", f"role {config.role!r} (KV transfer between workers)"),
+                 (config.cache.host_cache_gb > 0 and config.cache.enable_prefix_caching, "host_cache_gb"),
+                 (config.scheduler.preemption_mode == "swap", "preemption_mode 'swap'"),
+                 (self.tp is not None, "tensor parallelism"),
+                 (self.device.type == "cuda" and config.cuda_graphs, "CUDA graphs (--no-cuda-graphs lifts it)")]
+        return [name for needed, name in needs if needed]
 
     def _agree_on_num_blocks(self) -> int:
         """This rank's block count; under TP the smallest any rank fits (every rank must have the
@@ -418,7 +433,7 @@ class ModelRunner:
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
+        block_tables: list[list[list[int]]] = []  # per attention row, per KV group
         logits_indices: list[int] = []
         sampled_seqs = []
         sampled_rows: list[int] = []  # their attention rows (indices in query_lens)
@@ -435,7 +450,7 @@ class ModelRunner:
                     positions.append(position)
                     query_lens.append(1)
                     seq_lens.append(position + 1)
-                    block_tables.append(seq.block_table[:position // self.block_size + 1])
+                    block_tables.append([table[:position // self.block_size + 1] for table in seq.block_tables])
                     logits_indices.append(len(input_ids) - 1)
                     sampled_rows.append(len(query_lens) - 1)
                     sample_rows.append((seq, j))
@@ -449,7 +464,7 @@ class ModelRunner:
             positions.extend(range(seq.start, end))
             query_lens.append(seq.num_new_tokens)
             seq_lens.append(end)
-            block_tables.append(seq.block_table[: (end + self.block_size - 1) // self.block_size])
+            block_tables.append([table[:(end + self.block_size - 1) // self.block_size] for table in seq.block_tables])
             if seq.sample:
                 logits_indices.append(len(input_ids) - 1)
                 sampled_seqs.append(seq)
@@ -462,7 +477,8 @@ class ModelRunner:
             logits = self._with_followers(("forward", *forward), lambda: self._forward_eager(*forward, on_layer_stored))
         elif (on_layer_stored is None and not prompt_rows and self.decode_graphs is not None
                 and self.decode_graphs.fits(query_lens, seq_lens)):
-            logits = self._decode_with_graph(input_ids, positions, seq_lens, block_tables, logits_indices)
+            logits = self._decode_with_graph(input_ids, positions, seq_lens, [row[0] for row in block_tables],
+                                             logits_indices)
         else:
             logits = self._forward_eager(input_ids, positions, query_lens, seq_lens, block_tables, indices,
                                          trim_rows, on_layer_stored)
@@ -495,18 +511,27 @@ class ModelRunner:
 
     def _forward_eager(self, input_ids, positions, query_lens, seq_lens, block_tables, logits_indices,
                        sampled_rows, on_layer_stored=None, compute_logits: bool = True) -> torch.Tensor | None:
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        """`block_tables`: per attention row, its table in each KV group."""
+        metas = [AttentionMetadata.build(query_lens, seq_lens, [row[g] for row in block_tables], self.block_size,
+                                         self.device) for g in range(self.kv_groups.num_groups)]
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
-        logits_meta = None
+        logits_metas = None
         if sampled_rows is not None and 0 < len(logits_indices) < len(input_ids):
             # Each sampled token is its sequence's last: the last layer computes only those rows.
-            logits_meta = AttentionMetadata.build([1] * len(sampled_rows), [seq_lens[r] for r in sampled_rows],
-                                                  [block_tables[r] for r in sampled_rows], self.block_size,
-                                                  self.device)
+            logits_metas = [AttentionMetadata.build([1] * len(sampled_rows), [seq_lens[r] for r in sampled_rows],
+                                                    [block_tables[r][g] for r in sampled_rows], self.block_size,
+                                                    self.device) for g in range(self.kv_groups.num_groups)]
+        meta, logits_meta = self._per_layer(metas), self._per_layer(logits_metas)
         return self.model(ids, pos, self.kv_layers, meta, self.backend, indices, logits_meta, on_layer_stored,
                           compute_logits)
+
+    def _per_layer(self, metas: list[AttentionMetadata] | None) -> AttentionMetadata | list[AttentionMetadata] | None:
+        """One group's metadata as it is; several groups' as each layer's (the model takes either)."""
+        if metas is None or len(metas) == 1:
+            return metas and metas[0]
+        return [metas[group] for group in self.kv_groups.layer_group]
 
     def _decode_with_graph(self, input_ids, positions, seq_lens, block_tables, logits_indices) -> torch.Tensor:
         # One token per sequence, so token i is sequence i and its slot follows from its position.

@@ -93,7 +93,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
         self.num_preemptions = 0
-        self.block_ids: list[int] = []  # owned by the block manager
+        # owned by the block manager: one table per KV group (engine/kv_groups.py), most caches one
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, filled lazily
         # Blocks from this index on are never registered in the prefix cache: an import left out
         # their sliding-window layers' KV (engine/kv_connector.py). None: every block may be.
@@ -114,6 +115,11 @@ class Request:
         if grammar is not None and grammar.rejected_token is not None:
             raise ValueError(f"resumed output token {grammar.rejected_token} does not match the request's "
                              f"{sampling_params.structured_output.kind} constraint")
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The blocks of the first KV group (live list): a uniform cache's only table."""
+        return self.block_tables[0]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -64,8 +64,10 @@ from __future__ import annotations
 import bisect
 import itertools
 
+from engine.block_groups import GroupedBlockManager
 from engine.block_manager import BlockManager
 from engine.config import ROLES, CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.kv_groups import KVGroups
 from engine.kv_hooks import SchedulerConnector
 from engine.kv_role_transitions import KVRoleTransitions
 from engine.request import Request, RequestStatus
@@ -78,9 +80,11 @@ class Scheduler(KVRoleTransitions):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, role: str = "both", kv_connector: SchedulerConnector | None = None,
                  num_swap_slots: int = 0, num_host_slots: int = 0,
-                 speculative: SpeculativeConfig | None = None, proposer: Proposer | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, proposer: Proposer | None = None,
+                 kv_groups: KVGroups | None = None) -> None:
         """`speculative`: speculative decoding's config (off when None or not enabled); its
-        drafts come from `proposer`, by default the one the config names."""
+        drafts come from `proposer`, by default the one the config names. `kv_groups`: the
+        cache's layer groups (engine/kv_groups.py; None: one group of every layer)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if scheduler_config.preemption_mode not in ("recompute", "swap"):
@@ -99,9 +103,17 @@ class Scheduler(KVRoleTransitions):
         self.role = role
         self.kv_connector = kv_connector
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          num_host_slots=num_host_slots, record_kv_events=cache_config.kv_events)
-        self.max_sequence_tokens = min(max_model_len, num_blocks * cache_config.block_size)
+        if kv_groups is not None and kv_groups.grouped:
+            if role != "both" or num_swap_slots or num_host_slots:
+                raise ValueError("a grouped KV cache (sliding-window layers' blocks given back) works in a colocated "
+                                 "engine without swap space or the host tier")
+            self.block_manager: BlockManager = GroupedBlockManager(
+                num_blocks, cache_config.block_size, kv_groups, cache_config.enable_prefix_caching,
+                record_kv_events=cache_config.kv_events)
+        else:
+            self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                              num_host_slots=num_host_slots, record_kv_events=cache_config.kv_events)
+        self.max_sequence_tokens = min(max_model_len, self.block_manager.token_capacity)
         # Speculative decoding: a prefill-role worker samples one token per request, never drafts.
         self.speculative = speculative if speculative is not None and speculative.enabled and role != "prefill" else None
         self.proposer = None
@@ -191,7 +203,7 @@ class Scheduler(KVRoleTransitions):
             raise ValueError("prompt token ids must be non-negative integers below 2**32")
         if len(prompt) > self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_model_len ({self.max_model_len})")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.block_manager.token_capacity
         if len(prompt) > capacity:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than the whole KV cache holds ({capacity})")
         max_tokens = request.sampling_params.max_tokens
@@ -354,15 +366,13 @@ class Scheduler(KVRoleTransitions):
                              seq.request.sampling_params.max_tokens - seq.request.num_output_tokens - 1,
                              self.max_sequence_tokens - seq.request.num_tokens)) for seq in decodes]
         blocks = self.block_manager
-        reserved = sum(max(0, blocks.blocks_needed(r.num_computed_tokens + min(r.num_tokens - r.num_computed_tokens,
-                                                                                budget))
-                                - len(r.block_ids))
+        reserved = sum(blocks.new_blocks_for(r, r.num_computed_tokens + min(r.num_tokens - r.num_computed_tokens, budget))
                        for r in self.running if r.status is RequestStatus.RUNNING and r.request_id not in scheduled
                        and r.num_tokens - r.num_computed_tokens > 1)
         for seq, draft in zip(decodes, self.proposer.propose([seq.request for seq in decodes], limits)):
             draft = list(draft[:budget])
             request = seq.request
-            needed = blocks.blocks_needed(request.num_tokens + len(draft)) - len(request.block_ids)
+            needed = blocks.new_blocks_for(request, request.num_tokens + len(draft))
             if not draft or needed > blocks.num_free_blocks - reserved:
                 continue
             if not blocks.allocate_slots(request, request.num_tokens + len(draft)):
@@ -630,7 +640,7 @@ class Scheduler(KVRoleTransitions):
         bm = self.block_manager
         host = bm.host_cache
         return SchedulerStats(
-            running=len(self.running), waiting=len(self.waiting), kv_blocks_total=bm.num_blocks,
+            running=len(self.running), waiting=len(self.waiting), kv_blocks_total=bm.num_blocks - bm.num_reserved,
             kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions, prompt_tokens_computed=self._prompt_tokens_computed,

@@ -36,6 +36,11 @@ class ScheduledSeq:
         """The request's blocks (live list), covering every position < start + num_new_tokens."""
         return self.request.block_ids
 
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """The same, per KV group (engine/kv_groups.py; one group: `[block_table]`)."""
+        return self.request.block_tables
+
 
 @dataclass
 class Batch:

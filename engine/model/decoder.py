@@ -225,8 +225,8 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None,
-                logits_meta: AttentionMetadata | None = None,
+                meta: AttentionMetadata | list[AttentionMetadata], backend, logits_indices: torch.Tensor | None = None,
+                logits_meta: AttentionMetadata | list[AttentionMetadata] | None = None,
                 on_layer_stored: Callable[[int], None] | None = None,
                 compute_logits: bool = True) -> torch.Tensor | None:
         """Returns fp32 logits for the tokens at `logits_indices` (all tokens when None); None
@@ -238,6 +238,8 @@ class DecoderForCausalLM(nn.Module):
         the same). A prefill step of N tokens that samples one saves ~1/num_layers of its work.
         `on_layer_stored(i)`: called right after layer i stored its K/V, before its MLP (the KV
         connector pushes finished layers while the next ones compute).
+        `meta` and `logits_meta` may be lists, one per layer: a grouped KV cache's layers read
+        their own groups' block tables (engine/kv_groups.py).
         """
         # `residual` is the block's residual stream, updated in place by each add (+ norm);
         # `pending` the output of the last attention or MLP (after its output norm, if any), not
@@ -252,13 +254,14 @@ class DecoderForCausalLM(nn.Module):
             attn = layer.self_attn
             rotary = self.rotary_local if attn.local_rope else self.rotary
             normed = _add_then_norm(input_norm, pending, residual)
+            layer_meta = meta[index] if isinstance(meta, list) else meta
             if index == last and logits_meta is not None and logits_indices is not None:
-                hidden = attn(positions, normed, rotary, kv_cache, meta, backend,
-                              rows=logits_indices, rows_meta=logits_meta)
+                hidden = attn(positions, normed, rotary, kv_cache, layer_meta, backend, rows=logits_indices,
+                              rows_meta=logits_meta[index] if isinstance(logits_meta, list) else logits_meta)
                 residual = residual.index_select(0, logits_indices)
                 logits_indices = None  # the rows are selected already
             else:
-                hidden = attn(positions, normed, rotary, kv_cache, meta, backend)
+                hidden = attn(positions, normed, rotary, kv_cache, layer_meta, backend)
             if on_layer_stored is not None:
                 on_layer_stored(index)
             pending = hidden if attn_out_norm is None else attn_out_norm(hidden)

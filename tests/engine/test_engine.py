@@ -12,6 +12,7 @@ import torch
 import kvtransfer
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.kv_groups import KVGroups
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from tests.engine.fake_runner import FakeModelRunner
@@ -30,6 +31,7 @@ class EngineRunner(FakeModelRunner):
         self.num_swap_slots = 0
         self.num_host_cache_slots = 0
         self.kv_shards = None
+        self.kv_groups = KVGroups.uniform(2)
         self.weight_bytes = 0
         self.transfer_cache = SimpleNamespace(layers=[torch.zeros(num_blocks, 2, block_size, 1, 4) for _ in range(2)],
                                               kv_format=None, layer_windows=())

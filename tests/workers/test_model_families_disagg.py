@@ -6,7 +6,9 @@ window do not move), the prefill done remotely and no transfer failure counted (
 fallback to local prefill would hide a broken hand-off behind correct tokens).
 
 One prefill and one decode worker per family, all started at once; prompts cross the sliding
-window (tests/engine/tiny_models.py WINDOW) and end mid-block.
+window (tests/engine/tiny_models.py WINDOW) and end mid-block. Beside them, a colocated Gemma 3
+worker, whose cache is grouped (engine/kv_groups.py: the sliding layers' blocks behind the window
+go back to the pool) while it reports KV events, as every cluster worker does.
 """
 import pytest
 import torch
@@ -33,9 +35,12 @@ def families(tmp_path_factory):
     for folder in folders.values():
         specs += [("prefill", ["--model", folder, *engine]),
                   ("decode", ["--model", folder, *engine, "--local-prefill-threshold", "0"])]
+    specs.append(("decode", ["--model", folders["gemma3"], *engine, "--role", "both"]))
     workers = start_workers(specs)
     pairs = {name: (workers[2 * i], workers[2 * i + 1]) for i, name in enumerate(folders)}
-    yield {name: (folders[name], *pairs[name]) for name in folders}
+    families = {name: (folders[name], *pairs[name]) for name in folders}
+    families["gemma3-colocated"] = (folders["gemma3"], None, workers[-1])
+    yield families
     stop_workers(workers)
 
 
@@ -75,3 +80,14 @@ def test_disaggregated_greedy_is_transformers_with_the_kv_from_the_prefill_worke
     assert sum(stats.kv_transfer_failures.values()) == 0, dict(stats.kv_transfer_failures)
     for worker in (prefill, decode):
         wait_until(lambda: all_blocks_free(worker), what=f"{name}'s {worker.kind} worker to free every block")
+
+
+def test_a_colocated_worker_with_a_grouped_cache_gives_transformers_tokens_and_frees_every_block(families):
+    folder, _, worker = families["gemma3-colocated"]
+    expected = _transformers_greedy(folder)
+    for index, prompt in enumerate(PROMPTS):
+        result = generate(worker, f"colocated-{index}", prompt, params=sampling(max_tokens=NEW))
+        assert result.token_ids == expected[index], f"prompt {index}"
+    stats = worker.stats()
+    assert stats.kv_blocks_total == 63  # 64 blocks of one layer group, less the null block
+    wait_until(lambda: all_blocks_free(worker), what="the colocated worker to free every block")

@@ -12,6 +12,7 @@ import serving
 import wire
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.kv_groups import KVGroups
 from engine.kv_hooks import ImportPlan
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class Runner(FakeModelRunner):
         super().__init__(num_blocks, BS)
         self.num_blocks, self.max_model_len, self.kv_shards = num_blocks, 256, None
         self.num_swap_slots = self.num_host_cache_slots = 0
+        self.kv_groups = KVGroups.uniform(2)
 
 
 def prefill_engine(**scheduler) -> LLMEngine:
