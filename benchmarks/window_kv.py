@@ -8,8 +8,10 @@ one Generate per length (`max_tokens=1`, a fresh random prompt) and reads the by
 worker received (`kv_bytes_received`). A sliding layer's blocks behind the window of the next
 token do not move (engine/kv_cache.py `window_skip_blocks`); the reference is what moving every
 layer's blocks would take (layers x blocks x bytes per layer and block, from the model's config).
-Also reports the KV memory the request holds on the decode worker, every layer's blocks: the
-cache has one block table for all layers, so the window does not shrink it (yet).
+Also reports the KV memory the request holds: on the decode worker every layer's blocks (a P/D
+worker keeps the uniform layout), and in a colocated engine (the default `kv_layout="auto"`, run
+in this process, `--threads` threads) what its grouped cache holds once the prompt is computed,
+the full-attention layers' blocks and each sliding layer's last window (engine/kv_groups.py).
 """
 from __future__ import annotations
 
@@ -49,6 +51,26 @@ def received_bytes(decode: Worker, prompt: list[int], prefill: Worker, request_i
     return received
 
 
+def colocated_held_bytes(model: str, prompt: list[int], block_size: int, threads: int) -> tuple[int, str]:
+    """The KV bytes one request holds in an offline engine once its prompt is computed (with the
+    first token being sampled), and the layout's description."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.kv_cache import bytes_per_block
+    torch.set_num_threads(threads)
+    with LLM(model, block_size=block_size, kv_cache_memory_gb=1.0, max_model_len=len(prompt) + 16) as llm:
+        engine = llm.engine
+        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), request_id="w")
+        request = engine.scheduler.get_request("w")
+        while request.num_computed_tokens < len(prompt):
+            engine.step()
+        runner = engine.runner
+        groups = runner.kv_groups if runner.kv_groups.grouped else None
+        held = sum(1 for table in request.block_tables for block in table if block) if groups else len(request.block_ids)
+        return held * bytes_per_block(runner.arch, block_size, runner.dtype, groups=groups), runner.kv_groups.describe()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m")
@@ -72,7 +94,8 @@ def main(argv=None) -> None:
         for worker in (prefill, decode):
             worker.wait_ready()
         rng = random.Random(0)
-        print(f"{'tokens':>8} {'moved MiB':>10} {'all layers MiB':>15} {'ratio':>6} {'held MiB':>9}")
+        print(f"{'tokens':>8} {'moved MiB':>10} {'all layers MiB':>15} {'ratio':>6} {'P/D held MiB':>13} "
+              f"{'colocated held MiB':>19} {'ratio':>6}")
         for length in args.lengths:
             prompt = [rng.randrange(100, 40000) for _ in range(length)]
             moved = received_bytes(decode, prompt, prefill, f"window-{length}")
@@ -82,11 +105,14 @@ def main(argv=None) -> None:
             if moved % chunks:
                 raise RuntimeError(f"{moved} bytes moved are not {chunks} equal (layer, block) chunks")
             every = moved // chunks * blocks * len(windows)  # every layer's blocks, as the decode side holds
+            held, layout = colocated_held_bytes(args.model, prompt, args.block_size, args.threads)
             report["results"][str(length)] = {"moved_bytes": moved, "moved_chunks": chunks,
                                               "all_layers_bytes": every, "ratio": moved / every,
-                                              "held_bytes": every, "held_ratio": 1.0}
+                                              "held_bytes": every, "held_ratio": 1.0,
+                                              "colocated_held_bytes": held, "colocated_held_ratio": held / every,
+                                              "colocated_layout": layout}
             print(f"{length:>8} {moved / 2**20:>10.1f} {every / 2**20:>15.1f} {moved / every:>6.3f} "
-                  f"{every / 2**20:>9.1f}")
+                  f"{every / 2**20:>13.1f} {held / 2**20:>19.1f} {held / every:>6.3f}")
         if args.json:
             args.json.write_text(json.dumps(report, indent=1) + "\n")
     finally:

@@ -188,7 +188,6 @@ class ModelRunner:
         needs = [(config.role != "both", f"role {config.role!r} (KV transfer between workers)"),
                  (config.cache.host_cache_gb > 0 and config.cache.enable_prefix_caching, "host_cache_gb"),
                  (config.scheduler.preemption_mode == "swap", "preemption_mode 'swap'"),
-                 (self.tp is not None, "tensor parallelism"),
                  (self.device.type == "cuda" and config.cuda_graphs, "CUDA graphs (--no-cuda-graphs lifts it)")]
         return [name for needed, name in needs if needed]
 
