@@ -47,7 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "gguf"])
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "auto", "gguf", "int8"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--smoke", action="store_true", help="a CI-sized run (short prompts, 2 steps)")

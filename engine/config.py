@@ -238,10 +238,14 @@ class SpeculativeConfig:
 
 # How a checkpoint's weights are held (`--quantization`): "none" dequantizes whatever the file
 # stores to the model's dtype at load; "gguf" keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
-# Q4_K / Q6_K blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float).
-QUANTIZATIONS = ("none", "gguf")
+# Q4_K / Q6_K blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float);
+# "auto" is "gguf" for a .gguf model on one CPU process and "none" otherwise; "int8" quantizes a
+# float model's projections, embedding and LM head to Q8_0 at load (int8 with a scale per 32).
+QUANTIZATIONS = ("none", "auto", "gguf", "int8")
 QUANTIZATION_HELP = ("none (default): weights dequantized at load to the model's dtype; gguf: a .gguf model's "
-                     "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights kept as stored (others stay float)")
+                     "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights kept as stored (others stay float); "
+                     "auto: gguf where that applies (a .gguf model, one CPU process), else none; int8: any float "
+                     "model's weights quantized at load to int8 with a scale per 32 (GGUF's Q8_0)")
 
 
 def add_engine_arguments(group) -> None:
@@ -351,10 +355,10 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r} "
-                             "(fp8, AWQ, GPTQ and int8 weights are not supported yet)")
-        if self.quantization == "gguf" and (tp > 1 or self.device != "cpu"):
-            raise ValueError("quantization 'gguf' runs on one CPU process for now (no tensor parallelism, no GPU); "
-                             "use quantization 'none' there")
+                             "(fp8, AWQ and GPTQ weights are not supported yet)")
+        if self.quantization in ("gguf", "int8") and (tp > 1 or self.device != "cpu"):
+            raise ValueError(f"quantization {self.quantization!r} runs on one CPU process for now (no tensor "
+                             "parallelism, no GPU); use quantization 'none' or 'auto' there")
         if self.speculative.enabled and self.cache.kv_cache_dtype != "auto":
             # A draft token's K/V can grow its block's scale, which re-rounds the tokens before it;
             # rejecting the draft does not undo that, so outputs would differ from decoding without it.

@@ -148,12 +148,20 @@ class ModelRunner:
             place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
         model.init_rotary(self.max_model_len, self.device)  # its tables, computed (not left empty)
         model.load_weights(loaded.iter_weights())
-        if self.config.quantization == "gguf":
+        quantization = self.config.quantization
+        if quantization == "auto":  # the file's quantized weights as stored, where that is supported
+            one_cpu_process = self.device.type == "cpu" and self.tp is None
+            quantization = "gguf" if loaded.gguf_path is not None and one_cpu_process else "none"
+        if quantization == "gguf":
             if loaded.gguf_path is None:
                 raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights as stored, but {loaded.model_dir} "
-                                 "is a Hugging Face folder: serve the .gguf file (or a packaged model)")
+                                 "is a Hugging Face folder: serve the .gguf file (or a packaged model), or use "
+                                 "quantization 'int8'")
             from engine.model.gguf_quantized import keep_gguf_quantized
             keep_gguf_quantized(model, loaded.gguf_path)
+        elif quantization == "int8":
+            from engine.model.gguf_quantized import quantize_to_q8_0
+            quantize_to_q8_0(model)
         model.prepack_linear_weights()
         return model.eval()
 

@@ -1,4 +1,6 @@
-"""`--quantization gguf`: a GGUF model's linear weights kept in the file's own blocks.
+"""`--quantization gguf` (and `auto` for a .gguf model): a GGUF model's linear weights kept in the
+file's own blocks; `--quantization int8`: any float model's quantized at load to GGUF's Q8_0
+(`quantize_to_q8_0`), served by the same kernels.
 
 The model is first built and loaded as usual, from the converted (dequantized) folder; then every
 projection whose GGUF tensors are in a kept format (`quant_linear.GGML_TYPES`: Q4_0, Q4_1, Q5_0,
@@ -26,7 +28,7 @@ from torch import nn
 from engine.model.decoder import Attention, DecoderForCausalLM
 from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
 from engine.model.layers import GatedMLP
-from engine.model.quant_linear import BLOCK_BYTES, GGUFConcat, GGUFLinear
+from engine.model.quant_linear import BLOCK, BLOCK_BYTES, GGML_TYPES, GGUFConcat, GGUFLinear, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +78,8 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
         setattr(owner, attribute, replacement)
         counts["kept"] += 1
 
-    for index, layer in enumerate(model.layers):
-        attention, prefix = layer.self_attn, f"blk.{index}."
-        if isinstance(attention, Attention):  # not latent attention
-            replace(attention, "qkv_proj", [packed(prefix + "attn_q.weight", arch.num_attention_heads),
-                                            packed(prefix + "attn_k.weight", arch.num_key_value_heads),
-                                            packed(prefix + "attn_v.weight")])
-            replace(attention, "o_proj", [packed(prefix + "attn_output.weight")])
-        if isinstance(layer.mlp, GatedMLP):  # a dense MLP, not a mixture of experts
-            replace(layer.mlp, "gate_up_proj", [packed(prefix + "ffn_gate.weight"), packed(prefix + "ffn_up.weight")])
-            replace(layer.mlp, "down_proj", [packed(prefix + "ffn_down.weight")])
+    for owner, attribute, names in _projections(model):
+        replace(owner, attribute, [packed(name, heads) for name, heads in names])
     embedding = packed("token_embd.weight")
     if embedding is not None:
         table = GGUFLinear(embedding[1], embedding[0], arch.hidden_size)
@@ -100,6 +94,58 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
             counts["kept"] += 1
     logger.info("GGUF weights kept as stored: %d layers; %d left in float (formats not kept: %s)",
                 counts["kept"], counts["float"], ", ".join(sorted(_other_formats(tensors))) or "none")
+    return counts
+
+
+def _projections(model: DecoderForCausalLM):
+    """(module, attribute, [(GGUF tensor name, heads to unpermute or None), ...]) of each dense
+    projection: attention's qkv and output (not latent attention), a dense MLP's gate|up and down
+    (not a mixture of experts)."""
+    arch = model.arch
+    for index, layer in enumerate(model.layers):
+        attention, prefix = layer.self_attn, f"blk.{index}."
+        if isinstance(attention, Attention):
+            yield attention, "qkv_proj", [(prefix + "attn_q.weight", arch.num_attention_heads),
+                                          (prefix + "attn_k.weight", arch.num_key_value_heads),
+                                          (prefix + "attn_v.weight", None)]
+            yield attention, "o_proj", [(prefix + "attn_output.weight", None)]
+        if isinstance(layer.mlp, GatedMLP):
+            yield layer.mlp, "gate_up_proj", [(prefix + "ffn_gate.weight", None), (prefix + "ffn_up.weight", None)]
+            yield layer.mlp, "down_proj", [(prefix + "ffn_down.weight", None)]
+
+
+def quantize_to_q8_0(model: DecoderForCausalLM) -> dict[str, int]:
+    """`--quantization int8`: every dense projection, the token embedding and the LM head of a
+    float model (one process) quantized at load to Q8_0 (int8 weights with an fp16 scale per 32,
+    llama.cpp's quantizer, `quant_linear.quantize`) and served by `GGUFLinear`. A weight whose
+    in_features is not a multiple of 32 stays float. Returns {"kept": n, "float": m} layers."""
+    q8_0 = GGML_TYPES["Q8_0"]
+    counts = {"kept": 0, "float": 0}
+
+    def quantized(linear: nn.Module) -> GGUFLinear | None:
+        weight = linear.weight
+        if weight.shape[1] % BLOCK:
+            counts["float"] += 1
+            return None
+        counts["kept"] += 1
+        bias = linear.bias if isinstance(linear, nn.Linear) else None  # an embedding has none
+        bias = bias.detach().to(torch.float32) if bias is not None else None
+        return GGUFLinear(quantize(weight, q8_0), q8_0, weight.shape[1], bias)
+
+    for owner, attribute, _ in _projections(model):
+        replacement = quantized(getattr(owner, attribute))
+        if replacement is not None:
+            setattr(owner, attribute, replacement)
+    table = quantized(model.embed_tokens)
+    if table is not None:
+        model.embed_tokens = GGUFEmbedding(table, model.embed_tokens.weight.dtype)
+        if model.lm_head is None:  # tied: the same bytes
+            model.lm_head = table
+    if model.lm_head is not None and not isinstance(model.lm_head, GGUFLinear):
+        head = quantized(model.lm_head)
+        if head is not None:
+            model.lm_head = head
+    logger.info("int8 (Q8_0) weights: %d layers; %d left in float", counts["kept"], counts["float"])
     return counts
 
 
