@@ -57,7 +57,6 @@ at::Tensor latent_decode_attention_8bit(const at::Tensor& query, const at::Tenso
 bool has_gguf_linear();
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type);
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features);
-at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& weight, int64_t type);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -117,7 +116,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("type"));
   m.def("gguf_dequantize", &gguf_dequantize, "A GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weight [N, row bytes] as float32 [N, K]",
         py::arg("weight"), py::arg("type"), py::arg("in_features"));
-  m.def("gguf_linear_q8", &gguf_linear_q8,
-        "gguf_linear with x quantized to int8 per 32 values (llama.cpp's Q8 activations) and integer dot products",
-        py::arg("x"), py::arg("weight"), py::arg("type"));
 }

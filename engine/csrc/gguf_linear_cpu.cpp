@@ -32,7 +32,6 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <type_traits>
 
 namespace {
 
@@ -222,159 +221,6 @@ void rows_times_weights(const float* x_rows, int64_t ldx, const uint8_t* w, int6
   }
 }
 
-// ---- 8-bit activations (llama.cpp's vec_dot with Q8 activations) ----------------------------
-//
-// x is quantized per 32 values: dx = max|x| / 127, xq = round_half_even(x * (1 / dx)) in int8
-// (`quantize_rows`; engine/model/quant_linear.py `quantize_activations` is the same in torch).
-// A block's 32 weights meet their 32 xq in integer dot products (pmaddubsw: unsigned 8-bit by
-// signed 8-bit, pairs summed into int16, exact since |sum| <= 2 * 127 * 127; then pmaddwd into
-// eight int32 lanes of four weights each) and the block's scales only then: y += (d dx) sum(q xq)
-// + (m dx) sum(xq) for the formats with a min. A signed q (Q8_0, and q - 8, q - 16, q - 32 of
-// Q4_0, Q5_0, Q6_K) multiplies through the sign trick: |q| by xq with q's sign.
-
-// A sub-block of 32 weights as the integer dot needs them.
-struct IntBlock {
-  __m256i q;       // the 32 quantized weights, in order (signed or unsigned bytes)
-  __m256 scale;    // per int32 lane (four weights): the weight scale (Q6_K: one per 16 weights)
-  float min;       // per unit of sum(xq): Q4_1 / Q5_1's m, Q4_K's -dmin * m; else 0
-  bool is_signed;
-};
-
-inline __m256i low_high_nibbles(const uint8_t* packed16) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed16));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
-}
-
-inline void int_block(int64_t type, const uint8_t* block, int sub, IntBlock* out) {
-  out->min = 0.0f;
-  out->is_signed = true;
-  switch (type) {
-    case kQ8_0:
-      out->q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      out->scale = _mm256_set1_ps(fp16_at(block));
-      return;
-    case kQ4_0:
-      out->q = _mm256_sub_epi8(low_high_nibbles(block + 2), _mm256_set1_epi8(8));
-      out->scale = _mm256_set1_ps(fp16_at(block));
-      return;
-    case kQ4_1:
-      out->q = low_high_nibbles(block + 4);
-      out->scale = _mm256_set1_ps(fp16_at(block));
-      out->min = fp16_at(block + 2);
-      out->is_signed = false;
-      return;
-    case kQ5_0:
-      out->q = _mm256_sub_epi8(_mm256_or_si256(low_high_nibbles(block + 6), fifth_bits(block + 2)),
-                               _mm256_set1_epi8(16));
-      out->scale = _mm256_set1_ps(fp16_at(block));
-      return;
-    case kQ5_1:
-      out->q = _mm256_or_si256(low_high_nibbles(block + 8), fifth_bits(block + 4));
-      out->scale = _mm256_set1_ps(fp16_at(block));
-      out->min = fp16_at(block + 2);
-      out->is_signed = false;
-      return;
-    case kQ4_K: {
-      int scale, min;
-      q4k_scale_min(block + 4, sub, &scale, &min);
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * (sub / 2)));
-      if (sub % 2) q = _mm256_srli_epi16(q, 4);
-      out->q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-      out->scale = _mm256_set1_ps(fp16_at(block) * static_cast<float>(scale));
-      out->min = -(fp16_at(block + 2) * static_cast<float>(min));
-      out->is_signed = false;
-      return;
-    }
-    case kQ6_K: {
-      const int half = sub / 4, group = sub % 4;
-      __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * half + 32 * (group & 1)));
-      if (group >= 2) low = _mm256_srli_epi16(low, 4);
-      low = _mm256_and_si256(low, _mm256_set1_epi8(0x0F));
-      const __m256i highs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half));
-      __m256i high = _mm256_and_si256(_mm256_srl_epi16(highs, _mm_cvtsi32_si128(2 * group)), _mm256_set1_epi8(0x03));
-      out->q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-      const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192) + 8 * half + 2 * group;
-      const float d = fp16_at(block + 208);
-      const float first = d * static_cast<float>(scales[0]), second = d * static_cast<float>(scales[1]);
-      out->scale = _mm256_setr_ps(first, first, first, first, second, second, second, second);
-      return;
-    }
-    default: TORCH_CHECK(false, "gguf_linear: GGML type ", type, " has no 8-bit activation path");
-  }
-}
-
-// Eight int32 lanes, lane k = sum of q * xq over weights 4k .. 4k + 3.
-inline __m256i int_dot(const IntBlock& w, __m256i xq) {
-  const __m256i pairs = w.is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(xq, w.q))
-                                    : _mm256_maddubs_epi16(w.q, xq);
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-// x [rows, K] float32 -> xq [rows, K] int8, dx [rows, K / 32], sum(xq) [rows, K / 32].
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, int32_t* sums) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < k / kBlock; ++b) {
-      const float* xb = x + r * k + b * kBlock;
-      __m256 v[4];
-      __m256 amax = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
-      }
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-      const float d = _mm_cvtss_f32(m) / 127.0f;
-      const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-      __m256i q32[4];
-      for (int i = 0; i < 4; ++i)
-        q32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      // pack 32 int32 -> 32 int8, in order (the packs interleave 128-bit lanes: permute back)
-      const __m256i q16a = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
-      __m256i q8 = _mm256_packs_epi16(q16a, q16b);
-      q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + b * kBlock), q8);
-      const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q32[0], q32[1]), _mm256_add_epi32(q32[2], q32[3]));
-      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-      dx[r * (k / kBlock) + b] = d;
-      sums[r * (k / kBlock) + b] = _mm_cvtsi128_si32(s);
-    }
-  }
-}
-
-// y[r, n] for `Rows` rows of quantized x and W's rows [n0, n1).
-template <int Rows>
-void q8_rows_times_weights(const int8_t* xq, const float* dx, const int32_t* sums, int64_t k, const uint8_t* w,
-                           int64_t row_bytes, int64_t type, int64_t block_size_bytes, float* y_rows, int64_t ldy,
-                           int64_t n0, int64_t n1) {
-  const int64_t subs = block_weights(type) / kBlock, blocks = k / kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m256 acc[Rows];
-    float extra[Rows];
-    for (int r = 0; r < Rows; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      extra[r] = 0.0f;
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-      IntBlock wb;
-      int_block(type, row + b / subs * block_size_bytes, static_cast<int>(b % subs), &wb);
-      for (int r = 0; r < Rows; ++r) {
-        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
-        const float d = dx[r * blocks + b];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int_dot(wb, xb)), _mm256_mul_ps(wb.scale, _mm256_set1_ps(d)),
-                                 acc[r]);
-        extra[r] += wb.min * d * static_cast<float>(sums[r * blocks + b]);
-      }
-    }
-    for (int r = 0; r < Rows; ++r) y_rows[r * ldy + n] = horizontal_sum(acc[r]) + extra[r];
-  }
-}
-
 void check_weight(const at::Tensor& weight, int64_t type, int64_t in_features) {
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
               "gguf_linear: the weight is a contiguous uint8 [out_features, row bytes] tensor");
@@ -421,43 +267,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ty
   return y;
 }
 
-at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& weight, int64_t type) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear_q8: x is a float32 [rows, in_features] tensor");
-  const int64_t in_features = x.size(1);
-  check_weight(weight, type, in_features);
-  const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), out_features = weight.size(0), blocks = in_features / kBlock;
-  at::Tensor xq = at::empty({rows, in_features}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({rows, blocks}, x.options());
-  at::Tensor sums = at::empty({rows, blocks}, x.options().dtype(at::kInt));
-  quantize_rows(xc.data_ptr<float>(), rows, in_features, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                sums.data_ptr<int32_t>());
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* dxp = dx.data_ptr<float>();
-  const int32_t* sp = sums.data_ptr<int32_t>();
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t row_bytes = weight.size(1), block_size_bytes = block_bytes(type);
-  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    auto run = [&](auto rows_here) {
-      constexpr int R = decltype(rows_here)::value;
-      q8_rows_times_weights<R>(xqp + r * in_features, dxp + r * blocks, sp + r * blocks, in_features, wp, row_bytes,
-                               type, block_size_bytes, yp + r * out_features, out_features, n0, n1);
-      r += R;
-    };
-    while (r + kGroupRows <= rows) run(std::integral_constant<int, kGroupRows>());
-    switch (rows - r) {
-      case 3: run(std::integral_constant<int, 3>()); break;
-      case 2: run(std::integral_constant<int, 2>()); break;
-      case 1: run(std::integral_constant<int, 1>()); break;
-      default: break;
-    }
-  });
-  return y;
-}
-
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, int64_t in_features) {
   check_weight(weight, type, in_features);
   const int64_t out_features = weight.size(0), row_bytes = weight.size(1);
@@ -488,10 +297,6 @@ at::Tensor gguf_linear(const at::Tensor&, const at::Tensor&, int64_t) {
 }
 at::Tensor gguf_dequantize(const at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(false, "gguf_dequantize needs AVX2, FMA and F16C");
-  return at::Tensor();
-}
-at::Tensor gguf_linear_q8(const at::Tensor&, const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "gguf_linear_q8 needs AVX2, FMA and F16C");
   return at::Tensor();
 }
 

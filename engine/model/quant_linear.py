@@ -74,21 +74,6 @@ def reference_linear(x: torch.Tensor, packed: torch.Tensor, ggml_type: int,
     return F.linear(x.to(torch.float32), reference_dequantize(packed, ggml_type).to(x.device), bias)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] (float32) as the 8-bit activation kernel sees it: per 32 values dx = max|x| / 127
-    and q = round(x * (1 / dx)) (half to even) in int8, returned dequantized, q * dx."""
-    blocks = x.to(torch.float32).reshape(x.shape[0], -1, BLOCK)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
-    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
-
-
-def reference_linear_q8(x: torch.Tensor, packed: torch.Tensor, ggml_type: int,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference of the 8-bit activation path: both operands dequantized, then F.linear."""
-    return reference_linear(quantize_activations(x), packed, ggml_type, bias)
-
-
 class GGUFLinear(nn.Module):
     """y = x W^T (+ bias) with W kept in a GGUF block format, computed in float32 (the result in
     x's dtype). `packed` is a parameter (uint8, never trained), so the model's parameters count

@@ -16,8 +16,7 @@ import torch
 from engine import cpu_kernels
 from engine.model import quant_linear
 from engine.model.quant_linear import (BLOCK_BYTES, BLOCK_WEIGHTS, DECODE_ROWS, GGML_TYPES, GGUFConcat, GGUFLinear, quantize,
-                                       quantize_activations, reference_dequantize, reference_linear,
-                                       reference_linear_q8)
+                                       reference_dequantize, reference_linear)
 
 TYPES = list(GGML_TYPES.items())
 
@@ -127,21 +126,3 @@ def test_a_fused_projection_of_parts_in_different_formats():
     dequantized = torch.cat([reference_dequantize(p, kind) for p, (kind, _) in zip(packed, parts)])
     reference = torch.cat([reference_linear(x, p, kind) for p, (kind, _) in zip(packed, parts)], dim=-1) + bias
     within_sum_order(layer(x), reference, x, dequantized, bias)
-
-
-@pytest.mark.parametrize("name, ggml_type", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_the_8bit_activation_kernel_matches_its_reference(name, ggml_type, rows):
-    """x quantized per 32 values as llama.cpp does, integer dot products: the reference is both
-    operands dequantized, then F.linear; equal up to the order of fp32 sums."""
-    kernels = native()
-    out_features, in_features = 45, width(ggml_type, 160)
-    packed = packed_weights(out_features, in_features, ggml_type, seed=rows + 7)
-    x = torch.randn(rows, in_features) * torch.rand(rows, 1) * 4
-    x[0, :32] = 0  # an all-zero block: scale 0
-    y = kernels.gguf_linear_q8(x, packed, ggml_type)
-    quantized = quantize_activations(x)
-    within_sum_order(y, reference_linear_q8(x, packed, ggml_type), quantized, reference_dequantize(packed, ggml_type))
-    # and the quantization itself: every value within half a step of its block's scale
-    step = x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
-    assert ((quantized - x).reshape(rows, -1, 32).abs() <= step / 2 + 1e-7).all()
