@@ -91,3 +91,14 @@ def test_grouped_is_refused_naming_what_needs_every_layers_blocks(model):
     # auto keeps every layer's blocks there instead
     with LLM(folder, block_size=BS, num_blocks=64, host_cache_gb=0.01) as llm:
         assert type(llm.engine.scheduler.block_manager) is BlockManager
+
+
+def test_speculative_decoding_on_a_grouped_cache_gives_the_same_tokens(model):
+    """n-gram drafts take slots ahead of the window in every group; a rejected draft's blocks go
+    back (free_tail) and the window's blocks stay. Prompts that repeat themselves get drafts."""
+    name, folder = model
+    prompts = [[42, 7, 9] * 8, list(range(2, 20)) * 2]
+    expected, _, _ = _run(folder, prompts, num_blocks=256, kv_layout="uniform")
+    got, grouped, stats = _run(folder, prompts, num_blocks=256, speculative_method="ngram", num_speculative_tokens=4)
+    assert type(grouped) is GroupedBlockManager and stats.spec_draft_tokens > 0, name
+    assert got == expected, name
