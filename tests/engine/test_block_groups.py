@@ -10,6 +10,7 @@ from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.kv_groups import NULL_BLOCK, KVGroups, kv_groups_for
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from tests.engine.test_block_manager import managers_fixture
 
 BS = 4
 WINDOW = 8  # two blocks: the token at position p reads p-7 .. p
@@ -45,18 +46,9 @@ def test_layouts_uniform_where_nothing_slides_or_a_feature_needs_it_and_grouped_
 
 @pytest.fixture
 def make_bm():
-    created = []
-
-    def factory(num_blocks=32, groups=GROUPS, enable_prefix_caching=True):
-        bm = GroupedBlockManager(num_blocks, BS, groups, enable_prefix_caching)
-        created.append(bm)
-        return bm
-
-    yield factory
-    for bm in created:
-        bm.check_integrity()
-        assert bm.holder_ids() == [], "a test left blocks held"
-        assert bm.num_free_blocks == bm.num_blocks - 1  # all but the null block
+    """Grouped managers, checked at teardown (every block but the null one free)."""
+    yield from managers_fixture(lambda num_blocks=32, groups=GROUPS, enable_prefix_caching=True:
+                                GroupedBlockManager(num_blocks, BS, groups, enable_prefix_caching))
 
 
 def req(request_id, tokens):

@@ -13,12 +13,13 @@ from engine.sampling_params import SamplingParams
 BS = 4
 
 
-@pytest.fixture
-def make_bm():
+def managers_fixture(build):
+    """A fixture factory: `build(**options)` makes a block manager; at teardown each one made must
+    hold nothing, have every usable block free and pass check_integrity()."""
     created = []
 
-    def factory(num_blocks=16, enable_prefix_caching=True):
-        bm = BlockManager(num_blocks, BS, enable_prefix_caching)
+    def factory(**options):
+        bm = build(**options)
         created.append(bm)
         return bm
 
@@ -26,7 +27,13 @@ def make_bm():
     for bm in created:
         bm.check_integrity()
         assert bm.holder_ids() == [], "a test left blocks held"
-        assert bm.num_free_blocks == bm.num_blocks
+        assert bm.num_free_blocks == bm.num_blocks - bm.num_reserved
+
+
+@pytest.fixture
+def make_bm():
+    yield from managers_fixture(lambda num_blocks=16, enable_prefix_caching=True:
+                                BlockManager(num_blocks, BS, enable_prefix_caching))
 
 
 def req(request_id, tokens, salt=None):
