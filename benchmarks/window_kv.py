@@ -8,10 +8,11 @@ one Generate per length (`max_tokens=1`, a fresh random prompt) and reads the by
 worker received (`kv_bytes_received`). A sliding layer's blocks behind the window of the next
 token do not move (engine/kv_cache.py `window_skip_blocks`); the reference is what moving every
 layer's blocks would take (layers x blocks x bytes per layer and block, from the model's config).
-Also reports the KV memory the request holds: on the decode worker every layer's blocks (a P/D
-worker keeps the uniform layout), and in a colocated engine (the default `kv_layout="auto"`, run
-in this process, `--threads` threads) what its grouped cache holds once the prompt is computed,
-the full-attention layers' blocks and each sliding layer's last window (engine/kv_groups.py).
+Also reports the KV memory the request holds: on the decode worker (its blocks in use, from its
+Stats, read as the first token arrives; `max_tokens=4`), whose grouped cache (engine/kv_groups.py,
+the default `kv_layout="auto"`) holds the full-attention layers' blocks and each sliding layer's
+last window, and in a colocated engine (in this process, `--threads` threads) once the prompt is
+computed. The reference is every layer's blocks.
 """
 from __future__ import annotations
 
@@ -31,24 +32,29 @@ import wire  # noqa: E402
 from benchmarks.ttft_disagg import Worker  # noqa: E402
 from engine.cpu_kernels import cpu_model  # noqa: E402
 from engine.kv_cache import layer_windows, window_skip_blocks  # noqa: E402
+from engine.kv_groups import KVGroups  # noqa: E402
 from engine.model.arch import ModelArchConfig  # noqa: E402
 from engine.model.loader import resolve_model  # noqa: E402
 
 
-def received_bytes(decode: Worker, prompt: list[int], prefill: Worker, request_id: str) -> int:
+def received_bytes(decode: Worker, prompt: list[int], prefill: Worker, request_id: str) -> tuple[int, int]:
+    """(KV bytes the decode worker received, KV blocks it held as the first token arrived)."""
     pb = wire.messages()
-    sampling = pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
+    sampling = pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
                                  ignore_eos=True)
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                  prefill_address=prefill.grpc)
     stub = wire.services().DecodeServiceStub(grpc.insecure_channel(decode.grpc, options=list(wire.GRPC_OPTIONS)))
-    received, remote = 0, False
+    received, remote, held = 0, False, None
     for chunk in stub.Generate(request, timeout=1800):
         received = max(received, chunk.kv_bytes_received)
         remote = remote or chunk.prefilled_remotely
+        if held is None and chunk.token_ids:  # the only request in flight: every block in use is its
+            stats = stub.Stats(pb.StatsRequest(), timeout=60)
+            held = stats.kv_blocks_total - stats.kv_blocks_free
     if not remote:
         raise RuntimeError(f"{request_id} fell back to local prefill: not a disaggregated measurement")
-    return received
+    return received, held or 0
 
 
 def colocated_held_bytes(model: str, prompt: list[int], block_size: int, threads: int) -> tuple[int, str]:
@@ -98,7 +104,7 @@ def main(argv=None) -> None:
               f"{'colocated held MiB':>19} {'ratio':>6}")
         for length in args.lengths:
             prompt = [rng.randrange(100, 40000) for _ in range(length)]
-            moved = received_bytes(decode, prompt, prefill, f"window-{length}")
+            moved, held_blocks = received_bytes(decode, prompt, prefill, f"window-{length}")
             blocks = -(-length // args.block_size)
             skips = window_skip_blocks(windows, length, args.block_size) or [0] * len(windows)
             chunks = sum(blocks - skip for skip in skips)  # the (layer, block) pairs the windows need
@@ -106,13 +112,15 @@ def main(argv=None) -> None:
                 raise RuntimeError(f"{moved} bytes moved are not {chunks} equal (layer, block) chunks")
             every = moved // chunks * blocks * len(windows)  # every layer's blocks, as the decode side holds
             held, layout = colocated_held_bytes(args.model, prompt, args.block_size, args.threads)
+            groups = KVGroups.from_windows(windows) if any(windows) else None  # the decode worker's (auto)
+            decode_held = held_blocks * moved // chunks * (groups.num_slots if groups else len(windows))
             report["results"][str(length)] = {"moved_bytes": moved, "moved_chunks": chunks,
                                               "all_layers_bytes": every, "ratio": moved / every,
-                                              "held_bytes": every, "held_ratio": 1.0,
+                                              "held_bytes": decode_held, "held_ratio": decode_held / every,
                                               "colocated_held_bytes": held, "colocated_held_ratio": held / every,
                                               "colocated_layout": layout}
             print(f"{length:>8} {moved / 2**20:>10.1f} {every / 2**20:>15.1f} {moved / every:>6.3f} "
-                  f"{every / 2**20:>13.1f} {held / 2**20:>19.1f} {held / every:>6.3f}")
+                  f"{decode_held / 2**20:>13.1f} {held / 2**20:>19.1f} {held / every:>6.3f}")
         if args.json:
             args.json.write_text(json.dumps(report, indent=1) + "\n")
     finally:

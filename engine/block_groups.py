@@ -15,8 +15,14 @@ what the sliding groups no longer hold).
 KV events report one group's blocks, a full-attention one if there is one (its cached run bounds
 every hit): the router's prefix-aware routing estimates a worker's hit from them.
 
+An import (decode role) allocates from the end of the prompt on (`start`): a sliding group holds
+only the blocks its window reads there, and each group's blocks arrive in a transfer of their own
+(`destination_groups`, engine/kv_connector.py); every block received then holds all of its
+group's layers, so it may join the prefix cache. A fallback to a local prefill allocates the
+blocks it did not hold when it computes them (`_missing`).
+
 Not supported yet (engine/kv_groups.py's `kv_groups_for` keeps such configurations uniform): the
-host tier, swap preemption and P->D transfers.
+host tier, swap preemption, the prefill role (its sends read one block table for every layer).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from engine.block_hash import DEFAULT_HASH_ALGORITHM
 from engine.block_manager import BlockManager
 from engine.kv_events import BlockStored
 from engine.kv_groups import NULL_BLOCK, KVGroups
+from engine.kv_hooks import KVDestinationGroup
 from engine.request import Request
 
 PrefixEntry = tuple[int, ...]  # one block position of a prefix hit: each group's block (or NULL_BLOCK)
@@ -58,16 +65,22 @@ class GroupedBlockManager(BlockManager):
     def _first_read(self, group: int, position: int) -> int:
         return self.groups.first_read_block(group, position, self.block_size)
 
-    def _new_blocks(self, request: Request, num_tokens: int, start: int, held: int | None = None) -> int:
-        """Free blocks needed to cover positions < num_tokens, computing from `start`; `held`: the
-        length every table will have before that (default: each table's own)."""
-        target = self.blocks_needed(num_tokens)
-        tables = self._tables(request)
-        return sum(max(0, target - max(len(tables[g]) if held is None else held, self._first_read(g, start)))
-                   for g in range(self.groups.num_groups))
+    def _first_needed(self, group: int, start: int, target: int) -> int:
+        """The first of `target` blocks that computing from position `start` on reads (at most the
+        last one: an import, computing from its end, still holds the last block it fills)."""
+        return min(self._first_read(group, start), max(0, target - 1))
 
-    def new_blocks_for(self, request: Request, num_tokens: int) -> int:
-        return self._new_blocks(request, num_tokens, request.num_computed_tokens)
+    def _missing(self, table: list[int], group: int, start: int, target: int) -> list[int]:
+        """Indices below `target` that computing from `start` reads and `table` has no block for
+        (past its end, or null: e.g. a failed import's blocks, prefilled here after all)."""
+        return [index for index in range(self._first_needed(group, start, target), target)
+                if index >= len(table) or table[index] == NULL_BLOCK]
+
+    def new_blocks_for(self, request: Request, num_tokens: int, start: int | None = None) -> int:
+        """Free blocks `allocate_slots(request, num_tokens, start=start)` would take."""
+        start = request.num_computed_tokens if start is None else start
+        target = self.blocks_needed(num_tokens)
+        return sum(len(self._missing(table, g, start, target)) for g, table in enumerate(self._tables(request)))
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -139,25 +152,36 @@ class GroupedBlockManager(BlockManager):
 
     # ---- allocation ------------------------------------------------------------------------
 
-    def can_allocate(self, request: Request, num_tokens: int, prefix_blocks: list[PrefixEntry] = ()) -> bool:
-        start = len(prefix_blocks) * self.block_size if prefix_blocks else request.num_computed_tokens
-        held = len(prefix_blocks) if prefix_blocks else None
+    def can_allocate(self, request: Request, num_tokens: int, prefix_blocks: list[PrefixEntry] = (),
+                     start: int | None = None) -> bool:
+        start = self._start(request, prefix_blocks, start)
+        target = self.blocks_needed(num_tokens)
+        tables = self._tables(request)
+        if prefix_blocks:  # the tables are empty: they will start with the entries
+            tables = [[entry[g] for entry in prefix_blocks] for g in range(self.groups.num_groups)]
+        needed = sum(len(self._missing(table, g, start, target)) for g, table in enumerate(tables))
         reclaimed = len({b for entry in prefix_blocks for b in entry if b != NULL_BLOCK and self._ref_counts[b] == 0})
-        return self._new_blocks(request, num_tokens, start, held) + reclaimed <= len(self._free)
+        return needed + reclaimed <= len(self._free)
+
+    def _start(self, request: Request, prefix_blocks: list[PrefixEntry], start: int | None) -> int:
+        if start is not None:
+            return start
+        return len(prefix_blocks) * self.block_size if prefix_blocks else request.num_computed_tokens
 
     def allocate_slots(self, request: Request, num_tokens: int, prefix_blocks: list[PrefixEntry] = (),
-                       host_hits: int = 0) -> bool:
+                       host_hits: int = 0, start: int | None = None) -> bool:
         """Make every table cover positions < num_tokens, all or nothing: the prefix entries
-        first (admission only), then new blocks where the next computed token reads, null blocks
-        before that."""
+        first (admission only), then blocks where computing from `start` reads (default: the
+        hit's end, or the computed tokens; an import, whose KV arrives, passes its length), null
+        blocks before that."""
         tables = self._tables(request)
         if host_hits:
             raise ValueError("a grouped KV cache has no host tier")
         if prefix_blocks and any(tables):
             raise ValueError(f"request {request.request_id} already holds blocks; prefix blocks are for admission")
-        if not self.can_allocate(request, num_tokens, prefix_blocks):
+        if not self.can_allocate(request, num_tokens, prefix_blocks, start):
             return False
-        start = len(prefix_blocks) * self.block_size if prefix_blocks else request.num_computed_tokens
+        start = self._start(request, prefix_blocks, start)
         for entry in prefix_blocks:
             for table, block_id in zip(tables, entry):
                 if block_id != NULL_BLOCK:
@@ -169,15 +193,13 @@ class GroupedBlockManager(BlockManager):
             self._num_registered[request.request_id] = len(prefix_blocks)
         target = self.blocks_needed(num_tokens)
         for group, table in enumerate(tables):
-            first = self._first_read(group, start)
-            while len(table) < target:
-                if len(table) < first:
-                    table.append(NULL_BLOCK)
-                    continue
+            missing = self._missing(table, group, start, target)
+            table.extend([NULL_BLOCK] * (target - len(table)))
+            for index in missing:
                 block_id, _ = self._free.popitem(last=False)
                 self._evict(block_id)
                 self._ref_counts[block_id] = 1
-                table.append(block_id)
+                table[index] = block_id
         if any(tables):
             self._holders[request.request_id] = request
         return True
@@ -198,6 +220,17 @@ class GroupedBlockManager(BlockManager):
                 if block_id != NULL_BLOCK:
                     self._unref(block_id)
             del table[keep:]
+
+    def destination_groups(self, request: Request, first: int) -> list[KVDestinationGroup]:
+        """Per group, its layers and the blocks an import writes: the request's from prompt block
+        `first` (its prefix-cache hit's end) or past the group's last null entry, whichever is later."""
+        layers = [tuple(i for i, g in enumerate(self.groups.layer_group) if g == group)
+                  for group in range(self.groups.num_groups)]
+        result = []
+        for group, table in enumerate(self._tables(request)):
+            start = max(first, max((i + 1 for i, block in enumerate(table) if block == NULL_BLOCK), default=0))
+            result.append(KVDestinationGroup(layers[group], tuple(table[start:])))
+        return result
 
     # ---- invariants ------------------------------------------------------------------------
 

@@ -82,8 +82,8 @@ class BlockManager:
         """The longest sequence whose blocks the whole cache holds."""
         return self.num_blocks * self.block_size
 
-    def new_blocks_for(self, request: Request, num_tokens: int) -> int:
-        """How many free blocks `allocate_slots(request, num_tokens)` would take."""
+    def new_blocks_for(self, request: Request, num_tokens: int, start: int | None = None) -> int:
+        """How many free blocks `allocate_slots(request, num_tokens)` would take (`start`: as there)."""
         return max(0, self.blocks_needed(num_tokens) - len(request.block_ids))
 
     def ref_count(self, block_id: int) -> int:
@@ -184,13 +184,14 @@ class BlockManager:
         return new_blocks + reclaimed <= len(self._free)
 
     def allocate_slots(self, request: Request, num_tokens: int, prefix_blocks: list[int] = (),
-                       host_hits: int = 0) -> bool:
+                       host_hits: int = 0, start: int | None = None) -> bool:
         """Make `request.block_ids` cover token positions `< num_tokens`, all or nothing.
 
         `prefix_blocks` (from `find_cached_prefix`) are taken first, then `host_hits` new blocks
         (from `find_host_prefix`) are queued to be filled from the host tier and join the device
         cache; only for a request that holds no blocks yet. Returns False, changing nothing, if
-        the free list is too short.
+        the free list is too short. `start`: the first position the next step computes (a grouped
+        cache allocates only what it reads, engine/block_groups.py; every position here).
         """
         if (prefix_blocks or host_hits) and request.block_ids:
             raise ValueError(f"request {request.request_id} already holds blocks; prefix blocks are for admission")

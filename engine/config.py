@@ -262,7 +262,8 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_DTYPE_HELP)
     group.add_argument("--kv-layout", choices=KV_LAYOUTS, default=None,
                        help="auto (default): sliding-window layers give their blocks behind the window back to the "
-                            "pool (colocated workers without KV events, swap or the host tier); uniform: keep them")
+                            "pool (decode and colocated workers; not with TP on a decode worker, swap or the host "
+                            "tier); uniform: keep them")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
     group.add_argument("--max-num-seqs", type=int, default=None, help="cap on running requests per worker")
     group.add_argument("--max-step-ms", type=float, default=None,

@@ -42,9 +42,13 @@ the caller has it.
 
 Sliding-window layers (`layer_windows`, engine/kv_cache.py): a send leaves out, per layer, the
 leading blocks the next token no longer reads (`window_skip_blocks`; both sides compute them from
-the same tokens, and the checksum covers what moved). Those blocks lack some layers' KV on the
-decode side, so a verified load says from which block on the request's KV must not be shared
-(`LoadDone.complete_blocks`): the decode worker's prefix cache never hands them out.
+the same tokens, and the checksum covers what moved). With one block table for every layer on
+the decode side, those blocks lack some layers' KV there, so a verified load says from which
+block on the request's KV must not be shared (`LoadDone.complete_blocks`): the decode worker's
+prefix cache never hands them out. A grouped decode cache (engine/kv_groups.py) instead names a
+destination per layer group (`KVDestination.groups`): one transfer each (`_Part`, ids
+`<request>#kv<group>`), a sliding group's from its window on, into blocks that then hold every
+layer of their group; the checksum covers the same (layer, block) chunks in the same order.
 """
 from __future__ import annotations
 
@@ -74,7 +78,8 @@ class KVSenderTransport(Protocol):
     epoch: int
 
     def start(self, request_id: str, dst_address: str, src_block_ids: Sequence[int],
-              dst_block_ids: Sequence[int], *, skip_blocks: Sequence[int] | None = None) -> Any: ...
+              dst_block_ids: Sequence[int], *, skip_blocks: Sequence[int] | None = None,
+              layers: Sequence[int] | None = None) -> Any: ...
 
     def send_layers(self, request_id: str, layers: Sequence[int], num_blocks: int | None = None) -> None: ...
 
@@ -99,7 +104,7 @@ class KVReceiverTransport(Protocol):
     """What the decode side needs of a kvtransfer KVReceiver."""
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int], *,
-               skip_blocks: Sequence[int] | None = None) -> None: ...
+               skip_blocks: Sequence[int] | None = None, layers: Sequence[int] | None = None) -> None: ...
 
     def poll(self, request_id: str) -> Any: ...  # TransferStatus
 
@@ -124,16 +129,14 @@ def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str
     return tuple(hashes)
 
 
-def kv_checksum(layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-                skip_blocks: Sequence[int] | None = None) -> int:
-    """xxh3-64 of the bytes of `block_ids` in every layer, layer-major, block by block: the same
-    on both sides whatever each cache's block ids are. `skip_blocks[layer]`: that layer's leading
-    blocks that did not move (a sliding window's), left out. Host caches are hashed in place, a
-    run of consecutive blocks per update; device caches are gathered to the host per layer."""
+def kv_checksum(layers: Sequence[torch.Tensor], layer_block_ids: Sequence[Sequence[int]]) -> int:
+    """xxh3-64 of the bytes of `layer_block_ids[i]` in each layer i, layer-major, block by block:
+    the same on both sides whatever each cache's block ids are (each side lists the blocks that
+    moved, in prompt order: a sliding layer's start at its window). Host caches are hashed in
+    place, a run of consecutive blocks per update; device caches are gathered to the host per layer."""
     import xxhash
     hasher = xxhash.xxh3_64()
-    for number, layer in enumerate(layers):
-        ids = block_ids[skip_blocks[number]:] if skip_blocks is not None else block_ids
+    for layer, ids in zip(layers, layer_block_ids):
         if layer.device.type == "cpu":
             rows = layer.view(layer.shape[0], -1).view(torch.uint8).numpy()
             for start, end in _runs(ids):
@@ -155,13 +158,49 @@ def _runs(block_ids: Sequence[int]) -> list[list[int]]:
     return runs
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One kvtransfer transfer of a request's KV: all of it, or one layer group's of a grouped
+    decode cache (engine/kv_groups.py), whose blocks start at its window."""
+    transfer_id: str
+    layers: tuple[int, ...]
+    first_block: int  # the prompt block its blocks start at
+    block_ids: tuple[int, ...]  # this side's ids of them (source or destination)
+    skip_blocks: tuple[int, ...] | None = None  # one transfer of every layer: window_skip_blocks
+
+
+def _part_id(request_id: str, group: int, num_groups: int) -> str:
+    return request_id if num_groups == 1 else f"{request_id}#kv{group}"
+
+
+def _layer_blocks(parts: Sequence[_Part], num_layers: int) -> list[Sequence[int]]:
+    """Per cache layer, the blocks that move for it, in prompt order (kv_checksum's argument)."""
+    blocks: list[Sequence[int]] = [()] * num_layers
+    for part in parts:
+        for layer in part.layers:
+            blocks[layer] = part.block_ids[part.skip_blocks[layer]:] if part.skip_blocks else part.block_ids
+    return blocks
+
+
+@dataclass(frozen=True)
+class _Combined:
+    """The transfers of one request seen as one: done once all are (or one failed), ok if all are."""
+    done: bool
+    ok: bool
+    error: str | None
+    bytes_transferred: int
+    layers_done: int
+    num_layers: int
+    producer_epoch: int
+
+
 @dataclass
 class _Send:
     request: Request
     destination: KVDestination
     num_tokens: int  # the tokens whose KV it sends (the prompt, and a resumed request's outputs)
-    src_block_ids: list[int] = field(default_factory=list)
-    skip_blocks: list[int] | None = None  # per layer: leading blocks not sent (window_skip_blocks)
+    src_block_ids: list[int] = field(default_factory=list)  # prompt blocks [first, end): what pushes count
+    parts: list[_Part] = field(default_factory=list)  # the transfers opened
     opened: bool = False
     pushed: list[int] = field(default_factory=list)  # per layer group: blocks pushed so far
     finished_at: float = 0.0  # when the prompt was done: request_finished, then SENDING_KV (monotonic)
@@ -186,7 +225,7 @@ class _Load:
     checked: float = 0.0
     bytes_seen: int = 0
     block_hashes: tuple[bytes, ...] = ()  # of every full block of its tokens (the report must match)
-    skip_blocks: list[int] | None = None  # per layer: leading blocks not moved (window_skip_blocks)
+    parts: list[_Part] = field(default_factory=list)  # the transfers expected
 
 
 @dataclass
@@ -229,6 +268,7 @@ class KVConnector:
         # An entry lives exactly as long as its `_loads` one, and is taken out with it.
         self._early: dict[str, _EarlyToken] = {}
         self._pushes: list[tuple[_Send, int]] = []  # this step's (send, blocks after it)
+        self._owners: dict[str, str] = {}  # a layer group's transfer id -> its request id (grouped)
         self.failures: Counter[str] = Counter()
         self.polls = 0
         num_layers = len(self.kv_layers)
@@ -254,9 +294,9 @@ class KVConnector:
 
     # ---- transport side (I/O thread) ------------------------------------------------------
 
-    def _on_transfer_end(self, request_id: str) -> None:
+    def _on_transfer_end(self, transfer_id: str) -> None:
         with self._lock:
-            self._ended.add(request_id)
+            self._ended.add(self._owners.get(transfer_id, transfer_id))
         self._wakeup()
 
     def _look_again(self, request_id: str) -> None:
@@ -278,7 +318,7 @@ class KVConnector:
                 self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
             elif self.shards is not None and send.error is None:  # gathered now: the checksum reads it
                 self.shards.gather_kv(range(len(self.kv_layers)), send.src_block_ids)
-            send.checksum = kv_checksum(self.kv_layers, send.src_block_ids, send.skip_blocks)
+            send.checksum = kv_checksum(self.kv_layers, _layer_blocks(send.parts, len(self.kv_layers)))
             # the tokens whose KV was sent: not the first token, sampled just now
             sent_tokens = request.all_token_ids[:request.num_computed_tokens]
             send.block_hashes = sent_token_hashes(sent_tokens, self.block_size, request.cache_salt,
@@ -304,7 +344,7 @@ class KVConnector:
                 or any(pushed < len(send.src_block_ids) for pushed in send.pushed)):
             return None
         try:
-            sent = self.transport.poll(request_id).bytes_transferred
+            sent = self._poll_parts(send.parts).bytes_transferred
         except KeyError:  # the transfer ended meanwhile: the final delta says how
             return None
         return KVSendResult(None, sent, self._sender.epoch, send.checksum, send.block_hashes)
@@ -312,10 +352,11 @@ class KVConnector:
     def request_ended(self, request: Request) -> None:
         request_id = request.request_id
         send = self._sends.pop(request_id, None)
-        if send is not None and send.opened:
-            self._cancel_transfer(request_id)
-        if self._end_load(request_id)[0] is not None:
-            self._cancel_transfer(request_id)
+        if send is not None:
+            self._cancel_parts(send.parts)
+        load, _ = self._end_load(request_id)
+        if load is not None:
+            self._cancel_parts(load.parts)
 
     # ---- prefill side ---------------------------------------------------------------------
 
@@ -329,7 +370,13 @@ class KVConnector:
             raise ValueError(f"request id {request.request_id!r} already has a KV send")
         num_blocks = -(-request.num_tokens // self.block_size)
         end = destination.first_block_index + len(destination.block_ids)
-        if end != num_blocks or not destination.block_ids:
+        if destination.groups:
+            bad = [g for g in destination.groups
+                   if not 0 < len(g.block_ids) <= num_blocks - destination.first_block_index or not g.layers]
+            if bad or sorted(layer for g in destination.groups for layer in g.layers) != list(range(len(self.kv_layers))):
+                raise ValueError(f"the destination's layer groups do not cover this model's {len(self.kv_layers)} layers "
+                                 f"once, each with 1 to {num_blocks - destination.first_block_index} blocks")
+        elif end != num_blocks or not destination.block_ids:
             raise ValueError(f"the destination covers prompt blocks [{destination.first_block_index}, {end}) but "
                              f"the prompt of {request.num_tokens} tokens has {num_blocks} blocks")
         self._sends[request.request_id] = _Send(request, destination, request.num_tokens,
@@ -371,20 +418,38 @@ class KVConnector:
         try:
             if self.shards is not None:
                 self.shards.gather_kv(self.layer_groups[group_index], send.src_block_ids[:blocks])
-            self._sender.send_layers(send.request.request_id, self.layer_groups[group_index], blocks)
+            done = send.destination.first_block_index + blocks  # prompt blocks [0, done) are written
+            for part in send.parts:
+                layers = [layer for layer in self.layer_groups[group_index] if layer in part.layers]
+                part_blocks = min(done - part.first_block, len(part.block_ids))
+                if layers and part_blocks >= 1:
+                    self._sender.send_layers(part.transfer_id, layers, part_blocks)
             send.pushed[group_index] = blocks
         except (KeyError, ValueError) as exc:  # the transfer ended meanwhile (poll() reports it)
             send.error = send.error or f"KV push failed: {exc}"
             self._look_again(send.request.request_id)
 
     def _open(self, send: _Send) -> bool:
-        request = send.request
-        first = send.destination.first_block_index
-        send.src_block_ids = list(request.block_ids[first:first + len(send.destination.block_ids)])
-        send.skip_blocks = window_skip_blocks(self.layer_windows, send.num_tokens, self.block_size, first)
+        request, destination = send.request, send.destination
+        first, end = destination.first_block_index, -(-send.num_tokens // self.block_size)
+        send.src_block_ids = list(request.block_ids[first:end])
         try:
-            self._sender.start(request.request_id, send.destination.address, send.src_block_ids,
-                               list(send.destination.block_ids), skip_blocks=send.skip_blocks)
+            if destination.groups:  # a grouped decode cache: one transfer per layer group
+                for index, group in enumerate(destination.groups):
+                    start = end - len(group.block_ids)
+                    part = _Part(_part_id(request.request_id, index, len(destination.groups)), tuple(group.layers),
+                                 start, tuple(request.block_ids[start:end]))
+                    self._owners[part.transfer_id] = request.request_id
+                    self._sender.start(part.transfer_id, destination.address, list(part.block_ids),
+                                       list(group.block_ids), layers=list(part.layers))
+                    send.parts.append(part)
+            else:
+                skip = window_skip_blocks(self.layer_windows, send.num_tokens, self.block_size, first)
+                part = _Part(request.request_id, tuple(range(len(self.kv_layers))), first, tuple(send.src_block_ids),
+                             None if skip is None else tuple(skip))
+                self._sender.start(request.request_id, destination.address, send.src_block_ids,
+                                   list(destination.block_ids), skip_blocks=skip)
+                send.parts.append(part)
         except Exception as exc:  # e.g. no transport in common with the destination
             send.error = f"KV send failed to start: {exc}"
             self._look_again(request.request_id)
@@ -409,7 +474,7 @@ class KVConnector:
         status = None
         if send.opened:
             try:
-                status = self.transport.poll(request_id)
+                status = self._poll_parts(send.parts)
             except KeyError:
                 pass
         sent = status.bytes_transferred if status is not None else 0
@@ -435,8 +500,7 @@ class KVConnector:
     def _end_send(self, send: _Send, error: str | None, bytes_sent: int) -> SendDone:
         request_id = send.request.request_id
         del self._sends[request_id]
-        if send.opened:
-            self._cancel_transfer(request_id)  # stop it, or drop the record of a finished one
+        self._cancel_parts(send.parts)  # stop them, or drop the records of finished ones
         return SendDone(request_id, KVSendResult(error, bytes_sent, self._sender.epoch,
                                                  send.checksum, send.block_hashes))
 
@@ -448,16 +512,36 @@ class KVConnector:
         threshold: prefill here). `streamable`: its first token may go out before the checks
         (`stream_first_token`); not for a request the engine detokenizes (an early token would
         have no text)."""
-        if (not plan.blocks_to_fill
+        if ((not plan.blocks_to_fill and not plan.groups)
                 or request.num_tokens - plan.num_cached_tokens < self.config.local_prefill_threshold):
             return False
         # Its tokens (a resumed request's include its outputs) do not change while it loads. Hashed
         # before the receiver expects it: past `expect`, nothing may fail and leave its record.
         hashes = sent_token_hashes(request.all_token_ids, self.block_size, request.cache_salt, self.hash_algorithm)
-        skip = window_skip_blocks(self.layer_windows, request.num_tokens, self.block_size, plan.blocks_to_fill[0][0])
-        self._receiver.expect(request.request_id, [block_id for _, block_id in plan.blocks_to_fill], skip_blocks=skip)
+        end = -(-request.num_tokens // self.block_size)
+        if plan.groups:  # a grouped cache: one transfer per layer group
+            parts = [_Part(_part_id(request.request_id, index, len(plan.groups)), tuple(group.layers),
+                           end - len(group.block_ids), tuple(group.block_ids))
+                     for index, group in enumerate(plan.groups)]
+        else:
+            first = plan.blocks_to_fill[0][0]
+            skip = window_skip_blocks(self.layer_windows, request.num_tokens, self.block_size, first)
+            parts = [_Part(request.request_id, tuple(range(len(self.kv_layers))), first,
+                           tuple(block_id for _, block_id in plan.blocks_to_fill), None if skip is None else tuple(skip))]
+        expected: list[_Part] = []
+        try:
+            for part in parts:
+                self._owners[part.transfer_id] = request.request_id
+                if plan.groups:
+                    self._receiver.expect(part.transfer_id, list(part.block_ids), layers=list(part.layers))
+                else:
+                    self._receiver.expect(part.transfer_id, list(part.block_ids), skip_blocks=part.skip_blocks)
+                expected.append(part)
+        except BaseException:
+            self._cancel_parts(expected)
+            raise
         now = time.monotonic()
-        self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes, skip_blocks=skip)
+        self._loads[request.request_id] = _Load(request, plan, now, checked=now, block_hashes=hashes, parts=parts)
         if streamable:
             with self._lock:
                 self._early[request.request_id] = _EarlyToken(hashes)
@@ -514,7 +598,7 @@ class KVConnector:
         if load.producer_error is not None:
             return self._fail_load(load, "producer", load.producer_error)
         try:
-            status = self.transport.poll(request_id)
+            status = self._poll_parts(load.parts)
         except KeyError:  # its record is gone (the receiver closed)
             return self._fail_load(load, "transfer", "the receiver no longer knows the transfer")
         if status.done and not status.ok:
@@ -539,11 +623,14 @@ class KVConnector:
         if self.shards is not None:
             self.shards.scatter_kv([block_id for _, block_id in load.plan.blocks_to_fill])
         _, streamed = self._end_load(request_id)
-        self._cancel_transfer(request_id)  # drops the finished record
+        self._cancel_parts(load.parts)  # drops the finished records
         load.request.kv_import = KVImportOutcome(True, status.bytes_transferred, now - load.started,
                                                  load.report.num_cached_tokens)
+        # One transfer of every layer, some skipping blocks behind their window: from the first
+        # block it wrote on, those layers' KV is missing. (A grouped cache holds no such block.)
         complete = None
-        if load.skip_blocks is not None and max(load.skip_blocks):
+        skip = load.parts[0].skip_blocks
+        if not load.plan.groups and skip is not None and max(skip):
             complete = load.plan.blocks_to_fill[0][0]
         return LoadDone(request_id, load.report.first_token, None, False, streamed is not None, complete)
 
@@ -554,10 +641,10 @@ class KVConnector:
                              f"comes from epoch {report.epoch:x} (the prefill worker restarted)")
         if report.block_hashes != load.block_hashes:
             return "block_hash", "the prefill worker's block hashes differ from this prompt's (a different prompt)"
-        block_ids = [block_id for _, block_id in load.plan.blocks_to_fill]
+        blocks = _layer_blocks(load.parts, len(self.kv_layers))
         if self.config.inject_fault == "flip_byte":
-            self.kv_layers[0][block_ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
-        if kv_checksum(self.kv_layers, block_ids, load.skip_blocks) != report.checksum:
+            self.kv_layers[0][blocks[0][0]].view(-1).view(torch.uint8)[7] ^= 0x10
+        if kv_checksum(self.kv_layers, blocks) != report.checksum:
             return "checksum", "the received KV bytes do not match the prefill worker's checksum"
         return None
 
@@ -565,10 +652,10 @@ class KVConnector:
         request_id = load.request.request_id
         _, streamed = self._end_load(request_id)
         try:
-            received = self.transport.poll(request_id).bytes_transferred
+            received = self._poll_parts(load.parts).bytes_transferred
         except KeyError:
             received = 0
-        self._cancel_transfer(request_id)  # no byte lands in its blocks after this
+        self._cancel_parts(load.parts)  # no byte lands in its blocks after this
         self.failures[reason] += 1
         load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started)
         return LoadDone(request_id, streamed, f"remote prefill failed ({reason}): {message}",
@@ -604,6 +691,22 @@ class KVConnector:
         if load is not None:
             return self._fail_load(load, "transfer", message)
         return None
+
+    def _poll_parts(self, parts: Sequence[_Part]) -> _Combined:
+        """The request's transfers as one (KeyError if the transport no longer knows one)."""
+        statuses = [self.transport.poll(part.transfer_id) for part in parts]
+        failed = next((s for s in statuses if s.done and not s.ok), None)
+        epochs = {s.producer_epoch for s in statuses}
+        return _Combined(done=failed is not None or all(s.done for s in statuses), ok=all(s.ok for s in statuses),
+                         error=failed.error if failed is not None else None,
+                         bytes_transferred=sum(s.bytes_transferred for s in statuses),
+                         layers_done=sum(s.layers_done for s in statuses), num_layers=sum(s.num_layers for s in statuses),
+                         producer_epoch=epochs.pop() if len(epochs) == 1 else -1)
+
+    def _cancel_parts(self, parts: Sequence[_Part]) -> None:
+        for part in parts:
+            self._owners.pop(part.transfer_id, None)
+            self._cancel_transfer(part.transfer_id)
 
     def _cancel_transfer(self, request_id: str) -> None:
         """Stop a transfer, or drop a finished one's record. A transport closed meanwhile (the

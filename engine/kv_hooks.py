@@ -21,7 +21,7 @@ the CLI, the controller) need neither torch nor the connector.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import Request
@@ -84,12 +84,22 @@ class KVConnectorConfig:
 
 
 @dataclass(frozen=True)
+class KVDestinationGroup:
+    """One layer group of a grouped decode cache (engine/kv_groups.py): its layers' blocks of the
+    prompt's last `len(block_ids)` blocks go to these ids (a sliding group's start at its window)."""
+    layers: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class KVDestination:
     """Where a prefill-role request's KV goes: the decode worker's receiver and the blocks that
-    hold prompt blocks [first_block_index, first_block_index + len(block_ids))."""
+    hold prompt blocks [first_block_index, first_block_index + len(block_ids)). `groups`: a
+    grouped decode cache's, one transfer each (`block_ids` is then empty)."""
     address: str
     block_ids: tuple[int, ...]
     first_block_index: int
+    groups: tuple[KVDestinationGroup, ...] = ()
 
 
 @dataclass
@@ -98,6 +108,14 @@ class ImportPlan:
     block_ids: list[int]  # the request's blocks, covering every prompt position
     num_cached_tokens: int  # prompt tokens already in this worker's prefix cache (block-aligned)
     blocks_to_fill: list[tuple[int, int]]  # (block index in the prompt, block id) the transfer must write
+    # A grouped cache (engine/kv_groups.py): what each layer group's transfer writes, the prompt's
+    # last blocks from the group's window on (`blocks_to_fill` is then empty).
+    groups: list[KVDestinationGroup] = field(default_factory=list)
+
+    def destination(self, address: str, block_size: int) -> KVDestination:
+        """Where the prefill worker writes this plan's blocks: this worker's receiver at `address`."""
+        return KVDestination(address, tuple(block_id for _, block_id in self.blocks_to_fill),
+                             self.num_cached_tokens // block_size, tuple(self.groups))
 
 
 class KVCacheFullError(RuntimeError):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine.block_groups import GroupedBlockManager
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.kv_hooks import ImportPlan, KVCacheFullError
@@ -91,8 +92,10 @@ class KVRoleTransitions:
                                    f"{request.request_id}")
         prefix_blocks, num_hit = self.block_manager.find_cached_prefix(request)
         host_hits = self.block_manager.find_host_prefix(request, len(prefix_blocks))
-        # The imported KV covers every token so far: the prompt, and a resumed request's outputs.
-        if not self.block_manager.allocate_slots(request, request.num_tokens, prefix_blocks, host_hits):
+        # The imported KV covers every token so far: the prompt, and a resumed request's outputs;
+        # this worker computes from their end on.
+        if not self.block_manager.allocate_slots(request, request.num_tokens, prefix_blocks, host_hits,
+                                                 start=request.num_tokens):
             needed = self.block_manager.blocks_needed(request.num_tokens) - len(prefix_blocks)
             raise KVCacheFullError(f"request {request.request_id} needs {needed} free KV blocks, "
                                    f"{self.block_manager.num_free_blocks} are free")
@@ -105,6 +108,9 @@ class KVRoleTransitions:
         request.status = RequestStatus.WAITING_FOR_KV
         self._importing[request.request_id] = request
         first = num_hit // self.block_manager.block_size
+        if isinstance(self.block_manager, GroupedBlockManager):
+            return ImportPlan(request.request_id, list(request.block_ids), num_hit, [],
+                              self.block_manager.destination_groups(request, first))
         return ImportPlan(request.request_id, list(request.block_ids), num_hit,
                           [(index, request.block_ids[index]) for index in range(first, len(request.block_ids))])
 

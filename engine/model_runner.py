@@ -178,7 +178,10 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
-        if cache.num_blocks is not None:
+        if cache.num_blocks is not None:  # blocks of every layer: a grouped cache makes as many bytes
+            # into blocks of one group's layers (its null block among them)
+            if self.kv_groups.grouped:
+                return cache.num_blocks * self.arch.num_hidden_layers // self.kv_groups.num_slots
             return cache.num_blocks
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -193,7 +196,8 @@ class ModelRunner:
     def _uniform_layout_needs(self) -> list[str]:
         """The options of this configuration that need every layer's blocks kept (kv_groups_for)."""
         config = self.config
-        needs = [(config.role != "both", f"role {config.role!r} (KV transfer between workers)"),
+        needs = [(config.role == "prefill", "role 'prefill' (its sends read one block table for every layer)"),
+                 (config.role == "decode" and self.tp is not None, "tensor parallelism on a decode worker"),
                  (config.cache.host_cache_gb > 0 and config.cache.enable_prefix_caching, "host_cache_gb"),
                  (config.scheduler.preemption_mode == "swap", "preemption_mode 'swap'"),
                  (self.device.type == "cuda" and config.cuda_graphs, "CUDA graphs (--no-cuda-graphs lifts it)")]

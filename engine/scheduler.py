@@ -104,9 +104,9 @@ class Scheduler(KVRoleTransitions):
         self.kv_connector = kv_connector
         self.max_model_len = max_model_len
         if kv_groups is not None and kv_groups.grouped:
-            if role != "both" or num_swap_slots or num_host_slots:
+            if role == "prefill" or num_swap_slots or num_host_slots:
                 raise ValueError("a grouped KV cache (sliding-window layers' blocks given back) works in a colocated "
-                                 "engine without swap space or the host tier")
+                                 "or decode-role engine without swap space or the host tier")
             self.block_manager: BlockManager = GroupedBlockManager(
                 num_blocks, cache_config.block_size, kv_groups, cache_config.enable_prefix_caching,
                 record_kv_events=cache_config.kv_events)

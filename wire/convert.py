@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.kv_hooks import KVSendResult, ProducerReport
-from engine.kv_hooks import ImportPlan, KVDestination
+from engine.kv_hooks import ImportPlan, KVDestination, KVDestinationGroup
 from engine.outputs import StreamDelta
 from engine.step_types import SampledToken
 from kvtransfer.status import dtype_description, windows_description
@@ -85,10 +85,12 @@ def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout
     receiver at `address`, whose caches have the kvtransfer `layout`). The prefill worker reads it
     back with `serving.request_from_wire`."""
     pb = messages()
+    target = plan.destination(address, layout.block_size)
     destination = pb.KVDestination(transport=address.split("://", 1)[0], address=address,
-                                   layout=layout_to_wire(layout),
-                                   block_ids=[block_id for _, block_id in plan.blocks_to_fill],
-                                   first_block_index=plan.blocks_to_fill[0][0])
+                                   layout=layout_to_wire(layout), block_ids=target.block_ids,
+                                   first_block_index=target.first_block_index,
+                                   groups=[pb.KVDestinationGroup(layers=group.layers, block_ids=group.block_ids)
+                                           for group in target.groups])
     return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.all_token_ids,
                              sampling=sampling_to_wire(request.sampling_params), destination=destination,
                              cache_salt=request.cache_salt or "", num_resumed_tokens=request.num_resumed_tokens,
@@ -98,9 +100,12 @@ def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout
 def destination_from_wire(message: Any) -> KVDestination:
     if not message.address:
         raise ValueError("destination.address is empty: name the decode worker's KV receiver")
-    if not message.block_ids:
+    groups = tuple(KVDestinationGroup(tuple(int(layer) for layer in group.layers), tuple(int(b) for b in group.block_ids))
+                   for group in message.groups)
+    if not message.block_ids and not groups:
         raise ValueError("destination.block_ids is empty")
-    return KVDestination(message.address, tuple(int(b) for b in message.block_ids), int(message.first_block_index))
+    return KVDestination(message.address, tuple(int(b) for b in message.block_ids), int(message.first_block_index),
+                         groups)
 
 
 def prefill_response(delta: StreamDelta, first: StreamDelta | None) -> Any:

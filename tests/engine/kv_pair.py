@@ -10,7 +10,6 @@ import torch
 import kvtransfer
 from engine.engine import LLMEngine
 from engine.kv_hooks import KVConnectorConfig, ProducerReport
-from engine.kv_hooks import KVDestination
 from engine.llm import build_engine_config
 from engine.model.loader import resolve_model
 from engine.model_runner import ModelRunner
@@ -75,8 +74,7 @@ class Pair:
         request = self.decode.make_request(tokens, params, request_id)
         plan = self.decode.add_imported(request)
         assert plan is not None
-        destination = KVDestination(self.decode.kv_connector.transport.address,
-                                    tuple(b for _, b in plan.blocks_to_fill), plan.blocks_to_fill[0][0])
+        destination = plan.destination(self.decode.kv_connector.transport.address, BLOCK)
         self.prefill.add(self.prefill.make_request(tokens, params, request_id, kv_destination=destination),
                          detokenize=False)
         return plan
@@ -157,4 +155,4 @@ class Pair:
                 engine.wakeup.clear()
             engine.scheduler.check_integrity()
             bm = engine.scheduler.block_manager
-            assert bm.num_free_blocks == bm.num_blocks and not bm.holder_ids(), engine.config.role
+            assert bm.num_free_blocks == bm.num_blocks - bm.num_reserved and not bm.holder_ids(), engine.config.role

@@ -210,3 +210,38 @@ def test_kv_events_report_the_full_attention_groups_blocks_once_each():
     assert sorted(removed) == sorted(first.block_hashes[:3])
     bm.free(other)
     bm.check_integrity()
+
+
+def test_an_import_holds_each_groups_window_and_names_one_destination_per_group(make_bm):
+    """Decode role: the prompt's KV arrives, computing starts at its end (start=num_tokens)."""
+    bm = make_bm()
+    prompt = list(range(100, 121))  # 21 tokens, 6 blocks: position 21 reads 14..21, blocks 3-5
+    first = req("a", prompt)
+    assert bm.allocate_slots(first, 21, start=21)
+    sliding, full = first.block_tables
+    assert sliding[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in sliding[3:] + full
+    groups = bm.destination_groups(first, 0)
+    assert [g.layers for g in groups] == [(0, 2), (1, 3)]
+    assert [g.block_ids for g in groups] == [tuple(sliding[3:]), tuple(full)]
+    first.num_computed_tokens = 21
+    bm.cache_computed_blocks(first)  # every block received holds its whole group: all cached
+    bm.free(first)
+    # the same prompt again: a hit of 5 blocks (the sliding group's 3 and 4 are what position 20
+    # reads); only block 5 is left to import, in each group
+    again = req("b", prompt)
+    entries, num_tokens = bm.find_cached_prefix(again)
+    assert num_tokens == 20
+    assert bm.allocate_slots(again, 21, entries, start=21)
+    assert [g.block_ids for g in bm.destination_groups(again, 5)] == [(again.block_tables[0][5],),
+                                                                      (again.block_tables[1][5],)]
+    bm.free(again)
+
+
+def test_a_failed_imports_local_prefill_gets_the_blocks_the_import_left_null(make_bm):
+    bm = make_bm()
+    request = req("a", range(100, 121))
+    assert bm.allocate_slots(request, 21, start=21)  # the import: sliding blocks 0-2 null
+    assert bm.new_blocks_for(request, 12) == 3  # computing from 0 again: those three
+    assert bm.allocate_slots(request, 12)
+    assert NULL_BLOCK not in request.block_tables[0][:3]
+    bm.free(request)

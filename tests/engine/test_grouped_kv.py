@@ -40,10 +40,11 @@ def test_grouped_gives_the_uniform_layouts_tokens_even_when_blocks_run_short(mod
     assert type(uniform) is BlockManager
     got, grouped, _ = _run(folder, num_blocks=256)
     assert type(grouped) is GroupedBlockManager and got == expected, name
-    # Few blocks: room for one sequence of 90 tokens per group. Gemma 3's full-attention group
-    # runs short and requests are preempted (recompute), coming back through the prefix cache;
-    # Mistral's layers all slide, so its requests hold a window's blocks each and all fit.
-    short, _, stats = _run(folder, num_blocks=grouped.groups.num_groups * 23 + 1, max_num_batched_tokens=16)
+    # Few blocks: the memory of 24 blocks of every layer, room for one sequence of 90 tokens in
+    # each group. Gemma 3's full-attention group runs short and requests are preempted
+    # (recompute), coming back through the prefix cache; Mistral's layers all slide, so its
+    # requests hold a window's blocks each and all fit.
+    short, _, stats = _run(folder, num_blocks=24, max_num_batched_tokens=16)
     assert short == expected, name
     assert (stats.num_preemptions > 0) == (name == "gemma3"), name
 
@@ -79,7 +80,9 @@ def test_a_long_request_holds_its_sliding_layers_window_only(model):
         while engine.scheduler.has_unfinished():
             engine.step()
         engine.scheduler.check_integrity()
-        assert engine.scheduler.block_manager.num_free_blocks == 255  # all but the null block
+        blocks = engine.scheduler.block_manager
+        assert blocks.num_free_blocks == blocks.num_blocks - 1  # all but the null block
+        assert blocks.num_blocks == 256 * runner.arch.num_hidden_layers // groups.num_slots  # the same memory
 
 
 def test_grouped_is_refused_naming_what_needs_every_layers_blocks(model):

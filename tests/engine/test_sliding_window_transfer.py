@@ -52,8 +52,9 @@ def _chunks_moved(windows, num_tokens, first_block=0):
 
 
 def test_a_sliding_model_moves_only_the_windows_and_the_decode_side_never_shares_what_lacks_a_layer(gemma3):
+    """A decode worker whose cache keeps every layer's blocks (kv_layout uniform)."""
     folder, greedy = gemma3
-    pair = Pair(folder, "tcp")
+    pair = Pair(folder, "tcp", decode_options={"kv_layout": "uniform"})
     try:
         windows = pair.decode.runner.transfer_cache.layer_windows
         assert set(windows) == {0, WINDOW}, windows  # global and sliding layers
@@ -92,6 +93,59 @@ def test_a_sliding_model_moves_only_the_windows_and_the_decode_side_never_shares
         assert decode_blocks.num_cached_blocks == cached
         assert pair.prefill.scheduler.block_manager.num_cached_blocks >= len(other) // BLOCK
         assert sum(pair.decode.kv_connector.failures.values()) == 0
+        pair.assert_nothing_held()
+    finally:
+        pair.close()
+
+
+def test_a_grouped_decode_cache_receives_each_layer_groups_window_and_shares_it(gemma3):
+    """A decode worker with a grouped cache (engine/kv_groups.py, the default): one transfer per
+    layer group, a sliding group's from its window on, the same chunks as above; it holds only
+    those blocks, and every block it received joins its prefix cache (no layer's KV is missing),
+    so the same prompt again moves only its last block."""
+    folder, greedy = gemma3
+    pair = Pair(folder, "tcp")
+    try:
+        decode_blocks = pair.decode.scheduler.block_manager
+        assert type(decode_blocks).__name__ == "GroupedBlockManager"
+        windows = pair.decode.runner.transfer_cache.layer_windows
+        chunk_bytes = pair.decode.kv_connector.kv_layers[0][0].numel() * 4  # float32
+        long = prompt(2, 38)
+        plan = pair.start("long", long)
+        assert plan.groups and not plan.blocks_to_fill and plan.num_cached_tokens == 0
+        # the sliding groups' blocks start at block 7 (position 38 reads 31..38); the full group's at 0
+        assert sorted(len(group.block_ids) for group in plan.groups) == [3, 3, 3, 10]
+        pair.report("long", pair.run_prefill_to_answer("long"))
+        tokens, finals = pair.run_decode()
+        assert tokens["long"] == greedy(long)
+        moved, every = _chunks_moved(windows, len(long))
+        assert finals["long:import"].bytes_received == moved * chunk_bytes and moved < every
+
+        again = pair.start("again", long)
+        assert again.num_cached_tokens == 36  # every full block, with each group's window
+        assert sorted(len(group.block_ids) for group in again.groups) == [1, 1, 1, 1]
+        pair.report("again", pair.run_prefill_to_answer("again"))
+        tokens, finals = pair.run_decode()
+        assert tokens["again"] == greedy(long)
+        assert finals["again:import"].bytes_received == len(windows) * chunk_bytes
+        assert sum(pair.decode.kv_connector.failures.values()) == 0
+        pair.assert_nothing_held()
+    finally:
+        pair.close()
+
+
+def test_a_grouped_decode_cache_that_rejects_the_kv_prefills_the_whole_prompt_itself(gemma3):
+    """The received bytes fail their checksum (a flipped byte): the decode worker falls back to a
+    local prefill, which needs the sliding groups' blocks behind the window it never held; they
+    are allocated then, and the tokens are still transformers'."""
+    folder, greedy = gemma3
+    pair = Pair(folder, "tcp", decode=dict(inject_fault="flip_byte"))
+    try:
+        long = prompt(4, 38)
+        tokens, finals = pair.generate("long", long)
+        assert tokens["long"] == greedy(long)
+        assert not finals["long:import"].prefilled_remotely
+        assert pair.decode.kv_connector.failures["checksum"] == 1
         pair.assert_nothing_held()
     finally:
         pair.close()
