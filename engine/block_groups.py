@@ -45,6 +45,7 @@ class GroupedBlockManager(BlockManager):
                          record_kv_events=record_kv_events)
         self.groups = groups
         self._reported_group = next((g for g, window in enumerate(groups.windows) if not window), 0)
+        self._released: dict[str, list[int]] = {}  # request id -> per group: entries below are null
         del self._free[NULL_BLOCK]
 
     # ---- queries ---------------------------------------------------------------------------
@@ -120,21 +121,17 @@ class GroupedBlockManager(BlockManager):
         """Register each group's full computed blocks, then give back the sliding groups' blocks
         behind the window of the next token."""
         tables = self._tables(request)
-        if self.enable_prefix_caching:
-            num_full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
-            if request.max_cached_blocks is not None:
-                num_full = min(num_full, request.max_cached_blocks)
-            start = self._num_registered.get(request.request_id, 0)
-            if num_full > start:
-                self._ensure_hashes(request, num_full)
-                for index in range(start, num_full):
-                    self._register(request, index)
-                self._num_registered[request.request_id] = num_full
+        super().cache_computed_blocks(request)  # registers through `_register`, every group
+        # Entries below each group's mark are null already: a step scans only what it releases
+        # (the computed tokens never go back while the request holds blocks).
+        released = self._released.setdefault(request.request_id, [0] * len(tables))
         for group, table in enumerate(tables):
-            for index in range(min(len(table), self._first_read(group, request.num_computed_tokens))):
+            end = min(len(table), self._first_read(group, request.num_computed_tokens))
+            for index in range(released[group], end):
                 if table[index] != NULL_BLOCK:
                     self._unref(table[index])
                     table[index] = NULL_BLOCK
+            released[group] = max(released[group], end)
 
     def _register(self, request: Request, index: int) -> None:
         block_hash = request.block_hashes[index]
@@ -212,6 +209,7 @@ class GroupedBlockManager(BlockManager):
             table.clear()
         self._holders.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        self._released.pop(request.request_id, None)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         keep = self.blocks_needed(num_tokens)
