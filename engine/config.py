@@ -239,13 +239,18 @@ class SpeculativeConfig:
 # How a checkpoint's weights are held (`--quantization`): "none" dequantizes whatever the file
 # stores to the model's dtype at load; "gguf" keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
 # Q4_K / Q6_K blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float);
-# "auto" is "gguf" for a .gguf model on one CPU process and "none" otherwise; "int8" quantizes a
-# float model's projections, embedding and LM head to Q8_0 at load (int8 with a scale per 32).
-QUANTIZATIONS = ("none", "auto", "gguf", "int8")
+# "int8" quantizes a float model's projections, embedding and LM head to Q8_0 at load (int8 with a
+# scale per 32); "fp8" / "awq" / "gptq" keep a Hugging Face checkpoint's quantized tensors as stored
+# (engine/model/hf_quantized.py, the formats in engine/model/quant_formats.py); "auto" keeps what the
+# hardware serves well (`ModelRunner._keep_quantized`): a GGUF's blocks on one CPU process, an fp8 /
+# AWQ / GPTQ checkpoint on one GPU, else none.
+HF_QUANT_METHODS = ("fp8", "awq", "gptq")
+QUANTIZATIONS = ("none", "auto", "gguf", "int8", *HF_QUANT_METHODS)
 QUANTIZATION_HELP = ("none (default): weights dequantized at load to the model's dtype; gguf: a .gguf model's "
                      "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights kept as stored (others stay float); "
-                     "auto: gguf where that applies (a .gguf model, one CPU process), else none; int8: any float "
-                     "model's weights quantized at load to int8 with a scale per 32 (GGUF's Q8_0)")
+                     "int8: any float model's weights quantized at load to int8 with a scale per 32 (GGUF's Q8_0); "
+                     "fp8, awq, gptq: a Hugging Face checkpoint's quantized weights kept as stored, served by Triton "
+                     "kernels; auto: gguf for a .gguf on one CPU process, the checkpoint's format on one GPU, else none")
 
 
 def add_engine_arguments(group) -> None:
@@ -355,11 +360,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         self.device = resolve_device(self.device)
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r} "
-                             "(fp8, AWQ and GPTQ weights are not supported yet)")
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization in ("gguf", "int8") and (tp > 1 or self.device != "cpu"):
             raise ValueError(f"quantization {self.quantization!r} runs on one CPU process for now (no tensor "
                              "parallelism, no GPU); use quantization 'none' or 'auto' there")
+        if self.quantization in HF_QUANT_METHODS and tp > 1:
+            raise ValueError(f"quantization {self.quantization!r} runs without tensor parallelism for now (the "
+                             "scales are not sharded yet); use quantization 'none' (dequantized at load) or 'auto'")
         if self.speculative.enabled and self.cache.kv_cache_dtype != "auto":
             # A draft token's K/V can grow its block's scale, which re-rounds the tokens before it;
             # rejecting the draft does not undo that, so outputs would differ from decoding without it.

@@ -39,7 +39,7 @@ import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.config import KV_ROLES, EngineConfig
+from engine.config import HF_QUANT_METHODS, KV_ROLES, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.huge_pages import place_parameters_in_huge_pages
 from engine.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, layer_windows, num_blocks_for_memory
@@ -148,10 +148,24 @@ class ModelRunner:
             place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
         model.init_rotary(self.max_model_len, self.device)  # its tables, computed (not left empty)
         model.load_weights(loaded.iter_weights())
-        quantization = self.config.quantization
-        if quantization == "auto":  # the file's quantized weights as stored, where that is supported
-            one_cpu_process = self.device.type == "cpu" and self.tp is None
-            quantization = "gguf" if loaded.gguf_path is not None and one_cpu_process else "none"
+        self._keep_quantized(model, loaded)
+        model.prepack_linear_weights()
+        return model.eval()
+
+    def _keep_quantized(self, model: DecoderForCausalLM, loaded: LoadedModel) -> None:
+        """`--quantization`: which of the checkpoint's weights stay quantized (the model is loaded
+        dequantized first). `auto` keeps what the hardware serves well: a GGUF's blocks on one CPU
+        process (the native kernels), an fp8 / AWQ / GPTQ checkpoint's tensors on one GPU (the
+        Triton kernels); else it dequantizes at load."""
+        quantization, fmt = self.config.quantization, loaded.quant_format
+        if quantization == "auto":
+            one_process = self.tp is None
+            if loaded.gguf_path is not None and one_process and self.device.type == "cpu":
+                quantization = "gguf"
+            elif fmt is not None and one_process and self.device.type == "cuda":
+                quantization = fmt.method
+            else:
+                quantization = "none"
         if quantization == "gguf":
             if loaded.gguf_path is None:
                 raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights as stored, but {loaded.model_dir} "
@@ -162,8 +176,13 @@ class ModelRunner:
         elif quantization == "int8":
             from engine.model.gguf_quantized import quantize_to_q8_0
             quantize_to_q8_0(model)
-        model.prepack_linear_weights()
-        return model.eval()
+        elif quantization in HF_QUANT_METHODS:
+            if fmt is None or fmt.method != quantization:
+                found = f"a {fmt.method} checkpoint" if fmt is not None else "not quantized (no quantization_config)"
+                raise ValueError(f"quantization {quantization!r} keeps a {quantization} checkpoint's tensors as stored, "
+                                 f"but {loaded.model_dir} is {found}: use quantization 'auto' or 'none'")
+            from engine.model.hf_quantized import keep_hf_quantized
+            keep_hf_quantized(model, loaded, "triton" if self.config.backend_name == "triton" else "reference")
 
     @property
     def _holds_transfer_cache(self) -> bool:

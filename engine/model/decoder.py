@@ -30,7 +30,7 @@ a rank holds; `load_weights` cuts it out of the Hugging Face tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import dataclasses
 import re
@@ -292,6 +292,19 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head_packed = fused_ops.prepack_linear_weight(self.embed_tokens.weight)
         return all(m.packed is not None for m in linears)
+
+    def dense_projections(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
+        """(module, attribute, [Hugging Face layer names]) of each dense projection a quantized
+        checkpoint may keep as stored: attention's qkv and output (not latent attention's), a dense
+        MLP's gate|up and down (not a mixture of experts'), in the fused projection's row order."""
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            if isinstance(layer.self_attn, Attention):
+                yield layer.self_attn, "qkv_proj", [prefix + f"self_attn.{p}_proj" for p in "qkv"]
+                yield layer.self_attn, "o_proj", [prefix + "self_attn.o_proj"]
+            if isinstance(layer.mlp, GatedMLP):
+                yield layer.mlp, "gate_up_proj", [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
+                yield layer.mlp, "down_proj", [prefix + "mlp.down_proj"]
 
     @property
     def weight_bytes(self) -> int:

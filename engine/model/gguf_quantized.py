@@ -9,7 +9,7 @@ embedding (its rows dequantized as they are looked up) and the LM head (a tied o
 embedding's bytes). A layer with a tensor in another format (Q2_K, Q3_K, Q5_K, ...) keeps its float
 weights, and the count of each is logged. (The float load first is a cost, of load time and peak
 memory, that loading only the float layers would save.) A fused projection (q | k | v, gate | up) is the file's tensors' rows end to end
-when they share a format, else a `GGUFConcat` of one `GGUFLinear` per tensor; llama's permuted
+when they share a format, else a `ConcatLinear` of one `GGUFLinear` per tensor; llama's permuted
 Q/K rows are put back in Hugging Face order as the converter does (whole rows move: the blocks
 run along a row).
 
@@ -19,16 +19,16 @@ sums (the kernels dequantize exactly as the reference does); the weights held ar
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from engine.model.decoder import Attention, DecoderForCausalLM
+from engine.model.decoder import DecoderForCausalLM
 from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
-from engine.model.layers import GatedMLP
-from engine.model.quant_linear import BLOCK, BLOCK_BYTES, GGML_TYPES, GGUFConcat, GGUFLinear, quantize
+from engine.model.quant_linear import BLOCK, BLOCK_BYTES, GGML_TYPES, ConcatLinear, GGUFLinear, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
         if len(types) == 1:  # one matmul over the parts' rows end to end
             replacement = GGUFLinear(torch.cat([part[1] for part in parts]), types.pop(), current.in_features, bias)
         else:  # e.g. Q5_0 q and k beside a Q8_0 v: one matmul per part
-            replacement = GGUFConcat([GGUFLinear(rows, kind, current.in_features) for kind, rows in parts], bias)
+            replacement = ConcatLinear([GGUFLinear(rows, kind, current.in_features) for kind, rows in parts], bias)
         setattr(owner, attribute, replacement)
         counts["kept"] += 1
 
@@ -97,21 +97,22 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
     return counts
 
 
+# A Hugging Face projection's GGUF tensor, and the heads whose rows llama's converter permuted
+_GGUF_NAMES = {"self_attn.q_proj": ("attn_q", lambda arch: arch.num_attention_heads),
+               "self_attn.k_proj": ("attn_k", lambda arch: arch.num_key_value_heads),
+               "self_attn.v_proj": ("attn_v", None), "self_attn.o_proj": ("attn_output", None),
+               "mlp.gate_proj": ("ffn_gate", None), "mlp.up_proj": ("ffn_up", None), "mlp.down_proj": ("ffn_down", None)}
+
+
 def _projections(model: DecoderForCausalLM):
-    """(module, attribute, [(GGUF tensor name, heads to unpermute or None), ...]) of each dense
-    projection: attention's qkv and output (not latent attention), a dense MLP's gate|up and down
-    (not a mixture of experts)."""
-    arch = model.arch
-    for index, layer in enumerate(model.layers):
-        attention, prefix = layer.self_attn, f"blk.{index}."
-        if isinstance(attention, Attention):
-            yield attention, "qkv_proj", [(prefix + "attn_q.weight", arch.num_attention_heads),
-                                          (prefix + "attn_k.weight", arch.num_key_value_heads),
-                                          (prefix + "attn_v.weight", None)]
-            yield attention, "o_proj", [(prefix + "attn_output.weight", None)]
-        if isinstance(layer.mlp, GatedMLP):
-            yield layer.mlp, "gate_up_proj", [(prefix + "ffn_gate.weight", None), (prefix + "ffn_up.weight", None)]
-            yield layer.mlp, "down_proj", [(prefix + "ffn_down.weight", None)]
+    """`model.dense_projections()` with each part's (GGUF tensor name, heads to unpermute or None)."""
+    for owner, attribute, names in model.dense_projections():
+        parts = []
+        for name in names:
+            _, index, projection = re.match(r"model\.layers\.(\d+)\.(.+)$", name).group(0, 1, 2)
+            gguf_name, heads = _GGUF_NAMES[projection]
+            parts.append((f"blk.{index}.{gguf_name}.weight", None if heads is None else heads(model.arch)))
+        yield owner, attribute, parts
 
 
 def quantize_to_q8_0(model: DecoderForCausalLM) -> dict[str, int]:

@@ -3,6 +3,11 @@
 Every model ends up as a Hugging Face-style folder (`config.json`, safetensors weights,
 tokenizer files); a GGUF file is converted once into such a folder in the local cache
 (see `engine.model.gguf_loader`). pdserve never downloads from a model hub.
+
+A folder whose config.json has a `quantization_config` (fp8, AWQ, GPTQ:
+`engine.model.quant_formats`) is read as float weights too: `iter_weights` yields each quantized
+layer's `X.weight` dequantized, so every model loads the same way; `iter_quantized` yields the
+stored tensors for the layers that `--quantization` keeps as they are (engine/model/hf_quantized.py).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from engine.model.arch import ModelArchConfig, check_weights
 from engine.model.gguf_loader import convert_gguf
 from engine.model.packaged_models import PACKAGED_MODELS, packaged_gguf_path
+from engine.model.quant_formats import QuantFormat, read_quant_format
 
 __all__ = ["LoadedModel", "ModelArchConfig", "check_weights", "load_arch_config",
            "resolve_model", "weight_files"]
@@ -33,32 +39,81 @@ class LoadedModel:
     arch: ModelArchConfig
     model_dir: str
     gguf_path: str | None = None  # the .gguf it was converted from, if any (`--quantization gguf` reads it)
+    quant_format: QuantFormat | None = None  # its config.json's quantization_config, if any
 
     def weight_files(self) -> list[str]:
         return weight_files(self.model_dir)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every tensor, from the safetensors headers (no tensor data read)."""
+        """Name -> shape of every tensor, from the safetensors headers (no tensor data read); a
+        quantized layer's parts count as the float `X.weight` [out, in] they stand for."""
         shapes: dict[str, tuple[int, ...]] = {}
+        fmt = self.quant_format
         for path in self.weight_files():
             with _open_safetensors(path) as f:
+                quantized: dict[str, dict[str, tuple[int, ...]]] = {}
                 for name in f.keys():
                     tensor_slice = f.get_slice(name)
-                    dtype = tensor_slice.get_dtype()
-                    if dtype not in _FLOAT_DTYPES:
+                    dtype, shape = tensor_slice.get_dtype(), tuple(tensor_slice.get_shape())
+                    prefix, _, suffix = name.rpartition(".")
+                    if fmt is not None and fmt.is_quantized(suffix, dtype):
+                        quantized.setdefault(prefix, {})[suffix] = shape
+                    elif fmt is not None and suffix in fmt.ignored_parts:
+                        continue
+                    elif dtype not in _FLOAT_DTYPES:
                         raise ValueError(
-                            f"tensor {name} in {path} has dtype {dtype}; pdserve loads float "
-                            "weights only (quantized safetensors checkpoints are not supported)")
-                    shapes[name] = tuple(tensor_slice.get_shape())
+                            f"tensor {name} in {path} has dtype {dtype}; pdserve loads float weights"
+                            + (f" and {fmt.method} layers ({', '.join(fmt.parts)})" if fmt is not None else
+                               " (or a checkpoint whose config.json has a quantization_config: fp8, awq, gptq)"))
+                    else:
+                        shapes[name] = shape
+                for prefix, parts in quantized.items():
+                    missing = [part for part in fmt.parts if part not in parts]
+                    if missing:
+                        raise ValueError(f"{path}: quantized layer {prefix} lacks {', '.join(missing)} "
+                                         f"({fmt.method} stores {', '.join(fmt.parts)} per layer)")
+                    shapes[prefix + ".weight"] = fmt.weight_shape(parts)
         return shapes
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float tensor) for every tensor, one file at a time,
-        in Hugging Face layout (Q/K not permuted); each tensor is read when reached."""
+        in Hugging Face layout (Q/K not permuted); each tensor is read when reached. A quantized
+        layer yields its `X.weight` dequantized (float32) in place of its parts."""
+        fmt = self.quant_format
+        if fmt is None:
+            for path in self.weight_files():
+                with _open_safetensors(path) as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            return
+        for name, item in self._tensors(floats=True):
+            if isinstance(item, dict):
+                fmt.check(name, item)
+                yield name + ".weight", fmt.dequantize(item)
+            else:
+                yield name, item
+
+    def iter_quantized(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """(layer prefix, {part: stored tensor}) of each quantized layer, checked."""
+        for prefix, parts in self._tensors(floats=False):
+            self.quant_format.check(prefix, parts)
+            yield prefix, parts
+
+    def _tensors(self, floats: bool) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
+        """One file at a time: with `floats`, (name, tensor) of each float tensor as it is read,
+        then (prefix, {part: tensor}) of each quantized layer (a layer's parts are in one file, as
+        every quantizer writes them)."""
+        fmt = self.quant_format
         for path in self.weight_files():
             with _open_safetensors(path) as f:
+                layers: dict[str, dict[str, torch.Tensor]] = {}
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    prefix, _, suffix = name.rpartition(".")
+                    if fmt.is_quantized(suffix, f.get_slice(name).get_dtype()):
+                        layers.setdefault(prefix, {})[suffix] = f.get_tensor(name)
+                    elif floats and suffix not in fmt.ignored_parts:
+                        yield name, f.get_tensor(name)
+                yield from layers.items()
 
 
 def _open_safetensors(path: str):
@@ -135,7 +190,13 @@ def load_hf_folder(model_dir: str, gguf_path: str | None = None) -> LoadedModel:
     """Validate a Hugging Face folder (config, weight files, tensor names and shapes,
     headers only) and describe it (`gguf_path`: the file it was converted from)."""
     model_dir = os.path.abspath(model_dir)
-    model = LoadedModel(arch=load_arch_config(model_dir), model_dir=model_dir, gguf_path=gguf_path)
+    arch = load_arch_config(model_dir)
+    config_path = os.path.join(model_dir, "config.json")
+    try:
+        quant_format = read_quant_format(_read_json(config_path))
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: {exc}") from exc
+    model = LoadedModel(arch=arch, model_dir=model_dir, gguf_path=gguf_path, quant_format=quant_format)
     check_weights(model.arch, model.weight_shapes(), source=model_dir)
     return model
 

@@ -120,9 +120,11 @@ class GGUFLinear(nn.Module):
         return weights.reshape(*indices.shape, self.in_features)
 
 
-class GGUFConcat(nn.Module):
-    """A fused projection (q | k | v, gate | up) whose parts a GGUF stores in different formats:
-    each part's `GGUFLinear`, their outputs side by side, then the fused bias."""
+class ConcatLinear(nn.Module):
+    """A fused projection (q | k | v, gate | up) whose parts are held apart (a GGUF's parts in
+    different formats, quantized parts whose scales do not line up): each part's quantized
+    linear (`in_features`, `out_features`, no bias of its own), their outputs side by side, then
+    the fused bias."""
 
     def __init__(self, parts: list[GGUFLinear], bias: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -70,8 +70,8 @@ def test_the_default_model_kept_as_stored_and_in_int8_against_the_dequantized_on
 
 
 def test_what_is_not_supported_is_refused_at_load():
-    with pytest.raises(ValueError, match="quantization must be one of none, auto, gguf, int8, got 'awq'"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization must be one of none, auto, gguf, int8, fp8, awq, gptq, got 'nf4'"):
+        EngineConfig(quantization="nf4")
     for quantization in ("gguf", "int8"):
         with pytest.raises(ValueError, match="no tensor parallelism"):
             EngineConfig(quantization=quantization, tensor_parallel_size=2)

@@ -15,7 +15,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.model import quant_linear
-from engine.model.quant_linear import (BLOCK_BYTES, BLOCK_WEIGHTS, DECODE_ROWS, GGML_TYPES, GGUFConcat, GGUFLinear, quantize,
+from engine.model.quant_linear import (BLOCK_BYTES, BLOCK_WEIGHTS, DECODE_ROWS, GGML_TYPES, ConcatLinear, GGUFLinear, quantize,
                                        reference_dequantize, reference_linear)
 
 TYPES = list(GGML_TYPES.items())
@@ -121,7 +121,7 @@ def test_a_fused_projection_of_parts_in_different_formats():
     parts = [(GGML_TYPES["Q5_0"], 24), (GGML_TYPES["Q5_0"], 8), (GGML_TYPES["Q8_0"], 8)]  # Gemma 3's q, k, v
     packed = [quantize(weights(rows, 96, seed=rows + kind), kind) for kind, rows in parts]
     bias = torch.randn(40)
-    layer = GGUFConcat([GGUFLinear(p, kind, 96) for p, (kind, _) in zip(packed, parts)], bias)
+    layer = ConcatLinear([GGUFLinear(p, kind, 96) for p, (kind, _) in zip(packed, parts)], bias)
     x = torch.randn(3, 96)
     dequantized = torch.cat([reference_dequantize(p, kind) for p, (kind, _) in zip(packed, parts)])
     reference = torch.cat([reference_linear(x, p, kind) for p, (kind, _) in zip(packed, parts)], dim=-1) + bias

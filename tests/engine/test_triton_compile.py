@@ -9,7 +9,8 @@ launches of the store, decode (one and several splits), combine and prefill kern
 bf16/fp16/fp32, int8 and fp8 caches, their attention-variant specializations (sliding window,
 soft-cap, sinks: alone and together), the elementwise ops, the fused-MoE grouped GEMM (both
 projections, each activation, decode- and prefill-sized blocks) and the latent-attention (MLA)
-decode kernel (DeepSeek-V3's sizes and the tiny models', split and not, float and 8-bit caches), and
+decode kernel (DeepSeek-V3's sizes and the tiny models', split and not, float and 8-bit caches), the
+weight-only quantized linears (fp8 with block and per-channel scales, AWQ and GPTQ int4), and
 compiles each to a cubin with the ptxas Triton ships, specialized as a GPU launch is (divisibility
 hints, which set vectorization and pipelining), each within the architecture's shared memory per
 block.

@@ -107,7 +107,8 @@ def engine_launches():
     in each float dtype and both 8-bit formats, and the elementwise ops; and the attention
     variants' specializations of the decode, combine and prefill kernels: each feature alone
     (bf16), all together over each float dtype and both 8-bit formats; the fused-MoE grouped
-    GEMM's launches (`moe_launches`) and the latent-attention decode's (`latent_launches`)."""
+    GEMM's launches (`moe_launches`), the latent-attention decode's (`latent_launches`) and the
+    quantized linear layers' (`quant_launches`)."""
     from engine.attention import triton_kernels as tk
     from engine.attention import triton_store as ts
     from engine.attention.variant import AttentionVariant
@@ -160,6 +161,7 @@ def engine_launches():
                 triton_ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), query, key, cos, cos)
         moe_launches()
         latent_launches()
+        quant_launches()
     return run
 
 
@@ -215,6 +217,31 @@ def latent_launches():
                 for splits in (1, 4):
                     triton_latent.latent_decode_attention(out, query, cache, tables, seq_lens, starts, 0.07, value,
                                                           max_seq_len=200, num_splits=splits, kv_format=fmt)
+
+
+def quant_launches():
+    """`triton_quant`'s weight-only linear layers for a decode step (M 1: 16-row tiles) and a
+    prefill chunk (M 64: 64-row tiles): fp8 with 128 x 128 block scales (DeepSeek-V3, Qwen3 FP8)
+    and per-channel scales, over bf16 and fp16 x, with and without bias, N = K = 2048; AWQ and GPTQ
+    (act-order g_idx, AutoGPTQ's zero offset 1) with groups of 128 over bf16 x, N = K = 1024."""
+    from engine.model.triton_quant import fp8_linear, int4_linear
+
+    n = k = 2048
+    weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    scales = {(128, 128): torch.ones(n // 128, k // 128), None: torch.ones(n, 1)}
+    for dtype in (torch.bfloat16, torch.float16):
+        for block, scale in scales.items():
+            for m in (1, 64):
+                fp8_linear(torch.zeros(m, k, dtype=dtype), weight, scale, block,
+                           torch.zeros(n, dtype=dtype) if block is None else None)
+    n = k = 1024
+    group_index = torch.arange(k, dtype=torch.int32) // 128
+    for awq in (True, False):
+        qweight = torch.zeros((k, n // 8) if awq else (k // 8, n), dtype=torch.int32)
+        qzeros = torch.zeros(k // 128, n // 8, dtype=torch.int32)
+        for m in (1, 64):
+            int4_linear(torch.zeros(m, k, dtype=torch.bfloat16), qweight, qzeros,
+                        torch.ones(k // 128, n, dtype=torch.float16), group_index, awq, 0 if awq else 1)
 
 
 def main(argv: list[str] | None = None) -> int:
