@@ -103,11 +103,11 @@ def test_kept_as_stored_through_the_triton_kernels(checkpoint, request):
 
 def test_the_reference_path_on_a_cpu_engine_and_auto_there(source, tmp_path):
     folder = save_quantized_copy(source, tmp_path / "awq", QuantFormat("awq", group_size=16))
-    reference, dequantized = generate(folder, quantization="none")
-    tokens, kept = generate(folder, quantization="awq")
+    reference, dequantized = generate(folder, quantization="none", device="cpu")
+    tokens, kept = generate(folder, quantization="awq", device="cpu")
     assert tokens == reference
     assert {m.kernel for m in kept.engine.runner.model.modules() if isinstance(m, QuantizedLinear)} == {"reference"}
-    automatic, auto = generate(folder, quantization="auto")  # a CPU engine dequantizes at load: faster there
+    automatic, auto = generate(folder, quantization="auto", device="cpu")  # dequantized at load: faster on CPU
     assert automatic == reference and auto.engine.runner.weight_bytes == dequantized.engine.runner.weight_bytes
 
 
