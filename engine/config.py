@@ -238,7 +238,7 @@ class SpeculativeConfig:
 
 # How a checkpoint's weights are held (`--quantization`): "none" dequantizes whatever the file
 # stores to the model's dtype at load; "gguf" keeps a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
-# Q4_K / Q6_K blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float);
+# Q4_K / Q5_K / Q6_K blocks as stored (engine/model/gguf_quantized.py; other formats in the file stay float);
 # "int8" quantizes a float model's projections, embedding and LM head to Q8_0 at load (int8 with a
 # scale per 32); "fp8" / "awq" / "gptq" keep a Hugging Face checkpoint's quantized tensors as stored
 # (engine/model/hf_quantized.py, the formats in engine/model/quant_formats.py); "auto" keeps what the
@@ -247,7 +247,7 @@ class SpeculativeConfig:
 HF_QUANT_METHODS = ("fp8", "awq", "gptq")
 QUANTIZATIONS = ("none", "auto", "gguf", "int8", *HF_QUANT_METHODS)
 QUANTIZATION_HELP = ("none (default): weights dequantized at load to the model's dtype; gguf: a .gguf model's "
-                     "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights kept as stored (others stay float); "
+                     "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights kept as stored (others stay float); "
                      "int8: any float model's weights quantized at load to int8 with a scale per 32 (GGUF's Q8_0); "
                      "fp8, awq, gptq: a Hugging Face checkpoint's quantized weights kept as stored, served by Triton "
                      "kernels; auto: gguf for a .gguf on one CPU process, the checkpoint's format on one GPU, else none")

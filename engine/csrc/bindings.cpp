@@ -112,8 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heads_per_item") = 0);
   m.def("has_gguf_linear", &has_gguf_linear, "Whether gguf_linear and gguf_dequantize were compiled in (x86-64-v3)");
   m.def("gguf_linear", &gguf_linear,
-        "float32 x [rows, K] times a GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weight [N, row bytes] transposed -> [rows, N]",
+        "float32 x [rows, K] times a GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weight [N, row bytes] transposed -> [rows, N]",
         py::arg("x"), py::arg("weight"), py::arg("type"));
-  m.def("gguf_dequantize", &gguf_dequantize, "A GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weight [N, row bytes] as float32 [N, K]",
+  m.def("gguf_dequantize", &gguf_dequantize, "A GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weight [N, row bytes] as float32 [N, K]",
         py::arg("weight"), py::arg("type"), py::arg("in_features"));
 }

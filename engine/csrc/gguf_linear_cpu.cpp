@@ -13,6 +13,8 @@
 // The k-quants pack 256 weights (eight sub-blocks of 32) per block:
 //   Q4_K (type 12, 144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
 //     nibbles (bytes 32c..32c+31: low nibbles sub-block 2c, high nibbles 2c+1); w = (d sc) q - (dmin m)
+//   Q5_K (type 13, 176 bytes): Q4_K's d, dmin and scales, then 32 bytes of fifth bits (bit j of
+//     byte l: weight l of sub-block j), then Q4_K's 128 bytes of nibbles; w = (d sc) q - (dmin m)
 //   Q6_K (type 14, 210 bytes): 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales
 //     (one per 16 weights), fp16 d; w = (d scale) (q - 32)
 // A kernel walks a row 32 weights at a time; `dequantize_block` takes the block and the index of
@@ -36,7 +38,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int kGroupRows = 4;
 
 int64_t block_bytes(int64_t type) {
@@ -47,15 +49,17 @@ int64_t block_bytes(int64_t type) {
     case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
     default: TORCH_CHECK(false, "gguf_linear: GGML type ", type,
-                         " is not supported (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
+                         " is not supported (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, "
+                         "Q6_K = 14)");
   }
   return 0;
 }
 
 // Weights per block: 256 for the k-quants, else 32.
-int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ6_K ? 256 : kBlock; }
+int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 256 : kBlock; }
 
 inline float fp16_at(const uint8_t* p) {
   uint16_t h;
@@ -115,15 +119,24 @@ inline void q4k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
   }
 }
 
-inline void dequantize_q4k(const uint8_t* block, int j, __m256 out[4]) {
+// Q4_K (FifthBits false) and Q5_K sub-block j: (d sc) q - (dmin m), q its nibbles (and fifth bits).
+template <bool FifthBits>
+inline void dequantize_k4(const uint8_t* block, int j, __m256 out[4]) {
   int scale, min;
   q4k_scale_min(block + 4, j, &scale, &min);
   const __m256 d = _mm256_set1_ps(fp16_at(block) * static_cast<float>(scale));
   const __m256 m = _mm256_set1_ps(fp16_at(block + 2) * static_cast<float>(min));
-  __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * (j / 2)));
+  const uint8_t* nibbles = block + (FifthBits ? 48 : 16);
+  __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * (j / 2)));
   if (j % 2) q = _mm256_srli_epi16(q, 4);
+  q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+  if (FifthBits) {  // bit j of each of the 32 bytes at 16, moved to 0x10 (no bit crosses a byte)
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01));
+    q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+  }
   __m256 qf[4];
-  bytes_to_floats(_mm256_and_si256(q, _mm256_set1_epi8(0x0F)), qf);
+  bytes_to_floats(q, qf);
   for (int i = 0; i < 4; ++i) out[i] = _mm256_sub_ps(_mm256_mul_ps(d, qf[i]), m);
 }
 
@@ -149,7 +162,11 @@ inline void dequantize_q6k(const uint8_t* block, int j, __m256 out[4]) {
 // Weights [32 sub, 32 sub + 32) of the block, in order, as four vectors of eight.
 inline void dequantize_block(int64_t type, const uint8_t* block, int sub, __m256 out[4]) {
   if (type == kQ4_K) {
-    dequantize_q4k(block, sub, out);
+    dequantize_k4<false>(block, sub, out);
+    return;
+  }
+  if (type == kQ5_K) {
+    dequantize_k4<true>(block, sub, out);
     return;
   }
   if (type == kQ6_K) {

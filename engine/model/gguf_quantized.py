@@ -4,9 +4,9 @@ file's own blocks; `--quantization int8`: any float model's quantized at load to
 
 The model is first built and loaded as usual, from the converted (dequantized) folder; then every
 projection whose GGUF tensors are in a kept format (`quant_linear.GGML_TYPES`: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q6_K) is replaced by a `GGUFLinear` over the file's bytes, and so is the token
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is replaced by a `GGUFLinear` over the file's bytes, and so is the token
 embedding (its rows dequantized as they are looked up) and the LM head (a tied one shares the
-embedding's bytes). A layer with a tensor in another format (Q2_K, Q3_K, Q5_K, ...) keeps its float
+embedding's bytes). A layer with a tensor in another format (Q2_K, Q3_K, IQ4_XS, ...) keeps its float
 weights, and the count of each is logged. (The float load first is a cost, of load time and peak
 memory, that loading only the float layers would save.) A fused projection (q | k | v, gate | up) is the file's tensors' rows end to end
 when they share a format, else a `ConcatLinear` of one `GGUFLinear` per tensor; llama's permuted

@@ -1,4 +1,4 @@
-"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+"""Linear layers whose weights stay quantized as stored: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
 Q6_K blocks.
 
 A `GGUFLinear` holds W as a GGUF file stores it, uint8 [out_features, in_features / 32 blocks of
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the formats kept as stored, and their block sizes
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 14: 210}
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
 BLOCK = 32  # weights per block along in_features; the k-quants' blocks hold 256 (BLOCK_WEIGHTS)
-BLOCK_WEIGHTS = {12: 256, 14: 256}
+BLOCK_WEIGHTS = {12: 256, 13: 256, 14: 256}
 # Rows of x up to which the register kernel beats dequantize + GEMM (decode-sized batches).
 DECODE_ROWS = 16
 

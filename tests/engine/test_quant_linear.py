@@ -3,7 +3,7 @@ against their reference: W dequantized by the `gguf` package (ggml's formulas), 
 
 Weights are quantized by the `gguf` package too (llama.cpp's reference quantizer), from random
 floats with an offset per row, so a scale, a minimum or a nibble read from the wrong place shows.
-The package has no k-quant quantizer: Q4_K and Q6_K blocks are random bytes with sane fp16 scales
+The package has no k-quant quantizer: Q4_K, Q5_K and Q6_K blocks are random bytes with sane fp16 scales
 (every byte pattern is a valid block), so each packed scale, min and bit is exercised.
 Shapes are odd on purpose: out_features not a multiple of the kernel's tiles, in_features a
 multiple of 32 but not of 256, row counts around the kernel's groups of four and on both sides
@@ -40,7 +40,7 @@ def weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     return torch.randn(out_features, in_features, generator=generator) * 0.5 + offsets
 
 
-K_QUANT_SCALES = {GGML_TYPES["Q4_K"]: (0, 2), GGML_TYPES["Q6_K"]: (208,)}  # byte offsets of fp16 scales
+K_QUANT_SCALES = {GGML_TYPES["Q4_K"]: (0, 2), GGML_TYPES["Q5_K"]: (0, 2), GGML_TYPES["Q6_K"]: (208,)}  # byte offsets of fp16 scales
 
 
 def packed_weights(out_features: int, in_features: int, ggml_type: int, seed: int) -> torch.Tensor:
@@ -108,7 +108,7 @@ def test_a_wrong_shape_or_format_is_refused_with_what_is_supported():
     packed = quantize(weights(4, 64, seed=2), GGML_TYPES["Q8_0"])
     with pytest.raises(ValueError, match=r"a Q4_0 weight \[4, 64\] is uint8 \[4, 36\], got torch.uint8 \[4, 68\]"):
         GGUFLinear(packed, GGML_TYPES["Q4_0"], 64)
-    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K"):
+    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"):
         GGUFLinear(packed, 10, 64)  # Q2_K: not (yet) kept quantized
     with pytest.raises(ValueError, match="multiple of 256 for Q4_K"):
         GGUFLinear(packed_weights(4, 256, GGML_TYPES["Q4_K"], seed=3), GGML_TYPES["Q4_K"], 128)
