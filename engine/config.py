@@ -242,15 +242,15 @@ class SpeculativeConfig:
 # "int8" quantizes a float model's projections, embedding and LM head to Q8_0 at load (int8 with a
 # scale per 32); "fp8" / "awq" / "gptq" keep a Hugging Face checkpoint's quantized tensors as stored
 # (engine/model/hf_quantized.py, the formats in engine/model/quant_formats.py); "auto" keeps what the
-# hardware serves well (`ModelRunner._keep_quantized`): a GGUF's blocks on one CPU process, an fp8 /
-# AWQ / GPTQ checkpoint on one GPU, else none.
+# hardware serves well (`ModelRunner._keep_quantized`): a GGUF's blocks on CPU, an fp8 / AWQ / GPTQ
+# checkpoint on GPUs, else none.
 HF_QUANT_METHODS = ("fp8", "awq", "gptq")
 QUANTIZATIONS = ("none", "auto", "gguf", "int8", *HF_QUANT_METHODS)
 QUANTIZATION_HELP = ("none (default): weights dequantized at load to the model's dtype; gguf: a .gguf model's "
                      "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights kept as stored (others stay float); "
                      "int8: any float model's weights quantized at load to int8 with a scale per 32 (GGUF's Q8_0); "
                      "fp8, awq, gptq: a Hugging Face checkpoint's quantized weights kept as stored, served by Triton "
-                     "kernels; auto: gguf for a .gguf on one CPU process, the checkpoint's format on one GPU, else none")
+                     "kernels; auto: gguf for a .gguf on CPU, the checkpoint's format on GPUs, else none")
 
 
 def add_engine_arguments(group) -> None:
@@ -361,12 +361,9 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization in ("gguf", "int8") and (tp > 1 or self.device != "cpu"):
-            raise ValueError(f"quantization {self.quantization!r} runs on one CPU process for now (no tensor "
-                             "parallelism, no GPU); use quantization 'none' or 'auto' there")
-        if self.quantization in HF_QUANT_METHODS and tp > 1:
-            raise ValueError(f"quantization {self.quantization!r} runs without tensor parallelism for now (the "
-                             "scales are not sharded yet); use quantization 'none' (dequantized at load) or 'auto'")
+        if self.quantization in ("gguf", "int8") and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on CPU (its kernels are native CPU code); "
+                             "use quantization 'none' or 'auto' on a GPU")
         if self.speculative.enabled and self.cache.kv_cache_dtype != "auto":
             # A draft token's K/V can grow its block's scale, which re-rounds the tokens before it;
             # rejecting the draft does not undo that, so outputs would differ from decoding without it.

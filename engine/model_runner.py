@@ -154,15 +154,14 @@ class ModelRunner:
 
     def _keep_quantized(self, model: DecoderForCausalLM, loaded: LoadedModel) -> None:
         """`--quantization`: which of the checkpoint's weights stay quantized (the model is loaded
-        dequantized first). `auto` keeps what the hardware serves well: a GGUF's blocks on one CPU
-        process (the native kernels), an fp8 / AWQ / GPTQ checkpoint's tensors on one GPU (the
-        Triton kernels); else it dequantizes at load."""
+        dequantized first; under tensor parallelism each rank keeps its part). `auto` keeps what the
+        hardware serves well: a GGUF's blocks on CPU (the native kernels), an fp8 / AWQ / GPTQ
+        checkpoint's tensors on GPUs (the Triton kernels); else it dequantizes at load."""
         quantization, fmt = self.config.quantization, loaded.quant_format
         if quantization == "auto":
-            one_process = self.tp is None
-            if loaded.gguf_path is not None and one_process and self.device.type == "cpu":
+            if loaded.gguf_path is not None and self.device.type == "cpu":
                 quantization = "gguf"
-            elif fmt is not None and one_process and self.device.type == "cuda":
+            elif fmt is not None and self.device.type == "cuda":
                 quantization = fmt.method
             else:
                 quantization = "none"

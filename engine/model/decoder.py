@@ -306,6 +306,23 @@ class DecoderForCausalLM(nn.Module):
                 yield layer.mlp, "gate_up_proj", [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
                 yield layer.mlp, "down_proj", [prefix + "mlp.down_proj"]
 
+    def projection_slice(self, hf_layer: str) -> tuple[int, int, int] | None:
+        """The part of a dense projection's Hugging Face weight [out, in] this rank holds, as
+        (dim, start, length): rows (dim 0) of the column-parallel q / k / v (by heads) and gate / up
+        (by intermediate columns), input columns (dim 1) of the row-parallel o_proj and down_proj;
+        None on one process (the whole weight). For weights that are not loaded as float tensors
+        (quantized ones, cut with their scales)."""
+        shard = self.shard
+        if shard.size == 1:
+            return None
+        head_dim = self.arch.head_dim
+        heads = (0, shard.head_start * head_dim, shard.num_heads * head_dim)
+        kv_heads = (0, shard.kv_head_start * head_dim, shard.num_kv_heads * head_dim)
+        inter = (0, shard.inter_start, shard.intermediate_size)
+        slices = {"q_proj": heads, "k_proj": kv_heads, "v_proj": kv_heads, "o_proj": (1, *heads[1:]),
+                  "gate_proj": inter, "up_proj": inter, "down_proj": (1, *inter[1:])}
+        return slices[hf_layer.rsplit(".", 1)[-1]]
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this process holds: the parameters and their pre-blocked copies."""

@@ -28,7 +28,8 @@ from torch import nn
 
 from engine.model.decoder import DecoderForCausalLM
 from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
-from engine.model.quant_linear import BLOCK, BLOCK_BYTES, GGML_TYPES, ConcatLinear, GGUFLinear, quantize
+from engine.model.layers import replace_linear
+from engine.model.quant_linear import BLOCK, BLOCK_BYTES, GGML_TYPES, ConcatLinear, GGUFLinear, quantize, shard_packed
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ class GGUFEmbedding(nn.Module):
 
 
 def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, int]:
-    """Replace `model`'s linear layers (one process) by `GGUFLinear`s over
-    `gguf_path`'s tensors where their format is kept. Returns {"kept": n, "float": m} layers."""
+    """Replace `model`'s linear layers by `GGUFLinear`s over `gguf_path`'s tensors where their
+    format is kept (under tensor parallelism, this rank's rows or input columns of each). Returns {"kept": n, "float": m} layers."""
     reader = open_reader(gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     permuted = read_field(reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
@@ -55,31 +56,34 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
     dtype = model.embed_tokens.weight.dtype
     counts = {"kept": 0, "float": 0}
 
-    def packed(name: str, heads: int | None = None) -> tuple[int, torch.Tensor] | None:
+    def packed(name: str, heads: int | None = None, piece=None) -> tuple[int, torch.Tensor] | None:
         tensor = tensors.get(name)
         if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES:
             return None
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
         if heads is not None and permuted:
             rows = unpermute_qk(rows, heads)
-        return int(tensor.tensor_type), torch.from_numpy(np.array(rows))  # a copy: the file is closed after
+        ggml_type = int(tensor.tensor_type)  # a copy: the file is closed after
+        return ggml_type, shard_packed(name, torch.from_numpy(np.array(rows)), ggml_type, piece)
 
     def replace(owner: nn.Module, attribute: str, parts: list[tuple[int, torch.Tensor] | None]) -> None:
-        current = getattr(owner, attribute)
         if None in parts:
             counts["float"] += 1
             return
-        bias = current.bias.detach().to(torch.float32) if current.bias is not None else None
+        in_features = getattr(owner, attribute).in_features
         types = {part[0] for part in parts}
-        if len(types) == 1:  # one matmul over the parts' rows end to end
-            replacement = GGUFLinear(torch.cat([part[1] for part in parts]), types.pop(), current.in_features, bias)
-        else:  # e.g. Q5_0 q and k beside a Q8_0 v: one matmul per part
-            replacement = ConcatLinear([GGUFLinear(rows, kind, current.in_features) for kind, rows in parts], bias)
-        setattr(owner, attribute, replacement)
+
+        def make(bias: torch.Tensor | None) -> nn.Module:
+            if len(types) == 1:  # one matmul over the parts' rows end to end
+                return GGUFLinear(torch.cat([part[1] for part in parts]), next(iter(types)), in_features, bias)
+            # e.g. Q5_0 q and k beside a Q8_0 v: one matmul per part
+            return ConcatLinear([GGUFLinear(rows, kind, in_features) for kind, rows in parts], bias)
+
+        replace_linear(owner, attribute, make)
         counts["kept"] += 1
 
     for owner, attribute, names in _projections(model):
-        replace(owner, attribute, [packed(name, heads) for name, heads in names])
+        replace(owner, attribute, [packed(name, heads, piece) for name, heads, piece in names])
     embedding = packed("token_embd.weight")
     if embedding is not None:
         table = GGUFLinear(embedding[1], embedding[0], arch.hidden_size)
@@ -105,47 +109,47 @@ _GGUF_NAMES = {"self_attn.q_proj": ("attn_q", lambda arch: arch.num_attention_he
 
 
 def _projections(model: DecoderForCausalLM):
-    """`model.dense_projections()` with each part's (GGUF tensor name, heads to unpermute or None)."""
+    """`model.dense_projections()` with each part's (GGUF tensor name, heads to unpermute or None,
+    this rank's piece of it: `model.projection_slice`)."""
     for owner, attribute, names in model.dense_projections():
         parts = []
         for name in names:
             _, index, projection = re.match(r"model\.layers\.(\d+)\.(.+)$", name).group(0, 1, 2)
             gguf_name, heads = _GGUF_NAMES[projection]
-            parts.append((f"blk.{index}.{gguf_name}.weight", None if heads is None else heads(model.arch)))
+            parts.append((f"blk.{index}.{gguf_name}.weight", None if heads is None else heads(model.arch),
+                          model.projection_slice(name)))
         yield owner, attribute, parts
 
 
 def quantize_to_q8_0(model: DecoderForCausalLM) -> dict[str, int]:
     """`--quantization int8`: every dense projection, the token embedding and the LM head of a
-    float model (one process) quantized at load to Q8_0 (int8 weights with an fp16 scale per 32,
+    float model (this rank's part of each under tensor parallelism) quantized at load to Q8_0 (int8 weights with an fp16 scale per 32,
     llama.cpp's quantizer, `quant_linear.quantize`) and served by `GGUFLinear`. A weight whose
     in_features is not a multiple of 32 stays float. Returns {"kept": n, "float": m} layers."""
     q8_0 = GGML_TYPES["Q8_0"]
     counts = {"kept": 0, "float": 0}
 
-    def quantized(linear: nn.Module) -> GGUFLinear | None:
-        weight = linear.weight
-        if weight.shape[1] % BLOCK:
-            counts["float"] += 1
-            return None
-        counts["kept"] += 1
-        bias = linear.bias if isinstance(linear, nn.Linear) else None  # an embedding has none
-        bias = bias.detach().to(torch.float32) if bias is not None else None
+    def quantized(weight: torch.Tensor, bias: torch.Tensor | None) -> GGUFLinear:
         return GGUFLinear(quantize(weight, q8_0), q8_0, weight.shape[1], bias)
 
     for owner, attribute, _ in _projections(model):
-        replacement = quantized(getattr(owner, attribute))
-        if replacement is not None:
-            setattr(owner, attribute, replacement)
-    table = quantized(model.embed_tokens)
-    if table is not None:
+        weight = getattr(owner, attribute).weight  # this rank's: already cut by the float load
+        if weight.shape[1] % BLOCK:
+            counts["float"] += 1
+            continue
+        replace_linear(owner, attribute, lambda bias, weight=weight: quantized(weight, bias))
+        counts["kept"] += 1
+    if model.arch.hidden_size % BLOCK == 0:  # the embedding and LM head (whole on every rank)
+        table = quantized(model.embed_tokens.weight, None)
         model.embed_tokens = GGUFEmbedding(table, model.embed_tokens.weight.dtype)
+        counts["kept"] += 1
         if model.lm_head is None:  # tied: the same bytes
             model.lm_head = table
-    if model.lm_head is not None and not isinstance(model.lm_head, GGUFLinear):
-        head = quantized(model.lm_head)
-        if head is not None:
-            model.lm_head = head
+        else:
+            model.lm_head = quantized(model.lm_head.weight, None)
+            counts["kept"] += 1
+    else:
+        counts["float"] += 1 + (model.lm_head is not None)
     logger.info("int8 (Q8_0) weights: %d layers; %d left in float", counts["kept"], counts["float"])
     return counts
 

@@ -7,7 +7,8 @@ quantized layer's weight dequantized (`LoadedModel.iter_weights`); then every de
 replaced by a `QuantizedLinear` over the stored tensors. A fused projection (q | k | v, gate | up)
 holds its parts' tensors end to end where their scales line up (int4 with one group index, fp8
 per channel, or fp8 blocks that no part splits), else a `ConcatLinear` of one layer per part.
-Mixture-of-experts and latent-attention layers stay dequantized (logged with the count).
+Mixture-of-experts and latent-attention layers stay dequantized (logged with the count). Under
+tensor parallelism each rank keeps its rows or input columns of each layer with their scales.
 
 A `QuantizedLinear` computes with the Triton kernels (engine/model/triton_quant.py: the weight
 dequantized tile by tile in registers, the activations in the model's dtype) when the engine's
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.decoder import DecoderForCausalLM
+from engine.model.layers import replace_linear
 from engine.model.loader import LoadedModel
 from engine.model.quant_formats import QuantFormat
 from engine.model.quant_linear import ConcatLinear
@@ -95,8 +97,9 @@ def fuse_parts(fmt: QuantFormat, parts: list[dict[str, torch.Tensor]]) -> dict[s
 
 
 def keep_hf_quantized(model: DecoderForCausalLM, loaded: LoadedModel, kernel: str) -> dict[str, int]:
-    """Replace `model`'s (one process) dense projections and LM head by `QuantizedLinear`s over
-    `loaded`'s stored tensors where they are quantized. Returns {"kept": n, "float": m} layers
+    """Replace `model`'s dense projections and LM head by `QuantizedLinear`s over `loaded`'s stored
+    tensors where they are quantized (under tensor parallelism, this rank's part of each, cut with
+    its scales: `QuantFormat.shard`; a row-parallel one keeps its all-reduce). Returns {"kept": n, "float": m} layers
     (float: a quantized layer left dequantized, an expert's or latent attention's)."""
     fmt = loaded.quant_format
     stored = dict(loaded.iter_quantized())
@@ -104,16 +107,16 @@ def keep_hf_quantized(model: DecoderForCausalLM, loaded: LoadedModel, kernel: st
     for owner, attribute, names in model.dense_projections():
         if not all(name in stored for name in names):
             continue  # a layer the checkpoint left in float
-        current = getattr(owner, attribute)
-        bias = current.bias.detach().to(torch.float32) if current.bias is not None else None
-        parts = [stored.pop(name) for name in names]
+        parts = [fmt.shard(name, stored.pop(name), model.projection_slice(name)) for name in names]
         fused = fuse_parts(fmt, parts)
-        if fused is not None:
-            replacement = QuantizedLinear(fmt, fused, kernel, bias, names[0])
-        else:
-            replacement = ConcatLinear([QuantizedLinear(fmt, part, kernel, name=name)
-                                        for part, name in zip(parts, names)], bias)
-        setattr(owner, attribute, replacement)
+
+        def make(bias: torch.Tensor | None, parts=parts, fused=fused, names=names) -> nn.Module:
+            if fused is not None:
+                return QuantizedLinear(fmt, fused, kernel, bias, names[0])
+            return ConcatLinear([QuantizedLinear(fmt, part, kernel, name=name) for part, name in zip(parts, names)],
+                                bias)
+
+        replace_linear(owner, attribute, make)
         counts["kept"] += 1
     if "lm_head" in stored and model.lm_head is not None:
         model.lm_head = QuantizedLinear(fmt, stored.pop("lm_head"), kernel, name="lm_head")

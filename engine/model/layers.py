@@ -1,9 +1,10 @@
 """The layers every model family shares: RMSNorm, Linear (with its optional pre-blocked weight),
 the row-parallel Linear of tensor parallelism (engine/model/decoder.py says how TP splits a
-model) and the gated MLP."""
+model) and the gated MLP; `replace_linear` / `RowParallel` put a quantized linear in a Linear's
+place, keeping a row-parallel one's all-reduce."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -75,3 +76,27 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class RowParallel(nn.Module):
+    """A row-parallel projection over any linear layer without a bias (a quantized one): this
+    rank's partial sums all-reduced, then the bias, whole on every rank, added once."""
+
+    def __init__(self, inner: nn.Module, tp: TensorParallelGroup, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.inner, self.tp = inner, tp
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.inner(x))
+        return out if self.bias is None else out.add_(self.bias.to(out.dtype))
+
+
+def replace_linear(owner: nn.Module, attribute: str, make: Callable[[torch.Tensor | None], nn.Module]) -> None:
+    """Put `make(bias)` in place of `owner.<attribute>` (a `Linear`): `make` builds the replacement
+    (a quantized linear) with the float32 bias it is given. A row-parallel layer on several ranks
+    keeps its all-reduce: `make(None)` inside a `RowParallel` that adds the bias after it."""
+    current = getattr(owner, attribute)
+    bias = None if current.bias is None else current.bias.detach().to(torch.float32)
+    tp = current.tp if isinstance(current, RowParallelLinear) else None
+    setattr(owner, attribute, make(bias) if tp is None else RowParallel(make(None), tp, bias))

@@ -122,12 +122,59 @@ class QuantFormat:
                                  f"for a weight [{out_features}, {in_features}]")
             return out_features, in_features
         groups, packed = self.groups(in_features), out_features // PACK
+        if self.method == "gptq" and parts["scales"].dim() == 2 and parts["scales"].shape[0] >= groups:
+            groups = parts["scales"].shape[0]  # a rank's input columns index the whole layer's groups (`shard`)
         expected = {"qzeros": (groups, packed), "scales": (groups, out_features), "g_idx": (in_features,)}
         for part, shape in expected.items():
             if part in parts and tuple(parts[part].shape) != shape:
                 raise ValueError(f"tensor {name}.{part} has shape {list(parts[part].shape)}, expected {list(shape)} "
                                  f"for {self.method} with group_size {self.group_size}")
         return out_features, in_features
+
+    def shard(self, name: str, parts: dict[str, torch.Tensor],
+              piece: tuple[int, int, int] | None) -> dict[str, torch.Tensor]:
+        """A tensor-parallel rank's part of a layer: rows (dim 0) or input columns (dim 1)
+        [start, start + length) of W (`DecoderForCausalLM.projection_slice`; None: all), each
+        tensor cut with it. A GPTQ rank's input columns keep every group's scales and zeros (g_idx
+        points into them, act-order or not). ValueError where the cut splits a scale block, an
+        int32's eight values or an AWQ group."""
+        if piece is None:
+            return parts
+        dim, start, length = piece
+        out_features, in_features = self.weight_shape({key: tuple(t.shape) for key, t in parts.items()})
+        end, whole = start + length, (out_features, in_features)[dim]
+
+        def unit(size: int, what: str) -> int:
+            if start % size or (end % size and end != whole):
+                raise ValueError(f"tensor parallelism cuts {name} at {start}..{end} of its {whole} "
+                                 f"{('rows', 'input columns')[dim]}, splitting its {what} of {size}: use a "
+                                 "tensor_parallel_size that keeps them whole, or quantization 'none'")
+            return size
+
+        def cut(tensor: torch.Tensor, axis: int, size: int = 1) -> torch.Tensor:
+            first = start // size
+            return tensor.narrow(axis, first, -(-end // size) - first).contiguous()
+
+        if self.method == "fp8":
+            scale = parts[self.scale_name]
+            if self.block is not None:
+                scale = cut(scale, dim, unit(self.block[dim], "scale blocks"))
+            elif dim == 0 and scale.numel() == out_features:  # per channel
+                scale = cut(scale.reshape(out_features, 1), 0)
+            return {"weight": cut(parts["weight"], dim), self.scale_name: scale}
+        if dim == 0:  # output columns of the [K, N] layouts
+            unit(PACK, "int32 packs")
+            qweight = cut(parts["qweight"], 1, PACK if self.method == "awq" else 1)
+            return parts | {"qweight": qweight, "qzeros": cut(parts["qzeros"], 1, PACK),
+                            "scales": cut(parts["scales"], 1)}
+        if self.method == "gptq":
+            return parts | {"qweight": cut(parts["qweight"], 0, unit(PACK, "int32 packs")),
+                            "g_idx": cut(parts["g_idx"], 0)}
+        if self.group_size == -1:
+            return parts | {"qweight": cut(parts["qweight"], 0)}
+        size = unit(self.group_size, "quantization groups")
+        return {"qweight": cut(parts["qweight"], 0), "qzeros": cut(parts["qzeros"], 0, size),
+                "scales": cut(parts["scales"], 0, size)}
 
     def group_index(self, parts: dict[str, torch.Tensor], in_features: int) -> torch.Tensor:
         """int64 [K]: the scale / zero row of each input row."""

@@ -52,6 +52,25 @@ def check_shape(ggml_type: int, out_features: int, in_features: int, packed: tor
                          f"got {packed.dtype} {list(packed.shape)}")
 
 
+def shard_packed(name: str, packed: torch.Tensor, ggml_type: int,
+                 piece: tuple[int, int, int] | None) -> torch.Tensor:
+    """A tensor-parallel rank's rows (dim 0) or input columns (dim 1) [start, start + length) of
+    W in `ggml_type`'s blocks (`DecoderForCausalLM.projection_slice`; None: all of it); ValueError
+    where the columns split a block."""
+    if piece is None:
+        return packed
+    dim, start, length = piece
+    if dim == 0:
+        return packed[start:start + length]
+    per_block = BLOCK_WEIGHTS.get(ggml_type, BLOCK)
+    if start % per_block or length % per_block:
+        raise ValueError(f"tensor parallelism cuts {name} at input columns {start}..{start + length}, splitting its "
+                         f"{type_name(ggml_type)} blocks of {per_block}: use a tensor_parallel_size that keeps them "
+                         "whole, or quantization 'none'")
+    width = BLOCK_BYTES[ggml_type]
+    return packed[:, start // per_block * width:(start + length) // per_block * width].contiguous()
+
+
 def reference_dequantize(packed: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """W as float32 [out_features, in_features], by the `gguf` package (the reference)."""
     from gguf import GGMLQuantizationType

@@ -3,8 +3,9 @@ SmolLM2-135M from its packaged Q4_1 GGUF (linear layers Q4_1, the tied embedding
 stored, the weights held are the file's tensors' bytes and greedy outputs equal the dequantized
 model's (`quantization="none"`, the kernels dequantize exactly as it does, only fp32 sums are
 ordered differently); quantized to Q8_0 at load (`int8`), a quarter of float32's bytes. Both
-within 1% of the dequantized model's perplexity on a fixed passage. Refusals: a Hugging Face
-folder for `gguf`, tensor parallelism, a format that is not supported."""
+within 1% of the dequantized model's perplexity on a fixed passage. (Under tensor parallelism the
+ranks' cuts are tested in test_quant_linear.py, their all-reduce in test_hf_quantized.py.)
+Refusals: a Hugging Face folder for `gguf`, a format that is not supported."""
 from __future__ import annotations
 
 import math
@@ -72,9 +73,6 @@ def test_the_default_model_kept_as_stored_and_in_int8_against_the_dequantized_on
 def test_what_is_not_supported_is_refused_at_load():
     with pytest.raises(ValueError, match="quantization must be one of none, auto, gguf, int8, fp8, awq, gptq, got 'nf4'"):
         EngineConfig(quantization="nf4")
-    for quantization in ("gguf", "int8"):
-        with pytest.raises(ValueError, match="no tensor parallelism"):
-            EngineConfig(quantization=quantization, tensor_parallel_size=2)
 
 
 def test_a_hugging_face_folder_is_refused_with_what_to_serve_instead(tmp_path):
@@ -109,3 +107,4 @@ def test_auto_serves_a_float_folder_as_it_is_and_int8_quantizes_it(tmp_path):
                                   sum(isinstance(m, GGUFLinear) for m in llm.engine.runner.model.modules()))
     assert held["auto"] == held["none"] and held["none"][2] == 0
     assert held["int8"][2] > 0 and held["int8"][1] < held["none"][1] / 2
+

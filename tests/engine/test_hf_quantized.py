@@ -9,8 +9,10 @@ its own random permutation here, so the parts are not fused) and with one group 
 - Kept as stored, through the Triton kernels (the Triton attention backend: on CPU, Triton's
   interpreter), the greedy tokens are those of the dequantized model, and the weights held are the
   stored tensors' bytes; the reference path (a CPU engine) gives them too.
+- Under tensor parallelism (two ranks) each rank keeps its part of each layer with its scales, and
+  the tokens are still the dequantized model's.
 - Refusals name what is supported: another quant_method, 8-bit AWQ, a format that is not the
-  checkpoint's, tensor parallelism, a layer missing one of its tensors.
+  checkpoint's, a layer missing one of its tensors.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model.hf_quantized import QuantizedLinear
 from engine.model.loader import resolve_model
@@ -135,15 +136,13 @@ def test_an_unsupported_quantization_config_is_refused_naming_what_is(source, tm
     assert message in str(error.value)
 
 
-def test_a_format_that_is_not_the_checkpoints_tensor_parallelism_and_a_missing_part_are_refused(source, tmp_path):
+def test_a_format_that_is_not_the_checkpoints_and_a_missing_part_are_refused(source, tmp_path):
     folder = save_quantized_copy(source, tmp_path / "fp8", QuantFormat("fp8"))
     with pytest.raises(ValueError, match="quantization 'awq' keeps a awq checkpoint's tensors as stored, but .* is a "
                                          "fp8 checkpoint: use quantization 'auto' or 'none'"):
         LLM(folder, quantization="awq")
     with pytest.raises(ValueError, match="quantization 'gptq' .* is not quantized"):
         LLM(source, quantization="gptq")
-    with pytest.raises(ValueError, match="without tensor parallelism for now"):
-        EngineConfig(model=folder, quantization="fp8", tensor_parallel_size=2)
     gptq = save_quantized_copy(source, tmp_path / "gptq", QuantFormat("gptq", group_size=16))
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(gptq, "model.safetensors"))
@@ -151,3 +150,16 @@ def test_a_format_that_is_not_the_checkpoints_tensor_parallelism_and_a_missing_p
     save_file(tensors, os.path.join(gptq, "model.safetensors"))
     with pytest.raises(ValueError, match="quantized layer model.layers.1.mlp.down_proj lacks qzeros"):
         resolve_model(gptq)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_tensor_parallel_ranks_keep_their_part_with_its_scales(source, tmp_path):
+    """Two ranks (gloo, the reference path): each keeps its rows of q / k / v and gate / up and its
+    input columns of o_proj and down_proj, with their scales; the tokens are one process's with the
+    weights dequantized. (A cut through a scale block is refused: test_quant_formats.py.)"""
+    for fmt, act_order in ((QuantFormat("fp8", block=(8, 8)), False),  # AWQ's cut: test_quant_formats.py
+                           (QuantFormat("gptq", group_size=16, zero_offset=1), True)):
+        folder = save_quantized_copy(source, tmp_path / fmt.method, fmt, act_order=act_order)
+        reference, _ = generate(folder, quantization="none", device="cpu")
+        tokens, _ = generate(folder, quantization=fmt.method, device="cpu", tensor_parallel_size=2)
+        assert tokens == reference, fmt

@@ -84,3 +84,32 @@ def test_fp8_dequantize_is_the_block_and_channel_formula():
 def test_quantization_configs_as_checkpoints_write_them(config, expected):
     assert read_quant_format({"quantization_config": config}) == expected
     assert read_quant_format({}) is None
+
+
+@pytest.mark.parametrize("fmt, act_order", [(QuantFormat("fp8", block=(16, 32)), False), (QuantFormat("fp8"), False),
+                                            (QuantFormat("awq", group_size=16), False),
+                                            (QuantFormat("gptq", group_size=16, zero_offset=1), True),
+                                            (QuantFormat("gptq", group_size=-1), False)])
+@pytest.mark.parametrize("piece", [(0, 16, 32), (0, 32, 32), (1, 32, 64), (1, 64, 32), (1, 16, 32)])
+def test_a_tensor_parallel_piece_is_the_same_slice_of_the_weights(fmt, act_order, piece):
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 96, generator=g)
+    parts = fmt.quantize(weight, generator=g, act_order=act_order)
+    dim, start, length = piece
+    if fmt.block is not None and start % fmt.block[dim]:
+        with pytest.raises(ValueError, match="splitting its scale blocks of 32: use a tensor_parallel_size"):
+            fmt.shard("layer", parts, piece)
+        return
+    shard = fmt.shard("layer", parts, piece)
+    assert fmt.check("layer", shard) == ((length, 96) if dim == 0 else (64, length))
+    assert torch.equal(fmt.dequantize(shard), fmt.dequantize(parts).narrow(dim, start, length))
+    assert fmt.shard("layer", parts, None) is parts
+
+
+def test_a_piece_that_splits_an_awq_group_or_an_int32_is_refused():
+    parts = QuantFormat("awq", group_size=32).quantize(torch.randn(64, 96))
+    with pytest.raises(ValueError, match="cuts layer at 16..48 of its 96 input columns, splitting its quantization "
+                                         "groups of 32"):
+        QuantFormat("awq", group_size=32).shard("layer", parts, (1, 16, 32))
+    with pytest.raises(ValueError, match="splitting its int32 packs of 8"):
+        QuantFormat("awq", group_size=32).shard("layer", parts, (0, 4, 16))

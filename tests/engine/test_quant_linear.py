@@ -126,3 +126,17 @@ def test_a_fused_projection_of_parts_in_different_formats():
     dequantized = torch.cat([reference_dequantize(p, kind) for p, (kind, _) in zip(packed, parts)])
     reference = torch.cat([reference_linear(x, p, kind) for p, (kind, _) in zip(packed, parts)], dim=-1) + bias
     within_sum_order(layer(x), reference, x, dequantized, bias)
+
+
+@pytest.mark.parametrize("name, ggml_type", TYPES)
+def test_a_tensor_parallel_piece_is_the_same_slice_of_the_weights(name, ggml_type):
+    in_features = width(ggml_type, 128)
+    per_block = BLOCK_WEIGHTS.get(ggml_type, 32)
+    packed = packed_weights(24, in_features, ggml_type, seed=5)
+    whole = reference_dequantize(packed, ggml_type)
+    rows = quant_linear.shard_packed("w", packed, ggml_type, (0, 8, 8))
+    assert torch.equal(reference_dequantize(rows, ggml_type), whole[8:16])
+    columns = quant_linear.shard_packed("w", packed, ggml_type, (1, per_block, 2 * per_block))
+    assert torch.equal(reference_dequantize(columns, ggml_type), whole[:, per_block:3 * per_block])
+    with pytest.raises(ValueError, match=f"splitting its {name} blocks of {per_block}"):
+        quant_linear.shard_packed("w", packed, ggml_type, (1, per_block // 2, per_block))
