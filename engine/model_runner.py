@@ -142,46 +142,55 @@ class ModelRunner:
     def _build_model(self, loaded: LoadedModel) -> DecoderForCausalLM:
         # Built on the meta device so no memory is spent on a random init that the weights overwrite.
         with torch.device("meta"):
-            model = DecoderForCausalLM(self.arch, self.max_model_len, tp=self.tp)
-        model = model.to_empty(device=self.device).to(self.dtype)
+            model = DecoderForCausalLM(self.arch, self.max_model_len, tp=self.tp).to(self.dtype)
+        quantization = self._quantization(loaded)
+        placeholders: set[str] = set()
+        if quantization in HF_QUANT_METHODS:  # the layers kept as stored get no float memory
+            from engine.model.hf_quantized import allocate_all_but_kept
+            placeholders = allocate_all_but_kept(model, loaded, self.device)
+        else:
+            model = model.to_empty(device=self.device)
         if self.device.type == "cpu":
             place_parameters_in_huge_pages(model)  # decode steps stream all weights: fewer TLB misses
         model.init_rotary(self.max_model_len, self.device)  # its tables, computed (not left empty)
-        model.load_weights(loaded.iter_weights())
-        self._keep_quantized(model, loaded)
+        model.load_weights(loaded.iter_weights(placeholders))
+        self._keep_quantized(model, loaded, quantization)
         model.prepack_linear_weights()
         return model.eval()
 
-    def _keep_quantized(self, model: DecoderForCausalLM, loaded: LoadedModel) -> None:
-        """`--quantization`: which of the checkpoint's weights stay quantized (the model is loaded
-        dequantized first; under tensor parallelism each rank keeps its part). `auto` keeps what the
-        hardware serves well: a GGUF's blocks on CPU (the native kernels), an fp8 / AWQ / GPTQ
-        checkpoint's tensors on GPUs (the Triton kernels); else it dequantizes at load."""
+    def _quantization(self, loaded: LoadedModel) -> str:
+        """`--quantization` for this checkpoint: `auto` keeps what the hardware serves well, a
+        GGUF's blocks on CPU (the native kernels), an fp8 / AWQ / GPTQ checkpoint's tensors on GPUs
+        (the Triton kernels), else it dequantizes at load (`none`). ValueError for a format the
+        checkpoint does not have."""
         quantization, fmt = self.config.quantization, loaded.quant_format
         if quantization == "auto":
             if loaded.gguf_path is not None and self.device.type == "cpu":
-                quantization = "gguf"
-            elif fmt is not None and self.device.type == "cuda":
-                quantization = fmt.method
-            else:
-                quantization = "none"
+                return "gguf"
+            return fmt.method if fmt is not None and self.device.type == "cuda" else "none"
+        if quantization == "gguf" and loaded.gguf_path is None:
+            raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights as stored, but {loaded.model_dir} "
+                             "is a Hugging Face folder: serve the .gguf file (or a packaged model), or use "
+                             "quantization 'int8'")
+        if quantization in HF_QUANT_METHODS and (fmt is None or fmt.method != quantization):
+            found = f"a {fmt.method} checkpoint" if fmt is not None else "not quantized (no quantization_config)"
+            raise ValueError(f"quantization {quantization!r} keeps a {quantization} checkpoint's tensors as stored, "
+                             f"but {loaded.model_dir} is {found}: use quantization 'auto' or 'none'")
+        return quantization
+
+    def _keep_quantized(self, model: DecoderForCausalLM, loaded: LoadedModel, quantization: str) -> None:
+        """Which of the checkpoint's weights stay quantized (`_quantization`), in place of the
+        loaded model's float layers; under tensor parallelism each rank keeps its part."""
         if quantization == "gguf":
-            if loaded.gguf_path is None:
-                raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights as stored, but {loaded.model_dir} "
-                                 "is a Hugging Face folder: serve the .gguf file (or a packaged model), or use "
-                                 "quantization 'int8'")
             from engine.model.gguf_quantized import keep_gguf_quantized
             keep_gguf_quantized(model, loaded.gguf_path)
         elif quantization == "int8":
             from engine.model.gguf_quantized import quantize_to_q8_0
             quantize_to_q8_0(model)
         elif quantization in HF_QUANT_METHODS:
-            if fmt is None or fmt.method != quantization:
-                found = f"a {fmt.method} checkpoint" if fmt is not None else "not quantized (no quantization_config)"
-                raise ValueError(f"quantization {quantization!r} keeps a {quantization} checkpoint's tensors as stored, "
-                                 f"but {loaded.model_dir} is {found}: use quantization 'auto' or 'none'")
             from engine.model.hf_quantized import keep_hf_quantized
-            keep_hf_quantized(model, loaded, "triton" if self.config.backend_name == "triton" else "reference")
+            keep_hf_quantized(model, loaded, "triton" if self.config.backend_name == "triton" else "reference",
+                              self.device)
 
     @property
     def _holds_transfer_cache(self) -> bool:

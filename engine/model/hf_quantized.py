@@ -1,10 +1,12 @@
-"""`--quantization fp8|awq|gptq` (and `auto` on a GPU): a quantized Hugging Face checkpoint's
+"""`--quantization fp8|awq|gptq` (and `auto` on GPUs): a quantized Hugging Face checkpoint's
 linear layers served as stored (engine/model/quant_formats.py says what each format stores).
 
-As for GGUF (engine/model/gguf_quantized.py), the model is first built and loaded as usual, each
-quantized layer's weight dequantized (`LoadedModel.iter_weights`); then every dense projection
-(`DecoderForCausalLM.dense_projections`) and the LM head whose checkpoint tensors are quantized is
-replaced by a `QuantizedLinear` over the stored tensors. A fused projection (q | k | v, gate | up)
+The model is built on the meta device and given memory (`allocate_all_but_kept`) for everything
+but the weights of the layers to keep: every dense projection (`DecoderForCausalLM.
+dense_projections`) and the LM head whose checkpoint tensors are quantized. The float load
+(`LoadedModel.iter_weights`) passes those as meta placeholders, so no float copy of them is ever
+made or held (an fp8 checkpoint loads in about its own size); then `keep_hf_quantized` puts a
+`QuantizedLinear` over the stored tensors in each one's place. A fused projection (q | k | v, gate | up)
 holds its parts' tensors end to end where their scales line up (int4 with one group index, fp8
 per channel, or fp8 blocks that no part splits), else a `ConcatLinear` of one layer per part.
 Mixture-of-experts and latent-attention layers stay dequantized (logged with the count). Under
@@ -96,32 +98,55 @@ def fuse_parts(fmt: QuantFormat, parts: list[dict[str, torch.Tensor]]) -> dict[s
     return fused | ({"g_idx": parts[0]["g_idx"]} if "g_idx" in parts[0] else {})
 
 
-def keep_hf_quantized(model: DecoderForCausalLM, loaded: LoadedModel, kernel: str) -> dict[str, int]:
-    """Replace `model`'s dense projections and LM head by `QuantizedLinear`s over `loaded`'s stored
-    tensors where they are quantized (under tensor parallelism, this rank's part of each, cut with
-    its scales: `QuantFormat.shard`; a row-parallel one keeps its all-reduce). Returns {"kept": n, "float": m} layers
-    (float: a quantized layer left dequantized, an expert's or latent attention's)."""
+def _kept(model: DecoderForCausalLM, loaded: LoadedModel) -> list[tuple[nn.Module, str, list[str]]]:
+    """(module, attribute, [Hugging Face layers]) of each projection to keep as stored: a dense
+    projection whose every part is quantized in the checkpoint, and an untied LM head that is."""
+    quantized = loaded.quantized_layers()
+    kept = [(owner, attribute, names) for owner, attribute, names in model.dense_projections()
+            if all(name in quantized for name in names)]
+    if "lm_head" in quantized and model.lm_head is not None:
+        kept.append((model, "lm_head", ["lm_head"]))
+    return kept
+
+
+def allocate_all_but_kept(model: DecoderForCausalLM, loaded: LoadedModel, device: torch.device) -> set[str]:
+    """`model.to_empty(device)` (a model built on the meta device) except the weights of the
+    layers `keep_hf_quantized` will replace, which stay on meta (their biases get memory: they are
+    loaded as float). Returns those layers' names: `LoadedModel.iter_weights`'s placeholders."""
+    kept = _kept(model, loaded)
+    skipped = {id(getattr(owner, attribute)) for owner, attribute, _ in kept}
+    for module in model.modules():
+        if id(module) not in skipped:
+            module.to_empty(device=device, recurse=False)
+        elif module.bias is not None:
+            module.bias = nn.Parameter(torch.empty_like(module.bias, device=device), requires_grad=False)
+    return {name for _, _, names in kept for name in names}
+
+
+def keep_hf_quantized(model: DecoderForCausalLM, loaded: LoadedModel, kernel: str,
+                      device: torch.device) -> dict[str, int]:
+    """Replace `model`'s dense projections and LM head by `QuantizedLinear`s on `device` over
+    `loaded`'s stored tensors where they are quantized (under tensor parallelism, this rank's part
+    of each, cut with its scales: `QuantFormat.shard`; a row-parallel one keeps its all-reduce).
+    Returns {"kept": n, "float": m} layers (float: quantized in the checkpoint, dequantized here:
+    an expert's or latent attention's)."""
     fmt = loaded.quant_format
-    stored = dict(loaded.iter_quantized())
-    counts = {"kept": 0, "float": 0}
-    for owner, attribute, names in model.dense_projections():
-        if not all(name in stored for name in names):
-            continue  # a layer the checkpoint left in float
-        parts = [fmt.shard(name, stored.pop(name), model.projection_slice(name)) for name in names]
+    kept = _kept(model, loaded)
+    names = {name for _, _, layer_names in kept for name in layer_names}
+    stored = {name: fmt.shard(name, parts, model.projection_slice(name))  # this rank's cut, in host memory
+              for name, parts in loaded.iter_quantized() if name in names}
+    for owner, attribute, layer_names in kept:
+        parts = [{part: tensor.to(device) for part, tensor in stored.pop(name).items()} for name in layer_names]
         fused = fuse_parts(fmt, parts)
 
-        def make(bias: torch.Tensor | None, parts=parts, fused=fused, names=names) -> nn.Module:
+        def make(bias: torch.Tensor | None, parts=parts, fused=fused, names=layer_names) -> nn.Module:
             if fused is not None:
                 return QuantizedLinear(fmt, fused, kernel, bias, names[0])
             return ConcatLinear([QuantizedLinear(fmt, part, kernel, name=name) for part, name in zip(parts, names)],
                                 bias)
 
         replace_linear(owner, attribute, make)
-        counts["kept"] += 1
-    if "lm_head" in stored and model.lm_head is not None:
-        model.lm_head = QuantizedLinear(fmt, stored.pop("lm_head"), kernel, name="lm_head")
-        counts["kept"] += 1
-    counts["float"] = len(stored)
+    counts = {"kept": len(kept), "float": len(loaded.quantized_layers() - names)}
     logger.info("%s weights kept as stored: %d layers (%s kernels); %d quantized layers dequantized (experts, "
                 "latent attention)", fmt.method, counts["kept"], kernel, counts["float"])
     return counts

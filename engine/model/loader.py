@@ -75,10 +75,21 @@ class LoadedModel:
                     shapes[prefix + ".weight"] = fmt.weight_shape(parts)
         return shapes
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantized_layers(self) -> set[str]:
+        """The prefixes `X` of the layers a quantized checkpoint stores quantized (headers only)."""
+        fmt, layers = self.quant_format, set()
+        for path in self.weight_files() if fmt is not None else ():
+            with _open_safetensors(path) as f:
+                layers.update(name.rpartition(".")[0] for name in f.keys()
+                              if fmt.is_quantized(name.rpartition(".")[2], f.get_slice(name).get_dtype()))
+        return layers
+
+    def iter_weights(self, placeholders: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (Hugging Face name, float tensor) for every tensor, one file at a time,
         in Hugging Face layout (Q/K not permuted); each tensor is read when reached. A quantized
-        layer yields its `X.weight` dequantized (float32) in place of its parts."""
+        layer yields its `X.weight` dequantized (float32) in place of its parts; one named in
+        `placeholders` (kept as stored: engine/model/hf_quantized.py) an empty meta tensor of
+        that shape, its parts not read."""
         fmt = self.quant_format
         if fmt is None:
             for path in self.weight_files():
@@ -86,12 +97,15 @@ class LoadedModel:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
             return
-        for name, item in self._tensors(floats=True):
+        for name, item in self._tensors(floats=True, skip=placeholders):
             if isinstance(item, dict):
                 fmt.check(name, item)
                 yield name + ".weight", fmt.dequantize(item)
             else:
                 yield name, item
+        shapes = self.weight_shapes() if placeholders else {}
+        for prefix in sorted(placeholders):
+            yield prefix + ".weight", torch.empty(shapes[prefix + ".weight"], device="meta")
 
     def iter_quantized(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """(layer prefix, {part: stored tensor}) of each quantized layer, checked."""
@@ -99,10 +113,11 @@ class LoadedModel:
             self.quant_format.check(prefix, parts)
             yield prefix, parts
 
-    def _tensors(self, floats: bool) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
+    def _tensors(self, floats: bool, skip: set[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
         """One file at a time: with `floats`, (name, tensor) of each float tensor as it is read,
-        then (prefix, {part: tensor}) of each quantized layer (a layer's parts are in one file, as
-        every quantizer writes them)."""
+        then (prefix, {part: tensor}) of each quantized layer not in `skip` (a layer's parts are
+        in one file, as every quantizer writes them)."""
         fmt = self.quant_format
         for path in self.weight_files():
             with _open_safetensors(path) as f:
@@ -110,7 +125,8 @@ class LoadedModel:
                 for name in f.keys():
                     prefix, _, suffix = name.rpartition(".")
                     if fmt.is_quantized(suffix, f.get_slice(name).get_dtype()):
-                        layers.setdefault(prefix, {})[suffix] = f.get_tensor(name)
+                        if prefix not in skip:
+                            layers.setdefault(prefix, {})[suffix] = f.get_tensor(name)
                     elif floats and suffix not in fmt.ignored_parts:
                         yield name, f.get_tensor(name)
                 yield from layers.items()

@@ -180,7 +180,7 @@ class QuantFormat:
         """int64 [K]: the scale / zero row of each input row."""
         if "g_idx" in parts:
             return parts["g_idx"].to(torch.int64)
-        rows = torch.arange(in_features)
+        rows = torch.arange(in_features, device=parts["qweight"].device)
         return rows * 0 if self.group_size == -1 else rows // self.group_size
 
     def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -294,7 +294,7 @@ def read_quant_format(config: dict) -> QuantFormat | None:
 def unpack_int4(packed: torch.Tensor, axis: int, order: tuple[int, ...] = PLAIN_ORDER) -> torch.Tensor:
     """int32 [R, C] of eight 4-bit values each -> int32 [R, 8C] (axis 1) or [8R, C] (axis 0);
     nibble i holds value `order[i]` of its eight."""
-    shifts = torch.arange(PACK, dtype=torch.int32) * 4
+    shifts = torch.arange(PACK, dtype=torch.int32, device=packed.device) * 4
     nibbles = (packed[..., None] >> shifts) & 0xF  # [R, C, nibble]
     values = torch.empty_like(nibbles)
     values[..., list(order)] = nibbles

@@ -6,6 +6,7 @@ its own random permutation here, so the parts are not fused) and with one group 
 
 - Dequantized at load (`none`), the model is the float model of the dequantized weights: its greedy
   tokens are transformers' on a float folder holding them.
+- The layers kept as stored never get float memory: they load as meta placeholders.
 - Kept as stored, through the Triton kernels (the Triton attention backend: on CPU, Triton's
   interpreter), the greedy tokens are those of the dequantized model, and the weights held are the
   stored tensors' bytes; the reference path (a CPU engine) gives them too.
@@ -26,7 +27,8 @@ import transformers
 from safetensors.torch import save_file
 
 from engine.llm import LLM
-from engine.model.hf_quantized import QuantizedLinear
+from engine.model.decoder import DecoderForCausalLM
+from engine.model.hf_quantized import QuantizedLinear, allocate_all_but_kept, keep_hf_quantized
 from engine.model.loader import resolve_model
 from engine.model.quant_formats import QuantFormat, save_quantized_copy
 from engine.model.quant_linear import ConcatLinear
@@ -163,3 +165,23 @@ def test_tensor_parallel_ranks_keep_their_part_with_its_scales(source, tmp_path)
         reference, _ = generate(folder, quantization="none", device="cpu")
         tokens, _ = generate(folder, quantization=fmt.method, device="cpu", tensor_parallel_size=2)
         assert tokens == reference, fmt
+
+
+def test_the_layers_kept_as_stored_never_get_float_memory(source, tmp_path):
+    """`allocate_all_but_kept` leaves exactly the kept projections' weights on the meta device
+    (their biases get memory: they load as float), and the float load passes them as meta
+    placeholders without reading their parts: an fp8 checkpoint loads in about its own size."""
+    folder = save_quantized_copy(source, tmp_path / "fp8", QuantFormat("fp8", block=(32, 32)))
+    loaded = resolve_model(folder)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(loaded.arch)
+    placeholders = allocate_all_but_kept(model, loaded, torch.device("cpu"))
+    assert placeholders == loaded.quantized_layers() and len(placeholders) == 7 * loaded.arch.num_hidden_layers
+    on_meta = {name for name, p in model.named_parameters() if p.is_meta}
+    assert on_meta == {f"layers.{i}.{projection}.weight" for i in range(loaded.arch.num_hidden_layers)
+                       for projection in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    weights = dict(loaded.iter_weights(placeholders))
+    assert {name for name, tensor in weights.items() if tensor.is_meta} == {f"{name}.weight" for name in placeholders}
+    model.load_weights(weights.items())
+    keep_hf_quantized(model, loaded, "reference", torch.device("cpu"))
+    assert not any(p.is_meta for p in model.parameters())
