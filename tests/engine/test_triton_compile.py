@@ -72,7 +72,7 @@ def test_every_triton_kernel_launch_compiles_for_the_gpu(arch, checks):
     kernels = {name.split("(")[0] for name in report["compiled"]}
     assert kernels == {"_store_kv_kernel", "_store_kv_8bit_kernel", "_paged_decode_kernel", "_combine_splits_kernel",
                        "_paged_prefill_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
-                       "_moe_gemm_kernel", "_latent_decode_kernel"}
+                       "_moe_gemm_kernel", "_latent_decode_kernel", "_fp8_linear_kernel", "_int4_linear_kernel"}
     # every cache kind reaches both attention kernels
     for quant in ("QUANT=0", "QUANT=1", "QUANT=2"):
         assert any(name.startswith("_paged_decode_kernel") and quant in name for name in report["compiled"])
