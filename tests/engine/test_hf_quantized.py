@@ -157,14 +157,16 @@ def test_a_format_that_is_not_the_checkpoints_and_a_missing_part_are_refused(sou
 @pytest.mark.usefixtures("one_torch_thread")
 def test_tensor_parallel_ranks_keep_their_part_with_its_scales(source, tmp_path):
     """Two ranks (gloo, the reference path): each keeps its rows of q / k / v and gate / up and its
-    input columns of o_proj and down_proj, with their scales; the tokens are one process's with the
-    weights dequantized. (A cut through a scale block is refused: test_quant_formats.py.)"""
-    for fmt, act_order in ((QuantFormat("fp8", block=(8, 8)), False),  # AWQ's cut: test_quant_formats.py
-                           (QuantFormat("gptq", group_size=16, zero_offset=1), True)):
-        folder = save_quantized_copy(source, tmp_path / fmt.method, fmt, act_order=act_order)
-        reference, _ = generate(folder, quantization="none", device="cpu")
-        tokens, _ = generate(folder, quantization=fmt.method, device="cpu", tensor_parallel_size=2)
-        assert tokens == reference, fmt
+    input columns of o_proj and down_proj, with their scales, o_proj and down_proj inside the
+    all-reduce; the tokens are one process's with the weights dequantized. (Each format's cut, and
+    a cut through a scale block refused: test_quant_formats.py.)"""
+    # GPTQ with act-order: every rank keeps all groups; each format's cut: test_quant_formats.py
+    fmt = QuantFormat("gptq", group_size=16, zero_offset=1)
+    folder = save_quantized_copy(source, tmp_path / fmt.method, fmt, act_order=True)
+    reference, _ = generate(folder, quantization="none", device="cpu")
+    tokens, parallel = generate(folder, quantization=fmt.method, device="cpu", tensor_parallel_size=2)
+    assert tokens == reference
+    assert type(parallel.engine.runner.model.layers[0].self_attn.o_proj).__name__ == "RowParallel"
 
 
 def test_the_layers_kept_as_stored_never_get_float_memory(source, tmp_path):
