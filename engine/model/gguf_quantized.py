@@ -48,7 +48,8 @@ class GGUFEmbedding(nn.Module):
 
 def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, int]:
     """Replace `model`'s linear layers by `GGUFLinear`s over `gguf_path`'s tensors where their
-    format is kept (under tensor parallelism, this rank's rows or input columns of each). Returns {"kept": n, "float": m} layers."""
+    format is kept (under tensor parallelism, this rank's rows or input columns of each).
+    Returns {"kept": n, "float": m} layers."""
     reader = open_reader(gguf_path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     permuted = read_field(reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
@@ -63,8 +64,9 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
         if heads is not None and permuted:
             rows = unpermute_qk(rows, heads)
-        ggml_type = int(tensor.tensor_type)  # a copy: the file is closed after
-        return ggml_type, shard_packed(name, torch.from_numpy(np.array(rows)), ggml_type, piece)
+        ggml_type = int(tensor.tensor_type)
+        rows = torch.from_numpy(np.array(rows))  # a copy: the file is closed after
+        return ggml_type, shard_packed(name, rows, ggml_type, piece)
 
     def replace(owner: nn.Module, attribute: str, parts: list[tuple[int, torch.Tensor] | None]) -> None:
         if None in parts:
@@ -123,8 +125,9 @@ def _projections(model: DecoderForCausalLM):
 
 def quantize_to_q8_0(model: DecoderForCausalLM) -> dict[str, int]:
     """`--quantization int8`: every dense projection, the token embedding and the LM head of a
-    float model (this rank's part of each under tensor parallelism) quantized at load to Q8_0 (int8 weights with an fp16 scale per 32,
-    llama.cpp's quantizer, `quant_linear.quantize`) and served by `GGUFLinear`. A weight whose
+    float model (this rank's part of each under tensor parallelism) quantized at load to Q8_0
+    (int8 weights with an fp16 scale per 32, llama.cpp's quantizer, `quant_linear.quantize`) and
+    served by `GGUFLinear`. A weight whose
     in_features is not a multiple of 32 stays float. Returns {"kept": n, "float": m} layers."""
     q8_0 = GGML_TYPES["Q8_0"]
     counts = {"kept": 0, "float": 0}

@@ -98,10 +98,10 @@ def fuse_parts(fmt: QuantFormat, parts: list[dict[str, torch.Tensor]]) -> dict[s
     return fused | ({"g_idx": parts[0]["g_idx"]} if "g_idx" in parts[0] else {})
 
 
-def _kept(model: DecoderForCausalLM, loaded: LoadedModel) -> list[tuple[nn.Module, str, list[str]]]:
+def _kept(model: DecoderForCausalLM, quantized: set[str]) -> list[tuple[nn.Module, str, list[str]]]:
     """(module, attribute, [Hugging Face layers]) of each projection to keep as stored: a dense
-    projection whose every part is quantized in the checkpoint, and an untied LM head that is."""
-    quantized = loaded.quantized_layers()
+    projection whose every part is in `quantized` (the checkpoint's quantized layers), and an
+    untied LM head that is."""
     kept = [(owner, attribute, names) for owner, attribute, names in model.dense_projections()
             if all(name in quantized for name in names)]
     if "lm_head" in quantized and model.lm_head is not None:
@@ -113,7 +113,7 @@ def allocate_all_but_kept(model: DecoderForCausalLM, loaded: LoadedModel, device
     """`model.to_empty(device)` (a model built on the meta device) except the weights of the
     layers `keep_hf_quantized` will replace, which stay on meta (their biases get memory: they are
     loaded as float). Returns those layers' names: `LoadedModel.iter_weights`'s placeholders."""
-    kept = _kept(model, loaded)
+    kept = _kept(model, loaded.quantized_layers())
     skipped = {id(getattr(owner, attribute)) for owner, attribute, _ in kept}
     for module in model.modules():
         if id(module) not in skipped:
@@ -131,10 +131,11 @@ def keep_hf_quantized(model: DecoderForCausalLM, loaded: LoadedModel, kernel: st
     Returns {"kept": n, "float": m} layers (float: quantized in the checkpoint, dequantized here:
     an expert's or latent attention's)."""
     fmt = loaded.quant_format
-    kept = _kept(model, loaded)
+    quantized = loaded.quantized_layers()
+    kept = _kept(model, quantized)
     names = {name for _, _, layer_names in kept for name in layer_names}
     stored = {name: fmt.shard(name, parts, model.projection_slice(name))  # this rank's cut, in host memory
-              for name, parts in loaded.iter_quantized() if name in names}
+              for name, parts in loaded.iter_quantized(skip=quantized - names)}
     for owner, attribute, layer_names in kept:
         parts = [{part: tensor.to(device) for part, tensor in stored.pop(name).items()} for name in layer_names]
         fused = fuse_parts(fmt, parts)
@@ -146,7 +147,7 @@ def keep_hf_quantized(model: DecoderForCausalLM, loaded: LoadedModel, kernel: st
                                 bias)
 
         replace_linear(owner, attribute, make)
-    counts = {"kept": len(kept), "float": len(loaded.quantized_layers() - names)}
+    counts = {"kept": len(kept), "float": len(quantized - names)}
     logger.info("%s weights kept as stored: %d layers (%s kernels); %d quantized layers dequantized (experts, "
                 "latent attention)", fmt.method, counts["kept"], kernel, counts["float"])
     return counts

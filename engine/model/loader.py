@@ -107,9 +107,9 @@ class LoadedModel:
         for prefix in sorted(placeholders):
             yield prefix + ".weight", torch.empty(shapes[prefix + ".weight"], device="meta")
 
-    def iter_quantized(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """(layer prefix, {part: stored tensor}) of each quantized layer, checked."""
-        for prefix, parts in self._tensors(floats=False):
+    def iter_quantized(self, skip: set[str] = frozenset()) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """(layer prefix, {part: stored tensor}) of each quantized layer not in `skip`, checked."""
+        for prefix, parts in self._tensors(floats=False, skip=skip):
             self.quant_format.check(prefix, parts)
             yield prefix, parts
 
