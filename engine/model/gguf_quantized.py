@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from engine.model.decoder import DecoderForCausalLM
-from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, open_reader, read_field, unpermute_qk
+from engine.model.gguf_index import read_gguf_index
+from engine.model.gguf_loader import PERMUTED_QK_ARCHITECTURES, unpermute_qk
 from engine.model.layers import replace_linear
 from engine.model.quant_linear import BLOCK, BLOCK_BYTES, GGML_TYPES, ConcatLinear, GGUFLinear, quantize, shard_packed
 
@@ -50,9 +51,9 @@ def keep_gguf_quantized(model: DecoderForCausalLM, gguf_path: str) -> dict[str, 
     """Replace `model`'s linear layers by `GGUFLinear`s over `gguf_path`'s tensors where their
     format is kept (under tensor parallelism, this rank's rows or input columns of each).
     Returns {"kept": n, "float": m} layers."""
-    reader = open_reader(gguf_path)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    permuted = read_field(reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
+    index = read_gguf_index(gguf_path)
+    tensors = index.tensors
+    permuted = index.architecture in PERMUTED_QK_ARCHITECTURES
     arch = model.arch
     dtype = model.embed_tokens.weight.dtype
     counts = {"kept": 0, "float": 0}

@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.huge_pages import HUGE_PAGE, place_parameters_in_huge_pages
+from engine.huge_pages import HUGE_PAGE, HUGE_PAGES_ENV, place_parameters_in_huge_pages
 from engine.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from engine.model.arch import ModelArchConfig
 
 from ..memory_maps import THP_ON, mapping_at
+
+
+@pytest.fixture(autouse=True)
+def huge_pages_on(monkeypatch):
+    monkeypatch.setenv(HUGE_PAGES_ENV, "1")  # (tests/conftest.py turns them off for the rest of the suite)
 
 
 @pytest.mark.skipif(not THP_ON, reason="needs Linux transparent huge pages in always/madvise mode")

@@ -11,6 +11,7 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine, EngineUnavailable
+from engine.huge_pages import HUGE_PAGES_ENV
 from engine.model.loader import resolve_model
 from tests.engine.streams import collect_tokens
 
@@ -28,7 +29,9 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(HUGE_PAGES_ENV, "1")  # the one real model here built as served: weights in huge pages
+        return LLM("default")
 
 
 @pytest.fixture(scope="module")
