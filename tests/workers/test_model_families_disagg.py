@@ -5,6 +5,13 @@ KV that the decode side reads received (`kv_bytes_received`; a sliding layer's b
 window do not move), the prefill done remotely and no transfer failure counted (a
 fallback to local prefill would hide a broken hand-off behind correct tokens).
 
+The families here are one of each KV layout and attention variant: full attention with q/k norms
+(qwen3), alternating sliding windows with logit soft-capping (gemma2), 5:1 sliding windows
+(gemma3), every layer sliding (mistral-sliding), sliding windows with attention sinks and experts
+(gpt-oss), full attention beside experts (qwen3-moe), and latent attention (deepseek-v3). The
+other families' caches are laid out as one of these; their forward is compared with transformers
+in tests/engine/test_model_families.py.
+
 One prefill and one decode worker per family, all started at once; prompts cross the sliding
 window (tests/engine/tiny_models.py WINDOW) and end mid-block. A decode worker of a model with
 sliding layers has a grouped cache (engine/kv_groups.py): it receives one transfer per layer
@@ -26,11 +33,13 @@ pytestmark = pytest.mark.slow
 BLOCK = 4
 NEW = 10
 PROMPTS = [list(range(3, 41)), [5, 17, 99, 3, 64, 22, 9, 31, 40, 2, 77, 13, 6]]
+LAYOUTS = ["qwen3", "gemma2", "gemma3", "mistral-sliding", "gpt-oss", "qwen3-moe", "deepseek-v3"]
+assert set(LAYOUTS) <= set(FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    folders = {name: save_family_model(tmp_path_factory.mktemp(name), name) for name in FAMILIES}
+    folders = {name: save_family_model(tmp_path_factory.mktemp(name), name) for name in LAYOUTS}
     engine = ["--block-size", str(BLOCK), "--num-blocks", "64", "--max-model-len", "128"]
     specs = []
     for folder in folders.values():
@@ -53,7 +62,7 @@ def _transformers_greedy(folder: str) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_disaggregated_greedy_is_transformers_with_the_kv_from_the_prefill_worker(families, name):
     folder, prefill, decode = families[name]
     expected = _transformers_greedy(folder)
