@@ -27,9 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import grpc  # noqa: E402
-
 import wire  # noqa: E402
+from wire.cluster_auth import ClusterAuth, secret_file_from_environment  # noqa: E402
 from engine.cpu_kernels import cpu_model  # noqa: E402
 
 ENGINE = ["--model", "default", "--host", "127.0.0.1", "--port", "0", "--num-blocks", "800",
@@ -53,6 +52,12 @@ class Worker:
                 return self
         raise RuntimeError(f"{self.process.args} exited with {self.process.wait()}")
 
+    def stub(self):
+        """A DecodeService stub on this worker, secured as the worker is: it inherits this
+        environment, so $PDSERVE_CLUSTER_SECRET_FILE, when set, is its cluster secret too."""
+        auth = ClusterAuth.from_file(secret_file_from_environment())
+        return wire.services().DecodeServiceStub(auth.channel(self.grpc, options=wire.GRPC_OPTIONS, aio=False))
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -67,7 +72,7 @@ def ttft(decode: Worker, prompt: list[int], prefill: Worker | None, request_id: 
                                  ignore_eos=True)
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                  prefill_address=prefill.grpc if prefill else "")
-    stub = wire.services().DecodeServiceStub(grpc.insecure_channel(decode.grpc, options=list(wire.GRPC_OPTIONS)))
+    stub = decode.stub()
     start = time.perf_counter()
     elapsed, remote = None, False
     for chunk in stub.Generate(request, timeout=600):

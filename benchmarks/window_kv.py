@@ -26,8 +26,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import grpc  # noqa: E402
-
 import wire  # noqa: E402
 from benchmarks.ttft_disagg import Worker  # noqa: E402
 from engine.cpu_kernels import cpu_model  # noqa: E402
@@ -44,7 +42,7 @@ def received_bytes(decode: Worker, prompt: list[int], prefill: Worker, request_i
                                  ignore_eos=True)
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                  prefill_address=prefill.grpc)
-    stub = wire.services().DecodeServiceStub(grpc.insecure_channel(decode.grpc, options=list(wire.GRPC_OPTIONS)))
+    stub = decode.stub()
     received, remote, held = 0, False, None
     for chunk in stub.Generate(request, timeout=1800):
         received = max(received, chunk.kv_bytes_received)

@@ -41,6 +41,7 @@ from engine.engine import LLMEngine
 from engine.kv_hooks import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from wire.cluster_auth import INSECURE, ClusterAuth
 from wire.convert import chunk_from_delta, prefill_request_to_wire, producer_report_from_wire
 
 
@@ -55,6 +56,7 @@ class DecodeWorkerConfig:
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
     advertise_host: str | None = None
     host: str = kvtransfer.TransferConfig.host  # where the KV receiver listens
+    cluster_auth: ClusterAuth = INSECURE  # its channels to prefill workers (the cluster's, as its server's)
 
     def __post_init__(self) -> None:
         self.role = Role.parse(self.role)
@@ -67,10 +69,12 @@ class PrefillChannels:
     """One gRPC channel per prefill worker address, shared by the calls to it (gRPC reconnects by
     itself when the worker there restarts). Prefill workers come and go on new addresses (scaling,
     restarts), so a channel with no call in flight for `idle_close_s` is closed when the next call
-    starts: the map holds the addresses in use, not every address ever used."""
+    starts: the map holds the addresses in use, not every address ever used. `auth` secures them
+    (the cluster secret the workers share)."""
 
-    def __init__(self, idle_close_s: float = 300.0) -> None:
+    def __init__(self, idle_close_s: float = 300.0, auth: ClusterAuth = INSECURE) -> None:
         self.idle_close_s = idle_close_s
+        self.auth = auth
         self._channels: dict[str, Any] = {}
         self._in_flight: dict[str, int] = {}
         self._last_used: dict[str, float] = {}
@@ -83,7 +87,7 @@ class PrefillChannels:
         await self._close_idle(exclude=address)
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=list(wire.GRPC_OPTIONS))
+            channel = self._channels[address] = self.auth.channel(address, options=wire.GRPC_OPTIONS)
         self._in_flight[address] = self._in_flight.get(address, 0) + 1
         try:
             yield channel
@@ -118,7 +122,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         return cls(DecodeWorkerConfig(model=options.model, role=role, engine_options=options.engine_options,
                                       transport=options.kv.transport, kv_timeout_s=options.kv.kv_timeout_s,
                                       connector=options.kv.connector_config(), host=options.host,
-                                      advertise_host=options.advertise_host))
+                                      advertise_host=options.advertise_host, cluster_auth=options.cluster_auth))
 
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
@@ -143,7 +147,7 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         self.engine = serving.build_async_engine(config.model, config.engine_options, config.role, make_receiver,
                                                  config.connector)
         self.transport_address = self.receiver.address if self.receiver is not None else ""
-        self.prefill_channels = PrefillChannels()
+        self.prefill_channels = PrefillChannels(auth=config.cluster_auth)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         wire.services().add_DecodeServiceServicer_to_server(self, server)

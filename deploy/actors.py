@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from deploy.config import PoolTargets, WorkerSpec, capacity_shortfall
 from engine.config import Role
 from serving.bringup import RunningWorker, Worker, WorkerOptions, start_worker
+from wire.cluster_auth import ClusterAuth
 
 if TYPE_CHECKING:
     from wire.stats import WorkerStats
@@ -85,11 +86,13 @@ class WorkerActor:
 
 
 class RayWorkerHandle:
-    """The controller's handle on one `WorkerActor` (see `deploy.controller.WorkerHandle`)."""
+    """The controller's handle on one `WorkerActor` (see `deploy.controller.WorkerHandle`); `auth`:
+    how its Stats calls reach the worker (the workers' `WorkerSpec.cluster_auth`)."""
 
-    def __init__(self, actor: Any, role: str) -> None:
+    def __init__(self, actor: Any, role: str, auth: ClusterAuth) -> None:
         self.actor = actor
         self.role = role
+        self.auth = auth
         self._client: Any = None
         self._dead = False
 
@@ -101,7 +104,7 @@ class RayWorkerHandle:
     def adopt(self, info: dict[str, Any]) -> None:
         """Bind to a worker that serves at `info["grpc_address"]` (its start's report)."""
         from router.client import WorkerClient
-        self._client = WorkerClient(info["grpc_address"], self.role)
+        self._client = WorkerClient(info["grpc_address"], self.role, self.auth)
 
     async def wait_dead(self) -> str:
         import ray
@@ -163,7 +166,7 @@ class RayWorkerLauncher:
             **self.spec.actor_options(role),
             max_restarts=0, max_concurrency=1000,
             lifetime="detached", runtime_env={"env_vars": env})
-        return RayWorkerHandle(actor_class.remote(role, self.spec), role)
+        return RayWorkerHandle(actor_class.remote(role, self.spec), role, self.spec.cluster_auth)
 
     def find(self, role: str, worker_id: str, info: dict[str, Any] | None) -> RayWorkerHandle | None:
         import ray
@@ -171,7 +174,7 @@ class RayWorkerLauncher:
             actor = ray.get_actor(f"{self.controller_name}:{worker_id}", namespace=self.namespace)
         except ValueError:
             return None
-        handle = RayWorkerHandle(actor, role)
+        handle = RayWorkerHandle(actor, role, self.spec.cluster_auth)
         if info is not None:
             handle.adopt(info)
         return handle

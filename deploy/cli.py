@@ -2,7 +2,8 @@
 
     pdserve serve   [--model default|gemma-3-270m|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
-                    [--api-key KEY] [--routers N] [--tensor-parallel-size N] [--prefill-tp N] [--decode-tp N]
+                    [--api-key KEY] [--cluster-secret-file PATH] [--routers N]
+                    [--tensor-parallel-size N] [--prefill-tp N] [--decode-tp N]
                     [engine and KV options: those of the workers, serving.add_worker_arguments]
                                                                run the cluster until Ctrl-C / SIGTERM
     pdserve scale   [--prefill N] [--decode M] [--colocated K] [--drain ADDRESS ...] [--no-wait]
@@ -30,6 +31,7 @@ from deploy.planner import PlannerConfig
 from deploy.serve import ServeOptions
 from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
 from serving.bringup import add_worker_arguments, engine_options, kv_options
+from wire.cluster_auth import add_secret_file_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and /admin "
                             "(default: $PDSERVE_API_KEY)")
+    add_secret_file_argument(serve, without="a new secret for this run, next to the state file, removed at exit")
     add_worker_arguments(serve, ROLES)  # --model, the engine's and the KV connector's: every worker's
     serve.add_argument("--routers", type=int, default=ServeOptions.routers,
                        help="router processes sharing the HTTP port; one that dies is restarted (default %(default)s)")
@@ -194,7 +197,9 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                                temp_dir=args.ray_temp_dir)
     return ServeOptions(model=args.model, served_model_name=args.served_model_name, prefill=args.prefill,
                         decode=args.decode, colocated=args.colocated, host=args.host, port=args.port,
-                        device=args.device, api_key=_api_key(args.api_key), engine_options=engine_options(args),
+                        device=args.device, api_key=_api_key(args.api_key),
+                        cluster_secret_file=args.cluster_secret_file and Path(args.cluster_secret_file),
+                        engine_options=engine_options(args),
                         kv=kv_options(args), worker_cpus=args.worker_cpus,
                         worker_gpus=args.worker_gpus, pool_resources=_pool_resources(args),
                         tensor_parallel_size=_tensor_parallel_sizes(args),

@@ -16,6 +16,7 @@ from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
 from router.config import LOOPBACK_HOST
 from serving.bringup import KVOptions, WorkerOptions
+from wire.cluster_auth import INSECURE, ClusterAuth
 DEVICES = ("cpu", "cuda")
 DEVICE_CHOICES = ("auto", *DEVICES)  # `--device`; auto: cuda when the Ray cluster has GPUs
 NODE_IP_HOST = "node-ip"  # WorkerSpec.host / --worker-host: listen on the IP of the worker's Ray node
@@ -83,6 +84,11 @@ class WorkerSpec:
     devices and rank r uses cuda:r) and `omp_num_threads` x N torch threads, which the engine
     splits evenly over its ranks. Custom `resources` are per worker, whatever N.
     `actor_options(role)` and `threads(role)` are that arithmetic, in one place.
+
+    `cluster_auth`: the workers' gRPC security, the cluster secret itself (pickled with the spec
+    to the controller and each worker actor, on whatever node: no file to copy there); whoever
+    calls a worker (the controller, a decode worker, the routers) uses the same secret.
+    `pdserve serve` always sets one; `INSECURE` is for tests only.
     """
     model: str = DEFAULT_MODEL_NAME
     device: str = "cpu"
@@ -96,6 +102,7 @@ class WorkerSpec:
     omp_num_threads: int = 1  # torch threads per process (each TP rank)
     tensor_parallel_size: dict[str, int] = field(default_factory=dict)  # by role; absent: 1
     log_level: str = "WARNING"
+    cluster_auth: ClusterAuth = INSECURE
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -164,7 +171,7 @@ class WorkerSpec:
             engine_options["tensor_parallel_size"] = self.tp(role)
         return WorkerOptions(model=self.model, engine_options=engine_options, kv=self.kv, host=host,
                              advertise_host=node_ip if self.advertise_node_ip else host,
-                             threads=self.threads(role), log_level=self.log_level)
+                             threads=self.threads(role), log_level=self.log_level, cluster_auth=self.cluster_auth)
 
 
 @dataclass

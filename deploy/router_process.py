@@ -7,7 +7,8 @@ inherits. Its `WorkerPool` follows the controller's membership (deploy/router_sy
 router id `router-<index>-pid<pid>`.
 
 Contract with the supervisor:
-- the spec arrives as JSON in $PDSERVE_ROUTER_SPEC (the API key is in it: not on the command line);
+- the spec arrives as JSON in $PDSERVE_ROUTER_SPEC (the API key is in it: not on the command line;
+  so is the path of the cluster secret's file, which the router reads for its worker channels);
 - before it accepts a connection, a router that finds workers in the membership waits (up to
   `warm_up_s`) until its pool can route, so a restarted router never answers 503 for a cluster
   that is up; connections meanwhile wait in the shared socket's backlog or go to other routers;

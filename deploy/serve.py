@@ -8,6 +8,11 @@ the same socket. The controller actor manages the (detached) worker actors. Star
 until a prefill + decode pair, or a colocated worker, answers) -> the ready line `pdserve ready:
 URL/v1 ...` -> the state file for `pdserve scale/status`.
 
+The cluster secret (wire/cluster_auth.py): `--cluster-secret-file`, else one generated for this
+run next to the state file (`<state file>.cluster-secret`, mode 0600, removed at exit). Every
+worker's gRPC is mutual TLS under it: the worker actors and the controller get the secret in
+`WorkerSpec.cluster_auth`, the router processes the file's path in their `RouterConfig`.
+
 SIGINT / SIGTERM: stop the routers (in-flight requests get 5 s), stop every worker (grace), kill
 the controller, stop Ray if this process started it, wait for the worker processes to exit,
 remove the state file.
@@ -37,6 +42,7 @@ from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS, is_packaged_model, package_installed, packaged_gguf_path
 from router.config import LOOPBACK_HOST, LOOPBACK_HOSTS, RouterConfig
 from serving.bringup import KVOptions
+from wire.cluster_auth import ClusterAuth, generate_secret_file
 
 logger = logging.getLogger("pdserve")
 
@@ -55,6 +61,8 @@ class ServeOptions:
     port: int = RouterConfig.port
     device: str = "auto"  # auto: cuda when the Ray cluster has GPUs
     api_key: str | None = None
+    # the workers' gRPC is mutual TLS under this secret; None: `serve` generates one for the run
+    cluster_secret_file: Path | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
     kv: KVOptions = field(default_factory=KVOptions)  # every worker's KV transport and connector settings
     worker_cpus: float | None = None  # Ray CPUs per worker (default: 0.5 on CPU, 1 with a GPU)
@@ -141,12 +149,15 @@ class ServeOptions:
                           num_cpus=self.worker_cpus or (1.0 if device == "cuda" else 0.5),
                           num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0,
                           resources=self.pool_resources, omp_num_threads=threads,
-                          tensor_parallel_size=dict(self.tensor_parallel_size))
+                          tensor_parallel_size=dict(self.tensor_parallel_size),
+                          cluster_auth=ClusterAuth.from_file(self.cluster_secret_file))
 
     def router_config(self, port: int) -> RouterConfig:
         try:
             return RouterConfig(model=self.model, served_model_name=self.served_model_name, host=self.host,
                                 port=port or 1, api_key=self.api_key,
+                                cluster_secret_file=None if self.cluster_secret_file is None
+                                else str(self.cluster_secret_file),
                                 max_model_len=self.engine_options.get("max_model_len"),
                                 block_size=self.engine_options.get("block_size", RouterConfig.block_size),
                                 max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight,
@@ -177,8 +188,12 @@ def serve(options: ServeOptions) -> int:
     worker_pids: list[int] = []
     status = 0
     sock = None
+    generated_secret: Path | None = None
     try:
         check_state_file_free(state_file)
+        if options.cluster_secret_file is None:  # from here on, the run's secret
+            generated_secret = _generate_secret_file(state_file)
+            options = dataclasses.replace(options, cluster_secret_file=generated_secret)
         # The port first: a busy one is reported at once, not after Ray, the model and the workers
         # started. Bound only: it listens once the routers are about to serve on it.
         sock = _bind(options.host, options.port)
@@ -211,6 +226,8 @@ def serve(options: ServeOptions) -> int:
             sock.close()
         _teardown(controller, session, worker_pids, options.controller_name, options.ray.namespace)
         remove_state(state_file)
+        if generated_secret is not None:
+            generated_secret.unlink(missing_ok=True)
         print("pdserve stopped", flush=True)
     return status
 
@@ -316,6 +333,17 @@ async def _wait_healthy(url: str, timeout_s: float = ROUTERS_READY_TIMEOUT_S) ->
     raise ServeError(f"the workers started, but the routers could not route to them within {timeout_s:g} s "
                      f"(their /health answered: {last}); check that this machine reaches the workers' "
                      "addresses in `pdserve status`")
+
+
+def _generate_secret_file(state_file: Path) -> Path:
+    """A new cluster secret for this run, next to the state file this run owns (one a run that
+    died left there is replaced)."""
+    path = state_file.with_name(state_file.name + ".cluster-secret")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    generate_secret_file(path)
+    logger.info("worker gRPC: mutual TLS under a cluster secret generated for this run (%s)", path)
+    return path
 
 
 def _check_package_installed(model: str) -> None:

@@ -14,6 +14,7 @@ import sys
 from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
 from router.config import DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
+from wire.cluster_auth import add_secret_file_argument
 
 
 def _addresses(values: list[str] | None) -> list[str]:
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
                         "(default: $PDSERVE_API_KEY)")
+    add_secret_file_argument(p, without="plaintext gRPC to the workers, which then must have none either")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-request-body-bytes", type=int, default=RouterConfig.max_request_body_bytes)
     p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests)
@@ -63,7 +65,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = RouterConfig(
         model=args.model, served_model_name=args.served_model_name, prefill=_addresses(args.prefill),
         decode=_addresses(args.decode), colocated=_addresses(args.colocated), host=args.host, port=args.port,
-        api_key=args.api_key or None, max_model_len=args.max_model_len,
+        api_key=args.api_key or None, cluster_secret_file=args.cluster_secret_file,
+        max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
         batch_share=args.batch_share,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,

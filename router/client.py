@@ -2,7 +2,8 @@
 
 The router talks to decode and colocated workers through `DecodeService` (Generate, Abort,
 Health, Stats, KVEvents) and to prefill workers only through `PrefillService` Health, Stats and
-KVEvents (the decode worker is the one that calls `Prefill`).
+KVEvents (the decode worker is the one that calls `Prefill`). Channels are mutual TLS under the
+cluster secret, or plaintext without one (`ClusterAuth`, wire/cluster_auth.py).
 """
 from __future__ import annotations
 
@@ -11,20 +12,22 @@ from typing import Any
 import grpc
 
 import wire
+from wire.cluster_auth import ClusterAuth
 
 # The shared message limits, and keepalives: a dead worker is noticed on an idle channel too.
 CHANNEL_OPTIONS = [*wire.GRPC_OPTIONS, ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
 
 class WorkerClient:
-    """Stubs for one worker; `role` is "prefill", "decode" or "both" (colocated)."""
+    """Stubs for one worker; `role` is "prefill", "decode" or "both" (colocated); `auth`: how its
+    channel is secured (the workers' own)."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, auth: ClusterAuth) -> None:
         messages, services = wire.load()
         self.address = address
         self.role = role
         self.messages = messages
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = auth.channel(address, options=CHANNEL_OPTIONS)
         if role == "prefill":
             self._stub = services.PrefillServiceStub(self._channel)
         else:

@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from engine.config import CacheConfig, Role
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
+# (LOOPBACK_HOST(S) are wire's, the servers' shared layer: re-exported for the router and deploy)
+from wire.cluster_auth import LOOPBACK_HOST, LOOPBACK_HOSTS, ClusterAuth  # noqa: F401
 
 PREFILL_POLICIES = ("prefix_affinity", "round_robin")
 DECODE_POLICIES = ("power_of_two", "round_robin")
-LOOPBACK_HOST = "127.0.0.1"
-# Hosts that only this machine reaches: binding one needs no --api-key; a worker on one advertises it.
-LOOPBACK_HOSTS: tuple[str, ...] = (LOOPBACK_HOST, "localhost", "::1")
 # What users call each role's pool (RouterConfig's worker lists, `pdserve serve`'s flags and pool
 # sizes; `Role.pool`): the workers of role "both" make up the colocated pool.
 POOL_NAMES: dict[str, str] = {role.value: role.pool for role in Role}
@@ -53,6 +52,9 @@ class RouterConfig:
     host: str = LOOPBACK_HOST
     port: int = 8000
     api_key: str | None = None
+    # The cluster secret's file (wire/cluster_auth.py): the workers' gRPC is mutual TLS under it;
+    # None: plaintext gRPC (workers started without one).
+    cluster_secret_file: str | None = None
     max_model_len: int | None = None  # None: the tokenizer's (the model's) context length
     max_request_body_bytes: int = 8 * 2**20
     max_inflight_requests: int = 1024  # beyond it: 429 with Retry-After
@@ -127,6 +129,7 @@ class RouterConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when set (omit it to disable authentication)")
+        self.cluster_auth()  # a bad secret file fails here, naming the problem
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"unknown prefill policy {self.prefill_policy!r}; choose one of {', '.join(PREFILL_POLICIES)}")
         if self.decode_policy not in DECODE_POLICIES:
@@ -154,6 +157,13 @@ class RouterConfig:
         for name in ("affinity_min_match_ratio", "kv_free_low_watermark", "host_hit_cost"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def cluster_auth(self) -> ClusterAuth:
+        """How the router reaches the workers: mutual TLS under `cluster_secret_file`, or insecure."""
+        try:
+            return ClusterAuth.from_file(self.cluster_secret_file)
+        except ValueError as exc:
+            raise ValueError(f"cluster_secret_file: {exc}") from None
 
     def workers_by_role(self) -> dict[str, list[str]]:
         """The static worker lists by role ("both": the `colocated` list)."""

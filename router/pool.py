@@ -18,6 +18,7 @@ Generate streams, prompt tokens not yet prefilled), which is fresher than any po
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -136,7 +137,8 @@ class Assignment:
 @dataclass
 class WorkerPool:
     config: RouterConfig
-    client_factory: Callable[[str, str], Any] = WorkerClient
+    # (address, role) -> a worker's client; None: a `WorkerClient` secured by the config's cluster secret
+    client_factory: Callable[[str, str], Any] | None = None
     _workers: dict[str, WorkerInfo] = field(default_factory=dict)
     _clients: dict[str, Any] = field(default_factory=dict)
     _removed: set[str] = field(default_factory=set)
@@ -155,6 +157,8 @@ class WorkerPool:
     on_unreachable: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
+        if self.client_factory is None:
+            self.client_factory = functools.partial(WorkerClient, auth=self.config.cluster_auth())
         if self.kv_index is None:
             self.kv_index = KVIndex.for_router(self.config)
         for role, addresses in self.config.workers_by_role().items():

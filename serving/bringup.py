@@ -4,7 +4,7 @@ deploy's Ray `WorkerActor` both call `start_worker(role, options, build)`.
 - `add_worker_arguments(parser, roles)`: the engine and KV flags of workers of `roles`, defined
   once for the worker mains and `pdserve serve` (all roles); `engine_options(args)` and
   `kv_options(args)` read them back. The worker mains add `add_process_arguments` (device,
-  tensor parallelism, listen address, log level), which `pdserve serve` sets its own way.
+  tensor parallelism, listen address, log level, cluster secret file), which `pdserve serve` sets its own way.
 - `WorkerOptions` / `KVOptions`: what a worker is built from; plain values, torch-free (deploy
   builds them in the CLI and pickles them to its actors).
 - `Worker`: what a worker server offers whoever runs it (PrefillWorker, DecodeWorker).
@@ -17,8 +17,9 @@ Lifecycle of `start_worker` (one step per line):
     logging      configured at `options.log_level`; torch threads set (`options.threads`)
     build        `build(role, options)` on a thread: the engine (tensor parallel N: with its N-1
                  follower processes) and its KV endpoint
-    listen       gRPC server on `options.host:options.port`; addresses written with
-                 `options.advertise_host` (default: the host)
+    listen       gRPC server on `options.host:options.port`, mutual TLS under the cluster secret
+                 (`options.cluster_auth`; without one plaintext, with a warning beyond loopback);
+                 addresses written with `options.advertise_host` (default: the host)
     serving      startup objects frozen (engine/process.py); `RunningWorker.stop(grace_s)` stops
                  the server (open calls get the grace), then closes the worker
 """
@@ -41,6 +42,7 @@ from engine.kv_hooks import FAULTS, ON_TRANSFER_FAILURE, KVConnectorConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
+from wire.cluster_auth import INSECURE, ClusterAuth, add_secret_file_argument
 
 @dataclass(frozen=True)
 class KVOptions:
@@ -83,7 +85,8 @@ class WorkerOptions:
     `engine.llm.build_engine_config` (device, seed and tensor_parallel_size included); `host` is
     where its gRPC server and KV receiver listen, `advertise_host` what their addresses say
     (None: `host`); `threads`: torch threads of the worker, all its ranks together (None: torch's
-    default)."""
+    default); `cluster_auth`: its gRPC server's security (and its channels' to other workers:
+    mutual TLS under the cluster secret; `INSECURE`: plaintext)."""
     model: str = DEFAULT_MODEL_NAME
     engine_options: dict[str, Any] = field(default_factory=dict)
     kv: KVOptions = field(default_factory=KVOptions)
@@ -92,6 +95,7 @@ class WorkerOptions:
     advertise_host: str | None = None
     threads: int | None = None
     log_level: str = "WARNING"
+    cluster_auth: ClusterAuth = INSECURE
 
 
 class Worker(Protocol):
@@ -140,7 +144,7 @@ async def start_worker(role: Role | str, options: WorkerOptions, build: WorkerBu
     server = grpc.aio.server(options=list(wire.GRPC_OPTIONS))
     worker.add_to_server(server)
     try:
-        port = server.add_insecure_port(f"{options.host}:{options.port}")
+        port = options.cluster_auth.add_port(server, f"{options.host}:{options.port}")
     except RuntimeError:  # (grpc raises where older releases returned 0)
         port = 0
     if port == 0:
@@ -254,7 +258,8 @@ def _naming_the_flag(exc: ValueError) -> ValueError:
 
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     """What a worker started by hand takes besides `add_worker_arguments` (`pdserve serve` places
-    its workers itself: --device, --tensor-parallel-size, --worker-host, --log-level)."""
+    its workers itself: --device, --tensor-parallel-size, --worker-host, --log-level, and has its
+    own --cluster-secret-file)."""
     device = parser.add_argument_group("device")
     device.add_argument("--device", default="auto", help="auto, cpu or cuda")
     device.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -264,6 +269,7 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     group.add_argument("--advertise-host", default=None, help="host written into the printed addresses")
     group.add_argument("--log-level", default="WARNING")
+    add_secret_file_argument(group, without="plaintext gRPC, which anyone who reaches the port can drive")
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
@@ -272,4 +278,5 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     if args.tensor_parallel_size is not None:
         device["tensor_parallel_size"] = args.tensor_parallel_size
     return WorkerOptions(model=args.model, engine_options={**device, **engine_options(args)}, kv=kv_options(args),
-                         host=args.host, port=args.port, advertise_host=args.advertise_host, log_level=args.log_level)
+                         host=args.host, port=args.port, advertise_host=args.advertise_host, log_level=args.log_level,
+                         cluster_auth=ClusterAuth.from_file(args.cluster_secret_file))
