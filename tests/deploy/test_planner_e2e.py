@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 NUM_BLOCKS = 256
 STORY = "Once upon a time, in a small village at the edge of a forest, there lived"
-STREAM_TOKENS = 240
+STREAM_TOKENS = 120
 
 # --slo-tpot-ms 1: any running stream wants more decode workers than --max-workers allows, so the
 # scale-up does not depend on this machine's speed; idle, the pool wants 1 again.
