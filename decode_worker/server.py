@@ -56,7 +56,8 @@ class DecodeWorkerConfig:
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
     advertise_host: str | None = None
     host: str = kvtransfer.TransferConfig.host  # where the KV receiver listens
-    cluster_auth: ClusterAuth = INSECURE  # its channels to prefill workers (the cluster's, as its server's)
+    # its channels to prefill workers (the cluster's, as its server's) and its KV receiver's handshake
+    cluster_auth: ClusterAuth = INSECURE
 
     def __post_init__(self) -> None:
         self.role = Role.parse(self.role)
@@ -121,7 +122,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
         """The worker `serving.start_worker` brings up (role decode or both)."""
         return cls(DecodeWorkerConfig(model=options.model, role=role, engine_options=options.engine_options,
                                       transport=options.kv.transport, kv_timeout_s=options.kv.kv_timeout_s,
-                                      connector=options.kv.connector_config(), host=options.host,
+                                      connector=options.kv.connector_config(options.cluster_auth.kv_mac_key),
+                                      host=options.host,
                                       advertise_host=options.advertise_host, cluster_auth=options.cluster_auth))
 
     def __init__(self, config: DecodeWorkerConfig) -> None:
@@ -137,7 +139,8 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
             # (--transfer-timeout-s, from the last progress) and cancels it; one timer, one reason.
             transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s, host=config.host,
                                                         pending_timeout_s=None,
-                                                        advertise_host=config.advertise_host)
+                                                        advertise_host=config.advertise_host,
+                                                        auth_key=config.cluster_auth.kv_handshake_key)
 
             def make_receiver(kv_cache, on_transfer_end):
                 self.receiver = kvtransfer.create_receiver(config.transport, kv_cache.layers, transfer_config,

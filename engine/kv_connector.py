@@ -21,16 +21,23 @@ does not grow with the requests in flight.
 
 Verified hand-off. The producer reports, with its first token, its epoch (the sender's, new per
 process), the chained hashes of the prompt's blocks (`sent_token_hashes`: the full blocks, and
-a last one over a trailing partial block's tokens) and an xxhash of every byte it sends
-(layer-major over the sent blocks). It reports once every layer group is pushed (`send_report`:
-the bytes may still be in flight), so the answer does not wait for an engine step to see the
-send end; a send that fails after that reaches the receiver as the sender's abort or a dead
+a last one over a trailing partial block's tokens) and a checksum of every byte it sends
+(`kv_checksum`, layer-major over the sent blocks; keyed by `KVConnectorConfig.mac_key` when both
+sides have one, so that a report made without the key, or foreign bytes, do not verify). It
+reports once every layer group is pushed (`send_report`: the bytes may still be in flight), so
+the answer does not wait for an engine step to see the send end; a send that fails after that reaches the receiver as the sender's abort or a dead
 connection. Before a decode-role request runs, its connector has the report and checks: its
 first token is in the vocabulary; the transfer ended SUCCESS over every layer of every block; the epoch in the transfer's `begin`
 equals the report's; the block hashes equal its own for the same tokens; the checksum of the
 bytes in its blocks equals the report's. Anything else is a failed load, by reason
 (`FAILURE_REASONS`, engine/kv_hooks.py; counted in `failures`), which falls back to local
-prefill or fails the request (`on_transfer_failure`): never wrong tokens.
+prefill or fails the request (`on_transfer_failure`): never wrong tokens. A transport handshake
+refused for want of the shared key (kvtransfer's `auth_key`; the status says `auth_refused`) is
+"auth" on both sides: the prefill side's send error then starts with `AUTH_REFUSED`, which the
+decode side finds in the producer's error. A refusal that comes after the report went out (a short
+prompt's: pushed in the step that answered, while the handshake is in flight) reaches the decode
+side only as its transfer timeout, as any send that fails before its `begin`: a receiver cannot
+tell which transfer a refused sender meant.
 
 The first token goes out before those checks. The report's first token is right whatever becomes
 of the bytes once the report's block hashes equal this prompt's (it was sampled from this prompt),
@@ -52,7 +59,9 @@ layer of their group; the checksum covers the same (layer, block) chunks in the 
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
 import logging
 import threading
 import time
@@ -65,8 +74,9 @@ import torch
 from engine.block_hash import hash_block, hash_full_blocks
 from engine.config import KV_ROLES
 from engine.kv_cache import window_skip_blocks
-from engine.kv_hooks import (FAULTS, ON_TRANSFER_FAILURE, ImportPlan, KVConnectorConfig,  # noqa: F401 (re-exported)
-                             KVDestination, KVImportOutcome, KVSendResult, LoadDone, ProducerReport, SendDone)
+from engine.kv_hooks import (AUTH_REFUSED, FAULTS, ON_TRANSFER_FAILURE, ImportPlan,  # noqa: F401 (re-exported)
+                             KVConnectorConfig, KVDestination, KVImportOutcome, KVSendResult, LoadDone,
+                             ProducerReport, SendDone)
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -129,13 +139,21 @@ def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str
     return tuple(hashes)
 
 
-def kv_checksum(layers: Sequence[torch.Tensor], layer_block_ids: Sequence[Sequence[int]]) -> int:
-    """xxh3-64 of the bytes of `layer_block_ids[i]` in each layer i, layer-major, block by block:
-    the same on both sides whatever each cache's block ids are (each side lists the blocks that
-    moved, in prompt order: a sliding layer's start at its window). Host caches are hashed in
-    place, a run of consecutive blocks per update; device caches are gathered to the host per layer."""
-    import xxhash
-    hasher = xxhash.xxh3_64()
+def kv_checksum(layers: Sequence[torch.Tensor], layer_block_ids: Sequence[Sequence[int]],
+                key: bytes | None = None) -> int:
+    """A 64-bit digest of the bytes of `layer_block_ids[i]` in each layer i, layer-major, block by
+    block: the same on both sides whatever each cache's block ids are (each side lists the blocks
+    that moved, in prompt order: a sliding layer's start at its window). Without `key`, xxh3-64
+    (integrity); with one (`KVConnectorConfig.mac_key`), HMAC-SHA256 under it, truncated to 64 bits
+    (origin too: no report made without the key, nor any other bytes, verifies; SHA-256 as the
+    fastest keyed hash of the standard library where the CPU has SHA extensions, about 12x
+    xxh3's time). Host caches are hashed in place, a run of consecutive blocks per update; device
+    caches are gathered to the host per layer."""
+    if key is None:
+        import xxhash
+        hasher: Any = xxhash.xxh3_64()
+    else:
+        hasher = hmac.new(key, digestmod=hashlib.sha256)
     for layer, ids in zip(layers, layer_block_ids):
         if layer.device.type == "cpu":
             rows = layer.view(layer.shape[0], -1).view(torch.uint8).numpy()
@@ -144,7 +162,7 @@ def kv_checksum(layers: Sequence[torch.Tensor], layer_block_ids: Sequence[Sequen
         else:
             index = torch.tensor(list(ids), dtype=torch.int64, device=layer.device)
             hasher.update(layer.index_select(0, index).cpu().view(torch.uint8).numpy().data)
-    return hasher.intdigest()
+    return hasher.intdigest() if key is None else int.from_bytes(hasher.digest()[:8], "big")
 
 
 def _runs(block_ids: Sequence[int]) -> list[list[int]]:
@@ -192,6 +210,7 @@ class _Combined:
     layers_done: int
     num_layers: int
     producer_epoch: int
+    auth_refused: bool = False  # the failed one's handshake was refused for want of the shared key
 
 
 @dataclass
@@ -318,7 +337,8 @@ class KVConnector:
                 self._push_rest(send)  # push-after-prefill; with layer-wise push, nothing is left
             elif self.shards is not None and send.error is None:  # gathered now: the checksum reads it
                 self.shards.gather_kv(range(len(self.kv_layers)), send.src_block_ids)
-            send.checksum = kv_checksum(self.kv_layers, _layer_blocks(send.parts, len(self.kv_layers)))
+            send.checksum = kv_checksum(self.kv_layers, _layer_blocks(send.parts, len(self.kv_layers)),
+                                        self.config.mac_key)
             # the tokens whose KV was sent: not the first token, sampled just now
             sent_tokens = request.all_token_ids[:request.num_computed_tokens]
             send.block_hashes = sent_token_hashes(sent_tokens, self.block_size, request.cache_salt,
@@ -478,11 +498,14 @@ class KVConnector:
             except KeyError:
                 pass
         sent = status.bytes_transferred if status is not None else 0
-        error = send.error
+        error, reason = send.error, "transfer"
         if error is None and status is not None and status.done and not status.ok:
-            error = f"KV transfer failed: {status.error}"
+            if status.auth_refused:
+                error, reason = f"{AUTH_REFUSED}: {status.error}", "auth"
+            else:
+                error = f"KV transfer failed: {status.error}"
         if error is not None:
-            self.failures["transfer"] += 1
+            self.failures[reason] += 1
             return self._end_send(send, error, sent)
         if not sending:
             return None
@@ -596,12 +619,13 @@ class KVConnector:
         if load is None:
             return None
         if load.producer_error is not None:
-            return self._fail_load(load, "producer", load.producer_error)
+            reason = "auth" if AUTH_REFUSED in load.producer_error else "producer"
+            return self._fail_load(load, reason, load.producer_error)
         try:
             status = self._poll_parts(load.parts)
         except KeyError:  # its record is gone (the receiver closed)
             return self._fail_load(load, "transfer", "the receiver no longer knows the transfer")
-        if status.done and not status.ok:
+        if status.done and not status.ok:  # never "auth": a receiver cannot tell what a refused sender sent for
             return self._fail_load(load, "transfer", f"KV transfer failed: {status.error}")
         # The producer answers once every layer is pushed, not received: wait for both.
         if load.report is None or not status.done:
@@ -644,7 +668,7 @@ class KVConnector:
         blocks = _layer_blocks(load.parts, len(self.kv_layers))
         if self.config.inject_fault == "flip_byte":
             self.kv_layers[0][blocks[0][0]].view(-1).view(torch.uint8)[7] ^= 0x10
-        if kv_checksum(self.kv_layers, blocks) != report.checksum:
+        if kv_checksum(self.kv_layers, blocks, self.config.mac_key) != report.checksum:
             return "checksum", "the received KV bytes do not match the prefill worker's checksum"
         return None
 
@@ -701,7 +725,8 @@ class KVConnector:
                          error=failed.error if failed is not None else None,
                          bytes_transferred=sum(s.bytes_transferred for s in statuses),
                          layers_done=sum(s.layers_done for s in statuses), num_layers=sum(s.num_layers for s in statuses),
-                         producer_epoch=epochs.pop() if len(epochs) == 1 else -1)
+                         producer_epoch=epochs.pop() if len(epochs) == 1 else -1,
+                         auth_refused=failed is not None and failed.auth_refused)
 
     def _cancel_parts(self, parts: Sequence[_Part]) -> None:
         for part in parts:

@@ -14,10 +14,11 @@ Either role: `request_ended(request)` runs before the blocks of a request that e
 error) are freed, so that no transfer reads or writes them afterwards.
 
 `FAILURE_REASONS`: why the connector counts a transfer as failed (its `failures`; the router
-exports them per worker), `KVConnectorConfig`, the connector's settings, and the plain values that
-cross the seam (what the connector's `poll()` returns, the producer's report, how a send or an
-import ended: `StreamDelta` and the wire carry them): here so that their readers (wire, the router,
-the CLI, the controller) need neither torch nor the connector.
+exports them per worker; "auth": a KV handshake refused for want of the shared key,
+`AUTH_REFUSED`), `KVConnectorConfig`, the connector's settings, and the plain values that cross
+the seam (what the connector's `poll()` returns, the producer's report, how a send or an import
+ended: `StreamDelta` and the wire carry them): here so that their readers (wire, the router, the
+CLI, the controller) need neither torch nor the connector.
 """
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ from typing import Protocol
 from engine.request import Request
 from engine.step_types import SampledToken
 
-FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease")
+FAILURE_REASONS = ("transfer", "timeout", "producer", "short", "epoch", "block_hash", "checksum", "lease", "auth")
+# How a prefill-role send error starts when its KV handshake was refused for want of the shared key
+# (the transport's status says `auth_refused`): counted as "auth" there, and by the decode side,
+# which finds it in the producer's error.
+AUTH_REFUSED = "KV transfer refused at the handshake (auth)"
+MAC_KEY_BYTES = 32  # KVConnectorConfig.mac_key: a raw 256-bit key
 
 
 class SchedulerConnector(Protocol):
@@ -58,7 +64,10 @@ class KVConnectorConfig:
     layer_group_size: prefill; layers per push (0: a quarter of the model's, at least 1).
     hold_send_s / inject_fault: testing only. hold: push nothing until this long after the first
     token. Faults: "drop_layer_group" (prefill: one group is never pushed), "flip_byte" (decode:
-    one received byte is flipped before verification)."""
+    one received byte is flipped before verification).
+    mac_key: both; MAC_KEY_BYTES bytes keying the transfer checksum (`kv_checksum`), so that only a
+    holder of the key can make a report that verifies; None: an unkeyed checksum. Both sides must
+    have the same (else every load fails "checksum"). Not in `repr`."""
     lease_s: float = 60.0
     transfer_timeout_s: float = 60.0
     local_prefill_threshold: int = 64
@@ -67,6 +76,7 @@ class KVConnectorConfig:
     layer_group_size: int = 0
     hold_send_s: float = 0.0
     inject_fault: str | None = None
+    mac_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "transfer_timeout_s"):
@@ -81,6 +91,9 @@ class KVConnectorConfig:
             raise ValueError("layer_group_size and hold_send_s must be >= 0")
         if self.inject_fault is not None and self.inject_fault not in FAULTS:
             raise ValueError(f"inject_fault must be one of {', '.join(FAULTS)}, got {self.inject_fault!r}")
+        if self.mac_key is not None and (not isinstance(self.mac_key, bytes) or len(self.mac_key) != MAC_KEY_BYTES):
+            got = f"{len(self.mac_key)} bytes" if isinstance(self.mac_key, bytes) else type(self.mac_key).__name__
+            raise ValueError(f"mac_key must be None or {MAC_KEY_BYTES} bytes, got {got}")  # never the key itself
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,14 @@ See kvtransfer/README.md for transports, streaming per layer, failure handling a
 """
 from .addresses import TRANSPORT_CHOICES, TRANSPORT_NAMES, check_transport_choice
 from .config import TransferConfig
-from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
+from .status import (AuthenticationError, LayoutMismatchError, TransferError, TransferState, TransferStatus,
                      TransportUnavailableError)
 
 __all__ = [
-    "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError", "SharedMemory", "TRANSPORT_CHOICES",
-    "TRANSPORT_NAMES", "TransferConfig", "TransferError", "TransferHandle", "TransferState", "TransferStatus",
-    "TransportUnavailableError", "allocate_shared", "available_transports", "check_transport_choice",
-    "create_receiver", "create_sender", "transport_unavailable_reason",
+    "AuthenticationError", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError", "SharedMemory",
+    "TRANSPORT_CHOICES", "TRANSPORT_NAMES", "TransferConfig", "TransferError", "TransferHandle", "TransferState",
+    "TransferStatus", "TransportUnavailableError", "allocate_shared", "available_transports",
+    "check_transport_choice", "create_receiver", "create_sender", "transport_unavailable_reason",
 ]
 
 # What needs torch or the transports loads on first use, so that a torch-free submodule

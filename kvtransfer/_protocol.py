@@ -1,7 +1,9 @@
 """Control messages exchanged on every connection, whatever the transport.
 
-sender -> receiver   hello {layout}                 first message on a connection
-receiver -> sender   hello_ok {} | hello_reject {error}
+sender -> receiver   hello {version, layout, auth?}     first message on a connection
+receiver -> sender   hello_auth {nonce, proof}          only with an auth_key (kvtransfer/_auth.py)
+sender -> receiver   hello_proof {proof}                only with an auth_key
+receiver -> sender   hello_ok {} | hello_reject {error, layout_mismatch, auth_refused}
 sender -> receiver   begin {uid, request_id, dst_block_ids, layers, skip_blocks, epoch}
 sender -> receiver   data {uid, request_id, layers, block_start, block_end, nbytes} + payload
 receiver -> sender   ack {uid, layers, block_start, block_end}
@@ -12,6 +14,8 @@ both                 ping {}                        heartbeat while the connecti
 from __future__ import annotations
 
 HELLO = "hello"
+HELLO_AUTH = "hello_auth"
+HELLO_PROOF = "hello_proof"
 HELLO_OK = "hello_ok"
 HELLO_REJECT = "hello_reject"
 BEGIN = "begin"
@@ -21,4 +25,5 @@ ERROR = "error"
 ABORT = "abort"
 PING = "ping"
 
-PROTOCOL_VERSION = 2  # 2: layouts carry layer_windows, begin carries skip_blocks
+# 2: layouts carry layer_windows, begin carries skip_blocks; 3: the authenticated handshake
+PROTOCOL_VERSION = 3

@@ -1,7 +1,9 @@
 """Configuration shared by senders and receivers of every transport."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+AUTH_KEY_BYTES = 32  # TransferConfig.auth_key: a raw 256-bit key
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class TransferConfig:
         without UCX-level peer-failure handling; the control endpoint keeps that handling and
         watches the peer. Both sides must allow it; otherwise payloads take the control
         endpoint's path (TCP on one host).
+    auth_key: a shared secret of AUTH_KEY_BYTES bytes (None: no authentication). A receiver
+        with a key accepts a connection only once its sender proved the same key, a sender with
+        one only a receiver that proved it (a challenge-response at the handshake: the key never
+        crosses the wire; kvtransfer/_auth.py). Both sides must have it, or neither: a refused
+        handshake fails the sender's transfers ("KV handshake refused: ..."). Not in `repr`.
     """
 
     timeout_s: float = 5.0
@@ -49,6 +56,7 @@ class TransferConfig:
     shm_copy_threads: int = 2
     shm_mapped: bool = True
     ucx_same_host_fast_path: bool = True
+    auth_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -67,6 +75,11 @@ class TransferConfig:
             raise ValueError(f"shm_copy_threads must be >= 1, got {self.shm_copy_threads}")
         if self.shm_num_slots < 1:
             raise ValueError(f"shm_num_slots must be >= 1, got {self.shm_num_slots}")
+        if self.auth_key is not None and (not isinstance(self.auth_key, bytes)
+                                          or len(self.auth_key) != AUTH_KEY_BYTES):
+            got = (f"{len(self.auth_key)} bytes" if isinstance(self.auth_key, bytes)
+                   else type(self.auth_key).__name__)  # never the value: it is a secret
+            raise ValueError(f"auth_key must be None or {AUTH_KEY_BYTES} bytes, got {got}")
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -18,6 +18,10 @@ sender will not move (kvtransfer/sender.py); they count as arrived from the star
 `layers_ready`, `wait_layer` and completion see only the moved blocks, which are all that is
 written or counted in `bytes_transferred`.
 
+Authentication (`TransferConfig.auth_key`): a keyed receiver serves a connection only once its
+sender proved the same key at the handshake (kvtransfer/_auth.py); any other is refused and closed
+before a `begin` or a byte of data is read from it, and counted in `refused_connections`.
+
 Threading: the public methods are called from the engine thread and never wait on the
 network. All I/O, and every write into the caches, runs on one event-loop thread owned by the
 receiver; `cancel()` runs on that thread too, which orders it against every write.
@@ -25,20 +29,23 @@ receiver; `cancel()` runs on that thread too, which orders it against every writ
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Callable, Iterable, Sequence
 
 import torch
 
-from . import _protocol as proto
+from . import _auth, _protocol as proto
 from ._common import BoundedSet, check_block_ids, check_request_id, check_skip_blocks, normalize_layers, within
 from ._endpoint import TransferEndpoint
 from ._payload import BlockSink, DataPiece, DiscardSink
 from .addresses import join_address
 from .config import TransferConfig
 from .layout import KVLayout, PackedBlocks, check_layouts
-from .status import LayoutMismatchError, TransferError, TransferState, TransferStatus
+from .status import AuthenticationError, LayoutMismatchError, TransferError, TransferState, TransferStatus
 from .transports.base import Channel, ChannelClosed, Listener, Transport, TransportContext
+
+log = logging.getLogger(__name__)
 
 # A connection with no transfer bound is closed after this much silence at least (4 x timeout_s
 # when longer): far beyond any sender's heartbeat, so only a dead peer's half-open one goes.
@@ -98,6 +105,7 @@ class KVReceiver(TransferEndpoint):
         self._cancelled = BoundedSet()
         self._connections: set[_SenderConnection] = set()
         self._listeners: list[Listener] = []
+        self._refused_connections = 0
         self._run_start(max(30.0, self.config.timeout_s))
         self.address = join_address([listener.endpoint for listener in self._listeners])
 
@@ -150,6 +158,14 @@ class KVReceiver(TransferEndpoint):
         with self._lock:
             return self._total_bytes
 
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused at the handshake for want of the shared key (`auth_key`): a
+        sender that did not prove it (none, a wrong one, or none in time), or that asks for one
+        this receiver lacks. Closed at once; nothing they sent was written anywhere."""
+        with self._lock:
+            return self._refused_connections
+
     def __repr__(self) -> str:
         return f"KVReceiver({self.transport}, {self.address!r}, {self.layout.describe()})"
 
@@ -176,10 +192,14 @@ class KVReceiver(TransferEndpoint):
         finally:
             connection.ping_pending = False
 
+    @classmethod
+    async def _send_quietly(cls, connection: _SenderConnection, message: dict) -> None:
+        await cls._send_quietly_on(connection.channel, message)
+
     @staticmethod
-    async def _send_quietly(connection: _SenderConnection, message: dict) -> None:
+    async def _send_quietly_on(channel: Channel, message: dict) -> None:
         try:
-            await connection.channel.send_control(message)
+            await channel.send_control(message)
         except (ChannelClosed, OSError):
             pass  # the connection's own reader reports its end
 
@@ -257,6 +277,8 @@ class KVReceiver(TransferEndpoint):
             await channel.close()
 
     async def _handshake(self, channel: Channel) -> bool:
+        """The hello exchange (kvtransfer/_protocol.py); False: refused, the sender was told why.
+        Nothing after the hello is read before the sender authenticated (`_authenticate`)."""
         hello = await within(self.config.timeout_s, channel.recv_control())
         if hello.get("type") != proto.HELLO:
             raise ChannelClosed(f"{channel.peer} did not start with a hello")
@@ -264,8 +286,16 @@ class KVReceiver(TransferEndpoint):
             if hello.get("version") != proto.PROTOCOL_VERSION:
                 raise TransferError(f"protocol version {hello.get('version')} from the sender, "
                                     f"{proto.PROTOCOL_VERSION} here")
+            await self._authenticate(channel, hello)
             check_layouts(KVLayout.from_wire(hello["layout"]), self.layout)
             extra = await channel.accept_hello(hello)
+        except AuthenticationError as exc:
+            with self._lock:
+                self._refused_connections += 1
+            log.warning("kvtransfer receiver: refused the connection from %s: %s", channel.peer, exc)
+            await self._send_quietly_on(channel, {"type": proto.HELLO_REJECT, "error": str(exc),
+                                                  "auth_refused": True})
+            return False
         except (TransferError, ValueError, KeyError) as exc:
             await channel.send_control({"type": proto.HELLO_REJECT, "error": str(exc),
                                         "layout_mismatch": isinstance(exc, LayoutMismatchError)})
@@ -273,6 +303,33 @@ class KVReceiver(TransferEndpoint):
         await channel.send_control(dict(extra, type=proto.HELLO_OK))
         await within(self.config.timeout_s, channel.after_hello_ok(hello))
         return True
+
+    async def _authenticate(self, channel: Channel, hello: dict) -> None:
+        """Mutual proof of `auth_key` (kvtransfer/_auth.py), or AuthenticationError; nothing
+        happens without a key, unless the sender asks for it."""
+        key = self.config.auth_key
+        sender_nonce = hello.get("auth")
+        if key is None:
+            if sender_nonce is not None:
+                raise AuthenticationError(f"{_auth.REFUSED}: the sender authenticates with a KV auth key "
+                                          "(auth_key), this receiver has none")
+            return
+        if not _auth.is_nonce(sender_nonce):
+            why = "it has no auth_key" if sender_nonce is None else "a malformed nonce"
+            raise AuthenticationError(f"{_auth.REFUSED}: the sender did not prove the KV auth key ({why})")
+        nonce = _auth.new_nonce()
+        try:
+            await channel.send_control({"type": proto.HELLO_AUTH, "nonce": nonce,
+                                        "proof": _auth.proof(key, _auth.RECEIVER, sender_nonce, nonce, hello)})
+            reply = await within(self.config.timeout_s, channel.recv_control())
+        except (ChannelClosed, OSError, asyncio.TimeoutError):
+            raise AuthenticationError(f"{_auth.REFUSED}: the sender did not prove the KV auth key (it left "
+                                      "or went silent at the challenge: a different auth_key?)") from None
+        expected = _auth.proof(key, _auth.SENDER, sender_nonce, nonce, hello)
+        if reply.get("type") != proto.HELLO_PROOF or not _auth.verify(expected, reply.get("proof")):
+            raise AuthenticationError(f"{_auth.REFUSED}: the sender did not prove the KV auth key "
+                                      "(a different auth_key)")
+        await within(self.config.timeout_s, channel.after_auth())
 
     def _why_unknown(self, request_id: str) -> str:
         if request_id in self._cancelled:

@@ -6,6 +6,7 @@ Lifecycle of one outgoing transfer (request id):
     receiver acknowledged every layer -> SUCCESS
     layout mismatch, receiver refused or cancelled, connection lost, receiver silent for
     timeout_s, close()      -> FAILED (error says why)
+    handshake refused for want of the auth_key -> FAILED with `auth_refused` (see below)
     cancel()                -> forgotten     the source blocks are not read after it returns
 
 Layer-wise streaming: `start()` opens a transfer over some layers, `send_layers()` pushes a
@@ -22,6 +23,12 @@ the sending process wrote the bytes; `on_transfer_end(request_id)` is called on 
 whenever a transfer ends (SUCCESS or FAILED), so an engine loop can sleep until then instead of
 polling.
 
+Authentication (`TransferConfig.auth_key`): a keyed sender proves the key to each receiver and
+checks the receiver's proof before anything else (kvtransfer/_auth.py), so it never sends KV to a
+receiver that lacks the key; a refused handshake (either side refused) fails the connection's
+transfers with "KV handshake refused: ..." and `TransferStatus.auth_refused`, and `connect()`
+raises AuthenticationError.
+
 Threading: the public methods are called from the engine thread and never wait on the network;
 connections, handshakes and all reads of the source blocks run on one event-loop thread.
 """
@@ -36,7 +43,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from . import _protocol as proto
+from . import _auth, _protocol as proto
 from ._common import (cancel_and_wait, check_block_ids, check_request_id, check_skip_blocks, normalize_layers,
                       within)
 from ._endpoint import TransferEndpoint
@@ -45,7 +52,7 @@ from .addresses import Endpoint, parse_address
 from .config import TransferConfig
 from .layout import PackedBlocks
 from .shared_memory import SharedMemory
-from .status import (LayoutMismatchError, TransferError, TransferState, TransferStatus,
+from .status import (AuthenticationError, LayoutMismatchError, TransferError, TransferState, TransferStatus,
                      TransportUnavailableError)
 from .transports.base import Channel, ChannelClosed, Transport, TransportContext
 
@@ -78,10 +85,11 @@ class _OutgoingTransfer:
         self.error: str | None = None
         self.bytes = 0
         self.active = True  # False once ended or cancelled; the loop thread reads it per write
+        self.auth_refused = False  # failed at a handshake refused for want of the auth_key
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.request_id, self.state, self.error, self.bytes,
-                              self.layers_acked, len(self.layers))
+                              self.layers_acked, len(self.layers), auth_refused=self.auth_refused)
 
 
 class _ReceiverConnection:
@@ -212,7 +220,8 @@ class KVSender(TransferEndpoint):
 
     def connect(self, dst_address: str, timeout: float | None = None) -> str:
         """Connect and handshake now instead of on the first transfer; return the transport
-        used. Raises LayoutMismatchError (naming both layouts) or TransferError."""
+        used. Raises LayoutMismatchError (naming both layouts), AuthenticationError (the
+        handshake was refused for want of the auth_key) or TransferError."""
         self._check_open()
         candidates = self._candidates(dst_address)
         timeout = timeout if timeout is not None else 3 * self.config.timeout_s
@@ -290,8 +299,10 @@ class KVSender(TransferEndpoint):
             if ended:
                 connection.queue.put_nowait(("abort", transfer, "cancelled by the sender"))
 
-    def _fail(self, transfer: _OutgoingTransfer, reason: str) -> None:
+    def _fail(self, transfer: _OutgoingTransfer, reason: str, auth_refused: bool = False) -> None:
         with self._lock:
+            if not transfer.state.is_terminal:
+                transfer.auth_refused = auth_refused
             self._end_locked(transfer, TransferState.FAILED, reason)
 
     async def _establish(self, connection: _ReceiverConnection) -> Channel:
@@ -316,24 +327,54 @@ class KVSender(TransferEndpoint):
                             + "; ".join(errors))
 
     async def _handshake(self, channel: Channel) -> None:
-        await channel.send_control(dict(channel.hello_fields(), type=proto.HELLO,
-                                        version=proto.PROTOCOL_VERSION,
-                                        layout=self.layout.to_wire()))
-        try:
-            reply = await within(self.config.timeout_s, channel.recv_control())
-        except asyncio.TimeoutError:
-            raise TransferError(f"receiver {channel.peer} did not answer the handshake within "
-                                f"{self.config.timeout_s:g} s") from None
+        """The hello exchange (kvtransfer/_protocol.py), authenticated when either side has an
+        auth_key; raises TransferError (LayoutMismatchError, AuthenticationError) if refused."""
+        hello = dict(channel.hello_fields(), type=proto.HELLO, version=proto.PROTOCOL_VERSION,
+                     layout=self.layout.to_wire())
+        if self.config.auth_key is not None:
+            hello["auth"] = _auth.new_nonce()
+        await channel.send_control(hello)
+        reply = await self._handshake_reply(channel)
+        if reply.get("type") == proto.HELLO_AUTH or self.config.auth_key is not None:
+            reply = await self._authenticate(channel, hello, reply)
         if reply.get("type") == proto.HELLO_REJECT:
-            error_type = LayoutMismatchError if reply.get("layout_mismatch") else TransferError
+            error_type = (AuthenticationError if reply.get("auth_refused")
+                          else LayoutMismatchError if reply.get("layout_mismatch") else TransferError)
             raise error_type(f"receiver {channel.peer} refused the connection: {reply.get('error')}")
         if reply.get("type") != proto.HELLO_OK:
             raise TransferError(f"receiver {channel.peer} answered the handshake with "
                                 f"{reply.get('type')!r}")
         await within(self.config.timeout_s, channel.after_hello_ok(reply))
 
+    async def _handshake_reply(self, channel: Channel) -> dict:
+        try:
+            return await within(self.config.timeout_s, channel.recv_control())
+        except asyncio.TimeoutError:
+            raise TransferError(f"receiver {channel.peer} did not answer the handshake within "
+                                f"{self.config.timeout_s:g} s") from None
+
+    async def _authenticate(self, channel: Channel, hello: dict, reply: dict) -> dict:
+        """Check the receiver's proof of `auth_key` and prove it back (kvtransfer/_auth.py);
+        return the receiver's next answer. A refusal passes through; a receiver that does not
+        prove the key, or asks for one this sender lacks, raises AuthenticationError."""
+        if reply.get("type") == proto.HELLO_REJECT:
+            return reply
+        key = self.config.auth_key
+        if key is None:
+            raise AuthenticationError(f"{_auth.REFUSED}: receiver {channel.peer} requires a KV auth key "
+                                      "(auth_key), this sender has none")
+        nonce = reply.get("nonce")
+        if (reply.get("type") != proto.HELLO_AUTH or not _auth.is_nonce(nonce) or not _auth.verify(
+                _auth.proof(key, _auth.RECEIVER, hello["auth"], nonce, hello), reply.get("proof"))):
+            raise AuthenticationError(f"{_auth.REFUSED}: receiver {channel.peer} did not prove the KV auth "
+                                      "key (a different auth_key, or none)")
+        await channel.send_control({"type": proto.HELLO_PROOF,
+                                    "proof": _auth.proof(key, _auth.SENDER, hello["auth"], nonce, hello)})
+        await within(self.config.timeout_s, channel.after_auth())
+        return await self._handshake_reply(channel)
+
     async def _run_connection(self, connection: _ReceiverConnection) -> None:
-        reason = "connection closed"
+        reason, auth_refused = "connection closed", False
         try:
             try:
                 connection.channel = await self._establish(connection)
@@ -354,7 +395,7 @@ class KVSender(TransferEndpoint):
         except (ChannelClosed, OSError) as exc:
             reason = f"lost the connection to receiver {connection.address}: {exc}"
         except TransferError as exc:
-            reason = str(exc)
+            reason, auth_refused = str(exc), isinstance(exc, AuthenticationError)
         except asyncio.CancelledError:
             reason = "sender closed"
             raise
@@ -365,7 +406,7 @@ class KVSender(TransferEndpoint):
             if self._connections.get(connection.address) is connection:
                 del self._connections[connection.address]
             for transfer in list(connection.transfers.values()):
-                self._fail(transfer, reason)
+                self._fail(transfer, reason, auth_refused)
             connection.transfers.clear()
             if connection.channel is not None:
                 await connection.channel.close()

@@ -31,6 +31,9 @@ class TransferStatus:
     # receiver: the epoch the sender announced in its `begin` (0 before it began); it names
     # the process incarnation whose bytes landed, which a caller can check against its report
     producer_epoch: int = 0
+    # sender: it failed because a handshake was refused for want of the shared auth_key (either
+    # side refused: the keys differ, or only one side has one); `error` says which
+    auth_refused: bool = False
 
     @property
     def done(self) -> bool:
@@ -47,6 +50,11 @@ class TransferError(RuntimeError):
 
 class LayoutMismatchError(TransferError):
     """The two sides describe different KV cache layouts."""
+
+
+class AuthenticationError(TransferError):
+    """A KV handshake was refused: the peer did not prove the shared key (`TransferConfig.auth_key`),
+    or only one side has one."""
 
 
 class TransportUnavailableError(TransferError):

@@ -29,6 +29,7 @@ import wire
 from engine.config import Role
 from engine.kv_hooks import KVConnectorConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from wire.cluster_auth import INSECURE, ClusterAuth
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
 
@@ -40,6 +41,7 @@ class PrefillWorkerConfig:
     kv_timeout_s: float = kvtransfer.TransferConfig.timeout_s  # a silent receiver fails the transfer after this long
     # the lease (how long blocks stay pinned for a send), layer-wise push, test-only faults
     connector: KVConnectorConfig = field(default_factory=KVConnectorConfig)
+    cluster_auth: ClusterAuth = INSECURE  # its KV sender's handshake: only receivers that hold the secret
 
     def __post_init__(self) -> None:
         kvtransfer.check_transport_choice(self.transport)
@@ -56,13 +58,15 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
             raise ValueError(f"a prefill worker's role is prefill, got {str(role)!r}")
         return cls(PrefillWorkerConfig(model=options.model, engine_options=options.engine_options,
                                        transport=options.kv.transport, kv_timeout_s=options.kv.kv_timeout_s,
-                                       connector=options.kv.connector_config()))
+                                       connector=options.kv.connector_config(options.cluster_auth.kv_mac_key),
+                                       cluster_auth=options.cluster_auth))
 
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         self.role = Role.PREFILL
         self.transport_address = ""  # a prefill worker listens for no KV
-        transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s)
+        transfer_config = kvtransfer.TransferConfig(timeout_s=config.kv_timeout_s,
+                                                    auth_key=config.cluster_auth.kv_handshake_key)
 
         def make_sender(kv_cache, on_transfer_end):
             # The KV cache lies in shared memory (a no-op on GPU), so same-host decode workers map it

@@ -76,9 +76,12 @@ async def unavailable_when_engine_down(context: grpc.aio.ServicerContext) -> Asy
 
 def kv_settings(transport: str, transfer_config: Any, connector_config: KVConnectorConfig) -> dict[str, Any]:
     """`Worker.kv_settings`: the transport choice, the silent-peer timeout of the live sender or
-    receiver (its kvtransfer.TransferConfig) and the config its engine's connector was built with."""
+    receiver (its kvtransfer.TransferConfig) and the config its engine's connector was built with;
+    of the keys, only whether they are set."""
+    settings = dataclasses.asdict(connector_config)
+    settings["mac_key"] = connector_config.mac_key is not None
     return {"transport": transport, "kv_timeout_s": transfer_config.timeout_s,
-            **dataclasses.asdict(connector_config)}
+            "auth_key": transfer_config.auth_key is not None, **settings}
 
 
 def health(engine, role: str, model: str, transport_address: str = "") -> Any:

@@ -66,10 +66,11 @@ class KVOptions:
         if not self.kv_timeout_s > 0:
             raise ValueError(f"kv_timeout_s must be > 0, got {self.kv_timeout_s}")
 
-    def connector_config(self) -> KVConnectorConfig:
-        """The engine's `KVConnectorConfig` (which checks the settings; ValueError names the field)."""
+    def connector_config(self, mac_key: bytes | None = None) -> KVConnectorConfig:
+        """The engine's `KVConnectorConfig` (which checks the settings; ValueError names the field),
+        its transfer checksum keyed by `mac_key` (the cluster secret's, `ClusterAuth.kv_mac_key`)."""
         return KVConnectorConfig(**{name: value for name, value in dataclasses.asdict(self).items()
-                                    if name not in ("transport", "kv_timeout_s")})
+                                    if name not in ("transport", "kv_timeout_s")}, mac_key=mac_key)
 
     def check(self) -> None:
         """ValueError, naming the flag, unless a worker's connector takes these settings."""

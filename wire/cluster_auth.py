@@ -61,6 +61,8 @@ LOOPBACK_HOST = "127.0.0.1"
 LOOPBACK_HOSTS: tuple[str, ...] = (LOOPBACK_HOST, "localhost", "::1")
 
 _HKDF_LABEL = b"pdserve cluster-auth v1: "  # + the purpose: one key per purpose
+KV_HANDSHAKE_PURPOSE = "kv-handshake"  # the KV transports' challenge-response
+KV_MAC_PURPOSE = "kv-mac"  # the keyed checksum of each KV transfer
 _CA_NAME = "pdserve cluster CA"
 _CA_NOT_BEFORE = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
 _CA_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc)  # RFC 5280: no end
@@ -264,6 +266,16 @@ class ClusterAuth:
     @property
     def secure(self) -> bool:
         return self.secret is not None
+
+    @property
+    def kv_handshake_key(self) -> bytes | None:
+        """The KV transports' handshake key (kvtransfer `TransferConfig.auth_key`); None: insecure."""
+        return None if self.secret is None else derive_key(self.secret, KV_HANDSHAKE_PURPOSE)
+
+    @property
+    def kv_mac_key(self) -> bytes | None:
+        """The key of the KV transfer checksum (engine `KVConnectorConfig.mac_key`); None: insecure."""
+        return None if self.secret is None else derive_key(self.secret, KV_MAC_PURPOSE)
 
     def __repr__(self) -> str:
         return f"ClusterAuth({'mutual TLS' if self.secure else 'insecure'})"

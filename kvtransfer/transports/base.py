@@ -92,6 +92,12 @@ class Channel(ABC):
         """Extra fields a sender puts in its hello."""
         return {}
 
+    async def after_auth(self) -> None:
+        """Both sides of a keyed connection (`TransferConfig.auth_key`), once the peer proved
+        the key: the sender after sending its proof, the receiver after verifying it, before
+        `accept_hello`. Hand over what only an authenticated peer may have (shm: the sender's
+        shared caches). Not called without a key."""
+
     async def accept_hello(self, hello: dict) -> dict:
         """Receiver: check transport-specific hello fields; return extra hello_ok fields."""
         return {}

@@ -4,7 +4,8 @@ copy), or through a shared-memory ring (two copies).
 See `ShmChannel` for the three data paths. Each connection owns a ring of `shm_num_slots` slots of `shm_slot_bytes`, in an anonymous
 memfd that the sender creates and passes to the receiver over the control socket (SCM_RIGHTS),
 so no name is left in /dev/shm if either process dies; a sender whose caches lie in a memfd
-(`shared_memory`) passes that descriptor along with it. The control socket is a Unix socket in
+(`shared_memory`) passes that descriptor along with it (with an `auth_key`, only once the
+receiver proved the key: `ShmChannel.after_auth`). The control socket is a Unix socket in
 the abstract namespace, which also makes the transport unreachable from another host or
 network namespace (an `auto` sender then falls back to tcp).
 
@@ -51,6 +52,42 @@ def _socket_name(token: str) -> str:
 
 def this_host() -> str:
     return socket.gethostname().lower()
+
+
+def _shares_caches(ctx: TransportContext) -> bool:
+    """Sender: whether it offers its shared caches for the receiver to map (the mapped path)."""
+    return ctx.shared_memory is not None and ctx.config.shm_mapped and not ctx.layout.is_cuda
+
+
+async def _send_fds(stream: AsyncSocket, fds: list[int]) -> None:
+    """One marker byte carrying `fds` (SCM_RIGHTS), between two control frames."""
+    while True:
+        try:
+            socket.send_fds(stream.sock, [b"\0"], fds)
+            return
+        except (BlockingIOError, InterruptedError):
+            await stream._wait(writable=True)
+        except OSError as exc:
+            raise ChannelClosed(f"connection to {stream.peer} failed: {exc}") from exc
+
+
+async def _recv_fd(stream: AsyncSocket, timeout_s: float) -> int | None:
+    """The marker byte `_send_fds` sent, and the descriptor it carried (if any; extra ones are closed)."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(stream.sock, 1, 2)
+        except (BlockingIOError, InterruptedError):
+            await within(timeout_s, stream._wait(writable=False))
+            continue
+        except OSError as exc:
+            raise ChannelClosed(f"connection to {stream.peer} failed: {exc}") from exc
+        kept = fds[0] if data and fds else None
+        for fd in fds:
+            if fd != kept:
+                os.close(fd)
+        if not data:
+            raise ChannelClosed(f"{stream.peer} closed the connection")
+        return kept
 
 
 class _SlotRing:
@@ -109,7 +146,7 @@ class ShmChannel(StreamChannel):
     def hello_fields(self) -> dict:
         fields: dict = {}
         shared = self._ctx.shared_memory
-        if shared is not None and self._ctx.config.shm_mapped and not self._ctx.layout.is_cuda:
+        if _shares_caches(self._ctx):
             fields["mapped"] = {"nbytes": shared.nbytes,
                                 "layer_offsets": [a - shared.address for a in self._ctx.cache_addresses]}
         if self._ctx.config.shm_cross_memory_attach and _cma.available() and not self._ctx.layout.is_cuda:
@@ -117,6 +154,17 @@ class ShmChannel(StreamChannel):
                              "probe_address": int(self._probe.ctypes.data),
                              "probe": self._probe.tobytes().hex()}
         return fields
+
+    async def after_auth(self) -> None:
+        """A keyed connection passes the sender's shared caches here, once the receiver proved
+        the key, not in the setup (`ShmTransport.connect`): an impostor never gets them."""
+        if self._ctx.role == "sender":
+            await _send_fds(self.stream, [self._ctx.shared_memory.fd] if _shares_caches(self._ctx) else [])
+            return
+        fd = await _recv_fd(self.stream, self._ctx.config.timeout_s)
+        if self._peer_cache_fd is not None:  # a setup that passed one already: keep the newest
+            os.close(self._peer_cache_fd)
+        self._peer_cache_fd = fd
 
     async def accept_hello(self, hello: dict) -> dict:
         if self._map_peer(hello.get("mapped")):
@@ -390,7 +438,7 @@ class ShmTransport(Transport):
             mapping = mmap.mmap(memfd, size)
             setup = _SETUP.pack(_SETUP_MAGIC, config.shm_num_slots, config.shm_slot_bytes)
             fds = [memfd]
-            if ctx.shared_memory is not None and config.shm_mapped and not ctx.layout.is_cuda:
+            if _shares_caches(ctx) and config.auth_key is None:  # keyed: after the auth instead
                 fds.append(ctx.shared_memory.fd)
             socket.send_fds(sock, [setup], fds)
         except BaseException:

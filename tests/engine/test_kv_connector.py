@@ -20,7 +20,7 @@ import transformers
 import kvtransfer
 from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
-from engine.kv_hooks import ProducerReport
+from engine.kv_hooks import KVConnectorConfig, ProducerReport
 from engine.kv_hooks import KVDestination
 from engine.sampling_params import SamplingParams
 from engine.step_types import SampledToken
@@ -699,3 +699,79 @@ def test_a_fallback_is_told_at_once_so_the_prefill_side_is_cancelled(pair_factor
     assert not told.kv_import.prefilled_remotely and told.new_token_ids == [] and not told.finished
     pair.run_decode()
     pair.prefill.abort("a")
+
+
+# ---- keys: the keyed checksum (mac_key) and the transports' authenticated handshake (auth_key) --------
+
+KEY, OTHER_KEY = bytes(range(32)), bytes(range(100, 132))
+
+
+def test_the_keyed_checksum_depends_on_the_key_and_the_bytes():
+    from engine.kv_connector import kv_checksum
+    generator = torch.Generator().manual_seed(3)
+    layers = [torch.randn(16, 2, BLOCK, 2, 16, generator=generator) for _ in range(4)]
+    blocks = [[3, 4, 5, 9], [3, 4, 5, 9], [5, 9], [0]]  # runs, a window's later start, one block
+    plain, keyed = kv_checksum(layers, blocks), kv_checksum(layers, blocks, KEY)
+    assert keyed == kv_checksum(layers, blocks, KEY) and 0 <= keyed < 2 ** 64  # fits the wire's uint64
+    assert len({plain, keyed, kv_checksum(layers, blocks, OTHER_KEY)}) == 3
+    layers[2][9].view(-1)[5] += 1.0  # a byte it covers
+    changed = kv_checksum(layers, blocks, KEY)
+    assert changed != keyed
+    layers[2][3].view(-1)[5] += 1.0  # a byte of a block that layer 2 does not move
+    assert kv_checksum(layers, blocks, KEY) == changed
+    with pytest.raises(ValueError, match="mac_key must be None or 32 bytes, got 31 bytes"):
+        KVConnectorConfig(mac_key=KEY[:31])
+    assert "mac_key" not in repr(KVConnectorConfig(mac_key=KEY))
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)  # engine-side: one transport
+@pytest.mark.parametrize("prefill_key, decode_key", [(KEY, KEY), (KEY, OTHER_KEY), (None, KEY), (KEY, None)],
+                         ids=["same", "different", "prefill-unkeyed", "decode-unkeyed"])
+def test_a_load_verifies_only_under_the_same_mac_key(pair_factory, reference, prefill_key, decode_key):
+    """The checksum is keyed on both sides: a report made under another key, or none, does not verify
+    (failure "checksum", then a local prefill gives the right tokens)."""
+    pair = pair_factory(prefill=dict(mac_key=prefill_key), decode=dict(mac_key=decode_key))
+    tokens = prompt(50, 30)
+    out, finals = pair.generate("a", tokens)
+    assert out["a"] == reference(tokens)
+    if prefill_key == decode_key:
+        assert finals["a:import"].prefilled_remotely and not pair.decode.kv_connector.failures
+    else:
+        assert not finals["a:import"].prefilled_remotely
+        assert pair.decode.kv_connector.failures == {"checksum": 1}
+    assert not pair.prefill.kv_connector.failures
+
+
+class _KeyedPair(Pair):
+    """A Pair whose receiver and sender hold the given kvtransfer auth keys."""
+
+    def __init__(self, model_dir, transport, receiver_key, sender_key):
+        self.model_dir, self.transport_name = model_dir, transport
+        self.transfer_config = kvtransfer.TransferConfig(timeout_s=2.0, auth_key=sender_key)
+        receiver_config = kvtransfer.TransferConfig(timeout_s=2.0, auth_key=receiver_key)
+
+        def make_receiver(kv_cache, on_end):
+            return kvtransfer.create_receiver(transport, kv_cache.layers, receiver_config, on_end,
+                                              packed=kv_cache.kv_format, layer_windows=kv_cache.layer_windows)
+
+        # a hold: the prefill side answers with the send's outcome, not a report sent before the
+        # handshake's refusal arrives (which the decode side would see only at its transfer timeout)
+        self.prefill = self.make_prefill(dict(hold_send_s=0.3))
+        self.decode = make_engine(model_dir, "decode", make_receiver, KVConnectorConfig(local_prefill_threshold=0))
+
+
+@pytest.mark.parametrize("sender_key", [None, OTHER_KEY], ids=["sender-unkeyed", "other-key"])
+def test_a_refused_kv_handshake_is_an_auth_failure_on_both_sides(model_dir, reference, sender_key):
+    """The receiver holds an auth key the sender does not: the handshake is refused, the prefill side
+    counts "auth", and so does the decode side (from the producer's error), which prefills locally."""
+    pair = _KeyedPair(model_dir, "tcp", KEY, sender_key)
+    try:
+        tokens = prompt(51, 30)
+        out, finals = pair.generate("a", tokens)
+        assert out["a"] == reference(tokens) and not finals["a:import"].prefilled_remotely
+        assert pair.prefill.kv_connector.failures == {"auth": 1}
+        assert pair.decode.kv_connector.failures == {"auth": 1}
+        assert pair.decode.kv_connector.transport.refused_connections >= 1
+        pair.assert_nothing_held()
+    finally:
+        pair.close()

@@ -30,7 +30,8 @@ def test_kv_options_are_the_connectors_fields_with_its_defaults_and_choices():
     assert KVOptions().kv_timeout_s == kvtransfer.TransferConfig.timeout_s
     connector = {f.name for f in dataclasses.fields(KVConnectorConfig)}
     options = {f.name for f in dataclasses.fields(KVOptions)} - {"transport", "kv_timeout_s"}
-    assert options == connector - {"layer_group_size"}  # (no flag sets the layer group size)
+    # (no flag sets the layer group size; the MAC key comes from the cluster secret)
+    assert options == connector - {"layer_group_size", "mac_key"}
     assert set(serving.KV_FLAGS) == options | {"transport", "kv_timeout_s"}
 
 

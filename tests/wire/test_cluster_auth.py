@@ -316,3 +316,28 @@ def test_a_disaggregated_request_is_prefilled_over_the_authenticated_channel(wor
     assert kv_outcome(chunks, attempted=True).prefilled_remotely
     wait_until(lambda: stats(prefill, auth).prompt_tokens_computed == computed + len(prompt(3)),
                what="the prefill worker's Stats to count the prompt")
+
+
+@pytest.mark.slow
+def test_the_decode_workers_kv_receiver_takes_only_senders_with_the_secrets_key(workers, secret_file):
+    """The KV handshake (kvtransfer/_auth.py) under the key the secret derives: a sender with the
+    default model's layout but without that key is refused, and one with it is let in."""
+    import torch
+
+    import kvtransfer
+    prefill, decode = workers
+    auth = ClusterAuth.from_file(secret_file)
+    caches = [torch.zeros(4, 2, 16, 3, 64) for _ in range(30)]  # SmolLM2-135M: 30 layers, 3 KV heads of 64
+    before = engine_counters(decode, auth)
+    for key, admitted in ((None, False), (ClusterAuth(bytes(32)).kv_handshake_key, False),
+                          (auth.kv_handshake_key, True)):
+        sender = kvtransfer.create_sender("tcp", caches, kvtransfer.TransferConfig(auth_key=key))
+        try:
+            if admitted:
+                sender.connect(decode.transport_address)
+            else:
+                with pytest.raises(kvtransfer.AuthenticationError, match="KV handshake refused"):
+                    sender.connect(decode.transport_address)
+        finally:
+            sender.close()
+    assert engine_counters(decode, auth) == before
