@@ -20,15 +20,32 @@ from deploy.client import ControllerClient
 from engine.config import Role
 from router.app import bearer_auth
 from router.errors import invalid_request
+from router.openapi import errors
 
 POOL_FIELDS: tuple[str, ...] = tuple(role.pool for role in Role)  # the pool sizes a scale request may set
+
+# The scale body in the router's /openapi.json (router/openapi.py); `parse_scale_body` checks it.
+SCALE_BODY_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False, "description": "at least one pool size",
+    "properties": {
+        **{name: {"type": ["integer", "null"], "minimum": 0, "description": f"the {name} pool's size"}
+           for name in POOL_FIELDS},
+        "drain": {"type": "array", "items": {"type": "string"}, "description": "worker addresses (host:port) to drain"},
+        "wait": {"type": "boolean", "description": "answer once the cluster has settled"},
+        "timeout_s": {"type": "number", "exclusiveMinimum": 0, "description": "how long to wait (default 600)"}}}
 
 
 def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter:
     admin = APIRouter(prefix="/admin", dependencies=[Depends(bearer_auth(api_key))])
+    auth = (401,) if api_key is not None else ()
 
-    @admin.post("/scale")
+    @admin.post("/scale", openapi_extra={"requestBody": {"required": True, "content": {
+                    "application/json": {"schema": SCALE_BODY_SCHEMA}}}},
+                responses={200: {"description": "the new targets (with wait: the controller's status once settled)",
+                                 "content": {"application/json": {"schema": {"type": "object"}}}},
+                           **errors(400, *auth)})
     async def scale(request: Request) -> JSONResponse:
+        """Set the pools' sizes and drain workers."""
         body = await _json_object(request)
         sizes = parse_scale_body(body)
         timeout_s = _timeout(body)
@@ -41,8 +58,11 @@ def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter
             return JSONResponse({**status, **({"warning": result["warning"]} if "warning" in result else {})})
         return JSONResponse(result)
 
-    @admin.get("/status")
+    @admin.get("/status", responses={200: {"description": "the controller's status: targets, workers, recent events",
+                                          "content": {"application/json": {"schema": {"type": "object"}}}},
+                                     **errors(*auth)})
     async def status() -> JSONResponse:
+        """The controller's status."""
         return JSONResponse(await controller.status())
 
     return admin

@@ -3,7 +3,9 @@
 Routes: `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`
 (Bearer `api_key` required on /v1 when configured), `GET /health` (200 only when one prefill
 and one decode worker answer, or one colocated worker does), `GET /metrics` (Prometheus),
-`GET /status` (each worker's health and load, freshly polled; concurrent callers share one poll).
+`GET /status` (each worker's health and load, freshly polled; concurrent callers share one poll),
+`POST /tokenize`, `POST /detokenize`; the API document `GET /openapi.json` and Swagger UI `GET /docs`
+(router/openapi.py; open without the API key: they describe, they do not serve).
 
 A generation request: read the body (size-capped) -> validate (400/404) -> tokenize -> admit
 (429/503; each sequence: `n`, `best_of`, each prompt of a batch, router/choices.py) -> `Generation.start()` picks
@@ -25,10 +27,12 @@ from typing import Any, Callable, Sequence
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.models import HTTPBearer as HTTPBearerModel
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.security.base import SecurityBase
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router import protocol, tools
+from router import openapi, protocol, tools
 from router.choices import Choices, candidate_params
 from router.config import RouterConfig
 from router.dispatch import ClientGone, Dispatcher, LiveGenerations
@@ -98,7 +102,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence
         finally:
             await pool.stop()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve router", description=openapi.DESCRIPTION, lifespan=lifespan, redoc_url=None)
+    openapi.install(app)
     app.state.router = state
     install_error_handlers(app)
     app.add_middleware(_ResponseCounter, metrics=metrics)
@@ -120,39 +125,74 @@ async def _warm_up(tokenizer: Any) -> None:
 
 # ---- /v1 ----------------------------------------------------------------------------------------
 
-def bearer_auth(api_key: str | None) -> Callable[[Request], Any]:
+def bearer_auth(api_key: str | None) -> Callable[..., Any]:
     """The FastAPI dependency of every protected route (here, and /admin in deploy/admin.py): with
     `api_key` set, a request must carry `Authorization: Bearer <api_key>` (compared in constant
-    time), else 401."""
-    async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
+    time), else 401; the API document then names it as the routes' security scheme."""
+    if api_key is None:
+        async def no_api_key() -> None:
+            return None
+        return no_api_key
+    return _BearerAuth(api_key)
+
+
+class _BearerAuth(SecurityBase):
+    """`bearer_auth`'s check; a `SecurityBase`, so that FastAPI declares it in /openapi.json
+    (`bearerAuth`, HTTP Bearer) on every route that depends on it."""
+
+    def __init__(self, api_key: str) -> None:
+        self.model = HTTPBearerModel(description="the router's API key (--api-key, $PDSERVE_API_KEY)")
+        self.scheme_name = "bearerAuth"
+        self._key = api_key.encode()
+
+    async def __call__(self, request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self._key):
             raise unauthorized()
-    return require_api_key
+
+
+def _auth_errors(state: RouterState) -> tuple[int, ...]:
+    """The 401 of the routes behind the API key, where one is set."""
+    return (401,) if state.config.api_key is not None else ()
+
+
+def _generation_responses(model: type, stream_object: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": f"the whole response; with `stream: true`, Server-Sent Events "
+                                                 f"(`data: <{stream_object} JSON>` each, then `data: [DONE]`)",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def _api_routes(state: RouterState) -> APIRouter:
     api = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(state.config.api_key))])
+    auth = _auth_errors(state)
+    generation_errors = openapi.errors(400, *auth, 404, 413, 429, 502, 503)
 
-    @api.get("/models")
+    @api.get("/models", response_model=None, responses={200: {"model": protocol.ModelList}, **openapi.errors(*auth)})
     async def list_models() -> dict[str, Any]:
+        """The served model."""
         card = protocol.model_card(state.config.served_model_name, state.max_model_len, state.created)
         return {"object": "list", "data": [card]}
 
-    @api.get("/models/{model:path}")
+    @api.get("/models/{model:path}", response_model=None,
+             responses={200: {"model": protocol.ModelCard}, **openapi.errors(*auth, 404)})
     async def get_model(model: str) -> dict[str, Any]:
+        """The served model, by its name (any other is a 404)."""
         if model != state.config.served_model_name:
             raise model_not_found(model, state.config.served_model_name)
         return protocol.model_card(model, state.max_model_len, state.created)
 
-    @api.post("/completions")
+    @api.post("/completions", openapi_extra=openapi.json_body(protocol.CompletionRequest),
+              responses={**_generation_responses(protocol.Completion, "text_completion"), **generation_errors})
     async def completions(request: Request) -> Response:
+        """A completion of a prompt (text or token ids), or of each prompt of a batch."""
         return await _generate(state, request, "completions")
 
-    @api.post("/chat/completions")
+    @api.post("/chat/completions", openapi_extra=openapi.json_body(protocol.ChatCompletionRequest),
+              responses={**_generation_responses(protocol.ChatCompletion, "chat.completion.chunk"),
+                         **generation_errors})
     async def chat_completions(request: Request) -> Response:
+        """The assistant's reply to the messages (rendered with the model's chat template); tool calling
+        and structured output."""
         return await _generate(state, request, "chat")
 
     return api
@@ -162,9 +202,12 @@ def _token_routes(state: RouterState) -> APIRouter:
     """`/tokenize` and `/detokenize` (vLLM's endpoints, at the root): the router's own tokenizer
     and chat template, the same ones a generation request goes through."""
     tokens = APIRouter(dependencies=[Depends(bearer_auth(state.config.api_key))])
+    token_errors = openapi.errors(400, *_auth_errors(state), 404, 413)
 
-    @tokens.post("/tokenize")
+    @tokens.post("/tokenize", response_model=None, openapi_extra=openapi.json_body(protocol.TokenizeRequest),
+                 responses={200: {"model": protocol.TokenizeResponse}, **token_errors})
     async def tokenize(http_request: Request) -> dict[str, Any]:
+        """The token ids of a prompt, or of chat messages as a chat completion would prefill them."""
         request = await _parse_body(state, http_request, protocol.TokenizeRequest)
         tokenizer = state.tokenizer
         if request.messages is not None:
@@ -178,8 +221,10 @@ def _token_routes(state: RouterState) -> APIRouter:
             ids = await asyncio.to_thread(tokenizer.encode, request.prompt, add_special)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
-    @tokens.post("/detokenize")
+    @tokens.post("/detokenize", response_model=None, openapi_extra=openapi.json_body(protocol.DetokenizeRequest),
+                 responses={200: {"model": protocol.DetokenizeResponse}, **token_errors})
     async def detokenize(http_request: Request) -> dict[str, Any]:
+        """The text of token ids (special tokens kept)."""
         request = await _parse_body(state, http_request, protocol.DetokenizeRequest)
         bad = next((t for t in request.tokens if t >= state.tokenizer.vocab_size), None)
         if bad is not None:
@@ -403,16 +448,19 @@ class _DisconnectWatcher:
 def _ops_routes(state: RouterState) -> APIRouter:
     ops = APIRouter()
 
-    @ops.get("/health")
+    @ops.get("/health", responses={200: {"model": protocol.HealthResponse}, **openapi.errors(503)})
     async def health() -> Response:
+        """200 when one prefill and one decode worker answer, or one colocated worker does."""
         if not state.pool.ready:
             raise unavailable("not ready: no healthy prefill + decode pair and no healthy colocated worker",
                               state.config.retry_after_s)
         return JSONResponse({"status": "ok"})
 
     # /status names every worker's gRPC and KV addresses: behind the key, like the API
-    @ops.get("/status", dependencies=[Depends(bearer_auth(state.config.api_key))])
+    @ops.get("/status", dependencies=[Depends(bearer_auth(state.config.api_key))],
+             responses=openapi.errors(*_auth_errors(state)))
     async def status() -> dict[str, Any]:
+        """Each worker's health and load, freshly polled, and this router's in-flight requests."""
         await state.pool.poll_all_shared()
         return {"model": state.config.served_model_name, "ready": state.pool.ready,
                 "max_model_len": state.max_model_len, "inflight_requests": state.dispatcher.inflight,
@@ -420,8 +468,10 @@ def _ops_routes(state: RouterState) -> APIRouter:
                 "decode_policy": state.dispatcher.decode_policy.name,
                 "workers": [worker.status() for worker in state.pool.workers()]}
 
-    @ops.get("/metrics")
+    @ops.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format (`pdserve:*`)"}})
     async def metrics() -> Response:
+        """Prometheus metrics."""
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return ops

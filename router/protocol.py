@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError, WithJsonSchema,
+                      field_validator)
 
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
@@ -31,7 +32,8 @@ UInt32 = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
 # OpenAI's "boolean or null" fields: null means the default, false
-OptionalBool = Annotated[bool, BeforeValidator(lambda value: False if value is None else value), Strict()]
+OptionalBool = Annotated[bool, BeforeValidator(lambda value: False if value is None else value), Strict(),
+                         WithJsonSchema({"type": ["boolean", "null"]})]
 TokenIds = list[UInt32]
 
 # OpenAI's range; the engine takes more, but above 2 a model's output is noise.
@@ -39,6 +41,41 @@ MAX_TEMPERATURE = 2.0
 # Most choices one request may ask for (n, or best_of candidates): each is a sequence on a decode
 # worker, admitted as a request of its own.
 MAX_CHOICES = 16
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Shapes described in /openapi.json where the models take any JSON (the router checks them as it
+# renders the messages and compiles the tools: router/tools.py, engine/tokenizer.py).
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                          "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}
+_CONTENT = {"anyOf": [{"type": "string"}, _TEXT_PARTS]}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "the arguments' JSON text"}}}}}
+
+
+def _message(role: list[str], required: list[str], **properties: Any) -> dict[str, Any]:
+    return {"type": "object", "required": ["role", *required],
+            "properties": {"role": {"enum": role}, "content": _CONTENT, "name": {"type": "string"}, **properties}}
+
+
+CHAT_MESSAGE_SCHEMA: dict[str, Any] = {"anyOf": [
+    _message(["system", "developer", "user"], ["content"]),
+    _message(["assistant"], ["content"]),
+    _message(["assistant"], ["tool_calls"], content={"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
+             tool_calls={"type": "array", "minItems": 1, "items": _TOOL_CALL}),
+    _message(["tool"], ["content", "tool_call_id"],
+             tool_call_id={"type": "string", "minLength": 1, "description": "the call this message answers"})]}
+TOOL_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name"],
+                                "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                               "parameters": {"type": "object",
+                                                              "description": "the arguments' JSON Schema"},
+                                               "strict": {"type": ["boolean", "null"]}}}}}
 
 
 class StreamOptions(BaseModel):
@@ -50,32 +87,51 @@ class _GenerationRequest(BaseModel):
     """Fields shared by both endpoints."""
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: Int32 | None = None
-    min_p: Number | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None
-    seed: Int64 | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
-    ignore_eos: Bool = False
-    n: Int32 | None = 1
-    stream: Bool | None = False
-    stream_options: StreamOptions | None = None
+    model: str = Field(description="the served model's name (`GET /v1/models`); any other is a 404")
+    temperature: Number | None = Field(None, description="0 is greedy (default 1)",
+                                       json_schema_extra={"minimum": 0, "maximum": MAX_TEMPERATURE})
+    top_p: Number | None = Field(None, description="nucleus sampling (0 keeps the most likely token)",
+                                 json_schema_extra={"minimum": 0, "maximum": 1})
+    top_k: Int32 | None = Field(None, description="vLLM's: sample among the k most likely tokens (-1 or 0: all)")
+    min_p: Number | None = Field(None, description="vLLM's: drop tokens below min_p times the top one's probability",
+                                 json_schema_extra={"minimum": 0, "maximum": 1})
+    presence_penalty: Number | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: Number | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    repetition_penalty: Number | None = Field(None, description="vLLM's (default 1)",
+                                              json_schema_extra={"exclusiveMinimum": 0, "maximum": 10})
+    seed: Int64 | None = Field(None, description="sampling seed (choice i of n uses seed + i)")
+    stop: str | list[str] | None = Field(None, description="a stop string or up to 16, each at most 4096 characters")
+    stop_token_ids: TokenIds | None = Field(None, description="vLLM's: token ids that end the output")
+    ignore_eos: Bool = Field(False, description="vLLM's: keep generating past EOS")
+    n: Int32 | None = Field(1, description="choices to return", json_schema_extra={"minimum": 1, "maximum": MAX_CHOICES})
+    stream: Bool | None = Field(False, description="stream Server-Sent Events (text/event-stream), ending with "
+                                                   "`data: [DONE]`")
+    stream_options: StreamOptions | None = Field(None, description="only with stream: include_usage adds a last "
+                                                                   "chunk with the usage")
     user: str | None = None
-    logit_bias: dict[str, Number] | None = None  # token id (a decimal string, as OpenAI sends it) -> bias
-    min_tokens: Int32 = 0  # vLLM's extension: no EOS / stop token id before this many tokens
-    prompt_logprobs: Int32 | None = None  # vLLM's extension: each prompt token's logprob, plus the top k
-    speculative: Bool = True  # pdserve's: false keeps this request out of speculative decoding
+    logit_bias: dict[str, Number] | None = Field(  # token id (a decimal string, as OpenAI sends it) -> bias
+        None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})
+    min_tokens: Int32 = Field(0, description="vLLM's: no EOS or stop token id before this many tokens")
+    prompt_logprobs: Int32 | None = Field(None, description="vLLM's: each prompt token's logprob, plus the top k",
+                                          json_schema_extra={"minimum": 0, "maximum": 20})
+    speculative: Bool = Field(True, description="pdserve's: false keeps this request out of speculative decoding")
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
-    cache_salt: str | None = None
-    priority: Int32 = 0
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice or grammar
+    cache_salt: str | None = Field(None, description="vLLM's: prompts share cached KV only with the same salt",
+                                   json_schema_extra={"minLength": 1})
+    priority: Int32 = Field(0, description="vLLM's: lower runs first; above 0, a batch request (its share of the "
+                                           "router's in-flight limit)")
+    response_format: dict[str, Any] | None = Field(None, description="structured output", json_schema_extra={
+        "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                       "json_schema": {"type": "object", "properties": {"name": {"type": "string"},
+                                                                        "schema": {"type": "object"}}}}})
+    structured_outputs: dict[str, Any] | None = Field(  # vLLM's extension: json, regex, choice or grammar
+        None, description="vLLM's structured output: exactly one of json (a schema), json_object, regex, choice "
+                          "(a list of strings), grammar (EBNF)", json_schema_extra={
+            "properties": {"json": {"type": ["object", "string", "boolean"]}, "json_object": {"type": "boolean"},
+                           "regex": {"type": "string"}, "choice": {"type": "array", "items": {"type": "string"}},
+                           "grammar": {"type": "string"}}})
 
     def check_supported(self) -> None:
         if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
@@ -226,12 +282,18 @@ def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutput:
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: Int32 | None = 16
-    logprobs: Int32 | None = None
-    echo: OptionalBool = False
-    best_of: Int32 | None = None
-    suffix: str | None = None
+    """`POST /v1/completions`: a prompt (text or token ids) or a batch of them."""
+    prompt: str | TokenIds | list[str] | list[TokenIds] = Field(
+        description="text, token ids, or a batch: a list of either (choice i * n + j is prompt i's choice j)")
+    max_tokens: Int32 | None = Field(16, description="tokens to generate; null: the rest of the context (0 only "
+                                                     "with echo: the prompt's logprobs alone)")
+    logprobs: Int32 | None = Field(None, description="the sampled token's logprob plus the top k",
+                                   json_schema_extra={"minimum": 0, "maximum": 20})
+    echo: OptionalBool = Field(False, description="return the prompt before the completion")
+    best_of: Int32 | None = Field(None, description="candidates (n to 16) of which the n most likely are returned; "
+                                                    "not with stream", json_schema_extra={"minimum": 1,
+                                                                                          "maximum": MAX_CHOICES})
+    suffix: str | None = Field(None, description="not supported: a non-empty suffix is a 400")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -284,21 +346,31 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: Int32 | None = None
-    max_completion_tokens: Int32 | None = None
-    logprobs: OptionalBool = False
-    top_logprobs: Int32 | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Bool | None = None  # accepted; one call per turn is produced
+    """`POST /v1/chat/completions`: messages rendered with the model's chat template."""
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": CHAT_MESSAGE_SCHEMA})
+    max_tokens: Int32 | None = Field(None, description="tokens to generate (default: the rest of the context)")
+    max_completion_tokens: Int32 | None = Field(None, description="OpenAI's newer name of max_tokens")
+    logprobs: OptionalBool = Field(False, description="return the sampled tokens' logprobs")
+    top_logprobs: Int32 | None = Field(None, description="with logprobs: the top k at each position",
+                                       json_schema_extra={"minimum": 0, "maximum": 20})
+    tools: list[Any] | None = Field(None, description="functions the model may call",
+                                    json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: Any = Field(None, description="none, auto (the default with tools), required, or a named function",
+                             json_schema_extra={"anyOf": [
+                                 {"enum": ["none", "auto", "required"]},
+                                 {"type": "object", "required": ["type", "function"],
+                                  "properties": {"type": {"const": "function"},
+                                                 "function": {"type": "object", "required": ["name"],
+                                                              "properties": {"name": {"type": "string"}}}}},
+                                 {"type": "null"}]})
+    parallel_tool_calls: Bool | None = Field(None, description="accepted; one call per turn is produced")
     add_generation_prompt: Bool = True
     # OpenAI fields this server does not serve: named here so that they are refused, not ignored.
-    functions: Any = None
-    function_call: Any = None
-    modalities: Any = None
-    audio: Any = None
-    web_search_options: Any = None
+    functions: Any = Field(None, description="not supported (OpenAI's deprecated form of tools): a 400")
+    function_call: Any = Field(None, description="not supported (OpenAI's deprecated form of tool_choice): a 400")
+    modalities: Any = Field(None, description='only ["text"]')
+    audio: Any = Field(None, description="not supported: a 400")
+    web_search_options: Any = Field(None, description="not supported: a 400")
     _tool_plan: Any = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
@@ -355,7 +427,6 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _check_roles(messages: list[dict[str, Any]]) -> None:
@@ -379,8 +450,8 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = Field(None, description="give exactly one of prompt and messages")
+    messages: list[dict[str, Any]] | None = Field(None, json_schema_extra={"items": CHAT_MESSAGE_SCHEMA})
     add_generation_prompt: Bool = True  # messages only
     add_special_tokens: Bool | None = None  # default: true for a prompt (messages: the template adds them)
 
@@ -454,6 +525,105 @@ def _is_type_tag(part: Any) -> bool:
 
 
 # ---- responses ----------------------------------------------------------------------------------
+# The response bodies are built as dicts (below); these models describe them in /openapi.json
+# (router/openapi.py) and are never instantiated.
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, rate_limit_error, service_unavailable, upstream_error, "
+                                  "not_found_error or internal_error")
+    param: str | None = Field(description="the request field at fault, where one is")
+    code: str | None = Field(description="e.g. invalid_value, missing_required_parameter, invalid_json, "
+                                         "context_length_exceeded, model_not_found, invalid_api_key, "
+                                         "request_too_large, rate_limit_exceeded, service_unavailable, worker_error")
+
+
+class ErrorResponse(BaseModel):
+    """Every error the router answers (OpenAI's shape)."""
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = Field(description="the context length, in tokens")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from a prefix cache")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None = Field(description="stop, length, or (chat) tool_calls")
+    prompt_logprobs: list[Any] | None = Field(None, description="with prompt_logprobs")
+
+
+class Completion(BaseModel):
+    """A whole `POST /v1/completions` response (with stream: Server-Sent Events of such objects)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="a tool call: {id, type, function: {name, "
+                                                                      "arguments}}")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None = Field(description="stop, length or tool_calls")
+    prompt_logprobs: list[Any] | None = Field(None, description="with prompt_logprobs")
+
+
+class ChatCompletion(BaseModel):
+    """A whole `POST /v1/chat/completions` response (with stream: Server-Sent Events of
+    `chat.completion.chunk` objects)."""
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
