@@ -13,16 +13,14 @@ import threading
 
 import pytest
 
-from kvtransfer import (TRANSPORT_NAMES, AuthenticationError, TransferConfig, TransferState, create_receiver,
-                        create_sender)
+from kvtransfer import AuthenticationError, TransferConfig, TransferState, create_receiver, create_sender
 from kvtransfer import _auth, _protocol as proto
 from kvtransfer.transports._stream import encode_frame
 
 from ..helpers import eventually
-from ..transports import transport_params
 from .peer import SENTINEL, CacheSpec, PeerProcess, is_sentinel, same_bytes, sentinel_caches, source_caches
+from .variants import options, transport, variant  # noqa: F401 (fixtures: every transport variant)
 
-TRANSPORTS = transport_params([*TRANSPORT_NAMES, "shm-cma", "shm-mapped"])
 SPEC = CacheSpec()
 SEED = 4321
 TIMEOUT_S = 3.0
@@ -31,22 +29,6 @@ KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # starts processes
-
-
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def variant(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def transport(variant):
-    return variant.split("-")[0]
-
-
-@pytest.fixture(scope="module")
-def options(variant):
-    """TransferConfig fields of the variant (as in test_conformance.py), on top of the timeouts."""
-    return {"shm_cross_memory_attach": True} if variant == "shm-cma" else {}
 
 
 def _config(options, key):

@@ -10,18 +10,14 @@ import random
 
 import pytest
 
-from kvtransfer import (TRANSPORT_NAMES, KVLayout, LayoutMismatchError, TransferConfig, TransferState,
-                        create_receiver, create_sender)
+from kvtransfer import KVLayout, LayoutMismatchError, TransferConfig, TransferState, create_receiver, create_sender
 from ..helpers import eventually
-from ..transports import transport_params
 
 from .peer import (SENTINEL, CacheSpec, PeerError, PeerProcess, is_sentinel,
                    kvtransfer_thread_stacks, kvtransfer_threads, open_fd_count, same_bytes,
                    sentinel_caches, source_caches)
 
-# "shm-cma" is shm with cross-memory reads enabled on both sides (ring if the OS forbids them);
-# "shm-mapped" has the sender's caches in shared memory, which the receiver maps and copies from.
-TRANSPORTS = transport_params([*TRANSPORT_NAMES, "shm-cma", "shm-mapped"])
+from .variants import options, transport, variant  # noqa: F401 (fixtures: every transport variant)
 SPEC = CacheSpec()
 SEED = 1234
 TIMEOUT_S = 3.0  # dead/silent peer timeout of the long-lived pairs
@@ -31,22 +27,6 @@ GUARD_S = 60.0  # hang guard for waits; never a performance bound
 WINDOWS = ([2 * SPEC.block_size] * 5 + [0]) * (SPEC.num_layers // 6)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # starts processes
-
-
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def variant(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def transport(variant):
-    return variant.split("-")[0]
-
-
-@pytest.fixture(scope="module")
-def options(variant):
-    """TransferConfig fields of the variant, on top of the timeouts."""
-    return {"shm_cross_memory_attach": True} if variant == "shm-cma" else {}
 
 
 @pytest.fixture(scope="module")
