@@ -401,8 +401,13 @@ def _create_controller(config: ControllerConfig) -> Any:
         logger.warning("stopped the workers a previous controller %r left running", config.name)
     GcsStateStore(config.name, config.namespace).clear()
     # Ray restarts the controller whenever its process dies; it then recovers (deploy/controller.py).
+    # It runs on this node, beside the routers it feeds: placed on another node, a partition that cut
+    # that node off would have it replace workers that the routers still reach (soft: if this node
+    # is gone, Ray may restart it elsewhere).
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     actor_class = ray.remote(ControllerActor).options(name=config.name, namespace=config.namespace, num_cpus=0,
-                                                      max_restarts=-1, max_concurrency=1000)
+                                                      max_restarts=-1, max_concurrency=1000, scheduling_strategy=here)
     return actor_class.remote(config)
 
 
