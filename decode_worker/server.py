@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from engine.engine import LLMEngine
 from engine.kv_hooks import KVConnectorConfig
 from engine.kv_hooks import KVCacheFullError
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from serving.traces import GenerateTrace
+from wire import tracing
 from wire.cluster_auth import INSECURE, ClusterAuth
 from wire.convert import chunk_from_delta, prefill_request_to_wire, producer_report_from_wire
 
@@ -185,9 +188,10 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                 await context.abort(code, str(exc))
             want_logprobs = engine_request.sampling_params.logprobs is not None
             prefill = None
+            trace = GenerateTrace(request, context, self.role.value) if tracing.enabled else None
             try:
                 try:
-                    prefill = await self._start(engine_request, request.prefill_address)
+                    prefill = await self._start(engine_request, request.prefill_address, trace)
                 except ValueError as exc:  # refused on the engine thread (e.g. larger than the cache)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 except EngineUnavailable:
@@ -199,36 +203,51 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, delta.error)
                     if delta.kv_import is not None and not delta.kv_import.prefilled_remotely and prefill is not None:
                         prefill.cancel()  # the load failed and this worker prefills: stop the prefill worker's side
+                    if trace is not None:
+                        trace.delta(delta)
                     yield chunk_from_delta(delta, want_logprobs)  # (that news may come alone: how the KV came)
             finally:
                 stream.close()  # aborts an unfinished request (stopping its transfer) in the engine
                 if prefill is not None and not prefill.done():
                     prefill.cancel()  # cancels the Prefill call: the prefill worker aborts its side
+                if trace is not None:
+                    trace.end(sys.exc_info()[1])
 
-    async def _start(self, engine_request, prefill_address: str) -> asyncio.Task | None:
+    async def _start(self, engine_request, prefill_address: str,
+                     trace: GenerateTrace | None = None) -> asyncio.Task | None:
         """Put the request in the engine: prefill locally, or wait for its KV while a task asks the
-        prefill worker and hands its answer to the engine."""
+        prefill worker and hands its answer to the engine. (`trace`: where, and why, with tracing on.)"""
         engine = self.engine
         if not self.role.imports_kv or not prefill_address:
+            if trace is not None:
+                trace.prefill_here(engine_request, "colocated" if not self.role.imports_kv else "router")
             await asyncio.wrap_future(engine.call(LLMEngine.add, engine_request, False))
             return None
         try:
             plan = await asyncio.wrap_future(engine.call(LLMEngine.add_imported, engine_request))
         except KVCacheFullError:  # no room to receive now: queue for local prefill (waits for blocks)
+            if trace is not None:
+                trace.prefill_here(engine_request, "kv_cache_full")
             await asyncio.wrap_future(engine.call(LLMEngine.add, engine_request, False))
             return None
         if plan is None:  # a short uncached tail: the engine prefills it here
+            if trace is not None:
+                trace.prefill_here(engine_request, "below_threshold")
             return None
-        return asyncio.ensure_future(self._remote_prefill(engine_request, plan, prefill_address))
+        if trace is not None:
+            trace.waiting_for_kv(engine_request, plan, self.transport_address)
+        return asyncio.ensure_future(self._remote_prefill(engine_request, plan, prefill_address, trace))
 
-    async def _remote_prefill(self, engine_request, plan, address: str) -> None:
+    async def _remote_prefill(self, engine_request, plan, address: str, trace: GenerateTrace | None = None) -> None:
         message = prefill_request_to_wire(engine_request, plan, self.transport_address, self.receiver.layout)
-        report, error = None, None
+        report, error, response = None, None, None
+        span = trace.prefill_call(address) if trace is not None else None
         try:
             # No deadline on the call: the connector bounds the wait by progress (a long prompt's KV
             # arrives chunk by chunk) and the call is cancelled when the load ends without it.
             async with self.prefill_channels.use(address) as channel:
-                response = await wire.services().PrefillServiceStub(channel).Prefill(message)
+                response = await wire.services().PrefillServiceStub(channel).Prefill(
+                    message, metadata=None if span is None else tracing.metadata(span))
             if response.finish_reason:
                 error = f"prefill worker {address}: {response.finish_reason}: {response.error}"
             else:
@@ -237,6 +256,9 @@ class DecodeWorker(wire.services().DecodeServiceServicer):
             error = f"prefill worker {address}: {exc.code().name}: {exc.details()}"
         except Exception as exc:  # e.g. an answer that does not convert: fall back now, not at the timeout
             error = f"prefill worker {address}: {type(exc).__name__}: {exc}"
+        finally:
+            if span is not None:  # (cancelled too: the load ended without the answer)
+                GenerateTrace.prefill_answered(span, response, error or (None if response is not None else "cancelled"))
         self.engine.report_kv_producer(engine_request, report, error)  # streams the first token at once
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

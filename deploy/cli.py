@@ -2,7 +2,7 @@
 
     pdserve serve   [--model default|gemma-3-270m|PATH] [--prefill N] [--decode M] [--colocated K] [--host H] [--port P]
                     [--device auto|cpu|cuda] [--transport auto|ucx|nccl|tcp|shm] [--ray-address ADDR]
-                    [--api-key KEY] [--cluster-secret-file PATH] [--routers N]
+                    [--api-key KEY] [--cluster-secret-file PATH] [--routers N] [--otlp-traces-endpoint URL]
                     [--tensor-parallel-size N] [--prefill-tp N] [--decode-tp N]
                     [engine and KV options: those of the workers, serving.add_worker_arguments]
                                                                run the cluster until Ctrl-C / SIGTERM
@@ -32,6 +32,7 @@ from deploy.serve import ServeOptions
 from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
 from serving.bringup import add_worker_arguments, engine_options, kv_options
 from wire.cluster_auth import add_secret_file_argument
+from wire.tracing import add_traces_endpoint_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and /admin "
                             "(default: $PDSERVE_API_KEY)")
     add_secret_file_argument(serve, without="a new secret for this run, next to the state file, removed at exit")
+    add_traces_endpoint_argument(serve)  # handed to every router and worker it starts
     add_worker_arguments(serve, ROLES)  # --model, the engine's and the KV connector's: every worker's
     serve.add_argument("--routers", type=int, default=ServeOptions.routers,
                        help="router processes sharing the HTTP port; one that dies is restarted (default %(default)s)")
@@ -210,7 +212,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, drain_grace_s=args.drain_grace,
-                        planner=_planner_config(args),
+                        planner=_planner_config(args), otlp_traces_endpoint=args.otlp_traces_endpoint,
                         start_timeout_s=args.worker_start_timeout,
                         log_level=args.log_level.upper())
 

@@ -103,6 +103,7 @@ class WorkerSpec:
     tensor_parallel_size: dict[str, int] = field(default_factory=dict)  # by role; absent: 1
     log_level: str = "WARNING"
     cluster_auth: ClusterAuth = INSECURE
+    otlp_traces_endpoint: str | None = None  # the workers' OpenTelemetry traces (wire/tracing.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -171,7 +172,8 @@ class WorkerSpec:
             engine_options["tensor_parallel_size"] = self.tp(role)
         return WorkerOptions(model=self.model, engine_options=engine_options, kv=self.kv, host=host,
                              advertise_host=node_ip if self.advertise_node_ip else host,
-                             threads=self.threads(role), log_level=self.log_level, cluster_auth=self.cluster_auth)
+                             threads=self.threads(role), log_level=self.log_level, cluster_auth=self.cluster_auth,
+                             otlp_traces_endpoint=self.otlp_traces_endpoint)
 
 
 @dataclass

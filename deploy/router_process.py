@@ -95,6 +95,9 @@ async def _run(spec: RouterSpec) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)  # after ray.init, which installs its own handler
     client = ControllerClient(find_controller(spec.controller, spec.namespace))
     config = RouterConfig(**spec.router)
+    from wire import tracing  # before create_app, which adds the request spans' middleware when it is on
+    tracing.setup(config.otlp_traces_endpoint, "pdserve-router",
+                  {"service.instance.id": router_id(spec.index, os.getpid())})
     tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, config.model)
     planner = PlannerMetrics(client)
     app = create_app(config, tokenizer=tokenizer, collectors=[planner])

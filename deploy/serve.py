@@ -90,6 +90,8 @@ class ServeOptions:
     start_timeout_s: float = ControllerConfig.start_timeout_s
     log_level: str = "INFO"
     planner: PlannerConfig | None = None  # the goodput planner; None: fixed pool sizes
+    # every router's and worker's OpenTelemetry traces go to this collector (wire/tracing.py)
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         self.targets = PoolTargets(prefill=self.prefill, decode=self.decode, colocated=self.colocated)
@@ -150,7 +152,8 @@ class ServeOptions:
                           num_gpus=(self.worker_gpus or 1.0) if device == "cuda" else 0.0,
                           resources=self.pool_resources, omp_num_threads=threads,
                           tensor_parallel_size=dict(self.tensor_parallel_size),
-                          cluster_auth=ClusterAuth.from_file(self.cluster_secret_file))
+                          cluster_auth=ClusterAuth.from_file(self.cluster_secret_file),
+                          otlp_traces_endpoint=self.otlp_traces_endpoint)
 
     def router_config(self, port: int) -> RouterConfig:
         try:
@@ -161,7 +164,8 @@ class ServeOptions:
                                 max_model_len=self.engine_options.get("max_model_len"),
                                 block_size=self.engine_options.get("block_size", RouterConfig.block_size),
                                 max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight,
-                                max_inflight_requests=self.max_inflight_requests, batch_share=self.batch_share)
+                                max_inflight_requests=self.max_inflight_requests, batch_share=self.batch_share,
+                                otlp_traces_endpoint=self.otlp_traces_endpoint)
         except ValueError as exc:  # its messages start with the field's name: say the flag's
             field_name, _, rest = str(exc).partition(" ")
             raise ValueError(f"--{field_name.replace('_', '-')} {rest}") from None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.block_hash import DEFAULT_HASH_ALGORITHM, BlockHash, hash_block
+from engine.block_hash import DEFAULT_HASH_ALGORITHM, BlockHash, block_key, hash_block
 from engine.host_cache import HostCache
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine.request import Request
@@ -107,12 +107,13 @@ class BlockManager:
         hashes = request.block_hashes
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, self._block_tokens(request, len(hashes)), request.cache_salt,
-                                     self.hash_algorithm))
+            index = len(hashes)
+            hashes.append(hash_block(parent, self._block_tokens(request, index),
+                                     block_key(request.cache_salt, index, self.block_size), self.hash_algorithm))
 
     def _content(self, request: Request, index: int) -> BlockContent:
         parent = request.block_hashes[index - 1] if index else None
-        return (parent, request.cache_salt, self._block_tokens(request, index))
+        return (parent, block_key(request.cache_salt, index, self.block_size), self._block_tokens(request, index))
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Longest run of device-cached blocks matching the request's leading full blocks.

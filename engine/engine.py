@@ -29,7 +29,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import StreamDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.block_hash import DEFAULT_HASH_ALGORITHM
+from engine.block_hash import DEFAULT_HASH_ALGORITHM, CacheSalt
 from engine.kv_connector import KVConnector, KVTransport
 from engine.kv_hooks import ImportPlan, KVConnectorConfig, KVDestination, LoadDone, SendDone
 from engine.scheduler import Scheduler
@@ -126,7 +126,7 @@ class LLMEngine:
         return prompt
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: int = 0, cache_salt: str | None = None, num_resumed_tokens: int = 0,
+                     priority: int = 0, cache_salt: str | CacheSalt | None = None, num_resumed_tokens: int = 0,
                      kv_destination: KVDestination | None = None) -> Request:
         """Tokenize and validate (raises ValueError for a client's mistake); no engine state changes,
         so any thread may call it. `num_resumed_tokens`: the prompt's last N token ids are output
@@ -180,7 +180,7 @@ class LLMEngine:
                 self.tokenizer, request.all_token_ids, request.sampling_params)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None, detokenize: bool = True) -> Request:
+                    priority: int = 0, cache_salt: str | CacheSalt | None = None, detokenize: bool = True) -> Request:
         request = self.make_request(prompt, params, request_id, priority, cache_salt)
         self.add(request, detokenize)
         return request

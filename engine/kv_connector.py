@@ -71,7 +71,7 @@ from typing import Any, Callable, Protocol, Sequence, Union, cast
 
 import torch
 
-from engine.block_hash import hash_block, hash_full_blocks
+from engine.block_hash import CacheSalt, block_key, hash_block, hash_full_blocks
 from engine.config import KV_ROLES
 from engine.kv_cache import window_skip_blocks
 from engine.kv_hooks import (AUTH_REFUSED, FAULTS, ON_TRANSFER_FAILURE, ImportPlan,  # noqa: F401 (re-exported)
@@ -127,7 +127,7 @@ class KVReceiverTransport(Protocol):
 KVTransport = Union[KVSenderTransport, KVReceiverTransport]
 
 
-def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | CacheSalt | None,
                       algorithm: str) -> tuple[bytes, ...]:
     """What both sides of a hand-off compare to prove the KV is this prompt's: the chained hashes
     of its full blocks, then one over the trailing partial block's tokens (a prompt shorter than
@@ -135,7 +135,8 @@ def sent_token_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str
     hashes = hash_full_blocks(token_ids, block_size, cache_salt, algorithm)
     tail = token_ids[len(hashes) * block_size:]
     if tail:
-        hashes.append(hash_block(hashes[-1] if hashes else None, tail, cache_salt, algorithm))
+        hashes.append(hash_block(hashes[-1] if hashes else None, tail, block_key(cache_salt, len(hashes), block_size),
+                                 algorithm))
     return tuple(hashes)
 
 
@@ -681,7 +682,8 @@ class KVConnector:
             received = 0
         self._cancel_parts(load.parts)  # no byte lands in its blocks after this
         self.failures[reason] += 1
-        load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started)
+        load.request.kv_import = KVImportOutcome(False, received, time.monotonic() - load.started,
+                                                 failure_reason=reason)
         return LoadDone(request_id, streamed, f"remote prefill failed ({reason}): {message}",
                         self.config.on_transfer_failure == "fallback", streamed is not None)
 

@@ -160,11 +160,14 @@ class KVSendResult:
 
 @dataclass(frozen=True)
 class KVImportOutcome:
-    """How a decode-role request got its KV (its first output carries it)."""
+    """How a decode-role request got its KV (its first output carries it). `failure_reason`: why
+    a remote prefill failed (one of `FAILURE_REASONS`; the request was then prefilled here or
+    ended), "" when it did not."""
     prefilled_remotely: bool
     bytes_received: int
     seconds: float
     num_cached_tokens: int = 0
+    failure_reason: str = ""
 
 
 @dataclass(frozen=True)

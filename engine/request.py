@@ -27,6 +27,7 @@ import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from engine.block_hash import CacheSalt
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # engine/kv_hooks.py imports this module
@@ -72,7 +73,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), priority: int = 0,
-                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 arrival_time: float | None = None, cache_salt: str | CacheSalt | None = None,
                  resumed_output_token_ids: list[int] = (), grammar: GrammarState | None = None,
                  kv_destination: KVDestination | None = None) -> None:
         self.request_id = request_id
@@ -87,7 +88,10 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        self.cache_salt = cache_salt
+        # When it first became RUNNING (time.time(); None until then; an imported request's is when
+        # its KV arrived): the workers' traces split a prompt's queue from its prefill.
+        self.first_scheduled_time: float | None = None
+        self.cache_salt = cache_salt  # what keys its blocks in prefix caches (engine/block_hash.py)
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

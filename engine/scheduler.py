@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 
 from engine.block_groups import GroupedBlockManager
 from engine.block_manager import BlockManager
@@ -160,6 +161,8 @@ class Scheduler(KVRoleTransitions):
 
     def _enqueue_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
         bisect.insort(self.running, request, key=self._key)
 
     def get_request(self, request_id: str) -> Request | None:

@@ -18,6 +18,7 @@ first, then frees the blocks.
 from __future__ import annotations
 
 import asyncio
+import sys
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -29,6 +30,8 @@ import wire
 from engine.config import Role
 from engine.kv_hooks import KVConnectorConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
+from serving.traces import PrefillTrace
+from wire import tracing
 from wire.cluster_auth import INSECURE, ClusterAuth
 from wire.convert import describe_wire_layout, destination_from_wire, layout_to_wire, prefill_response, same_layout
 
@@ -112,10 +115,13 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             first = None
             answered = False
+            trace = PrefillTrace(request, context) if tracing.enabled else None
             try:
                 engine.add(engine_request, False)
                 async for delta in stream:  # the first token (with the send's report), then the send's end
                     first = first or (delta if delta.new_token_ids else None)
+                    if trace is not None:
+                        trace.delta(engine_request, delta, self.config.connector.layerwise)
                     if delta.answers_prefill:
                         answered = True
                         return prefill_response(delta, first)
@@ -125,6 +131,8 @@ class PrefillWorker(wire.services().PrefillServiceServicer):
                 # Cancelled by the decode worker before the answer: abort, stopping the send. After
                 # it, the send goes on (the engine frees the blocks when it ends).
                 stream.close(abort=not answered)
+                if trace is not None:
+                    trace.end(sys.exc_info()[1], answered)
 
     def _destination(self, message: Any):
         if not same_layout(message.layout, self.layout):

@@ -14,6 +14,7 @@ import sys
 from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
 from router.config import DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
+from wire import tracing
 from wire.cluster_auth import add_secret_file_argument
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
                         "(default: $PDSERVE_API_KEY)")
     add_secret_file_argument(p, without="plaintext gRPC to the workers, which then must have none either")
+    tracing.add_traces_endpoint_argument(p)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-request-body-bytes", type=int, default=RouterConfig.max_request_body_bytes)
     p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests)
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                    help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                         "this many times per request; 0: never (default: %(default)s)")
+    p.add_argument("--max-stored-responses", type=int, default=RouterConfig.max_stored_responses,
+                   help="/v1/responses kept for previous_response_id and GET, in this router process's memory; "
+                        "the least recently used are forgotten first (default: %(default)s)")
     p.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
                    help=LOCAL_PREFILL_WEIGHT_HELP)
     p.add_argument("--no-kv-events", action="store_true",
@@ -57,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(an estimate: it cannot see evictions, host-tier copies or other routers' requests)")
     p.add_argument("--host-hit-cost", type=float, default=RouterConfig.host_hit_cost,
                    help="what a host-tier KV hit costs next to recomputing the block, in [0, 1] (default: %(default)s)")
+    p.add_argument("--engagement-window", type=float, default=RouterConfig.engagement_window_s, metavar="S",
+                   help="the P/D engagement alarm (/health's `degraded`, pdserve:disaggregation_degraded): over the "
+                        "last S seconds, prefill workers in the pool and none of the qualifying requests prefilled "
+                        "on one (default: %(default)s)")
+    p.add_argument("--engagement-min-requests", type=int, default=RouterConfig.engagement_min_requests,
+                   help="qualifying requests the window needs before the alarm can fire (default: %(default)s)")
+    p.add_argument("--engagement-min-prompt-tokens", type=int, default=RouterConfig.engagement_min_prompt_tokens,
+                   help="computed prompt tokens a request needs to qualify (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -66,12 +79,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model=args.model, served_model_name=args.served_model_name, prefill=_addresses(args.prefill),
         decode=_addresses(args.decode), colocated=_addresses(args.colocated), host=args.host, port=args.port,
         api_key=args.api_key or None, cluster_secret_file=args.cluster_secret_file,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
         batch_share=args.batch_share,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,
-        max_migrations=args.max_migrations, local_prefill_weight=args.local_prefill_weight,
-        kv_events=not args.no_kv_events, host_hit_cost=args.host_hit_cost)
+        max_migrations=args.max_migrations, max_stored_responses=args.max_stored_responses,
+        local_prefill_weight=args.local_prefill_weight,
+        kv_events=not args.no_kv_events, host_hit_cost=args.host_hit_cost,
+        engagement_window_s=args.engagement_window, engagement_min_requests=args.engagement_min_requests,
+        engagement_min_prompt_tokens=args.engagement_min_prompt_tokens)
     if not (config.decode or config.colocated):
         raise ValueError("no worker to send requests to: pass --decode HOST:PORT (with --prefill HOST:PORT) "
                          "or --colocated HOST:PORT")
@@ -83,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         config = config_from_args(args)
+        # before the app: create_app adds the request spans' middleware only when tracing is on
+        tracing.setup(config.otlp_traces_endpoint, "pdserve-router",
+                      {"service.instance.id": f"{config.host}:{config.port}"})
         from router.app import create_app
         app = create_app(config)
     except ValueError as exc:
@@ -94,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                             config.host)
     freeze_startup_objects()
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
+    tracing.shutdown()  # (the app's shutdown sent the queued spans already: router/traces.py)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The router's HTTP app: `create_app(RouterConfig)` -> FastAPI.
 
-Routes: `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`
+Routes: `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`,
+`POST /v1/responses` with `GET` / `DELETE /v1/responses/{id}` (router/responses.py: served as a chat request)
 (Bearer `api_key` required on /v1 when configured), `GET /health` (200 only when one prefill
 and one decode worker answer, or one colocated worker does), `GET /metrics` (Prometheus),
 `GET /status` (each worker's health and load, freshly polled; concurrent callers share one poll),
@@ -23,7 +24,7 @@ import secrets
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from fastapi.security.base import SecurityBase
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router import openapi, protocol, tools
+from router import openapi, protocol, responses, tools, traces
 from router.choices import Choices, candidate_params
 from router.config import RouterConfig
 from router.dispatch import ClientGone, Dispatcher, LiveGenerations
@@ -40,17 +41,22 @@ from router.errors import (context_length_exceeded, install_error_handlers, inva
                            model_not_found, payload_too_large, unauthorized, unavailable)
 from router.kv_index import KVIndex
 from router.logprobs import TokenText
-from router.metrics import RouterMetrics
+from router.cache_salt import request_cache_salt
+from router.engagement import EngagementMonitor
+from router.metrics import RequestTimer, RouterMetrics
 from router.policies import make_decode_policy, make_prefill_policy
 from router.pool import WorkerPool
 from router.streaming import ChoiceStream, OutputAssembler, ResponseContext, collect, sse_events
+from wire import tracing
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (metrics only)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A JSON escape of a UTF-16 surrogate (\ud800-\udfff); strict UTF-8 bytes cannot carry one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-                 "/status", "/metrics")
+COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
+                 "/detokenize", "/health", "/status", "/metrics")
+# Routes with a path parameter, counted under their collection's path.
+COUNTED_PREFIXES = ("/v1/models/", "/v1/responses/")
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RouterState:
     dispatcher: Dispatcher
     token_text: TokenText
     created: int
+    responses: responses.ResponseStore  # /v1/responses kept for previous_response_id and GET
 
 
 def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence[Any] = ()) -> FastAPI:
@@ -86,12 +93,14 @@ def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence
         prefill_policy.forget(address)
         decode_policy.forget(address)
     pool = WorkerPool(config, kv_index=index, on_removed=forget, on_unreachable=live.worker_unreachable)
-    metrics = RouterMetrics(pool)
+    engagement = EngagementMonitor(config.engagement_window_s, config.engagement_min_requests,
+                                   has_prefill_workers=lambda: pool.has_role("prefill"))
+    metrics = RouterMetrics(pool, engagement)
     for collector in collectors:
         metrics.registry.register(collector)
     dispatcher = Dispatcher(config, pool, prefill_policy, decode_policy, metrics, live)
     state = RouterState(config, tokenizer, max_model_len, pool, metrics, dispatcher, TokenText(tokenizer),
-                        protocol.now())
+                        protocol.now(), responses.ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -102,11 +111,14 @@ def create_app(config: RouterConfig, tokenizer: Any = None, collectors: Sequence
         finally:
             await pool.stop()
 
-    app = FastAPI(title="pdserve router", description=openapi.DESCRIPTION, lifespan=lifespan, redoc_url=None)
+    app = FastAPI(title="pdserve router", description=openapi.DESCRIPTION, lifespan=lifespan, redoc_url=None,
+                  **traces.FASTAPI_OPTIONS)
     openapi.install(app)
     app.state.router = state
     install_error_handlers(app)
     app.add_middleware(_ResponseCounter, metrics=metrics)
+    if tracing.enabled:  # (router/traces.py: one span per generation request, its response included)
+        app.add_middleware(traces.RequestTracing)
     app.include_router(_api_routes(state))
     app.include_router(_token_routes(state))
     app.include_router(_ops_routes(state))
@@ -195,6 +207,39 @@ def _api_routes(state: RouterState) -> APIRouter:
         and structured output."""
         return await _generate(state, request, "chat")
 
+    @api.post("/responses", openapi_extra=openapi.json_body(responses.ResponsesRequest), responses={
+        200: {"model": responses.ResponseObject,
+              "description": "the response; with `stream: true`, Server-Sent Events (`event: <type>` and `data: "
+                             "<event JSON>` with its sequence_number), ending with response.completed, "
+                             "response.incomplete or response.failed",
+              "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        **generation_errors})
+    async def create_response(http_request: Request) -> Response:
+        """OpenAI's Responses API, served as a chat completion: text or input items, instructions, function
+        tools, structured output, previous_response_id (stored responses of this router process)."""
+        timer = state.metrics.start_request()
+        request = await _parse_body(state, http_request, responses.ResponsesRequest)
+        turn = state.responses.begin(request)
+        with responses.in_responses_terms():
+            started = await _start(state, http_request, turn.chat_request(), "chat", timer, turn.id)
+        if isinstance(started, Response):
+            return started
+        if request.stream:
+            return started.event_stream(turn.events(started.context, started.streams))
+        return await started.body(turn.body(started.context, started.streams))
+
+    @api.get("/responses/{response_id}", response_model=None,
+             responses={200: {"model": responses.ResponseObject}, **openapi.errors(*auth, 404)})
+    async def get_response(response_id: str) -> dict[str, Any]:
+        """A stored response (made with `store`, by this router process; a bounded store)."""
+        return state.responses.get(response_id)
+
+    @api.delete("/responses/{response_id}", response_model=None,
+                responses={200: {"model": responses.ResponseDeleted}, **openapi.errors(*auth, 404)})
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        """Forget a stored response."""
+        return state.responses.delete(response_id)
+
     return api
 
 
@@ -240,7 +285,45 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     timer = state.metrics.start_request()
     model_cls = protocol.CompletionRequest if endpoint == "completions" else protocol.ChatCompletionRequest
     request = await _parse_body(state, http_request, model_cls)
+    started = await _start(state, http_request, request, endpoint, timer)
+    if isinstance(started, Response):
+        return started
+    if request.stream:
+        return started.event_stream(sse_events(started.context, started.streams))
+    return await started.body(collect(started.context, started.streams, started.keep))
+
+
+@dataclass
+class _Started:
+    """A generation request whose choices have started: what rendering them needs, and `end`,
+    which a streamed response runs however it ends."""
+    context: ResponseContext
+    streams: list[ChoiceStream]
+    keep: int | None  # best_of: the choices to keep per prompt (`collect`'s)
+    end: Callable[[str], None]
+    watcher: "_DisconnectWatcher"
+
+    def event_stream(self, events: AsyncIterator[str]) -> Response:
+        """The SSE response of `events`, which close the choices as they end."""
+        return _EventStream(events, self.end)
+
+    async def body(self, render: Awaitable[dict[str, Any]]) -> Response:
+        """The whole body `render` makes (it closes the choices); 499 when the client left."""
+        try:
+            return JSONResponse(await render)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            self.watcher.stop()
+
+
+async def _start(state: RouterState, http_request: Request, request: Any, endpoint: protocol.Endpoint,
+                 timer: RequestTimer, request_id: str | None = None) -> _Started | Response:
+    """Tokenize, admit and start a validated completions or chat request (400 / 429 / 503 ...)
+    up to its choices' first tokens; the 499 response when the client left before them."""
+    trace = traces.request_trace(http_request)  # None unless tracing is on
     prompts = await _prompt_token_ids(state, request)
+    salt = await request_cache_salt(state.tokenizer, request, prompts[0])
     outside = [t for t in request.logit_bias_ids if t >= state.tokenizer.vocab_size]
     if outside:
         raise invalid_request(f"logit_bias token id {outside[0]} is outside the vocabulary "
@@ -271,9 +354,13 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
     except ValueError as exc:  # e.g. min_tokens beyond the room a long prompt of the batch leaves
         raise request.sampling_error(exc) from exc
 
-    request_id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    request_id = request_id or f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    if trace is not None:
+        trace.describe(request, params, prompts, request_id, state.config.served_model_name, no_output)
     choices = Choices(state.dispatcher, request_id, list(zip(prompts, per_prompt)), timer,
-                      request.cache_salt, request.priority)
+                      salt, request.priority)
+    if trace is not None:
+        trace.admitted(choices.generations, state.dispatcher.inflight)
     watcher = _DisconnectWatcher(http_request, choices.cancel)
     try:
         first_chunks = await choices.start()
@@ -300,17 +387,12 @@ async def _generate(state: RouterState, http_request: Request, endpoint: protoco
                                   include_usage=request.include_usage_in_stream,
                                   tool_plan=tool_plan, echo=echo, no_output=no_output,
                                   want_prompt_logprobs=request.prompt_logprobs is not None)
+        if trace is not None:
+            trace.streams = streams
     except BaseException:
         end("error")
         raise
-    if request.stream:
-        return _EventStream(sse_events(context, streams), end)
-    try:
-        return JSONResponse(await collect(context, streams, keep if keep < count else None))
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    finally:
-        watcher.stop()
+    return _Started(context, streams, keep if keep < count else None, end, watcher)
 
 
 async def _parse_body(state: RouterState, http_request: Request, model_cls: type) -> Any:
@@ -450,11 +532,13 @@ def _ops_routes(state: RouterState) -> APIRouter:
 
     @ops.get("/health", responses={200: {"model": protocol.HealthResponse}, **openapi.errors(503)})
     async def health() -> Response:
-        """200 when one prefill and one decode worker answer, or one colocated worker does."""
+        """200 when one prefill and one decode worker answer, or one colocated worker does; with
+        `degraded` when P/D is not engaged (router/engagement.py): serving, without its prefill pool."""
         if not state.pool.ready:
             raise unavailable("not ready: no healthy prefill + decode pair and no healthy colocated worker",
                               state.config.retry_after_s)
-        return JSONResponse({"status": "ok"})
+        degraded = state.metrics.engagement.degraded()
+        return JSONResponse({"status": "ok", "degraded": degraded} if degraded else {"status": "ok"})
 
     # /status names every worker's gRPC and KV addresses: behind the key, like the API
     @ops.get("/status", dependencies=[Depends(bearer_auth(state.config.api_key))],
@@ -489,7 +573,8 @@ class _ResponseCounter:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = path if path in COUNTED_PATHS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        endpoint = path if path in COUNTED_PATHS else next(
+            (prefix[:-1] for prefix in COUNTED_PREFIXES if path.startswith(prefix)), "other")
         counted = False
 
         async def counting_send(message) -> None:

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 from typing import Any, Awaitable, Iterable, Sequence
 
+from engine.block_hash import CacheSalt
 from engine.sampling_params import SamplingParams
 from router.dispatch import Dispatcher, Generation
 from router.metrics import RequestTimer
@@ -51,7 +52,7 @@ class Choices:
 
     def __init__(self, dispatcher: Dispatcher, request_id: str,
                  prompts: Sequence[tuple[Sequence[int], Sequence[SamplingParams]]], timer: RequestTimer,
-                 cache_salt: str | None, priority: int) -> None:
+                 cache_salt: CacheSalt | None, priority: int) -> None:
         """Admit every sequence of every prompt, given as (token ids, each sequence's params); a
         429 or 503 for any of them withdraws those already admitted."""
         self.groups: list[list[Generation]] = []

@@ -43,11 +43,12 @@ class WorkerClient:
         response = await self._stub.Abort(self.messages.AbortRequest(request_id=request_id), timeout=timeout)
         return bool(response.found)
 
-    def generate(self, request: Any) -> grpc.aio.UnaryStreamCall:
-        """Open the server stream of TokenChunks (decode and colocated workers only)."""
+    def generate(self, request: Any, metadata: Any = None) -> grpc.aio.UnaryStreamCall:
+        """Open the server stream of TokenChunks (decode and colocated workers only); `metadata`:
+        the call's (a trace's `traceparent`, wire/tracing.py)."""
         if self.role == "prefill":
             raise ValueError(f"worker {self.address} is a prefill worker; Generate goes to a decode worker")
-        return self._stub.Generate(request, wait_for_ready=False)
+        return self._stub.Generate(request, wait_for_ready=False, metadata=metadata)
 
     def kv_events(self) -> grpc.aio.UnaryStreamCall:
         """Open the worker's KVEvents stream: a snapshot batch, then one batch per change."""

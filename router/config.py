@@ -8,6 +8,7 @@ from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
 # (LOOPBACK_HOST(S) are wire's, the servers' shared layer: re-exported for the router and deploy)
 from wire.cluster_auth import LOOPBACK_HOST, LOOPBACK_HOSTS, ClusterAuth  # noqa: F401
+from wire.tracing import check_endpoint
 
 PREFILL_POLICIES = ("prefix_affinity", "round_robin")
 DECODE_POLICIES = ("power_of_two", "round_robin")
@@ -108,7 +109,21 @@ class RouterConfig:
     # When a decode worker fails mid-stream (dies, or its stream breaks off), resume the generation
     # on another worker from the tokens already delivered, at most this many times (0: never).
     max_migrations: int = 2
+    # Responses kept for /v1/responses' previous_response_id and GET (router/responses.py): in this
+    # process's memory, the least recently used forgotten first.
+    max_stored_responses: int = 1000
+    # The "is P/D engaged?" alarm (router/engagement.py): degraded when prefill workers are in the
+    # pool and, of the last `engagement_window_s` seconds' requests that qualified for remote
+    # prefill (at least `engagement_min_prompt_tokens` computed prompt tokens, and no reason of
+    # their own to stay local), at least `engagement_min_requests` finished and none was
+    # prefilled remotely.
+    engagement_window_s: float = 300.0
+    engagement_min_requests: int = 10
+    engagement_min_prompt_tokens: int = 256
     seed: int = 0  # for the power-of-two sampler, so routing is reproducible in tests
+    # OpenTelemetry traces (OTLP/gRPC, wire/tracing.py) go to this collector URL; None: no tracing.
+    # The process that serves the app sets it up (`python -m router`, deploy/router_process.py).
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -130,6 +145,7 @@ class RouterConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when set (omit it to disable authentication)")
         self.cluster_auth()  # a bad secret file fails here, naming the problem
+        check_endpoint(self.otlp_traces_endpoint)
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"unknown prefill policy {self.prefill_policy!r}; choose one of {', '.join(PREFILL_POLICIES)}")
         if self.decode_policy not in DECODE_POLICIES:
@@ -140,6 +156,10 @@ class RouterConfig:
                     "unhealthy_after_failures": self.unhealthy_after_failures,
                     "stats_interval_s": self.stats_interval_s, "rpc_timeout_s": self.rpc_timeout_s,
                     "kv_pending_ttl_s": self.kv_pending_ttl_s,
+                    "engagement_window_s": self.engagement_window_s,
+                    "engagement_min_requests": self.engagement_min_requests,
+                    "engagement_min_prompt_tokens": self.engagement_min_prompt_tokens,
+                    "max_stored_responses": self.max_stored_responses,
                     "retry_after_s": self.retry_after_s}
         for name, value in positive.items():
             if not value > 0:

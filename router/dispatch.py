@@ -34,14 +34,17 @@ from typing import Any, Sequence
 
 import grpc
 
-from engine.block_hash import DEFAULT_HASH_ALGORITHM, hash_full_blocks
+from engine.block_hash import DEFAULT_HASH_ALGORITHM, CacheSalt, hash_full_blocks
 from engine.config import DECODE_ROLES
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
+from router.engagement import classify
 from router.errors import APIError, invalid_request, overloaded, unavailable, upstream_failed
 from router.metrics import RequestTimer, RouterMetrics
 from router.policies import Choice, Policy, prefill_locally
 from router.pool import Assignment, WorkerPool
+from router.traces import watch as watch_traced_call
+from wire import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ class Dispatcher:
         self._live = live
 
     def generation(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                   timer: RequestTimer, cache_salt: str | None = None, priority: int = 0) -> "Generation":
+                   timer: RequestTimer, cache_salt: CacheSalt | None = None, priority: int = 0) -> "Generation":
         """Admit a request (429 when the router is full, 503 when no worker can serve it)."""
         if not self.pool.routable(*DECODE_ROLES):
             raise unavailable("no healthy decode worker is available; try again shortly", self.config.retry_after_s)
@@ -153,7 +156,7 @@ class Dispatcher:
         for finished in (self._finished, self._finished_batch) if batch else (self._finished,):
             _forget_before(finished, now - DRAIN_WINDOW_S).append(now)
 
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None,
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: CacheSalt | None,
                      known: Sequence[bytes] = ()) -> list[bytes]:
         """The chained hashes the workers' prefix caches use (engine/block_hash.py's default).
         `known`: those of a prefix of `token_ids` at this block size, continued from (a prompt's,
@@ -168,8 +171,8 @@ class Dispatcher:
         return pb.GenerateRequest(request_id=generation.request_id,
                                   prompt_token_ids=list(generation.prompt_token_ids) + list(resumed),
                                   sampling=wire.sampling_to_wire(generation.params), prefill_address=prefill_address,
-                                  priority=generation.priority, cache_salt=generation.cache_salt or "",
-                                  num_resumed_tokens=len(resumed))
+                                  priority=generation.priority, num_resumed_tokens=len(resumed),
+                                  **wire.cache_salt_to_wire(generation.cache_salt))
 
     def send_abort(self, address: str, request_id: str) -> None:
         """Fire-and-forget Abort on a worker (idempotent on the worker's side)."""
@@ -189,8 +192,10 @@ class Dispatcher:
 
 
 class Generation:
+    trace: Any = None  # with tracing on, the request's RequestTrace (router/traces.py), which records dispatches
+
     def __init__(self, dispatcher: Dispatcher, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, timer: RequestTimer, cache_salt: str | None, priority: int) -> None:
+                 params: SamplingParams, timer: RequestTimer, cache_salt: CacheSalt | None, priority: int) -> None:
         self.dispatcher = dispatcher
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -208,6 +213,11 @@ class Generation:
         self.delivered: list[int] = []  # output token ids received so far (what a migration resumes from)
         self.migrations = 0
         self._worker_lost = False
+        # How the prompt got its KV (router/engagement.py), from the first dispatch and the chunks
+        self._fill_eligible: bool | None = None
+        self._prefilled_remotely = False
+        self._kv_failure_reason = ""
+        self._kv_bytes = 0
 
     @property
     def decode_address(self) -> str | None:
@@ -238,15 +248,16 @@ class Generation:
             candidates = [w for w in d.pool.routable(*DECODE_ROLES) if w.address not in tried]
             if not candidates:
                 break
+            routed_ns = time.time_ns() if self.trace is not None else 0
             sibling = next((w for w in candidates if w.address == beside), None) if attempt == 0 else None
             decode = Choice(sibling, "sibling") if sibling else d.decode_policy.choose(candidates, hashes)
-            prefill = None
+            prefill = considered = None  # (considered: the prefill worker weighed, for the trace)
             num_tokens = len(self.prompt_token_ids) + len(resumed)
             # prompt_logprobs are computed where the prompt is prefilled: on the decode worker here.
             if decode.worker.role == "decode" and sibling is None and self.params.prompt_logprobs is None:
                 prefill_candidates = d.pool.routable("prefill")
                 if prefill_candidates:
-                    prefill = d.prefill_policy.choose(prefill_candidates, hashes)
+                    prefill = considered = d.prefill_policy.choose(prefill_candidates, hashes)
                     if prefill_locally(decode, prefill, num_tokens, d.pool.block_size(), d.config.local_prefill_weight):
                         prefill = None
                         d.metrics.routing.labels("prefill", "local_queue").inc()
@@ -254,12 +265,20 @@ class Generation:
                         d.metrics.routing.labels("prefill", prefill.reason).inc()
                         d.metrics.routing_hits.labels("prefill", _hit_tier(prefill)).inc()
                         d.prefill_policy.record(prefill.worker, hashes)
+            if self._fill_eligible is None:  # could a prefill worker have taken it? (the first dispatch's answer)
+                self._fill_eligible = (decode.worker.role == "decode" and sibling is None
+                                       and self.params.prompt_logprobs is None and d.pool.has_role("prefill"))
             d.metrics.routing.labels("decode", decode.reason).inc()
             d.metrics.routing_hits.labels("decode", _hit_tier(decode)).inc()
             d.decode_policy.record(decode.worker, hashes)
             self.assignment = d.pool.assign(decode.worker, prefill.worker if prefill else None, num_tokens)
             request = d.wire_request(self, self.assignment.prefill_address, resumed)
-            self._call = d.pool.client(decode.worker.address).generate(request)
+            span = None if self.trace is None else self.trace.generate_started(
+                self, routed_ns, decode, prefill, considered, attempt, len(resumed))
+            self._call = d.pool.client(decode.worker.address).generate(
+                request, None if span is None else tracing.metadata(span))
+            if span is not None:
+                watch_traced_call(span, self._call)
             self._stream_ended = False
             self._worker_lost = False
             if attempt == 0 and not resumed:
@@ -316,6 +335,8 @@ class Generation:
         self.assignment.release()
         self.migrations += 1
         d.metrics.migrations.inc()
+        if self.trace is not None:
+            self.trace.migration(self, failed, reason)
         if len(self.delivered) >= self.params.max_tokens:  # it broke right after the last token
             self._stream_ended = True
             import wire
@@ -339,6 +360,10 @@ class Generation:
         if chunk.prefilled_remotely:  # the chunk that says how the KV arrived (not always the first
             # token's: a decode worker streams that one as the prefill worker answers)
             self.timer.kv_transfer(chunk.kv_bytes_received, chunk.kv_transfer_seconds)
+            self._prefilled_remotely = True
+        if chunk.kv_failure_reason:
+            self._kv_failure_reason = chunk.kv_failure_reason
+        self._kv_bytes += chunk.kv_bytes_received
         if chunk.token_ids:
             self.delivered.extend(chunk.token_ids)
             self.assignment.prefill_done()
@@ -402,6 +427,12 @@ class Generation:
                 sequence = self.prompt_token_ids + list(output_token_ids)
                 d.decode_policy.record(self.assignment.decode,
                                        d.block_hashes(sequence, self.cache_salt, self._prompt_hashes()))
+            if self.delivered:  # the prompt was filled somewhere
+                config = d.config
+                fill = classify(self._prefilled_remotely, self._kv_failure_reason, len(self.prompt_token_ids),
+                                num_cached_tokens, d.pool.block_size(), bool(self._fill_eligible),
+                                config.engagement_min_prompt_tokens)
+                self.timer.prompt_filled(fill, len(self.prompt_token_ids), self._kv_bytes)
         self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)
 
 

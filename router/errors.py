@@ -48,6 +48,11 @@ def model_not_found(model: str, served: str) -> APIError:
                     "invalid_request_error", "model", "model_not_found")
 
 
+def not_found(message: str, param: str | None, code: str) -> APIError:
+    """A 404 for something the request names that this router does not have (e.g. a stored response)."""
+    return APIError(404, message, "invalid_request_error", param, code)
+
+
 def unauthorized() -> APIError:
     return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                     "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})

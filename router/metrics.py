@@ -4,7 +4,9 @@ Per request (histograms, seconds): time to first token, time per output token (a
 first), inter-token latency (between token chunks), end-to-end latency, queue time (arrival to
 the Generate call being opened), KV transfer time. Counters: requests by finish reason, HTTP
 responses by endpoint and status code, prompt / generation / cached tokens, KV bytes moved,
-routing decisions by role and reason. Per-worker gauges, each worker's failed KV transfers by
+routing decisions by role and reason, requests / prompt tokens / KV bytes by how the prompt was
+filled (`pdserve:prompt_fill_*{path}`) and the P/D engagement alarm
+(`pdserve:disaggregation_degraded`, router/engagement.py). Per-worker gauges, each worker's failed KV transfers by
 reason (`pdserve:kv_transfer_failures_total{worker,role,reason}`, engine/kv_connector.py) and
 its model step times by kind (`pdserve:worker_step_seconds{worker,role,kind}`,
 engine/step_times.py) are read from the pool at scrape time. Under `pdserve serve`, the goodput
@@ -17,12 +19,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.kv_events import TIERS
 from engine.kv_hooks import FAILURE_REASONS
 from engine.step_times import STEP_TIME_BUCKETS
+from router.engagement import EngagementMonitor, PromptFill
 from router.pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -32,8 +35,13 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 
 
 class RouterMetrics:
-    def __init__(self, pool: WorkerPool, registry: CollectorRegistry | None = None) -> None:
+    """The router's Prometheus metrics. `engagement`: the P/D engagement alarm the requests'
+    prompt fills feed, exported as pdserve:disaggregation_degraded."""
+
+    def __init__(self, pool: WorkerPool, engagement: EngagementMonitor,
+                 registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.engagement = engagement
         r = self.registry
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Arrival to the first output token.",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -70,6 +78,21 @@ class RouterMetrics:
         self.migrations = Counter("pdserve:request_migrations",
                                   "Generations resumed on another decode worker after theirs failed mid-stream.",
                                   registry=r)
+        self.prompt_fills = Counter("pdserve:prompt_fill_requests",
+                                    "Requests by how their prompt got its KV: remote (a prefill worker), local "
+                                    "(the decode worker), cached (the decode worker's prefix cache), fallback "
+                                    "(a failed transfer, then local; reason: why it failed).",
+                                    ["path", "reason"], registry=r)
+        self.prompt_fill_tokens = Counter("pdserve:prompt_fill_tokens", "Prompt tokens by how they were filled.",
+                                          ["path"], registry=r)
+        self.prompt_fill_kv_bytes = Counter("pdserve:prompt_fill_kv_bytes",
+                                            "KV bytes received by decode workers, by how the prompt was filled "
+                                            "(a fallback's are the part that arrived before the failure).",
+                                            ["path"], registry=r)
+        degraded = Gauge("pdserve:disaggregation_degraded",
+                         "1 while P/D is not engaged: prefill workers in the pool, none used by the window's "
+                         "qualifying requests (router/engagement.py; /health says why).", registry=r)
+        degraded.set_function(lambda: float(engagement.degraded() is not None))
         self.registry.register(_PoolCollector(pool))
 
     def exposition(self) -> bytes:
@@ -110,6 +133,14 @@ class RequestTimer:
             self.metrics.kv_bytes.inc(num_bytes)
         if seconds > 0:
             self.metrics.kv_transfer_time.observe(seconds)
+
+    def prompt_filled(self, fill: PromptFill, prompt_tokens: int, kv_bytes: int) -> None:
+        metrics = self.metrics
+        metrics.prompt_fills.labels(fill.path, fill.reason).inc()
+        metrics.prompt_fill_tokens.labels(fill.path).inc(prompt_tokens)
+        if kv_bytes:
+            metrics.prompt_fill_kv_bytes.labels(fill.path).inc(kv_bytes)
+        metrics.engagement.record(fill)
 
     def finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         if self.finished:

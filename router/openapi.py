@@ -25,8 +25,8 @@ from router.protocol import ErrorResponse
 
 REF_PREFIX = "#/components/schemas/"
 DESCRIPTION = """\
-pdserve's OpenAI-compatible API: completions and chat completions (streamed as Server-Sent Events
-with `stream: true`), vLLM's `/tokenize` and `/detokenize`, and the operations routes.
+pdserve's OpenAI-compatible API: completions, chat completions and responses (streamed as Server-Sent
+Events with `stream: true`), vLLM's `/tokenize` and `/detokenize`, and the operations routes.
 
 Every error is `{"error": {"message", "type", "param", "code"}}` (`ErrorResponse`). Request
 bodies are JSON objects of at most the router's `--max-request-body-bytes` (413 beyond);
@@ -39,7 +39,8 @@ ERROR_WHEN: dict[int, str] = {
     400: "an invalid request: a body that is not a JSON object, a missing field, a wrong type or an out-of-range "
          "value (`param` names the field), an unsupported option, an empty prompt, a prompt longer than the context",
     401: "the API key is missing or wrong (send `Authorization: Bearer <key>`)",
-    404: "`model` is not the served model",
+    404: "`model` is not the served model, or the stored response named (`previous_response_id`, the path's "
+         "id) is not kept by this router process",
     413: "the body is larger than the router's --max-request-body-bytes",
     429: "the router is at its in-flight limit, or a worker is (retry after Retry-After)",
     502: "a worker failed the request",

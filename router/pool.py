@@ -217,6 +217,10 @@ class WorkerPool:
             client = self._clients[address] = self.client_factory(address, worker.role)
         return client
 
+    def has_role(self, role: str) -> bool:
+        """Whether the pool holds a worker of `role`, healthy or not."""
+        return any(worker.role == role for worker in self._workers.values())
+
     def routable(self, *roles: str) -> list[WorkerInfo]:
         return [w for w in self._workers.values() if w.role in roles and w.routable]
 

@@ -120,6 +120,11 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: Bool = False
     cache_salt: str | None = Field(None, description="vLLM's: prompts share cached KV only with the same salt",
                                    json_schema_extra={"minLength": 1})
+    shared_cache_salt: str | None = Field(
+        None, description="pdserve's, chat only, with cache_salt: the leading system (or developer) messages are "
+                          "cached under this salt instead, so tenants giving the same one share that system "
+                          "prompt's KV while the rest of each prompt stays under its own cache_salt",
+        json_schema_extra={"minLength": 1})
     priority: Int32 = Field(0, description="vLLM's: lower runs first; above 0, a batch request (its share of the "
                                            "router's in-flight limit)")
     response_format: dict[str, Any] | None = Field(None, description="structured output", json_schema_extra={
@@ -146,6 +151,9 @@ class _GenerationRequest(BaseModel):
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
         if self.cache_salt is not None and not self.cache_salt:
             raise invalid_request("cache_salt must be a non-empty string when set", "cache_salt")
+        if self.shared_cache_salt is not None and not (self.shared_cache_salt and self.cache_salt):
+            raise invalid_request("shared_cache_salt must be a non-empty string, given with cache_salt (which keys "
+                                  "the rest of the prompt)", "shared_cache_salt")
 
     @property
     def num_choices(self) -> int:
@@ -311,6 +319,9 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.shared_cache_salt is not None:
+            raise invalid_request("shared_cache_salt applies to chat requests (it keys their leading system "
+                                  "messages); a completions prompt has none", "shared_cache_salt")
         if self.max_tokens == 0 and not self.echo:
             raise invalid_request("max_tokens must be at least 1 (0 only with echo: the prompt's logprobs, no "
                                   "completion)", "max_tokens")
@@ -623,6 +634,9 @@ class DetokenizeResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+    degraded: str | None = Field(None, description="present while P/D is not engaged: prefill workers are in the "
+                                                   "pool but the recent qualifying requests were all prefilled on "
+                                                   "decode workers (why, and how they were filled)")
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -230,9 +230,11 @@ async def _choice_chunks(ctx: ResponseContext, choice: ChoiceStream) -> AsyncIte
     choice.finish_reason = ctx.tool_result(assembler)[1] or "error"
 
 
-async def _interleaved(ctx: ResponseContext, choices: Sequence[ChoiceStream]) -> AsyncIterator[dict[str, Any]]:
+async def interleaved_chunks(ctx: ResponseContext, choices: Sequence[ChoiceStream]) -> AsyncIterator[dict[str, Any]]:
     """Every choice's chunks as they come (one choice: its own stream, no task). The first failure
-    (APIError, ClientGone) is raised here and ends the others."""
+    (APIError, ClientGone) is raised here and ends the others. `sse_events` sends them as they are;
+    router/responses.py says them again as the Responses API's events. The caller closes the
+    choices."""
     if len(choices) == 1:
         async for chunk in _choice_chunks(ctx, choices[0]):
             yield chunk
@@ -272,7 +274,7 @@ async def sse_events(ctx: ResponseContext, choices: Sequence[ChoiceStream]) -> A
     args = (ctx.endpoint, ctx.request_id, ctx.model, ctx.created)
     try:
         try:
-            async for chunk in _interleaved(ctx, choices):
+            async for chunk in interleaved_chunks(ctx, choices):
                 yield sse(chunk)
         except APIError as exc:
             yield sse(exc.body())

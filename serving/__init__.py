@@ -46,7 +46,7 @@ async def request_from_wire(engine, message: Any, request_id: str, **extra):
     decode worker does). A structured-output constraint is parsed and compiled off the event loop."""
     def build():
         return engine.make_request(list(message.prompt_token_ids), wire.sampling_from_wire(message.sampling),
-                                   request_id, priority=message.priority, cache_salt=message.cache_salt or None,
+                                   request_id, priority=message.priority, cache_salt=wire.cache_salt_from_wire(message),
                                    num_resumed_tokens=message.num_resumed_tokens, **extra)
     if message.sampling.HasField("structured_output"):
         return await asyncio.to_thread(build)

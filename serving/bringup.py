@@ -19,7 +19,8 @@ Lifecycle of `start_worker` (one step per line):
                  follower processes) and its KV endpoint
     listen       gRPC server on `options.host:options.port`, mutual TLS under the cluster secret
                  (`options.cluster_auth`; without one plaintext, with a warning beyond loopback);
-                 addresses written with `options.advertise_host` (default: the host)
+                 addresses written with `options.advertise_host` (default: the host); with
+                 `options.otlp_traces_endpoint`, tracing set up (wire/tracing.py, serving/traces.py)
     serving      startup objects frozen (engine/process.py); `RunningWorker.stop(grace_s)` stops
                  the server (open calls get the grace), then closes the worker
 """
@@ -42,6 +43,7 @@ from engine.kv_hooks import FAULTS, ON_TRANSFER_FAILURE, KVConnectorConfig
 from engine.model.default_model import DEFAULT_MODEL_NAME
 from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
+from wire import tracing
 from wire.cluster_auth import INSECURE, ClusterAuth, add_secret_file_argument
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class WorkerOptions:
     where its gRPC server and KV receiver listen, `advertise_host` what their addresses say
     (None: `host`); `threads`: torch threads of the worker, all its ranks together (None: torch's
     default); `cluster_auth`: its gRPC server's security (and its channels' to other workers:
-    mutual TLS under the cluster secret; `INSECURE`: plaintext)."""
+    mutual TLS under the cluster secret; `INSECURE`: plaintext); `otlp_traces_endpoint`: where its
+    OpenTelemetry traces go (wire/tracing.py; None: no tracing)."""
     model: str = DEFAULT_MODEL_NAME
     engine_options: dict[str, Any] = field(default_factory=dict)
     kv: KVOptions = field(default_factory=KVOptions)
@@ -97,6 +100,10 @@ class WorkerOptions:
     threads: int | None = None
     log_level: str = "WARNING"
     cluster_auth: ClusterAuth = INSECURE
+    otlp_traces_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        tracing.check_endpoint(self.otlp_traces_endpoint)
 
 
 class Worker(Protocol):
@@ -135,6 +142,8 @@ class RunningWorker:
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace=grace_s)
         await self.worker.close()
+        if tracing.enabled:  # its last spans (the streams the stop ended), before a Ray actor is killed
+            await asyncio.to_thread(tracing.flush)
 
 
 async def start_worker(role: Role | str, options: WorkerOptions, build: WorkerBuilder) -> RunningWorker:
@@ -151,9 +160,12 @@ async def start_worker(role: Role | str, options: WorkerOptions, build: WorkerBu
     if port == 0:
         await worker.close()
         raise RuntimeError(f"the {role.pool} worker cannot listen on {options.host}:{options.port}")
+    address = f"{options.advertise_host or options.host}:{port}"
+    tracing.setup(options.otlp_traces_endpoint, "pdserve-prefill" if role is Role.PREFILL else "pdserve-decode",
+                  {"service.instance.id": address, "pdserve.worker.role": role.value})
     await server.start()
     freeze_startup_objects()
-    return RunningWorker(worker, server, f"{options.advertise_host or options.host}:{port}")
+    return RunningWorker(worker, server, address)
 
 
 def _build(role: Role, options: WorkerOptions, build: WorkerBuilder) -> Worker:
@@ -260,7 +272,7 @@ def _naming_the_flag(exc: ValueError) -> ValueError:
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     """What a worker started by hand takes besides `add_worker_arguments` (`pdserve serve` places
     its workers itself: --device, --tensor-parallel-size, --worker-host, --log-level, and has its
-    own --cluster-secret-file)."""
+    own --cluster-secret-file and --otlp-traces-endpoint)."""
     device = parser.add_argument_group("device")
     device.add_argument("--device", default="auto", help="auto, cpu or cuda")
     device.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -271,6 +283,7 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--advertise-host", default=None, help="host written into the printed addresses")
     group.add_argument("--log-level", default="WARNING")
     add_secret_file_argument(group, without="plaintext gRPC, which anyone who reaches the port can drive")
+    tracing.add_traces_endpoint_argument(group)
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
@@ -280,4 +293,5 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         device["tensor_parallel_size"] = args.tensor_parallel_size
     return WorkerOptions(model=args.model, engine_options={**device, **engine_options(args)}, kv=kv_options(args),
                          host=args.host, port=args.port, advertise_host=args.advertise_host, log_level=args.log_level,
-                         cluster_auth=ClusterAuth.from_file(args.cluster_secret_file))
+                         cluster_auth=ClusterAuth.from_file(args.cluster_secret_file),
+                         otlp_traces_endpoint=args.otlp_traces_endpoint)

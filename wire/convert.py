@@ -10,7 +10,7 @@ from engine.kv_hooks import ImportPlan, KVDestination, KVDestinationGroup
 from engine.outputs import StreamDelta
 from engine.step_types import SampledToken
 from kvtransfer.status import dtype_description, windows_description
-from wire.schema import messages, sampling_to_wire
+from wire.schema import cache_salt_to_wire, messages, sampling_to_wire
 
 
 def token_logprob_to_wire(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> Any:
@@ -45,6 +45,7 @@ def chunk_from_delta(delta: StreamDelta, want_logprobs: bool) -> Any:
         chunk.kv_bytes_received = outcome.bytes_received
         chunk.kv_transfer_seconds = outcome.seconds
         chunk.prefilled_remotely = outcome.prefilled_remotely
+        chunk.kv_failure_reason = outcome.failure_reason
         if outcome.prefilled_remotely:
             chunk.num_cached_tokens = outcome.num_cached_tokens
     return chunk
@@ -93,8 +94,8 @@ def prefill_request_to_wire(request: Any, plan: ImportPlan, address: str, layout
                                            for group in target.groups])
     return pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.all_token_ids,
                              sampling=sampling_to_wire(request.sampling_params), destination=destination,
-                             cache_salt=request.cache_salt or "", num_resumed_tokens=request.num_resumed_tokens,
-                             priority=request.priority)
+                             num_resumed_tokens=request.num_resumed_tokens, priority=request.priority,
+                             **cache_salt_to_wire(request.cache_salt))
 
 
 def destination_from_wire(message: Any) -> KVDestination:
@@ -135,3 +136,4 @@ def producer_report_from_wire(response: Any, want_logprobs: bool) -> ProducerRep
     return ProducerReport(sampled_token_from_wire(response.first_token, want_logprobs), int(response.producer_epoch),
                           int(response.kv_checksum), tuple(bytes(h) for h in response.block_hashes),
                           int(response.num_cached_tokens), int(response.kv_bytes_sent))
+

@@ -15,6 +15,7 @@ import importlib.resources
 from pathlib import Path
 from typing import Any
 
+from engine.block_hash import CacheSalt
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 
@@ -99,3 +100,18 @@ def sampling_from_wire(message: Any) -> SamplingParams:
         prompt_logprobs=int(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None,
         structured_output=constraint, logit_bias={int(t): float(b) for t, b in message.logit_bias.items()},
         min_tokens=int(message.min_tokens), speculative=not message.no_speculation)
+
+
+def cache_salt_to_wire(salt: str | CacheSalt | None) -> dict[str, Any]:
+    """A request's block keys (engine/block_hash.py) as GenerateRequest / PrefillRequest fields."""
+    if not isinstance(salt, CacheSalt):
+        return {"cache_salt": salt or ""}
+    return {"cache_salt": salt.own or "", "shared_cache_salt": salt.shared or "",
+            "shared_salt_tokens": salt.shared_tokens}
+
+
+def cache_salt_from_wire(message: Any) -> str | CacheSalt | None:
+    """The block keys a GenerateRequest or PrefillRequest names (cache_salt_to_wire's inverse)."""
+    if not message.shared_salt_tokens:
+        return message.cache_salt or None
+    return CacheSalt(message.cache_salt or None, message.shared_cache_salt, message.shared_salt_tokens)

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 import engine.block_manager as block_manager_module
-from engine.block_hash import hash_block, hash_full_blocks
+from engine.block_hash import CacheSalt, hash_block, hash_full_blocks
 from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -156,6 +156,25 @@ def test_salt_separates_caches_and_disabled_caching_finds_nothing(make_bm):
     assert off.num_cached_blocks == 0
     off.free(e)
     assert off.find_cached_prefix(req("f", range(12))) == ([], 0)
+
+
+def test_a_shared_salt_shares_the_shared_prefix_blocks_only(make_bm):
+    """Two tenants that opt into one shared salt for their first 9 tokens: the 2 blocks wholly
+    inside it are shared, the third (partly shared, partly their own) and on are not."""
+    tenant = {name: CacheSalt(name, "org", 9) for name in ("t1", "t2")}
+    assert [tenant["t1"].of_block(i, BS) for i in range(4)] == ["org", "org", "t1", "t1"]
+    shared = hash_full_blocks(range(16), BS, "org")[:2]
+    assert hash_full_blocks(range(16), BS, tenant["t1"])[:2] == shared
+    assert hash_full_blocks(range(16), BS, tenant["t1"])[2:] != hash_full_blocks(range(16), BS, tenant["t2"])[2:]
+    bm = make_bm()
+    a = req("a", range(16), salt=tenant["t1"])
+    compute(bm, a)
+    assert bm.find_cached_prefix(req("b", range(16), salt=tenant["t2"]))[1] == 8
+    assert bm.find_cached_prefix(req("c", range(16), salt=tenant["t1"]))[1] == 12  # (the last block is left to compute)
+    assert bm.find_cached_prefix(req("d", range(16), salt="t2"))[1] == 0  # not opted in: nothing shared
+    bm.free(a)
+    with pytest.raises(ValueError, match="shared salt"):
+        CacheSalt("t1", None, 4)
 
 
 def test_only_computed_full_blocks_are_cached_including_decoded_ones(make_bm):

@@ -264,8 +264,10 @@ class FakePrefillWorker:
 
 
 def token_chunks(token_ids: list[int], finish_reason: str, num_cached_tokens: int = 0, kv_bytes: int = 0,
-                 logprobs: bool = False, per_chunk: int = 1) -> list:
-    """A stream sending `token_ids` `per_chunk` at a time, the last chunk with `finish_reason`."""
+                 logprobs: bool = False, per_chunk: int = 1, kv_failure_reason: str = "") -> list:
+    """A stream sending `token_ids` `per_chunk` at a time, the last chunk with `finish_reason`;
+    the first says how the KV came: `kv_bytes` from a prefill worker, or a failed transfer
+    (`kv_failure_reason`) then a local prefill."""
     pb = wire.messages()
     chunks = []
     groups = [token_ids[i:i + per_chunk] for i in range(0, len(token_ids), per_chunk)] or [[]]
@@ -275,7 +277,8 @@ def token_chunks(token_ids: list[int], finish_reason: str, num_cached_tokens: in
         if index == 0:
             chunk.kv_bytes_received = kv_bytes
             chunk.kv_transfer_seconds = 0.25 if kv_bytes else 0.0
-            chunk.prefilled_remotely = bool(kv_bytes)
+            chunk.prefilled_remotely = bool(kv_bytes) and not kv_failure_reason
+            chunk.kv_failure_reason = kv_failure_reason
         if logprobs:
             for position, token in enumerate(group):
                 entry = chunk.logprobs.add(token_id=token, logprob=-0.5 - position)

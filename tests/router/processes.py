@@ -27,9 +27,10 @@ def grpc_address(process: Process) -> str:
     return dict(part.split("=", 1) for part in ready.split()[1:])["grpc"]
 
 
-def start_worker(module: str, *args: str) -> Process:
-    """`python -m prefill_worker|decode_worker` on the default model and a free port."""
-    return Process(["-m", module, "--model", "default", "--port", "0", *args])
+def start_worker(module: str, *args: str, env: dict[str, str] | None = None) -> Process:
+    """`python -m prefill_worker|decode_worker` on the default model and a free port (`env`: its
+    environment, default `child_env()`)."""
+    return Process(["-m", module, "--model", "default", "--port", "0", *args], env)
 
 
 def worker_stats(address: str, role: str):
@@ -43,10 +44,11 @@ def worker_stats(address: str, role: str):
         return stub.Stats(wire.messages().StatsRequest(), timeout=30)
 
 
-def start_router(*args: str) -> tuple[Process, str]:
+def start_router(*args: str, env: dict[str, str] | None = None) -> tuple[Process, str]:
     """`python -m router *args` on a free port; (the process, its URL) once /health answers 200."""
     port = free_port()
-    router = Process(["-m", "router", *args, "--port", str(port), "--stats-interval", "0.5", "--log-level", "warning"])
+    router = Process(["-m", "router", *args, "--port", str(port), "--stats-interval", "0.5", "--log-level", "warning"],
+                     env)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:

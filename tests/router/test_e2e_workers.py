@@ -45,8 +45,10 @@ def cluster():
                       start_worker("decode_worker", *blocks, "--local-prefill-threshold", "0", "--speculative", "ngram")]
         prefill_addresses = [grpc_address(p) for p in processes[:2]]
         decode_address = grpc_address(processes[2])
+        # every prompt qualifies for the P/D engagement alarm, which must stay silent here
         router, url = start_router("--model", "default", "--prefill", ",".join(prefill_addresses),
-                                   "--decode", decode_address)
+                                   "--decode", decode_address, "--engagement-min-prompt-tokens", "1",
+                                   "--engagement-min-requests", "2")
         processes.append(router)
         yield {"url": url, "decode": decode_address, "prefill": prefill_addresses}
     finally:
@@ -92,6 +94,11 @@ def test_chat_greedy_matches_the_offline_engine(client, offline, stream):
     else:
         out = client.chat.completions.create(model="default", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
         text, usage = out.choices[0].message.content, out.usage
+        # the Responses API is served as the same chat request (router/responses.py)
+        response = client.responses.create(model="default", input=CHAT, max_output_tokens=NEW_TOKENS, temperature=0)
+        assert response.output_text == text
+        assert (response.usage.input_tokens, response.usage.output_tokens) == (usage.prompt_tokens,
+                                                                                usage.completion_tokens)
     assert text == expected
     assert usage.completion_tokens == len(output.token_ids)
     assert usage.prompt_tokens == len(output.prompt_token_ids)
@@ -176,6 +183,39 @@ def test_repeated_prefix_reports_cached_tokens(client, cluster):
     assert first.usage.prompt_tokens > 64
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert _kv_transfer_bytes(cluster["url"]) > moved_before  # these prompts' KV moved from P to D
+
+
+def _remote_fills(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text
+    return float(next(line for line in metrics.splitlines() if line.startswith(
+        'pdserve:prompt_fill_requests_total{path="remote",reason=""}')).split()[-1])
+
+
+def test_tenants_share_no_cached_block_unless_they_share_a_salt_for_the_system_prompt(client, cluster):
+    """cache_salt through real workers (router/cache_salt.py): the same prompt under another
+    tenant's salt finds nothing cached on the prefill worker that holds it; the same tenant finds
+    it; two tenants with one shared_cache_salt share the system prompt's blocks only. Every one
+    is prefilled remotely: the prefill worker's block hashes, salts and all, match the decode
+    worker's (a mismatch would fall back, and count as a fallback)."""
+    system = {"role": "system", "content": "You answer questions about the bookshop's opening hours. " * 6}
+
+    def cached(salt: str, question: str, shared: str | None = None) -> tuple[int, int]:
+        extra = {"cache_salt": salt, **({"shared_cache_salt": shared} if shared else {})}
+        out = client.chat.completions.create(model="default", messages=[system, {"role": "user", "content": question}],
+                                             max_tokens=2, temperature=0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+    remote_before = _remote_fills(cluster["url"])
+    assert cached("tenant-a", "Open on Sunday?")[0] == 0
+    assert cached("tenant-b", "Open on Sunday?")[0] == 0  # another tenant: nothing of tenant-a's
+    hit, prompt_tokens = cached("tenant-a", "Open on Sunday?")
+    assert prompt_tokens - 16 <= hit < prompt_tokens  # its own: all but the last partial block
+    assert cached("tenant-c", "Open on Monday?", shared="bookshop")[0] == 0
+    hit, prompt_tokens = cached("tenant-d", "Open at night?", shared="bookshop")
+    system_tokens = httpx.post(cluster["url"] + "/tokenize", json={"model": "default", "messages": [system],
+                                                                   "add_generation_prompt": False}).json()["count"]
+    assert system_tokens - 32 < hit <= system_tokens < prompt_tokens  # the system prompt's full blocks only
+    assert _remote_fills(cluster["url"]) == remote_before + 5
 
 
 def _step_counts(cluster) -> dict[tuple[str, str], float]:
@@ -641,3 +681,16 @@ def test_auto_tool_choice_gives_a_call_or_plain_text_the_same_streamed_or_not(cl
     else:
         assert not streamed_calls
         assert text and not text.lstrip().startswith("<") and finish in ("stop", "length")
+
+
+def test_the_engagement_alarm_stays_silent_when_prompts_go_to_the_prefill_workers(client, cluster):
+    """(router/engagement.py; it firing is tests/router/test_engagement.py's.) After this module's
+    requests, most of them prefilled remotely, /health reports no `degraded` detail."""
+    for question in ("Name a planet.", "Name a river."):
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
+                                       max_tokens=2, temperature=0)
+    assert httpx.get(cluster["url"] + "/health").json() == {"status": "ok"}
+    samples = {(s.name, frozenset(s.labels.items())): s.value for family in
+               text_string_to_metric_families(httpx.get(cluster["url"] + "/metrics").text) for s in family.samples}
+    remote = samples[("pdserve:prompt_fill_requests_total", frozenset({"path": "remote", "reason": ""}.items()))]
+    assert remote >= 2 and samples[("pdserve:disaggregation_degraded", frozenset())] == 0

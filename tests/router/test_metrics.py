@@ -98,13 +98,15 @@ def test_an_internal_error_is_counted_as_a_500_not_as_a_client_gone():
 
     from router.app import _ResponseCounter
     from router.config import RouterConfig
+    from router.engagement import EngagementMonitor
     from router.metrics import RouterMetrics
     from router.pool import WorkerPool
 
     async def failing_app(scope, receive, send):
         raise RuntimeError("a bug")
 
-    metrics = RouterMetrics(WorkerPool(RouterConfig(decode=["127.0.0.1:5001"], prefill=["127.0.0.1:5002"])))
+    pool = WorkerPool(RouterConfig(decode=["127.0.0.1:5001"], prefill=["127.0.0.1:5002"]))
+    metrics = RouterMetrics(pool, EngagementMonitor(60.0, 1, lambda: True))
     counter = _ResponseCounter(failing_app, metrics)
 
     async def send(message):

@@ -12,9 +12,11 @@ from tests.router.conftest import MODEL
 
 OPERATIONS = [
     ("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/tokenize"), ("post", "/detokenize"),
+    ("post", "/v1/responses"), ("get", "/v1/responses/{response_id}"), ("delete", "/v1/responses/{response_id}"),
     ("get", "/v1/models"), ("get", "/v1/models/{model}"), ("get", "/health"), ("get", "/status"), ("get", "/metrics"),
 ]
 BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+          "/v1/responses": "ResponsesRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
 REF = "#/components/schemas/"
 
