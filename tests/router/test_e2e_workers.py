@@ -187,8 +187,8 @@ def test_repeated_prefix_reports_cached_tokens(client, cluster):
 
 def _remote_fills(url: str) -> float:
     metrics = httpx.get(url + "/metrics").text
-    return float(next(line for line in metrics.splitlines() if line.startswith(
-        'pdserve:prompt_fill_requests_total{path="remote",reason=""}')).split()[-1])
+    return float(next((line for line in metrics.splitlines() if line.startswith(
+        'pdserve:prompt_fill_requests_total{path="remote",reason=""}')), " 0").split()[-1])
 
 
 def test_tenants_share_no_cached_block_unless_they_share_a_salt_for_the_system_prompt(client, cluster):
@@ -644,6 +644,18 @@ def test_a_named_tool_choice_returns_its_call(client, stream):
         call, finish = choice.message.tool_calls[0], choice.finish_reason
     assert finish == "stop"  # OpenAI's finish reason when tool_choice names the function
     assert isinstance(_check_call(call, ("get_weather",))["city"], str)
+    # the Responses API's function call, through P/D as the same chat request, streamed or not
+    flat_tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    kwargs = dict(model="default", input=WEATHER_ASK, max_output_tokens=48, temperature=0, tools=flat_tools,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    if stream:
+        with client.responses.stream(**kwargs) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(**kwargs)
+    [item] = response.output
+    assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_weather",
+                                                                   json.loads(call.function.arguments))
 
 
 def test_required_tool_choice_then_the_tool_result_turn(client, cluster):

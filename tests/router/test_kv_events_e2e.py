@@ -8,7 +8,8 @@ processes, the default model) and routers (`python -m router`), requests from th
 - A router killed and replaced: the new one routes its first request to the worker that holds
   the prompt's prefix (the snapshot of every worker's cache arrives before it serves).
 - A prefix evicted from a prefill worker's device pool into its host tier: the next request
-  with it goes to that worker, which copies it back (hit tier `host` on /metrics).
+  with it goes to that worker, which copies it back (hit tier `host` on /metrics); the same
+  prompt under another tenant's `cache_salt` finds nothing there, in the index or the tier.
 """
 import random
 import time
@@ -61,8 +62,9 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(COMMON_WORDS) for _ in range(n))
 
 
-def complete(client, prompt: str):
-    return client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0)
+def complete(client, prompt: str, cache_salt: str | None = None):
+    return client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0,
+                                     extra_body={"cache_salt": cache_salt} if cache_salt else None)
 
 
 def counter(url: str, name: str, **labels) -> float:
@@ -159,7 +161,7 @@ def test_a_host_tier_hit_is_routed_to_the_worker_holding_it(cluster):
     try:
         target = "Handbook: " + words(rng, 120)
         before = computed(cluster)
-        complete(client, target + " Q1: " + words(rng, 8))
+        complete(client, target + " Q1: " + words(rng, 8), "tenant-a")
         after = computed(cluster)
         holder = max(cluster["prefill"], key=lambda a: after[a] - before[a])
         # Long prompts sharing a prefix follow it (prefix affinity): find one prefix that lands on
@@ -176,12 +178,18 @@ def test_a_host_tier_hit_is_routed_to_the_worker_holding_it(cluster):
         for part in range(1, 6):
             complete(client, common + f" Part {part}: " + words(rng, 380))
         host_hits = worker_stats(holder, "prefill").host_cache_hits
+        question = " Q2: " + words(rng, 8)
         before = computed(cluster)
-        complete(client, target + " Q2: " + words(rng, 8))
+        complete(client, target + question, "tenant-a")
         after = computed(cluster)
         assert counter(url, "pdserve:routing_cache_hits_total", role="prefill", tier="host") == 1
         assert worker_stats(holder, "prefill").host_cache_hits - host_hits >= 96  # copied back, not recomputed
         assert all(after[a] == before[a] for a in cluster["prefill"] if a != holder)
         assert counter(url, "pdserve:kv_index_blocks", tier="host") > 0
+        # the same prompt under another tenant's salt: nothing of tenant-a's matches, anywhere
+        misses = counter(url, "pdserve:routing_cache_hits_total", role="prefill", tier="none")
+        other = complete(client, target + question, "tenant-b")
+        assert other.usage.prompt_tokens_details.cached_tokens == 0
+        assert counter(url, "pdserve:routing_cache_hits_total", role="prefill", tier="none") == misses + 1
     finally:
         process.stop()

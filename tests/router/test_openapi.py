@@ -125,9 +125,10 @@ EXAMPLES = int(os.environ.get("PDSERVE_OPENAPI_EXAMPLES", 25))  # per operation 
     ("post", path, "negative") for path in BODIES])  # (a GET here has no input a client could get wrong)
 def test_schemathesis_finds_no_server_error(router, method, path, mode):
     """Requests generated from the document (half of them naming the served model, so that they get
-    past the 404 and into tokenizing, admission and the fake workers) are never answered 5xx;
-    valid ones (positive) get the documented statuses, content types and bodies; bodies broken
-    against their schemas (negative) are never a 5xx either. Derandomized: CI runs the same
+    past the 404 and into tokenizing, admission and the fake workers) are never answered 5xx,
+    and every 4xx carries an OpenAI error body; valid ones (positive) get the documented
+    statuses, content types and bodies; bodies broken against their schemas (negative) are never
+    a 5xx either. Derandomized: CI runs the same
     examples each time; PDSERVE_OPENAPI_EXAMPLES=300 for a longer hunt."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -154,5 +155,8 @@ def test_schemathesis_finds_no_server_error(router, method, path, mode):
         if os.environ.get("PDSERVE_OPENAPI_TRACE"):
             print("TRACE", mode, path, response.status_code, response.text[:200].replace("\n", " "))
         case.validate_response(response, checks=checks)
+        if 400 <= response.status_code < 500:  # every client error, valid request or broken, is OpenAI's shape
+            error = response.json()["error"]
+            assert isinstance(error["message"], str) and error["message"] and error["type"], response.text
 
     run()
