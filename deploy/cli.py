@@ -29,7 +29,8 @@ from deploy.config import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, DEVICE_CH
                            ControllerConfig, parse_resources, pool_flag, pool_name)
 from deploy.planner import PlannerConfig
 from deploy.serve import ServeOptions
-from router.config import LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig
+from router.config import (LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOST, RouterConfig, add_shared_router_arguments,
+                           shared_router_options)
 from serving.bringup import add_worker_arguments, engine_options, kv_options
 from wire.cluster_auth import add_secret_file_argument
 from wire.tracing import add_traces_endpoint_argument
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="router processes sharing the HTTP port; one that dies is restarted (default %(default)s)")
     serve.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
                        help=LOCAL_PREFILL_WEIGHT_HELP)
+    add_shared_router_arguments(serve)  # every router process's
     serve.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
                        help="requests each router process admits at once; more get 429 with Retry-After "
                             "(default: %(default)s)")
@@ -209,6 +211,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                         max_migrations=args.max_migrations,
                         local_prefill_weight=args.local_prefill_weight,
                         max_inflight_requests=args.max_inflight_requests, batch_share=args.batch_share,
+                        router_options=shared_router_options(args),
                         routers=args.routers, ray=ray_settings,
                         controller_name=args.controller_name, state_file=args.state_file,
                         drain_timeout_s=args.drain_timeout, drain_grace_s=args.drain_grace,

@@ -78,6 +78,8 @@ class ServeOptions:
     local_prefill_weight: float = RouterConfig.local_prefill_weight  # router: conditional disaggregation
     max_inflight_requests: int = RouterConfig.max_inflight_requests  # per router process
     batch_share: float = RouterConfig.batch_share  # of it, for requests of priority > 0
+    # more RouterConfig fields, by name: router/config.py's SHARED_ROUTER_FLAGS
+    router_options: dict[str, Any] = field(default_factory=dict)
     routers: int = 1  # router processes sharing the HTTP port
     ray: RaySettings = field(default_factory=RaySettings)
     controller_name: str = DEFAULT_CONTROLLER_NAME
@@ -165,7 +167,7 @@ class ServeOptions:
                                 block_size=self.engine_options.get("block_size", RouterConfig.block_size),
                                 max_migrations=self.max_migrations, local_prefill_weight=self.local_prefill_weight,
                                 max_inflight_requests=self.max_inflight_requests, batch_share=self.batch_share,
-                                otlp_traces_endpoint=self.otlp_traces_endpoint)
+                                otlp_traces_endpoint=self.otlp_traces_endpoint, **self.router_options)
         except ValueError as exc:  # its messages start with the field's name: say the flag's
             field_name, _, rest = str(exc).partition(" ")
             raise ValueError(f"--{field_name.replace('_', '-')} {rest}") from None

@@ -13,7 +13,8 @@ import sys
 
 from engine.model.packaged_models import PACKAGED_MODELS
 from engine.process import configure_logging, freeze_startup_objects
-from router.config import DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig
+from router.config import (DECODE_POLICIES, LOCAL_PREFILL_WEIGHT_HELP, LOOPBACK_HOSTS, PREFILL_POLICIES, RouterConfig,
+                           add_shared_router_arguments, shared_router_options)
 from wire import tracing
 from wire.cluster_auth import add_secret_file_argument
 
@@ -52,9 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                    help="resume a generation on another worker when its decode worker fails mid-stream, at most "
                         "this many times per request; 0: never (default: %(default)s)")
-    p.add_argument("--max-stored-responses", type=int, default=RouterConfig.max_stored_responses,
-                   help="/v1/responses kept for previous_response_id and GET, in this router process's memory; "
-                        "the least recently used are forgotten first (default: %(default)s)")
     p.add_argument("--local-prefill-weight", type=float, default=RouterConfig.local_prefill_weight,
                    help=LOCAL_PREFILL_WEIGHT_HELP)
     p.add_argument("--no-kv-events", action="store_true",
@@ -62,14 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(an estimate: it cannot see evictions, host-tier copies or other routers' requests)")
     p.add_argument("--host-hit-cost", type=float, default=RouterConfig.host_hit_cost,
                    help="what a host-tier KV hit costs next to recomputing the block, in [0, 1] (default: %(default)s)")
-    p.add_argument("--engagement-window", type=float, default=RouterConfig.engagement_window_s, metavar="S",
-                   help="the P/D engagement alarm (/health's `degraded`, pdserve:disaggregation_degraded): over the "
-                        "last S seconds, prefill workers in the pool and none of the qualifying requests prefilled "
-                        "on one (default: %(default)s)")
-    p.add_argument("--engagement-min-requests", type=int, default=RouterConfig.engagement_min_requests,
-                   help="qualifying requests the window needs before the alarm can fire (default: %(default)s)")
-    p.add_argument("--engagement-min-prompt-tokens", type=int, default=RouterConfig.engagement_min_prompt_tokens,
-                   help="computed prompt tokens a request needs to qualify (default: %(default)s)")
+    add_shared_router_arguments(p)  # (pdserve serve's too)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -84,11 +75,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_request_body_bytes=args.max_request_body_bytes, max_inflight_requests=args.max_inflight_requests,
         batch_share=args.batch_share,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, stats_interval_s=args.stats_interval,
-        max_migrations=args.max_migrations, max_stored_responses=args.max_stored_responses,
-        local_prefill_weight=args.local_prefill_weight,
-        kv_events=not args.no_kv_events, host_hit_cost=args.host_hit_cost,
-        engagement_window_s=args.engagement_window, engagement_min_requests=args.engagement_min_requests,
-        engagement_min_prompt_tokens=args.engagement_min_prompt_tokens)
+        max_migrations=args.max_migrations, local_prefill_weight=args.local_prefill_weight,
+        kv_events=not args.no_kv_events, host_hit_cost=args.host_hit_cost, **shared_router_options(args))
     if not (config.decode or config.colocated):
         raise ValueError("no worker to send requests to: pass --decode HOST:PORT (with --prefill HOST:PORT) "
                          "or --colocated HOST:PORT")

@@ -1,7 +1,9 @@
 """Router configuration: one dataclass, validated at construction (no module globals)."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import CacheConfig, Role
 from engine.model.default_model import DEFAULT_MODEL_NAME
@@ -33,6 +35,35 @@ LOCAL_PREFILL_WEIGHT_HELP = (
     "costs (a decode worker's --max-step-ratio already bounds any one inter-token interval); a decode worker "
     "prefills a prompt itself when its wait there plus that stall is below the prefill worker's wait; "
     "0: stalls are free, inf: never while it streams (default: %(default)s)")
+
+
+# Router settings `python -m router` and `pdserve serve` both take: RouterConfig field -> (flag, help).
+SHARED_ROUTER_FLAGS: dict[str, tuple[str, str]] = {
+    "max_stored_responses": ("--max-stored-responses",
+                             "/v1/responses kept for previous_response_id and GET, in each router process's memory; "
+                             "the least recently used are forgotten first (default: %(default)s)"),
+    "engagement_window_s": ("--engagement-window-s",
+                            "seconds of the P/D engagement alarm's window (/health's `degraded`, "
+                            "pdserve:disaggregation_degraded: prefill workers in the pool and none of the window's "
+                            "qualifying requests prefilled on one; default: %(default)s)"),
+    "engagement_min_requests": ("--engagement-min-requests",
+                                "qualifying requests the window needs before the alarm can fire (default: "
+                                "%(default)s)"),
+    "engagement_min_prompt_tokens": ("--engagement-min-prompt-tokens",
+                                     "computed prompt tokens a request needs to qualify (default: %(default)s)"),
+}
+
+
+def add_shared_router_arguments(parser: argparse.ArgumentParser) -> None:
+    """SHARED_ROUTER_FLAGS on `parser`, typed and defaulted as RouterConfig's fields."""
+    for name, (flag, help_text) in SHARED_ROUTER_FLAGS.items():
+        default = getattr(RouterConfig, name)
+        parser.add_argument(flag, dest=name, type=type(default), default=default, help=help_text)
+
+
+def shared_router_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The RouterConfig fields of SHARED_ROUTER_FLAGS, from parsed arguments."""
+    return {name: getattr(args, name) for name in SHARED_ROUTER_FLAGS}
 
 
 @dataclass

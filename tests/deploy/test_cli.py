@@ -33,6 +33,10 @@ def test_serve_defaults_are_the_embedded_default():
     assert opts.router_config(port=8000).max_inflight_requests == 1024
     assert options("--max-inflight-requests", "8").router_config(port=8000).max_inflight_requests == 8
     assert options("--batch-share", "0.5").router_config(port=8000).batch_share == 0.5
+    shared = options("--engagement-window-s", "30", "--engagement-min-requests", "4",
+                     "--engagement-min-prompt-tokens", "64", "--max-stored-responses", "5").router_config(port=8000)
+    assert (shared.engagement_window_s, shared.engagement_min_requests, shared.engagement_min_prompt_tokens,
+            shared.max_stored_responses) == (30.0, 4, 64, 5)
     with pytest.raises(ValueError, match=r"--batch-share must be in \(0, 1\], got 0.0"):
         options("--batch-share", "0").router_config(port=8000)
 
@@ -99,6 +103,7 @@ def test_engine_flags_reach_every_worker():
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
     (["--local-prefill-weight", "-1"], "--local-prefill-weight must be >= 0"),
+    (["--engagement-window-s", "0"], "--engagement-window-s must be > 0"),
     (["--routers", "0"], "--routers must be in 1..64, got 0"),
     (["--controller-name", "a:b"], "the controller name must not contain ':'"),
     (["--planner", "--max-workers", "4", "--prefill", "2", "--decode", "3"],
