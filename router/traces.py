@@ -209,7 +209,7 @@ async def _ended(span: Any, call: Any) -> None:
     if code is not None:
         span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code is None or code.name not in ("OK", "CANCELLED"):
-        tracing.set_error(span, f"{getattr(code, 'name', 'UNKNOWN')}: {details}")
+        tracing.set_error(span, f"{code.name if code is not None else 'UNKNOWN'}: {details}")
     span.end()
 
 

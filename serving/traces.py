@@ -59,7 +59,7 @@ def first_transport(address: str) -> str:
 
 def _local_prefill(parent: Any, request: Any, first_token_ns: int) -> None:
     """The `queue` and `prefill` spans of a prompt this engine computed, from the request's clock."""
-    scheduled = getattr(request, "first_scheduled_time", None)
+    scheduled = request.first_scheduled_time
     if scheduled is None:
         return
     scheduled_ns = tracing.ns(scheduled)
@@ -139,7 +139,7 @@ class GenerateTrace:
             self.finish_reason = delta.finish_reason
 
     def _kv_import(self, outcome: Any, now: int) -> None:
-        failure = getattr(outcome, "failure_reason", "") or ("" if outcome.prefilled_remotely else "failed")
+        failure = outcome.failure_reason or ("" if outcome.prefilled_remotely else "failed")
         attributes = {"pdserve.kv.transport": self.transport, "pdserve.kv.bytes": outcome.bytes_received,
                       "pdserve.kv.seconds": outcome.seconds, "pdserve.kv.verified": outcome.prefilled_remotely,
                       "pdserve.kv.failure_reason": failure or None,
@@ -193,10 +193,11 @@ class PrefillTrace:
             self.span.set_attribute("pdserve.num_cached_tokens", request.num_cached_tokens)
         if delta.answers_prefill:
             send = delta.kv_send
-            scheduled = getattr(request, "first_scheduled_time", None)
+            scheduled = request.first_scheduled_time
             start = tracing.ns(scheduled) if layerwise and scheduled is not None else self.first_token_ns or now
             tracing.record_span("kv_send", self.span, start, now, {
-                "pdserve.kv.transport": first_transport(getattr(request.kv_destination, "address", "")),
+                "pdserve.kv.transport": first_transport(request.kv_destination.address
+                                                        if request.kv_destination is not None else ""),
                 "pdserve.kv.bytes_sent": send.bytes_sent if send is not None else None,
                 "pdserve.kv.epoch": send.epoch if send is not None else None, "pdserve.kv.layerwise": layerwise},
                 error=send.error if send is not None and send.error else None)
