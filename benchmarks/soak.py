@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import math
 import os
 import queue
 import random
@@ -62,6 +61,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, run_metadata  # noqa: E402
+from deploy.bench import arrival_offsets  # noqa: E402
 from deploy.bench_workloads import WorkloadConfig, build_workload  # noqa: E402
 
 FAULT_KINDS = ("kill_decode", "kill_prefill", "sigstop_worker", "kill_controller", "link_cut")
@@ -123,17 +123,6 @@ def mixed_requests(count: int, seed: int) -> list[dict[str, Any]]:
                     else []) + [{"role": "user", "content": turn.content}]
         requests.append({"kind": kind, "messages": messages, "max_tokens": turn.max_tokens})
     return requests
-
-
-def arrival_times(count: int, rate: float, seed: int) -> list[float]:
-    """Poisson arrivals at `rate` per second (the first at 0)."""
-    rng = random.Random(seed)
-    out, now = [], 0.0
-    for index in range(count):
-        if index:
-            now += rng.expovariate(rate)
-        out.append(now)
-    return out
 
 
 def linear_slope(xs: list[float], ys: list[float]) -> float | None:
@@ -600,7 +589,7 @@ class Soak:
         duration = self.args.duration_s
         count = max(1, int(duration * self.args.rate * 1.5) + 10)
         requests = mixed_requests(count, self.args.seed)
-        offsets = arrival_times(count, self.args.rate, self.args.seed)
+        offsets = arrival_offsets(count, self.args.rate, random.Random(self.args.seed))
         tasks = []
         for index, (request, offset) in enumerate(zip(requests, offsets)):
             if offset >= duration:

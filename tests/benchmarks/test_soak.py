@@ -1,10 +1,13 @@
 """The soak benchmark's pure parts (benchmarks/soak.py): the fault schedule, the mixed workload,
 the RSS slope fit, and the request accounting (what is lost, what failed and why). No process
 is started here: the soak itself is run by hand (benchmarks/README.md, "Soak")."""
+import random
+
 import pytest
 
-from benchmarks.soak import (FAULT_KINDS, account, arrival_times, classify, fault_schedule, linear_slope,
+from benchmarks.soak import (FAULT_KINDS, account, classify, fault_schedule, linear_slope,
                              migrations_in_log, mixed_requests, process_role, rss_slope_mb_per_hour)
+from deploy.bench import arrival_offsets
 
 
 def test_the_fault_schedule_is_seeded_spaced_and_cycles_through_every_kind():
@@ -33,8 +36,8 @@ def test_the_mixed_workload_is_seeded_and_mixes_every_kind():
     assert kinds == {"chat", "short", "long", "code_edit", "json_echo"}
     assert all(r["max_tokens"] >= 1 and r["messages"][-1]["role"] == "user" for r in requests)
     assert all(r["max_tokens"] == 8 for r in requests if r["kind"] == "long")
-    arrivals = arrival_times(50, 0.5, seed=0)
-    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals == arrival_times(50, 0.5, seed=0)
+    arrivals = arrival_offsets(50, 0.5, random.Random(0))
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals == arrival_offsets(50, 0.5, random.Random(0))
 
 
 def test_linear_slope():
