@@ -6,7 +6,8 @@
                            plus "warning" when the cluster lacks the resources for the new targets
     GET  /admin/status  -> the controller status (targets, workers, recent events)
 
-Omitted pool sizes keep their value. Errors use the router's OpenAI-style error body.
+Omitted pool sizes keep their value. Errors use the router's OpenAI-style error body; while the
+controller restarts, 503 with Retry-After.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from deploy.client import ControllerClient
+from deploy.client import ControllerClient, ControllerUnavailable
 from engine.config import Role
 from router.app import bearer_auth
-from router.errors import invalid_request
+from router.errors import invalid_request, unavailable
 from router.openapi import errors
 
+CONTROLLER_RETRY_AFTER_S = 5  # a restarted controller answers again in seconds (deploy/README.md)
 POOL_FIELDS: tuple[str, ...] = tuple(role.pool for role in Role)  # the pool sizes a scale request may set
 
 # The scale body in the router's /openapi.json (router/openapi.py); `parse_scale_body` checks it.
@@ -43,7 +45,7 @@ def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter
                     "application/json": {"schema": SCALE_BODY_SCHEMA}}}},
                 responses={200: {"description": "the new targets (with wait: the controller's status once settled)",
                                  "content": {"application/json": {"schema": {"type": "object"}}}},
-                           **errors(400, *auth)})
+                           **errors(400, *auth, 503)})
     async def scale(request: Request) -> JSONResponse:
         """Set the pools' sizes and drain workers."""
         body = await _json_object(request)
@@ -51,19 +53,24 @@ def admin_routes(controller: ControllerClient, api_key: str | None) -> APIRouter
         timeout_s = _timeout(body)
         try:
             result = await controller.scale(**sizes)
+            if body.get("wait", False):
+                status = await controller.wait_settled(timeout_s)
+                return JSONResponse({**status, **({"warning": result["warning"]} if "warning" in result else {})})
         except ValueError as exc:
             raise invalid_request(str(exc)) from None
-        if body.get("wait", False):
-            status = await controller.wait_settled(timeout_s)
-            return JSONResponse({**status, **({"warning": result["warning"]} if "warning" in result else {})})
+        except ControllerUnavailable as exc:
+            raise unavailable(str(exc), CONTROLLER_RETRY_AFTER_S) from None
         return JSONResponse(result)
 
     @admin.get("/status", responses={200: {"description": "the controller's status: targets, workers, recent events",
                                           "content": {"application/json": {"schema": {"type": "object"}}}},
-                                     **errors(*auth)})
+                                     **errors(*auth, 503)})
     async def status() -> JSONResponse:
         """The controller's status."""
-        return JSONResponse(await controller.status())
+        try:
+            return JSONResponse(await controller.status())
+        except ControllerUnavailable as exc:
+            raise unavailable(str(exc), CONTROLLER_RETRY_AFTER_S) from None
 
     return admin
 

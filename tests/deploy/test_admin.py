@@ -4,12 +4,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from deploy.admin import admin_routes
+from deploy.client import ControllerUnavailable
 from router.errors import install_error_handlers
 
 
 class FakeController:
     def __init__(self):
         self.calls = []
+        self.restarting = False
 
     async def scale(self, prefill=None, decode=None, colocated=None, drain=None):
         self.calls.append(("scale", prefill, decode, colocated, drain))
@@ -25,6 +27,8 @@ class FakeController:
         return {"targets": {"prefill": 1, "decode": 2, "both": 0}, "settled": True, "workers": [], "events": []}
 
     async def status(self):
+        if self.restarting:
+            raise ControllerUnavailable("the controller is not answering (restarting?): ActorUnavailableError")
         return {"targets": {"prefill": 1, "decode": 1, "both": 0}, "settled": True, "workers": [], "events": []}
 
 
@@ -96,3 +100,31 @@ def test_without_an_api_key_the_routes_are_open():
     install_error_handlers(app)
     app.include_router(admin_routes(FakeController(), api_key=None))
     assert TestClient(app).post("/admin/scale", json={"decode": 3}).json()["targets"]["decode"] == 3
+
+
+def test_a_restarting_controller_is_a_503_with_retry_after(admin):
+    client, controller = admin
+    controller.restarting = True
+    response = client.get("/admin/status", headers=AUTH)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+    assert "restarting" in response.json()["error"]["message"]
+
+
+def test_the_client_turns_an_actor_that_cannot_answer_into_controller_unavailable():
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from deploy.client import ControllerClient
+
+    class Method:
+        def remote(self, *args):
+            async def fail():
+                raise ActorDiedError()
+            return fail()
+
+    class Actor:
+        status = Method()
+
+    with pytest.raises(ControllerUnavailable, match="not answering"):
+        asyncio.run(ControllerClient(Actor()).status())
