@@ -41,7 +41,7 @@ from typing import Any, Iterator
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_metadata  # noqa: E402
+from benchmarks.common import REPO, run_metadata  # noqa: E402
 from benchmarks.serve import SLO, BenchConfig, run_benchmark  # noqa: E402
 
 # every system: a 0.5 GiB KV cache per worker (~11k tokens of SmolLM2-135M, plenty here), so four
@@ -93,46 +93,56 @@ class Plan:
 # ---- a pdserve serve process --------------------------------------------------------------------
 
 class ServeProcess:
-    """`python -m deploy serve ...` in its own process group; `url` once it prints its ready line."""
+    """`python -m deploy serve ...` in its own process group; `url` once it prints its ready line.
+    `env`: more environment variables; `cwd`: where it runs (the checkout, or a copy of it);
+    `on_line`, a subclass's hook: every line it prints (the ready line is handled here)."""
 
     READY = "pdserve ready: "
 
-    def __init__(self, args: list[str], log_path: Path, state_file: Path, worker_niceness: int | None = 0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    def __init__(self, args: list[str], log_path: Path, state_file: Path, worker_niceness: int | None = 0,
+                 env: dict[str, str] | None = None, cwd: Path = REPO, log_level: str = "warning") -> None:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if worker_niceness is not None:  # Ray starts its workers at nice 15 unless told otherwise
-            env["RAY_worker_niceness"] = str(worker_niceness)
+            full_env["RAY_worker_niceness"] = str(worker_niceness)
         self.command = [sys.executable, "-m", "deploy", "serve", "--port", "0", "--state-file", str(state_file),
-                        "--log-level", "warning", *args]
+                        "--log-level", log_level, *args]
+        self.log_path = log_path
         self._log = open(log_path, "w")
-        self.popen = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+        self.popen = subprocess.Popen(self.command, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.pid = self.popen.pid
+        self._ready: queue.Queue[str] = queue.Queue()
         self.url: str | None = None
+        threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.popen.stdout:
             self._log.write(line)
             self._log.flush()
-            self._lines.put(line)
+            if line.startswith(self.READY):
+                self._ready.put(line)
+            self.on_line(line)
+
+    def on_line(self, line: str) -> None:
+        pass
 
     def wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                line = self._lines.get(timeout=0.5)
+                line = self._ready.get(timeout=0.5)
             except queue.Empty:
                 if self.popen.poll() is not None:
                     break
                 continue
-            if line.startswith(self.READY):
-                self.url = line[len(self.READY):].split()[0].removesuffix("/v1")
-                return self.url
+            self.url = line[len(self.READY):].split()[0].removesuffix("/v1")
+            return self.url
         raise RuntimeError(f"`{' '.join(self.command)}` was not ready within {timeout_s:.0f} s "
-                           f"(exit status {self.popen.poll()}); see {self._log.name}")
+                           f"(exit status {self.popen.poll()}); see {self.log_path}")
 
-    def stop(self, timeout_s: float = 120.0) -> None:
-        """SIGINT (pdserve's clean shutdown), then SIGKILL to the process group if it lingers."""
+    def stop(self, timeout_s: float = 120.0) -> int | None:
+        """SIGINT (pdserve's clean shutdown), then SIGKILL to the process group if it lingers; its
+        exit status."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGINT)
             try:
@@ -142,6 +152,7 @@ class ServeProcess:
                     os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
         self._log.close()
+        return self.popen.returncode
 
 
 @contextlib.contextmanager

@@ -44,7 +44,6 @@ import contextlib
 import datetime
 import json
 import os
-import queue
 import random
 import re
 import shutil
@@ -52,7 +51,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -60,6 +58,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import compare  # noqa: E402
 from benchmarks.common import REPO, run_metadata  # noqa: E402
 from deploy.bench import arrival_offsets  # noqa: E402
 from deploy.bench_workloads import WorkloadConfig, build_workload  # noqa: E402
@@ -327,63 +326,23 @@ def snapshot_source(dest: Path) -> str:
     return digest.hexdigest()
 
 
-class ServeProcess:
-    """`python -m deploy.cli serve ...` in its own session, its output to a log file and kept in memory."""
-
-    READY = "pdserve ready: "
+class ServeProcess(compare.ServeProcess):
+    """`python -m deploy serve ...` (compare.py's) at log level info, run from `source` (the
+    checkout or its snapshot), its warnings, errors and migration lines kept in `lines`."""
 
     def __init__(self, args: list[str], log_path: Path, state_file: Path, source: Path = REPO) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-               "RAY_worker_niceness": "0", "PDSERVE_STATE_FILE": str(state_file)}
+        self.lines: list[str] = []  # warnings, errors and migration lines (not every INFO line)
+        env = {"OMP_NUM_THREADS": "1", "PDSERVE_STATE_FILE": str(state_file)}
         if source != REPO:  # imported from the snapshot, by this process and every one it starts
             env["PYTHONPATH"] = os.pathsep.join([str(source), *filter(None, [os.environ.get("PYTHONPATH")])])
-        self.command = [sys.executable, "-m", "deploy.cli", "serve", "--port", "0", "--state-file", str(state_file),
-                        "--log-level", "info", *args]
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.popen = subprocess.Popen(self.command, cwd=source, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.pid = self.popen.pid
-        self.lines: list[str] = []  # warnings, errors and migration lines (not every INFO line)
-        self._ready: queue.Queue[str] = queue.Queue()
-        self.url: str | None = None
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(args, log_path, state_file, env=env, cwd=source, log_level="info")
 
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self._log.write(line)
-            self._log.flush()
-            if line.startswith(self.READY):
-                self._ready.put(line)
-            if any(word in line for word in ("WARNING", "ERROR", "Traceback", "resuming", "CRITICAL")):
-                self.lines.append(line.rstrip("\n"))
-
-    def wait_ready(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self._ready.get(timeout=0.5)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-                continue
-            self.url = line[len(self.READY):].split()[0].removesuffix("/v1")
-            return self.url
-        raise RuntimeError(f"`{' '.join(self.command)}` was not ready within {timeout_s:.0f} s "
-                           f"(exit status {self.popen.poll()}); see {self.log_path}")
+    def on_line(self, line: str) -> None:
+        if any(word in line for word in ("WARNING", "ERROR", "Traceback", "resuming", "CRITICAL")):
+            self.lines.append(line.rstrip("\n"))
 
     def stop(self, timeout_s: float = 180.0) -> int | None:
-        """SIGINT (its clean shutdown), then SIGKILL to its process group if it lingers."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-        self._log.close()
-        return self.popen.returncode
+        return super().stop(timeout_s)
 
 
 # ---- link cut (tc on lo) ------------------------------------------------------------------------
