@@ -15,6 +15,7 @@ differently once other turns follow share less, never wrongly).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any, Sequence
 
 from engine.block_hash import CacheSalt
@@ -39,14 +40,6 @@ async def request_cache_salt(tokenizer: Any, request: Any, prompt_token_ids: Seq
     if lead:
         ids = await asyncio.to_thread(tokenizer.apply_chat_template, tools.render_messages(lead, request.tool_plan),
                                       False)
-        shared = _common_prefix(ids, prompt_token_ids)
+        shared = len(os.path.commonprefix([list(ids), list(prompt_token_ids)]))  # (any sequences, not just str)
     return CacheSalt(request.cache_salt, request.shared_cache_salt, shared)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count

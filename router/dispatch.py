@@ -428,10 +428,9 @@ class Generation:
                 d.decode_policy.record(self.assignment.decode,
                                        d.block_hashes(sequence, self.cache_salt, self._prompt_hashes()))
             if self.delivered:  # the prompt was filled somewhere
-                config = d.config
                 fill = classify(self._prefilled_remotely, self._kv_failure_reason, len(self.prompt_token_ids),
                                 num_cached_tokens, d.pool.block_size(), bool(self._fill_eligible),
-                                config.engagement_min_prompt_tokens)
+                                d.config.engagement_min_prompt_tokens)
                 self.timer.prompt_filled(fill, len(self.prompt_token_ids), self._kv_bytes)
         self.timer.finish(finish_reason, len(self.prompt_token_ids), num_cached_tokens)
 
